@@ -1,0 +1,292 @@
+/*
+ * libctr — a training runtime with the shape of an inference runtime.
+ *
+ * This header is the whole public interface. A host program creates a mesh (who
+ * and where it runs), loads a graph (what to train), compiles the two into a step
+ * (gradients, memory plan, optimizer state) and calls ctr_step_run in a loop.
+ *
+ * Conventions, for every declaration below:
+ * - Fallible calls return ctr_status (CTR_STATUS_OK == 0) and write results
+ *   through out-pointers. On failure the out-pointers are left untouched, nothing
+ *   needs cleaning up, and ctr_last_error() describes what was wrong and where.
+ * - Handles are opaque. Every _free accepts NULL and returns nothing.
+ * - Buffers passed in are borrowed for the duration of the call. Strings and
+ *   buffers handed out belong to the handle that produced them and stay valid
+ *   until that handle is freed or, for a ctr_step, until its next mutating call,
+ *   unless a comment says otherwise.
+ * - Threads: distinct handles are independent. A ctr_step and a ctr_options are
+ *   used by one thread at a time. ctr_graph and ctr_mesh are read-only after
+ *   creation and may be shared between threads and steps.
+ * - No call aborts the process or lets an exception escape on bad input.
+ *
+ * Options are typed key/value pairs (ctr_options_set_*); unknown keys are an error
+ * at the call that consumes them, never silently ignored. The keys each call
+ * accepts are listed at that call.
+ *
+ * Since 0.1 unless marked otherwise.
+ */
+#ifndef CTR_CTR_H
+#define CTR_CTR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(CTR_BUILDING_LIBRARY) && defined(__GNUC__)
+#define CTR_API __attribute__((visibility("default")))
+#else
+#define CTR_API
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Version                                                                   */
+
+#define CTR_VERSION_MAJOR 0
+#define CTR_VERSION_MINOR 1
+#define CTR_VERSION_PATCH 0
+
+/* The ABI version: bumped only when a shipped declaration changes meaning. It is
+ * the shared library's soversion. Bindings compare ctr_abi_version() with the
+ * value they were written for and refuse a mismatch. */
+#define CTR_ABI_VERSION 1
+
+/* "MAJOR.MINOR.PATCH" of the loaded library; a static string. */
+CTR_API const char *ctr_version(void);
+
+/* CTR_ABI_VERSION of the loaded library. */
+CTR_API int ctr_abi_version(void);
+
+/* ------------------------------------------------------------------------ */
+/* Status and errors                                                         */
+
+/* The numbers never change; new codes are appended. */
+typedef enum ctr_status {
+  CTR_STATUS_OK = 0,
+  CTR_STATUS_INVALID_ARGUMENT = 1, /* a NULL pointer, bad size, bad value */
+  CTR_STATUS_INVALID_OPTION = 2,   /* unknown option key, wrong type or value */
+  CTR_STATUS_INVALID_GRAPH = 3,    /* malformed or inconsistent graph file */
+  CTR_STATUS_IO_ERROR = 4,         /* a file could not be read or written */
+  CTR_STATUS_NOT_FOUND = 5,        /* no tensor, input or parameter of that name */
+  CTR_STATUS_OUT_OF_MEMORY = 6,
+  CTR_STATUS_UNSUPPORTED = 7,      /* valid request this build or device cannot do */
+  CTR_STATUS_INVALID_STATE = 8,    /* call out of order (e.g. run before inputs set) */
+  CTR_STATUS_DATA_ERROR = 9,       /* bad data: token id out of range, bad data file */
+  CTR_STATUS_TIMEOUT = 10,         /* a peer did not answer in time */
+  CTR_STATUS_COMM_ERROR = 11,      /* a collective or the rendezvous failed */
+  CTR_STATUS_NUMERIC_ERROR = 12,   /* non-finite loss or gradient */
+  CTR_STATUS_INTERNAL = 13         /* a bug in libctr; please report it */
+} ctr_status;
+
+/* A static, human-readable name of a status code ("invalid graph"). Never NULL. */
+CTR_API const char *ctr_status_string(ctr_status status);
+
+/* The message of the most recent failed call on this thread, naming the file,
+ * tensor, op, option or rank at fault; "" if no call has failed. Valid until the
+ * next libctr call on this thread. */
+CTR_API const char *ctr_last_error(void);
+
+/* ------------------------------------------------------------------------ */
+/* Data types                                                                */
+
+/* Same numbers as the graph file's DType. */
+typedef enum ctr_dtype {
+  CTR_DTYPE_F32 = 0,
+  CTR_DTYPE_F16 = 1,
+  CTR_DTYPE_BF16 = 2,
+  CTR_DTYPE_I32 = 3,
+  CTR_DTYPE_I64 = 4,
+  CTR_DTYPE_U16 = 5,
+  CTR_DTYPE_U32 = 6,
+  CTR_DTYPE_U8 = 7,
+  CTR_DTYPE_F64 = 8
+} ctr_dtype;
+
+/* Bytes per element of dtype; 0 for an unknown value. */
+CTR_API size_t ctr_dtype_size(ctr_dtype dtype);
+
+/* ------------------------------------------------------------------------ */
+/* Options                                                                   */
+
+typedef struct ctr_options ctr_options;
+
+/* Creates an empty option set. out: receives the handle, owned by the caller. */
+CTR_API ctr_status ctr_options_create(ctr_options **out);
+CTR_API void ctr_options_free(ctr_options *options);
+
+/* Sets key to a value, replacing any earlier value of that key. key and value
+ * are copied. Keys are checked by the call that consumes the options. */
+CTR_API ctr_status ctr_options_set_int(ctr_options *options, const char *key, int64_t value);
+CTR_API ctr_status ctr_options_set_float(ctr_options *options, const char *key, double value);
+CTR_API ctr_status ctr_options_set_string(ctr_options *options, const char *key,
+                                          const char *value);
+
+/* ------------------------------------------------------------------------ */
+/* Mesh: who and where                                                       */
+
+typedef struct ctr_mesh ctr_mesh;
+
+/* Creates a mesh. options may be NULL (one CPU rank). Keys:
+ *   "device"  string  "cpu" (default) or "cuda"
+ *   "rank"    int     this process's rank (default 0)
+ *   "world"   int     number of ranks (default 1)
+ *   "mesh"    string  axes as "dp=2,fsdp=4"; product must equal world
+ *                     (default "fsdp=<world>")
+ *   "threads" int     CPU worker threads (default: CTR_NUM_THREADS or all cores)
+ * This build runs meshes of one rank on the CPU; other requests fail with
+ * CTR_STATUS_UNSUPPORTED naming what is missing. */
+CTR_API ctr_status ctr_mesh_create(const ctr_options *options, ctr_mesh **out);
+
+/* As ctr_mesh_create, with rank and world read from the environment (CTR_RANK and
+ * CTR_WORLD_SIZE, torchrun's RANK/WORLD_SIZE, Slurm's SLURM_PROCID/SLURM_NTASKS or
+ * Open MPI's OMPI_COMM_WORLD_RANK/SIZE, first found wins); keys in options
+ * override the environment. */
+CTR_API ctr_status ctr_mesh_create_from_env(const ctr_options *options, ctr_mesh **out);
+CTR_API void ctr_mesh_free(ctr_mesh *mesh);
+
+CTR_API int ctr_mesh_rank(const ctr_mesh *mesh);
+CTR_API int ctr_mesh_world_size(const ctr_mesh *mesh);
+/* Size of the named axis ("dp", "fsdp", "ep"); 1 for an axis the mesh lacks, 0 if
+ * mesh or axis is NULL. */
+CTR_API int ctr_mesh_axis_size(const ctr_mesh *mesh, const char *axis);
+/* "cpu" or "cuda"; owned by the mesh. */
+CTR_API const char *ctr_mesh_device(const ctr_mesh *mesh);
+
+/* ------------------------------------------------------------------------ */
+/* Graph: what to train                                                      */
+
+typedef struct ctr_graph ctr_graph;
+
+/* Loads and verifies a graph file (.ctrg). A malformed file fails with
+ * CTR_STATUS_INVALID_GRAPH and a message naming the problem (identifier, version,
+ * tensor, node, op). out: receives the graph, owned by the caller. */
+CTR_API ctr_status ctr_graph_load_file(const char *path, ctr_graph **out);
+
+/* As ctr_graph_load_file from bytes in memory; data is copied. */
+CTR_API ctr_status ctr_graph_load_buffer(const void *data, size_t size, ctr_graph **out);
+
+/* Builds a model preset: preset is "gpt" or "llama". options may be NULL. Keys:
+ *   "layers", "dim", "heads", "kv_heads", "vocab", "seq" (max positions),
+ *   "ffn_dim" (0 = preset default), "tied" (int 0/1), "rope_theta" (float),
+ *   "norm_eps" (float), "init_std" (float). */
+CTR_API ctr_status ctr_graph_create_preset(const char *preset, const ctr_options *options,
+                                           ctr_graph **out);
+
+/* Writes the graph as a .ctrg file. */
+CTR_API ctr_status ctr_graph_save_file(const ctr_graph *graph, const char *path);
+CTR_API void ctr_graph_free(ctr_graph *graph);
+
+/* Host inputs ("tokens", "targets"), in file order. */
+CTR_API size_t ctr_graph_num_inputs(const ctr_graph *graph);
+/* Trained parameters, in file order. */
+CTR_API size_t ctr_graph_num_params(const ctr_graph *graph);
+
+/* Name of input / parameter i; the string is owned by the graph. */
+CTR_API ctr_status ctr_graph_input_name(const ctr_graph *graph, size_t i, const char **name);
+CTR_API ctr_status ctr_graph_param_name(const ctr_graph *graph, size_t i, const char **name);
+
+/* dtype and shape of the named tensor. dims (capacity max_dims, may be NULL when
+ * max_dims is 0) receives the sizes, -1 for a symbolic dim; *ndim the rank. Fails
+ * with CTR_STATUS_INVALID_ARGUMENT, leaving dims untouched, if max_dims is too
+ * small. */
+CTR_API ctr_status ctr_graph_tensor_info(const ctr_graph *graph, const char *name,
+                                         ctr_dtype *dtype, int64_t *dims, size_t max_dims,
+                                         size_t *ndim);
+
+/* Total number of trained parameter elements. */
+CTR_API ctr_status ctr_graph_param_count(const ctr_graph *graph, int64_t *count);
+
+/* Training FLOPs per token (forward + backward, 6 per weight multiply-add plus
+ * attention) at sequence length seq (0 = the graph's maximum). */
+CTR_API ctr_status ctr_graph_flops_per_token(const ctr_graph *graph, int64_t seq,
+                                             double *flops);
+
+/* ------------------------------------------------------------------------ */
+/* Step: the compiled, runnable training step and its state                  */
+
+typedef struct ctr_step ctr_step;
+
+/* Compiles graph for mesh: verify, shape inference, autodiff, memory plan,
+ * lowering; initialises parameters (counter-based RNG keyed by seed, tensor name
+ * and element index) and optimizer state. mesh and graph must outlive the step.
+ * options may be NULL. Keys:
+ *   "batch" int (required)   micro-batch size bound to the "batch" symbol
+ *   "seq" int                sequence length bound to "seq" (default: graph max)
+ *   "micro_batches" int      gradient accumulation steps per ctr_step_run (1)
+ *   "seed" int               parameter init seed (0)
+ *   "lr" float               peak learning rate (3e-4)
+ *   "min_lr" float           final learning rate of the decay (0)
+ *   "warmup_steps" int       linear warm-up from 0 (0)
+ *   "decay_steps" int        steps of the decay after warm-up (0 = constant)
+ *   "schedule" string        "cosine" (default), "linear" or "constant"
+ *   "beta1", "beta2", "eps", "weight_decay" float   AdamW (0.9, 0.95, 1e-8, 0.1)
+ *   "grad_clip" float        global-norm clip, 0 disables (1.0)
+ *   "check_finite" int       fail a step whose loss or gradient norm is not finite
+ *                            with CTR_STATUS_NUMERIC_ERROR, leaving the
+ *                            parameters unchanged (1)
+ */
+CTR_API ctr_status ctr_step_create(const ctr_mesh *mesh, const ctr_graph *graph,
+                                   const ctr_options *options, ctr_step **out);
+CTR_API void ctr_step_free(ctr_step *step);
+
+/* Copies host data into the named input for the next run. data holds
+ * micro_batches * (the input's element count) elements of the input's dtype
+ * (for token inputs, int32 ids in [0, vocab); a target may be -1 to be ignored).
+ * bytes must match exactly. Ids are checked here: an out-of-range id fails with
+ * CTR_STATUS_DATA_ERROR naming the input and position. */
+CTR_API ctr_status ctr_step_set_input(ctr_step *step, const char *name, const void *data,
+                                      size_t bytes);
+
+/* What one step did. Grows only at the end; set size = sizeof(ctr_step_metrics)
+ * before passing it, so an older caller's smaller struct is filled only as far as
+ * its size. */
+typedef struct ctr_step_metrics {
+  size_t size;
+  int64_t step;            /* optimizer steps taken, including this one */
+  double loss;             /* mean loss over the micro-batches */
+  double grad_norm;        /* global gradient norm before clipping */
+  double lr;               /* learning rate used by this step */
+  double step_ms;          /* wall time of the whole step */
+  double forward_ms;       /* forward kernels */
+  double backward_ms;      /* backward kernels */
+  double optimizer_ms;     /* clipping and AdamW */
+  double tokens_per_s;     /* tokens of this step / step time */
+  int64_t tokens;          /* tokens in this step */
+  int64_t peak_bytes;      /* planned activation arena + parameter state */
+} ctr_step_metrics;
+
+/* Runs forward, backward and the optimizer update on the inputs last set (all
+ * inputs must have been set once). metrics may be NULL. */
+CTR_API ctr_status ctr_step_run(ctr_step *step, ctr_step_metrics *metrics);
+
+/* Forward only, no update, on the inputs last set: mean loss over the
+ * micro-batches. */
+CTR_API ctr_status ctr_step_evaluate(ctr_step *step, double *loss);
+
+/* Copies the named parameter out to / in from host fp32 memory. count is its
+ * element count (see ctr_graph_tensor_info). */
+CTR_API ctr_status ctr_step_get_param(ctr_step *step, const char *name, float *out,
+                                      size_t count);
+CTR_API ctr_status ctr_step_set_param(ctr_step *step, const char *name, const float *data,
+                                      size_t count);
+
+/* Replaces the learning-rate schedule by a constant lr from the next run on
+ * (lr >= 0 and finite). */
+CTR_API ctr_status ctr_step_set_lr(ctr_step *step, double lr);
+
+/* Bytes of the planned memory: activation arena, parameters, gradients and
+ * optimizer state. Known after ctr_step_create, before the first run. Any
+ * pointer may be NULL. */
+CTR_API ctr_status ctr_step_memory(const ctr_step *step, int64_t *arena_bytes,
+                                   int64_t *param_bytes, int64_t *optimizer_bytes);
+
+/* Optimizer steps taken so far. */
+CTR_API int64_t ctr_step_count(const ctr_step *step);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* CTR_CTR_H */

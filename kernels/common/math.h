@@ -1,0 +1,121 @@
+// Scalar math shared by every backend: each function is the single definition of
+// an element-wise formula, compiled for host and (later) device code alike, so the
+// CPU reference and a GPU kernel cannot drift apart.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define CTR_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define CTR_HOST_DEVICE inline
+#endif
+
+namespace ctr::math {
+
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2/pi)
+constexpr float kGeluA = 0.044715f;
+
+CTR_HOST_DEVICE float gelu(float x) {
+  float u = kGeluC * (x + kGeluA * x * x * x);
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+
+CTR_HOST_DEVICE float gelu_grad(float x) {
+  float x2 = x * x;
+  float u = kGeluC * (x + kGeluA * x2 * x);
+  float t = tanhf(u);
+  float du = kGeluC * (1.0f + 3.0f * kGeluA * x2);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+}
+
+CTR_HOST_DEVICE float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+CTR_HOST_DEVICE float silu(float x) { return x * sigmoid(x); }
+
+CTR_HOST_DEVICE float silu_grad(float x) {
+  float s = sigmoid(x);
+  return s * (1.0f + x * (1.0f - s));
+}
+
+// ---------------------------------------------------------------------------
+// Forms that vectorise. A libm call (expf, tanhf) keeps a CPU loop scalar unless the
+// whole build uses -ffast-math, so the CPU kernels use these instead; each equals
+// its counterpart above in exact arithmetic and differs by a few float ulps.
+
+// A fused multiply-add where the target has one; a libm fmaf without hardware
+// support would be a slow software routine.
+CTR_HOST_DEVICE float fmadd(float a, float b, float c) {
+#if defined(__CUDA_ARCH__) || defined(__FMA__)
+  return fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+CTR_HOST_DEVICE float bits_to_float(int32_t i) {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float(i);
+#else
+  float f;
+  std::memcpy(&f, &i, sizeof f);
+  return f;
+#endif
+}
+
+// exp(x) by x = n ln2 + r, |r| <= ln2/2, and the degree-7 Taylor polynomial of e^r,
+// whose truncation error (< 1e-8 relative) is below float rounding. Results that
+// would be subnormal flush to 0, large inputs saturate at exp(88.3) instead of
+// overflowing, and NaN propagates.
+CTR_HOST_DEVICE float exp_fast(float x) {
+  const float hi = 88.3f, lo = -87.3f;
+  float xc = x > hi ? hi : x;
+  xc = xc < lo ? lo : xc;
+  // Adding 1.5 * 2^23 rounds to the nearest integer in the current (nearest) mode.
+  const float shifter = 12582912.0f;
+  float n = fmadd(xc, 1.44269504088896341f, shifter) - shifter;
+  // ln2 split in two so that r keeps its low bits (Cody and Waite): the high part
+  // has enough trailing zero bits that n * hi is exact for every |n| <= 127.
+  float r = fmadd(-n, 0.693145751953125f, xc);
+  r = fmadd(-n, 1.42860682030941723e-6f, r);
+  float p = 1.0f / 5040.0f;
+  p = fmadd(p, r, 1.0f / 720.0f);
+  p = fmadd(p, r, 1.0f / 120.0f);
+  p = fmadd(p, r, 1.0f / 24.0f);
+  p = fmadd(p, r, 1.0f / 6.0f);
+  p = fmadd(p, r, 0.5f);
+  p = fmadd(p, r, 1.0f);
+  p = fmadd(p, r, 1.0f);
+  float s = bits_to_float((static_cast<int32_t>(n) + 127) << 23);
+  float y = p * s;
+  return x < lo ? 0.0f : y;
+}
+
+CTR_HOST_DEVICE float sigmoid_fast(float x) { return 1.0f / (1.0f + exp_fast(-x)); }
+
+// 0.5 (1 + tanh(u)) = sigmoid(2u), so gelu(x) = x * sigmoid(2u): no cancellation
+// for large negative x, and the derivative follows from s = sigmoid(2u) alone:
+// 1 + t = 2s and 1 - t^2 = 4 s (1 - s).
+CTR_HOST_DEVICE float gelu_fast(float x) {
+  float u = kGeluC * fmadd(kGeluA * x, x * x, x);
+  return x * sigmoid_fast(2.0f * u);
+}
+
+CTR_HOST_DEVICE float gelu_grad_fast(float x) {
+  float x2 = x * x;
+  float u = kGeluC * fmadd(kGeluA * x, x2, x);
+  float s = sigmoid_fast(2.0f * u);
+  float du = kGeluC * fmadd(3.0f * kGeluA, x2, 1.0f);
+  return s + 2.0f * x * s * (1.0f - s) * du;
+}
+
+CTR_HOST_DEVICE float silu_fast(float x) { return x * sigmoid_fast(x); }
+
+CTR_HOST_DEVICE float silu_grad_fast(float x) {
+  float s = sigmoid_fast(x);
+  return s * (1.0f + x * (1.0f - s));
+}
+
+}  // namespace ctr::math

@@ -1,0 +1,400 @@
+// Element-wise, broadcast, embedding, softmax and layout kernels.
+//
+// These are memory-bound loops written so that GCC vectorises them at -O3: inner
+// loops are unit-stride over float arrays, transcendental functions come from the
+// polynomial forms in common/math.h (a libm call would keep the loop scalar), and
+// reductions keep sixteen independent partial sums, which vectorise without the
+// reassociation that strict IEEE mode forbids.
+//
+// Reductions over rows (bias gradients, scatter-adds) are split over columns, not
+// rows: every output element then has one owner, no thread needs a private copy,
+// and the result is the same whatever the thread count.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "common/math.h"
+#include "core/thread_pool.h"
+#include "cpu/kernels.h"
+
+namespace ctr::cpu {
+namespace {
+
+// Elements per chunk below which a loop stays on the calling thread. A light loop
+// (add, copy) moves about 1 GB/s per 1 ns/element; 32K elements take a few
+// microseconds, comparable to waking the pool. Loops with an exp per element pay
+// for the pool sooner.
+constexpr int64_t kGrain = 1 << 15;
+constexpr int64_t kGrainExp = 1 << 12;
+
+// Columns per accumulator tile in column-split reductions (stays in registers / L1).
+constexpr int64_t kCols = 256;
+
+typedef float v16 __attribute__((vector_size(64)));
+
+// GCC vectorises a float max reduction only under -ffinite-math-only, so the
+// lanes are spelled out with the vector extension (GCC and Clang).
+float row_max(const float *x, int64_t n) {
+  v16 acc;
+  for (int k = 0; k < 16; ++k) acc[k] = x[0];
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16 v;
+    std::memcpy(&v, x + i, sizeof v);
+    acc = v > acc ? v : acc;
+  }
+  float m = acc[0];
+  for (int k = 1; k < 16; ++k) m = acc[k] > m ? acc[k] : m;
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+float row_sum(const float *x, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) acc[k] += x[i + k];
+  float s = 0.0f;
+  for (; i < n; ++i) s += x[i];
+  for (int k = 0; k < 16; ++k) s += acc[k];
+  return s;
+}
+
+float row_dot(const float *x, const float *y, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) acc[k] += x[i + k] * y[i + k];
+  float s = 0.0f;
+  for (; i < n; ++i) s += x[i] * y[i];
+  for (int k = 0; k < 16; ++k) s += acc[k];
+  return s;
+}
+
+// Splits [0, n) over the pool; fn(begin, end) sees one contiguous range.
+template <class Fn>
+void for_range(int64_t n, int64_t grain, const Fn &fn) {
+  ctr::parallel_for(n, grain, [&fn](int64_t b, int64_t e) { fn(b, e); });
+}
+
+// Visits the flat range [begin, end) of an n-element tensor whose broadcast
+// operand has nb elements, in pieces that do not wrap around nb:
+// fn(i, len, j) covers elements i .. i+len, paired with operand entries j .. j+len.
+template <class Fn>
+void broadcast_pieces(int64_t begin, int64_t end, int64_t nb, const Fn &fn) {
+  int64_t i = begin;
+  while (i < end) {
+    const int64_t j = i % nb;
+    const int64_t len = std::min(end - i, nb - j);
+    fn(i, len, j);
+    i += len;
+  }
+}
+
+// out[j] (+)= sum over rows r of f(r, j) for an [n / nb, nb] layout, split over
+// column tiles. f is called as f(row_offset, j0, w, acc) and adds its row's
+// contribution for columns j0 .. j0+w into acc[0 .. w).
+template <class RowFn>
+void reduce_columns(int64_t n, int64_t nb, float *out, bool accumulate, const RowFn &row) {
+  const int64_t rows = n / nb;
+  const int64_t grain = std::max<int64_t>(16, kGrain / std::max<int64_t>(rows, 1));
+  for_range(nb, grain, [&](int64_t c0, int64_t c1) {
+    for (int64_t j0 = c0; j0 < c1; j0 += kCols) {
+      const int64_t w = std::min(kCols, c1 - j0);
+      float acc[kCols] = {};
+      for (int64_t r = 0; r < rows; ++r) row(r * nb, j0, w, acc);
+      float *o = out + j0;
+      if (accumulate)
+        for (int64_t j = 0; j < w; ++j) o[j] += acc[j];
+      else
+        for (int64_t j = 0; j < w; ++j) o[j] = acc[j];
+    }
+  });
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Embedding
+
+void embedding_fwd(const int32_t *ids, const float *table, float *out, int64_t n, int64_t V,
+                   int64_t C) {
+  (void)V;
+  for_range(n, std::max<int64_t>(1, kGrain / std::max<int64_t>(C, 1)), [=](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      std::memcpy(out + i * C, table + static_cast<int64_t>(ids[i]) * C, C * sizeof(float));
+  });
+}
+
+void embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t n, int64_t V,
+                   int64_t C, bool accumulate) {
+  if (!accumulate) fill(dtable, 0.0f, V * C);
+  // Split over columns: two rows with the same id then never race, and the
+  // additions into each row happen in token order, as in a serial loop.
+  const int64_t grain = std::max<int64_t>(16, kGrain / std::max<int64_t>(n, 1));
+  for_range(C, grain, [=](int64_t c0, int64_t c1) {
+    const int64_t w = c1 - c0;
+    for (int64_t i = 0; i < n; ++i) {
+      float *dst = dtable + static_cast<int64_t>(ids[i]) * C + c0;
+      const float *src = dout + i * C + c0;
+      for (int64_t j = 0; j < w; ++j) dst[j] += src[j];
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Broadcast arithmetic
+
+void add_fwd(const float *a, const float *b, float *out, int64_t n, int64_t nb) {
+  if (nb == 1) {
+    const float s = b[0];
+    for_range(n, kGrain, [=](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) out[i] = a[i] + s;
+    });
+    return;
+  }
+  for_range(n, kGrain, [=](int64_t i0, int64_t i1) {
+    broadcast_pieces(i0, i1, nb, [=](int64_t i, int64_t len, int64_t j) {
+      const float *x = a + i;
+      const float *y = b + j;
+      float *o = out + i;
+      for (int64_t k = 0; k < len; ++k) o[k] = x[k] + y[k];
+    });
+  });
+}
+
+void reduce_rows(const float *dout, float *db, int64_t n, int64_t nb, bool accumulate) {
+  if (nb == 1) {
+    const float s = row_sum(dout, n);
+    db[0] = accumulate ? db[0] + s : s;
+    return;
+  }
+  reduce_columns(n, nb, db, accumulate, [=](int64_t off, int64_t j0, int64_t w, float *acc) {
+    const float *x = dout + off + j0;
+    for (int64_t j = 0; j < w; ++j) acc[j] += x[j];
+  });
+}
+
+void mul_fwd(const float *a, const float *b, float *out, int64_t n, int64_t nb) {
+  if (nb == 1) {
+    scale(a, out, n, b[0]);
+    return;
+  }
+  for_range(n, kGrain, [=](int64_t i0, int64_t i1) {
+    broadcast_pieces(i0, i1, nb, [=](int64_t i, int64_t len, int64_t j) {
+      const float *x = a + i;
+      const float *y = b + j;
+      float *o = out + i;
+      for (int64_t k = 0; k < len; ++k) o[k] = x[k] * y[k];
+    });
+  });
+}
+
+void mul_bwd(const float *dout, const float *a, const float *b, float *da, float *db, int64_t n,
+             int64_t nb, bool accumulate_db) {
+  if (da) mul_fwd(dout, b, da, n, nb);
+  if (!db) return;
+  if (nb == 1) {
+    const float s = row_dot(dout, a, n);
+    db[0] = accumulate_db ? db[0] + s : s;
+    return;
+  }
+  reduce_columns(n, nb, db, accumulate_db, [=](int64_t off, int64_t j0, int64_t w, float *acc) {
+    const float *g = dout + off + j0;
+    const float *x = a + off + j0;
+    for (int64_t j = 0; j < w; ++j) acc[j] += g[j] * x[j];
+  });
+}
+
+void add_same(const float *a, const float *b, float *out, int64_t n) {
+  for_range(n, kGrain, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) out[i] = a[i] + b[i];
+  });
+}
+
+void scale(const float *x, float *y, int64_t n, float alpha) {
+  for_range(n, kGrain, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) y[i] = alpha * x[i];
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Activations
+
+void gelu_fwd(const float *x, float *y, int64_t n) {
+  for_range(n, kGrainExp, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) y[i] = math::gelu_fast(x[i]);
+  });
+}
+
+void gelu_bwd(const float *dy, const float *x, float *dx, int64_t n) {
+  for_range(n, kGrainExp, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dx[i] = dy[i] * math::gelu_grad_fast(x[i]);
+  });
+}
+
+void silu_fwd(const float *x, float *y, int64_t n) {
+  for_range(n, kGrainExp, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) y[i] = math::silu_fast(x[i]);
+  });
+}
+
+void silu_bwd(const float *dy, const float *x, float *dx, int64_t n) {
+  for_range(n, kGrainExp, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dx[i] = dy[i] * math::silu_grad_fast(x[i]);
+  });
+}
+
+void swiglu_fwd(const float *gate, const float *up, float *y, int64_t n) {
+  for_range(n, kGrainExp, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) y[i] = math::silu_fast(gate[i]) * up[i];
+  });
+}
+
+void swiglu_bwd(const float *dy, const float *gate, const float *up, float *dgate, float *dup,
+                int64_t n) {
+  for_range(n, kGrainExp, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float g = gate[i];
+      const float s = math::sigmoid_fast(g);
+      const float d = dy[i];
+      dup[i] = d * g * s;
+      dgate[i] = d * up[i] * (s * (1.0f + g * (1.0f - s)));
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Softmax
+
+void softmax_fwd(const float *x, float *y, int64_t R, int64_t C) {
+  for_range(R, std::max<int64_t>(1, kGrainExp / std::max<int64_t>(C, 1)),
+            [=](int64_t r0, int64_t r1) {
+              for (int64_t r = r0; r < r1; ++r) {
+                const float *xr = x + r * C;
+                float *yr = y + r * C;
+                const float m = row_max(xr, C);
+                for (int64_t j = 0; j < C; ++j) yr[j] = math::exp_fast(xr[j] - m);
+                const float inv = 1.0f / row_sum(yr, C);
+                for (int64_t j = 0; j < C; ++j) yr[j] *= inv;
+              }
+            });
+}
+
+void softmax_bwd(const float *dy, const float *y, float *dx, int64_t R, int64_t C) {
+  for_range(R, std::max<int64_t>(1, kGrain / std::max<int64_t>(C, 1)),
+            [=](int64_t r0, int64_t r1) {
+              for (int64_t r = r0; r < r1; ++r) {
+                const float *g = dy + r * C;
+                const float *p = y + r * C;
+                float *o = dx + r * C;
+                const float dot = row_dot(g, p, C);
+                for (int64_t j = 0; j < C; ++j) o[j] = p[j] * (g[j] - dot);
+              }
+            });
+}
+
+// ---------------------------------------------------------------------------
+// Layout
+
+void transpose(const float *x, float *y, const int64_t *dims, const int *perm, int ndim) {
+  if (ndim == 0) {
+    y[0] = x[0];
+    return;
+  }
+  // ystep[i]: how far x moves when y's index along axis i grows by one.
+  int64_t xstride[6], ydims[6], ystep[6], ystride[6];
+  int64_t total = 1;
+  for (int i = ndim - 1; i >= 0; --i) {
+    xstride[i] = total;
+    total *= dims[i];
+  }
+  if (total == 0) return;
+  for (int i = 0; i < ndim; ++i) {
+    ydims[i] = dims[perm[i]];
+    ystep[i] = xstride[perm[i]];
+  }
+  for (int64_t i = ndim - 1, s = 1; i >= 0; --i) {
+    ystride[i] = s;
+    s *= ydims[i];
+  }
+  const int last = ndim - 1;
+  // x's innermost axis, as an axis of y (size-1 axes do not count: their stride
+  // never matters).
+  int a = -1;
+  for (int i = 0; i < ndim; ++i)
+    if (ystep[i] == 1 && ydims[i] > 1) a = i;
+
+  // Offsets in x and y of the start of y's outer index o, where the outer index
+  // runs over every y axis except `last` and `skip`.
+  auto offsets = [&](int64_t o, int skip, int64_t &xoff, int64_t &yoff) {
+    xoff = yoff = 0;
+    for (int i = last - 1; i >= 0; --i) {
+      if (i == skip) continue;
+      const int64_t idx = o % ydims[i];
+      o /= ydims[i];
+      xoff += idx * ystep[i];
+      yoff += idx * ystride[i];
+    }
+  };
+  const int64_t nl = ydims[last], xl = ystep[last];
+
+  if (a < 0 || a == last) {
+    // y's rows are runs of x, contiguous (a copy) or strided (a gather).
+    const int64_t nrows = total / nl;
+    for_range(nrows, std::max<int64_t>(1, kGrain / nl), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        int64_t xoff, yoff;
+        offsets(r, -1, xoff, yoff);
+        if (xl == 1) {
+          std::memcpy(y + yoff, x + xoff, nl * sizeof(float));
+        } else {
+          for (int64_t l = 0; l < nl; ++l) y[yoff + l] = x[xoff + l * xl];
+        }
+      }
+    });
+    return;
+  }
+
+  // x's rows run along axis a of y. Walk y in square tiles over (a, last) so that
+  // both the reads (along x's rows) and the writes (along y's rows) stay in cache.
+  constexpr int64_t kT = 32;
+  const int64_t na = ydims[a], sa = ystride[a];
+  const int64_t outer = total / (na * nl);
+  for_range(outer, std::max<int64_t>(1, kGrain / (na * nl)), [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o) {
+      int64_t xoff, yoff;
+      offsets(o, a, xoff, yoff);
+      for (int64_t i0 = 0; i0 < na; i0 += kT)
+        for (int64_t l0 = 0; l0 < nl; l0 += kT) {
+          const int64_t i1 = std::min(na, i0 + kT), l1 = std::min(nl, l0 + kT);
+          for (int64_t i = i0; i < i1; ++i) {
+            const float *src = x + xoff + i;
+            float *dst = y + yoff + i * sa;
+            for (int64_t l = l0; l < l1; ++l) dst[l] = src[l * xl];
+          }
+        }
+    }
+  });
+}
+
+void copy(const void *x, void *y, int64_t bytes) {
+  // Two threads move more bytes per second than one on most machines, but only
+  // once a copy is large enough to amortise waking them.
+  constexpr int64_t kChunk = 1 << 20;
+  const char *src = static_cast<const char *>(x);
+  char *dst = static_cast<char *>(y);
+  for_range((bytes + kChunk - 1) / kChunk, 1, [=](int64_t c0, int64_t c1) {
+    const int64_t b = c0 * kChunk, e = std::min(bytes, c1 * kChunk);
+    std::memcpy(dst + b, src + b, e - b);
+  });
+}
+
+void fill(float *y, float value, int64_t n) {
+  for_range(n, kGrain * 4, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) y[i] = value;
+  });
+}
+
+}  // namespace ctr::cpu

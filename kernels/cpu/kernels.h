@@ -1,0 +1,161 @@
+// The CPU backend's kernels: forward and backward of every op in the graph op set.
+//
+// Every kernel works on fp32 row-major contiguous buffers (token ids are int32),
+// takes plain pointers and sizes, and never allocates on the heap in its hot loop.
+// Loops are split over the process thread pool (core/thread_pool.h); GEMMs go to
+// OpenBLAS. Kernels trust their arguments: the graph verifier and the step check
+// shapes, ranges and token ids before anything runs, so no kernel validates input.
+//
+// Backward kernels that produce a parameter gradient take `accumulate`: false
+// overwrites the output, true adds to it (gradient accumulation, shared weights).
+// Backward kernels producing activation gradients always overwrite.
+#pragma once
+
+#include <cstdint>
+
+namespace ctr::cpu {
+
+// ---------------------------------------------------------------------------
+// GEMM
+
+// C[M,N] = alpha * op(A) * op(B) + beta * C, row-major, op = transpose if set.
+// lda/ldb/ldc are row strides in elements.
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+          const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
+          int64_t ldc);
+
+// linear: y[M,N] = x[M,K] * w[N,K]^T (+ b[N] when b is not null).
+void linear_fwd(const float *x, const float *w, const float *b, float *y, int64_t M, int64_t K,
+                int64_t N);
+// dx[M,K] = dy[M,N] * w[N,K]
+void linear_bwd_x(const float *dy, const float *w, float *dx, int64_t M, int64_t K, int64_t N);
+// dw[N,K] (+)= dy[M,N]^T * x[M,K]
+void linear_bwd_w(const float *dy, const float *x, float *dw, int64_t M, int64_t K, int64_t N,
+                  bool accumulate);
+// db[N] (+)= sum over rows of dy[M,N]
+void linear_bwd_b(const float *dy, float *db, int64_t M, int64_t N, bool accumulate);
+
+// matmul: c[batch,M,N] = a[batch,M,K] * b[batch,K,N]; when b_batch == 1, b is
+// shared by every batch entry.
+void matmul_fwd(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K,
+                int64_t N, bool b_shared);
+// da = dc * b^T ; db (+)= a^T * dc (summed over batch when b is shared).
+void matmul_bwd(const float *dc, const float *a, const float *b, float *da, float *db,
+                int64_t batch, int64_t M, int64_t K, int64_t N, bool b_shared);
+
+// ---------------------------------------------------------------------------
+// Embedding. ids are in [0, V).
+
+// out[n,C] = table[ids[n], :]
+void embedding_fwd(const int32_t *ids, const float *table, float *out, int64_t n, int64_t V,
+                   int64_t C);
+// dtable[V,C] (+)= scatter-add of dout[n,C] rows into rows ids[n].
+void embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t n, int64_t V,
+                   int64_t C, bool accumulate);
+
+// ---------------------------------------------------------------------------
+// Element-wise with trailing broadcast: b has nb elements, nb divides n, and
+// b[i % nb] pairs with a[i] (bias, positional table, per-channel scale).
+
+void add_fwd(const float *a, const float *b, float *out, int64_t n, int64_t nb);
+// db[nb] (+)= sum of dout over the broadcast rows. (da = dout is an alias, no kernel.)
+void reduce_rows(const float *dout, float *db, int64_t n, int64_t nb, bool accumulate);
+void mul_fwd(const float *a, const float *b, float *out, int64_t n, int64_t nb);
+// da[n] = dout * b ; db[nb] (+)= sum over rows of dout * a. Either output may be null.
+void mul_bwd(const float *dout, const float *a, const float *b, float *da, float *db, int64_t n,
+             int64_t nb, bool accumulate_db);
+// out[n] = a[n] + b[n] (same size; gradient accumulation of activations).
+void add_same(const float *a, const float *b, float *out, int64_t n);
+// y[n] = alpha * x[n]
+void scale(const float *x, float *y, int64_t n, float alpha);
+
+// ---------------------------------------------------------------------------
+// Normalisation over the last dim C of R rows.
+
+// y = (x - mean) * rstd * w + b ; saves mean[R] and rstd[R] for backward.
+void layernorm_fwd(const float *x, const float *w, const float *b, float *y, float *mean,
+                   float *rstd, int64_t R, int64_t C, float eps);
+// dx overwritten; dw, db (+)= ; db may be null when the op had no bias.
+void layernorm_bwd(const float *dy, const float *x, const float *w, const float *mean,
+                   const float *rstd, float *dx, float *dw, float *db, int64_t R, int64_t C,
+                   bool accumulate);
+// y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps); saves rstd[R].
+void rmsnorm_fwd(const float *x, const float *w, float *y, float *rstd, int64_t R, int64_t C,
+                 float eps);
+void rmsnorm_bwd(const float *dy, const float *x, const float *w, const float *rstd, float *dx,
+                 float *dw, int64_t R, int64_t C, bool accumulate);
+
+// ---------------------------------------------------------------------------
+// Activations (n elements).
+
+// GELU, tanh approximation (as GPT-2 and torch's approximate="tanh").
+void gelu_fwd(const float *x, float *y, int64_t n);
+void gelu_bwd(const float *dy, const float *x, float *dx, int64_t n);
+// SiLU: x * sigmoid(x)
+void silu_fwd(const float *x, float *y, int64_t n);
+void silu_bwd(const float *dy, const float *x, float *dx, int64_t n);
+// SwiGLU: y = silu(gate) * up
+void swiglu_fwd(const float *gate, const float *up, float *y, int64_t n);
+void swiglu_bwd(const float *dy, const float *gate, const float *up, float *dgate, float *dup,
+                int64_t n);
+
+// ---------------------------------------------------------------------------
+// Rotary position embedding on x[B,T,H*D] (H heads of size D, D even), the
+// "rotate half" form used by Llama/NeoX: for i < D/2 the pair (x[i], x[i+D/2]) at
+// position t is rotated by angle t * theta^(-2i/D). Backward is the inverse rotation.
+void rope_fwd(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
+void rope_bwd(const float *dy, float *dx, int64_t B, int64_t T, int64_t H, int64_t D,
+              float theta);
+
+// ---------------------------------------------------------------------------
+// Multi-head attention with grouped-query heads.
+// q[B,T,Hq*D], k and v [B,T,Hkv*D], Hq % Hkv == 0; query head h reads kv head
+// h / (Hq/Hkv). out[B,T,Hq*D]. probs[B,Hq,T,T] keeps the softmax for backward
+// (row t is zero past column t when causal). scale is usually 1/sqrt(D).
+void attention_fwd(const float *q, const float *k, const float *v, float *out, float *probs,
+                   int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                   bool causal);
+// dq, dk, dv overwritten.
+void attention_bwd(const float *dout, const float *q, const float *k, const float *v,
+                   const float *probs, float *dq, float *dk, float *dv, int64_t B, int64_t T,
+                   int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal);
+
+// ---------------------------------------------------------------------------
+// Softmax over the last dim C of R rows.
+void softmax_fwd(const float *x, float *y, int64_t R, int64_t C);
+void softmax_bwd(const float *dy, const float *y, float *dx, int64_t R, int64_t C);
+
+// ---------------------------------------------------------------------------
+// Fused cross-entropy over logits[R,V] with targets[R]; a target < 0 is ignored.
+// loss[0] = mean over counted rows of (logsumexp(row) - row[target]); 0 when no
+// row counts. lse[R] is saved for backward; *count receives the counted rows.
+void cross_entropy_fwd(const float *logits, const int32_t *targets, float *loss, float *lse,
+                       int64_t *count, int64_t R, int64_t V);
+// dlogits[R,V] = dloss * (softmax(row) - onehot(target)) / count ; zero rows for ignored.
+void cross_entropy_bwd(const float *logits, const int32_t *targets, const float *lse,
+                       float dloss, int64_t count, float *dlogits, int64_t R, int64_t V);
+
+// ---------------------------------------------------------------------------
+// Layout.
+
+// y = x permuted: x has shape dims[0..ndim), y has shape dims[perm[i]]; ndim <= 6.
+void transpose(const float *x, float *y, const int64_t *dims, const int *perm, int ndim);
+void copy(const void *x, void *y, int64_t bytes);
+void fill(float *y, float value, int64_t n);
+
+// ---------------------------------------------------------------------------
+// Optimizer and reductions.
+
+// sum of squares, accumulated in double.
+double sum_squares(const float *x, int64_t n);
+
+// One AdamW step on n elements with decoupled weight decay:
+//   g = grad * grad_scale
+//   m = beta1 m + (1-beta1) g ; v = beta2 v + (1-beta2) g^2
+//   p -= lr * ( (m / (1-beta1^t)) / (sqrt(v / (1-beta2^t)) + eps) + weight_decay * p )
+// t >= 1 is the step count for bias correction (as torch.optim.AdamW).
+void adamw_update(float *param, const float *grad, float *m, float *v, int64_t n, float lr,
+                  float beta1, float beta2, float eps, float weight_decay, int64_t t,
+                  float grad_scale);
+
+}  // namespace ctr::cpu

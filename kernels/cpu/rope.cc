@@ -1,0 +1,77 @@
+// Rotary position embedding, "rotate half" form, forward and backward.
+//
+// The angles depend only on (t, i), so the loop is split over positions t and each
+// chunk builds the cos/sin of one position once, then applies them to every batch
+// entry and head (x may alias y: each pair is read before it is written).
+// Angles are computed in double: t * theta^(-2i/D) reaches thousands of radians for
+// long sequences, where a float angle would lose most of its fractional part
+// before the sine is taken.
+//
+// Backward is the same rotation by the opposite angle, so both directions share
+// one routine with the sign of the sine flipped.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "cpu/kernels.h"
+
+namespace ctr::cpu {
+namespace {
+
+// Per-thread buffer that grows once and is then reused across calls.
+template <class T>
+T *scratch(int64_t n) {
+  thread_local std::vector<T> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+            float sign) {
+  const int64_t half = D / 2;
+  const int64_t row = H * D;
+  double *freq = scratch<double>(half);
+  for (int64_t i = 0; i < half; ++i)
+    freq[i] = std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / D);
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(B * row, 1));
+  ctr::parallel_for(T, grain, [=](int64_t t0, int64_t t1) {
+    float *cs = scratch<float>(2 * half), *sn = cs + half;
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i = 0; i < half; ++i) {
+        const double ang = static_cast<double>(t) * freq[i];
+        cs[i] = static_cast<float>(std::cos(ang));
+        sn[i] = sign * static_cast<float>(std::sin(ang));
+      }
+      for (int64_t b = 0; b < B; ++b) {
+        const float *xr = x + (b * T + t) * row;
+        float *yr = y + (b * T + t) * row;
+        for (int64_t h = 0; h < H; ++h) {
+          const float *x1 = xr + h * D, *x2 = x1 + half;
+          float *y1 = yr + h * D, *y2 = y1 + half;
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = x1[i], c = x2[i];
+            y1[i] = a * cs[i] - c * sn[i];
+            y2[i] = a * sn[i] + c * cs[i];
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void rope_fwd(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D,
+              float theta) {
+  rotate(x, y, B, T, H, D, theta, 1.0f);
+}
+
+void rope_bwd(const float *dy, float *dx, int64_t B, int64_t T, int64_t H, int64_t D,
+              float theta) {
+  rotate(dy, dx, B, T, H, D, theta, -1.0f);
+}
+
+}  // namespace ctr::cpu

@@ -1,0 +1,515 @@
+// The public C ABI (include/ctr/ctr.h).
+//
+// Entry points stay thin: check arguments, hand the request to the subsystem, and
+// translate any failure into a status plus the thread's last-error message. Out
+// parameters are written only after everything that can fail has succeeded.
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "api/handles.h"
+#include "api/internal.h"
+#include "core/options.h"
+#include "core/status.h"
+#include "core/thread_pool.h"
+#include "graph/ops.h"
+#include "graph/presets.h"
+#include "passes/passes.h"
+#include "runtime/step.h"
+
+namespace ctr {
+const std::string &last_error();
+}
+
+using ctr::fail;
+using ctr::strformat;
+
+#define REQUIRE_ARG(cond, ...) CTR_REQUIRE(cond, CTR_STATUS_INVALID_ARGUMENT, __VA_ARGS__)
+
+// ---------------------------------------------------------------------------
+// Version, status, dtypes
+
+extern "C" const char *ctr_version(void) {
+#define CTR_STR2(x) #x
+#define CTR_STR(x) CTR_STR2(x)
+  return CTR_STR(CTR_VERSION_MAJOR) "." CTR_STR(CTR_VERSION_MINOR) "." CTR_STR(CTR_VERSION_PATCH);
+}
+
+extern "C" int ctr_abi_version(void) { return CTR_ABI_VERSION; }
+
+extern "C" const char *ctr_status_string(ctr_status status) {
+  switch (status) {
+    case CTR_STATUS_OK: return "ok";
+    case CTR_STATUS_INVALID_ARGUMENT: return "invalid argument";
+    case CTR_STATUS_INVALID_OPTION: return "invalid option";
+    case CTR_STATUS_INVALID_GRAPH: return "invalid graph";
+    case CTR_STATUS_IO_ERROR: return "i/o error";
+    case CTR_STATUS_NOT_FOUND: return "not found";
+    case CTR_STATUS_OUT_OF_MEMORY: return "out of memory";
+    case CTR_STATUS_UNSUPPORTED: return "unsupported";
+    case CTR_STATUS_INVALID_STATE: return "invalid state";
+    case CTR_STATUS_DATA_ERROR: return "data error";
+    case CTR_STATUS_TIMEOUT: return "timeout";
+    case CTR_STATUS_COMM_ERROR: return "communication error";
+    case CTR_STATUS_NUMERIC_ERROR: return "numeric error";
+    case CTR_STATUS_INTERNAL: return "internal error";
+  }
+  return "unknown status";
+}
+
+extern "C" const char *ctr_last_error(void) { return ctr::last_error().c_str(); }
+
+extern "C" size_t ctr_dtype_size(ctr_dtype dtype) { return ctr::dtype_size(dtype); }
+
+// ---------------------------------------------------------------------------
+// Options
+
+extern "C" ctr_status ctr_options_create(ctr_options **out) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(out != nullptr, "ctr_options_create: out is NULL");
+  *out = new ctr_options();
+  CTR_API_END
+}
+
+extern "C" void ctr_options_free(ctr_options *options) { delete options; }
+
+namespace {
+void check_key(ctr_options *o, const char *key, const char *fn) {
+  REQUIRE_ARG(o != nullptr, "%s: options is NULL", fn);
+  REQUIRE_ARG(key != nullptr && key[0] != '\0', "%s: key is NULL or empty", fn);
+}
+}  // namespace
+
+extern "C" ctr_status ctr_options_set_int(ctr_options *o, const char *key, int64_t value) {
+  CTR_API_BEGIN
+  check_key(o, key, "ctr_options_set_int");
+  ctr_options::Value v;
+  v.kind = ctr_options::Value::Int;
+  v.i = value;
+  o->values[key] = v;
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_options_set_float(ctr_options *o, const char *key, double value) {
+  CTR_API_BEGIN
+  check_key(o, key, "ctr_options_set_float");
+  ctr_options::Value v;
+  v.kind = ctr_options::Value::Float;
+  v.f = value;
+  o->values[key] = v;
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_options_set_string(ctr_options *o, const char *key, const char *value) {
+  CTR_API_BEGIN
+  check_key(o, key, "ctr_options_set_string");
+  REQUIRE_ARG(value != nullptr, "ctr_options_set_string: value of '%s' is NULL", key);
+  ctr_options::Value v;
+  v.kind = ctr_options::Value::String;
+  v.s = value;
+  o->values[key] = v;
+  CTR_API_END
+}
+
+// ---------------------------------------------------------------------------
+// Mesh
+
+namespace {
+
+std::vector<std::pair<std::string, int>> parse_axes(const std::string &spec, int world) {
+  std::vector<std::pair<std::string, int>> axes;
+  if (spec.empty()) return {{"fsdp", world}};
+  size_t pos = 0;
+  int64_t product = 1;
+  while (pos <= spec.size()) {
+    size_t comma = spec.find(',', pos);
+    std::string part = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    size_t eq = part.find('=');
+    if (eq == std::string::npos || eq == 0)
+      fail(CTR_STATUS_INVALID_OPTION,
+           strformat("mesh option 'mesh': '%s' is not of the form axis=size", part.c_str()));
+    std::string name = part.substr(0, eq);
+    if (name != "dp" && name != "fsdp" && name != "ep")
+      fail(CTR_STATUS_INVALID_OPTION,
+           strformat("mesh option 'mesh': unknown axis '%s' (known: dp, fsdp, ep)", name.c_str()));
+    for (auto &a : axes)
+      if (a.first == name)
+        fail(CTR_STATUS_INVALID_OPTION, strformat("mesh option 'mesh': axis '%s' given twice", name.c_str()));
+    char *end = nullptr;
+    long size = std::strtol(part.c_str() + eq + 1, &end, 10);
+    if (*end != '\0' || size < 1 || size > (1 << 20))
+      fail(CTR_STATUS_INVALID_OPTION,
+           strformat("mesh option 'mesh': axis '%s' has invalid size '%s'", name.c_str(),
+                     part.c_str() + eq + 1));
+    axes.emplace_back(name, static_cast<int>(size));
+    product *= size;
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  if (product != world)
+    fail(CTR_STATUS_INVALID_OPTION,
+         strformat("mesh option 'mesh': axes '%s' multiply to %lld, but the world has %d ranks",
+                   spec.c_str(), static_cast<long long>(product), world));
+  return axes;
+}
+
+int env_int(const char *name, int def) {
+  const char *s = std::getenv(name);
+  if (!s || !*s) return def;
+  char *end = nullptr;
+  long v = std::strtol(s, &end, 10);
+  if (*end != '\0' || v < 0 || v > (1 << 24))
+    fail(CTR_STATUS_INVALID_OPTION, strformat("environment variable %s='%s' is not a valid count", name, s));
+  return static_cast<int>(v);
+}
+
+ctr_status mesh_create(const ctr_options *options, ctr_mesh **out, bool from_env) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(out != nullptr, "ctr_mesh_create: out is NULL");
+  int env_rank = 0, env_world = 1;
+  if (from_env) {
+    const char *pairs[][2] = {{"CTR_RANK", "CTR_WORLD_SIZE"},
+                              {"RANK", "WORLD_SIZE"},
+                              {"SLURM_PROCID", "SLURM_NTASKS"},
+                              {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"}};
+    for (auto &p : pairs) {
+      if (std::getenv(p[0]) && std::getenv(p[1])) {
+        env_rank = env_int(p[0], 0);
+        env_world = env_int(p[1], 1);
+        break;
+      }
+    }
+  }
+  ctr::OptionReader r(options, from_env ? "ctr_mesh_create_from_env" : "ctr_mesh_create");
+  auto m = std::make_unique<ctr_mesh>();
+  m->device = r.get_string("device", "cpu", {"cpu", "cuda"});
+  m->world = static_cast<int>(r.get_int("world", env_world, 1, 1 << 20));
+  m->rank = static_cast<int>(r.get_int("rank", env_rank, 0, m->world - 1));
+  m->axes = parse_axes(r.get_string("mesh", ""), m->world);
+  int64_t threads = r.get_int("threads", 0, 0, 4096);
+  r.finish();
+  CTR_REQUIRE(m->rank < m->world, CTR_STATUS_INVALID_OPTION, "mesh: rank %d is not below world %d",
+              m->rank, m->world);
+  CTR_REQUIRE(m->device == "cpu", CTR_STATUS_UNSUPPORTED,
+              "mesh: device 'cuda' needs libctr-cuda.so, which this build does not include");
+  CTR_REQUIRE(m->world == 1, CTR_STATUS_UNSUPPORTED,
+              "mesh: %d ranks requested, but this build has no communicator (one rank only)",
+              m->world);
+  if (threads > 0) ctr::set_num_threads(static_cast<int>(threads));
+  *out = m.release();
+  CTR_API_END
+}
+
+}  // namespace
+
+extern "C" ctr_status ctr_mesh_create(const ctr_options *options, ctr_mesh **out) {
+  return mesh_create(options, out, false);
+}
+
+extern "C" ctr_status ctr_mesh_create_from_env(const ctr_options *options, ctr_mesh **out) {
+  return mesh_create(options, out, true);
+}
+
+extern "C" void ctr_mesh_free(ctr_mesh *mesh) { delete mesh; }
+extern "C" int ctr_mesh_rank(const ctr_mesh *mesh) { return mesh ? mesh->rank : 0; }
+extern "C" int ctr_mesh_world_size(const ctr_mesh *mesh) { return mesh ? mesh->world : 0; }
+extern "C" int ctr_mesh_axis_size(const ctr_mesh *mesh, const char *axis) {
+  if (!mesh || !axis) return 0;
+  for (const auto &a : mesh->axes)
+    if (a.first == axis) return a.second;
+  return 1;
+}
+extern "C" const char *ctr_mesh_device(const ctr_mesh *mesh) {
+  return mesh ? mesh->device.c_str() : "";
+}
+
+// ---------------------------------------------------------------------------
+// Graph
+
+namespace {
+
+ctr_graph *wrap_graph(ctr::Graph g) {
+  ctr::pass_verify(g);
+  auto h = std::make_unique<ctr_graph>();
+  h->graph = std::move(g);
+  for (size_t i = 0; i < h->graph.tensors.size(); ++i) {
+    if (h->graph.tensors[i].role == ctr::Role::Input) h->inputs.push_back(static_cast<int>(i));
+    if (h->graph.tensors[i].role == ctr::Role::Param) h->params.push_back(static_cast<int>(i));
+  }
+  return h.release();
+}
+
+void check_graph(const ctr_graph *g, const char *fn) {
+  REQUIRE_ARG(g != nullptr, "%s: graph is NULL", fn);
+}
+
+}  // namespace
+
+extern "C" ctr_status ctr_graph_load_file(const char *path, ctr_graph **out) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(path != nullptr, "ctr_graph_load_file: path is NULL");
+  REQUIRE_ARG(out != nullptr, "ctr_graph_load_file: out is NULL");
+  ctr_graph *g = wrap_graph(ctr::load_graph_file(path));
+  *out = g;
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_graph_load_buffer(const void *data, size_t size, ctr_graph **out) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(data != nullptr, "ctr_graph_load_buffer: data is NULL");
+  REQUIRE_ARG(out != nullptr, "ctr_graph_load_buffer: out is NULL");
+  ctr_graph *g = wrap_graph(ctr::load_graph_buffer(data, size, "<buffer>"));
+  *out = g;
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_graph_create_preset(const char *preset, const ctr_options *options,
+                                              ctr_graph **out) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(preset != nullptr, "ctr_graph_create_preset: preset is NULL");
+  REQUIRE_ARG(out != nullptr, "ctr_graph_create_preset: out is NULL");
+  ctr::OptionReader r(options, "ctr_graph_create_preset");
+  ctr::PresetConfig c;
+  c.layers = r.get_int("layers", c.layers, 1, 1024);
+  c.dim = r.get_int("dim", c.dim, 1, 1 << 16);
+  c.heads = r.get_int("heads", c.heads, 1, 1 << 12);
+  c.kv_heads = r.get_int("kv_heads", 0, 0, 1 << 12);
+  c.vocab = r.get_int("vocab", c.vocab, 2, int64_t{1} << 31);
+  c.seq = r.get_int("seq", c.seq, 1, 1 << 20);
+  c.ffn_dim = r.get_int("ffn_dim", 0, 0, 1 << 20);
+  c.tied = r.has("tied") ? static_cast<int>(r.get_int("tied", 0, 0, 1)) : -1;
+  c.rope_theta = r.get_float("rope_theta", c.rope_theta, 1e-3, 1e12);
+  c.norm_eps = r.get_float("norm_eps", c.norm_eps, 0, 1);
+  c.init_std = r.get_float("init_std", c.init_std, 0, 10);
+  r.finish();
+  ctr_graph *g = wrap_graph(ctr::build_preset(preset, c));
+  *out = g;
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_graph_save_file(const ctr_graph *graph, const char *path) {
+  CTR_API_BEGIN
+  check_graph(graph, "ctr_graph_save_file");
+  REQUIRE_ARG(path != nullptr, "ctr_graph_save_file: path is NULL");
+  ctr::save_graph_file(graph->graph, path);
+  CTR_API_END
+}
+
+extern "C" void ctr_graph_free(ctr_graph *graph) { delete graph; }
+
+extern "C" size_t ctr_graph_num_inputs(const ctr_graph *graph) {
+  return graph ? graph->inputs.size() : 0;
+}
+
+extern "C" size_t ctr_graph_num_params(const ctr_graph *graph) {
+  return graph ? graph->params.size() : 0;
+}
+
+extern "C" ctr_status ctr_graph_input_name(const ctr_graph *graph, size_t i, const char **name) {
+  CTR_API_BEGIN
+  check_graph(graph, "ctr_graph_input_name");
+  REQUIRE_ARG(name != nullptr, "ctr_graph_input_name: name is NULL");
+  REQUIRE_ARG(i < graph->inputs.size(), "ctr_graph_input_name: index %zu out of range (%zu inputs)",
+              i, graph->inputs.size());
+  *name = graph->graph.tensors[graph->inputs[i]].name.c_str();
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_graph_param_name(const ctr_graph *graph, size_t i, const char **name) {
+  CTR_API_BEGIN
+  check_graph(graph, "ctr_graph_param_name");
+  REQUIRE_ARG(name != nullptr, "ctr_graph_param_name: name is NULL");
+  REQUIRE_ARG(i < graph->params.size(), "ctr_graph_param_name: index %zu out of range (%zu params)",
+              i, graph->params.size());
+  *name = graph->graph.tensors[graph->params[i]].name.c_str();
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_graph_tensor_info(const ctr_graph *graph, const char *name,
+                                            ctr_dtype *dtype, int64_t *dims, size_t max_dims,
+                                            size_t *ndim) {
+  CTR_API_BEGIN
+  check_graph(graph, "ctr_graph_tensor_info");
+  REQUIRE_ARG(name != nullptr, "ctr_graph_tensor_info: name is NULL");
+  int id = graph->graph.find_tensor(name);
+  CTR_REQUIRE(id >= 0, CTR_STATUS_NOT_FOUND, "ctr_graph_tensor_info: graph has no tensor '%s'", name);
+  const ctr::Tensor &t = graph->graph.tensors[id];
+  REQUIRE_ARG(t.dims.size() <= max_dims || (dims == nullptr && max_dims == 0),
+              "ctr_graph_tensor_info: tensor '%s' has %zu dims, max_dims is %zu", name,
+              t.dims.size(), max_dims);
+  REQUIRE_ARG(dims != nullptr || max_dims == 0, "ctr_graph_tensor_info: dims is NULL");
+  if (dims)
+    for (size_t i = 0; i < t.dims.size(); ++i) dims[i] = t.dims[i].symbol.empty() ? t.dims[i].size : -1;
+  if (dtype) *dtype = t.dtype;
+  if (ndim) *ndim = t.dims.size();
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_graph_param_count(const ctr_graph *graph, int64_t *count) {
+  CTR_API_BEGIN
+  check_graph(graph, "ctr_graph_param_count");
+  REQUIRE_ARG(count != nullptr, "ctr_graph_param_count: count is NULL");
+  int64_t n = 0;
+  for (int p : graph->params) {
+    int64_t e = 1;
+    for (const auto &d : graph->graph.tensors[p].dims) e *= d.size;
+    n += e;
+  }
+  *count = n;
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_graph_flops_per_token(const ctr_graph *graph, int64_t seq, double *flops) {
+  CTR_API_BEGIN
+  check_graph(graph, "ctr_graph_flops_per_token");
+  REQUIRE_ARG(flops != nullptr, "ctr_graph_flops_per_token: flops is NULL");
+  REQUIRE_ARG(seq >= 0, "ctr_graph_flops_per_token: seq must be >= 0");
+  ctr::Graph g = graph->graph;
+  ctr::CompileOptions o;
+  o.batch = 1;
+  o.seq = seq;
+  ctr::pass_infer_shapes(g, o);
+  int64_t tokens = 0;
+  for (const auto &t : g.tensors)
+    if (t.role == ctr::Role::Input && t.name == "tokens") tokens = t.numel();
+  if (tokens == 0)
+    for (const auto &t : g.tensors)
+      if (t.role == ctr::Role::Input) tokens = std::max(tokens, t.numel());
+  CTR_REQUIRE(tokens > 0, CTR_STATUS_INVALID_GRAPH, "ctr_graph_flops_per_token: graph has no inputs");
+  double f = 0;
+  for (const auto &n : g.nodes) f += ctr::find_op(n.op)->flops(g, n);
+  // Backward costs twice the forward (input and weight gradients).
+  *flops = 3.0 * f / static_cast<double>(tokens);
+  CTR_API_END
+}
+
+// ---------------------------------------------------------------------------
+// Step
+
+extern "C" ctr_status ctr_step_create(const ctr_mesh *mesh, const ctr_graph *graph,
+                                      const ctr_options *options, ctr_step **out) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(mesh != nullptr, "ctr_step_create: mesh is NULL");
+  check_graph(graph, "ctr_step_create");
+  REQUIRE_ARG(out != nullptr, "ctr_step_create: out is NULL");
+  auto s = std::make_unique<ctr_step>();
+  s->impl = std::make_unique<ctr::Step>(*mesh, *graph, options);
+  *out = s.release();
+  CTR_API_END
+}
+
+extern "C" void ctr_step_free(ctr_step *step) { delete step; }
+
+#define STEP_ARG(fn) REQUIRE_ARG(step != nullptr && step->impl, fn ": step is NULL")
+
+extern "C" ctr_status ctr_step_set_input(ctr_step *step, const char *name, const void *data,
+                                         size_t bytes) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_set_input");
+  REQUIRE_ARG(name != nullptr, "ctr_step_set_input: name is NULL");
+  step->impl->set_input(name, data, bytes);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_run(ctr_step *step, ctr_step_metrics *metrics) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_run");
+  step->impl->run(metrics);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_evaluate(ctr_step *step, double *loss) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_evaluate");
+  REQUIRE_ARG(loss != nullptr, "ctr_step_evaluate: loss is NULL");
+  double l = step->impl->evaluate();
+  *loss = l;
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_get_param(ctr_step *step, const char *name, float *out, size_t count) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_get_param");
+  REQUIRE_ARG(name != nullptr, "ctr_step_get_param: name is NULL");
+  step->impl->get_param(name, out, count);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_set_param(ctr_step *step, const char *name, const float *data,
+                                         size_t count) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_set_param");
+  REQUIRE_ARG(name != nullptr, "ctr_step_set_param: name is NULL");
+  step->impl->set_param(name, data, count);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_set_lr(ctr_step *step, double lr) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_set_lr");
+  step->impl->set_lr(lr);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_memory(const ctr_step *step, int64_t *arena_bytes,
+                                      int64_t *param_bytes, int64_t *optimizer_bytes) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_memory");
+  const auto &p = step->impl->plan();
+  if (arena_bytes) *arena_bytes = p.arena_bytes;
+  if (param_bytes) *param_bytes = p.param_bytes;
+  if (optimizer_bytes) *optimizer_bytes = step->impl->optimizer_bytes();
+  CTR_API_END
+}
+
+extern "C" int64_t ctr_step_count(const ctr_step *step) {
+  return step && step->impl ? step->impl->count() : 0;
+}
+
+// ---------------------------------------------------------------------------
+// Internal entry points for the ctr tool
+
+namespace ctr {
+
+std::vector<std::string> pass_names() {
+  return {"load", "verify", "infer_shapes", "autodiff", "plan_memory", "lower"};
+}
+
+std::string inspect_graph(const ctr_graph *graph, const ctr_options *options, const std::string &after) {
+  REQUIRE_ARG(graph != nullptr, "inspect: graph is NULL");
+  auto names = pass_names();
+  int idx = -1;
+  for (size_t i = 0; i < names.size(); ++i)
+    if (names[i] == after) idx = static_cast<int>(i);
+  if (idx < 0) {
+    std::string list;
+    for (auto &n : names) list += (list.empty() ? "" : ", ") + n;
+    fail(CTR_STATUS_INVALID_ARGUMENT, strformat("unknown pass '%s' (passes: %s)", after.c_str(), list.c_str()));
+  }
+  OptionReader r(options, "graph inspect");
+  CompileOptions o;
+  o.batch = r.get_int("batch", 1, 1, 1 << 20);
+  o.seq = r.get_int("seq", 0, 0, 1 << 24);
+  o.micro_batches = r.get_int("micro_batches", 1, 1, 1 << 16);
+  r.finish();
+  Graph g = graph->graph;  // loaded and verified
+  if (idx <= 1) return dump_graph(g);
+  pass_infer_shapes(g, o);
+  if (idx == 2) return dump_graph(g);
+  pass_autodiff(g);
+  if (idx == 3) return dump_graph(g);
+  MemoryPlan plan = pass_plan_memory(g, o);
+  std::string head = strformat(
+      "memory plan: arena %lld bytes (%.2f MiB; %.2f MiB without reuse), params %lld bytes, "
+      "inputs %lld bytes\n",
+      static_cast<long long>(plan.arena_bytes), plan.arena_bytes / 1048576.0,
+      plan.naive_bytes / 1048576.0, static_cast<long long>(plan.param_bytes),
+      static_cast<long long>(plan.input_bytes));
+  if (idx == 4) return head + dump_graph(g);
+  Backend be = cpu_backend();
+  Program p = pass_lower(g, be.iface->ops(be.ctx));
+  return head + dump_program(g, p);
+}
+
+}  // namespace ctr

@@ -1,0 +1,21 @@
+// Entry points the `ctr` tool needs beyond the public ABI. They are linked into
+// the tool from the static library and are not exported from libctr.so.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "ctr/ctr.h"
+
+namespace ctr {
+
+// Names of the compiler passes in pipeline order, as `graph inspect --after` takes them.
+std::vector<std::string> pass_names();
+
+// Runs the step-creation pipeline on graph up to and including pass `after` and
+// returns a readable dump of the IR at that point. options are ctr_step_create's
+// (batch, seq, micro_batches, ...). Throws ctr::Error on any failure.
+std::string inspect_graph(const ctr_graph *graph, const ctr_options *options,
+                          const std::string &after);
+
+}  // namespace ctr

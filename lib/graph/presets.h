@@ -1,0 +1,29 @@
+// Built-in model presets, built directly as IR (and saved as .ctrg by the CLI).
+#pragma once
+
+#include <string>
+
+#include "graph/ir.h"
+
+namespace ctr {
+
+struct PresetConfig {
+  int64_t layers = 4;
+  int64_t dim = 256;
+  int64_t heads = 4;
+  int64_t kv_heads = 0;  // 0 = heads
+  int64_t vocab = 256;
+  int64_t seq = 256;     // maximum positions
+  int64_t ffn_dim = 0;   // 0 = preset default (gpt 4*dim, llama 256-aligned 8/3*dim)
+  int tied = -1;         // -1 = preset default (gpt tied, llama untied)
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  double init_std = 0.02;
+};
+
+// preset: "gpt" (GPT-2: learned positions, LayerNorm, GELU MLP, tied head) or
+// "llama" (RMSNorm, rotary, SwiGLU, grouped-query attention). Fails with
+// CTR_STATUS_INVALID_OPTION naming the inconsistent setting.
+Graph build_preset(const std::string &preset, const PresetConfig &cfg);
+
+}  // namespace ctr

@@ -1,0 +1,411 @@
+// The training step: compile once, then run the lowered program every step.
+//
+// Creation runs the pipeline (infer_shapes, autodiff, plan_memory, lower), makes
+// the few allocations the plan asks for (arena, parameters, inputs, optimizer
+// state) and resolves every tensor to an address, so a step does no allocation
+// and no lookup beyond rebinding the inputs of each micro-batch.
+//
+// A step: for each micro-batch, forward then backward (the loss gradient seed is
+// 1/micro_batches, so gradients come out averaged); gradients of several micro-
+// batches are summed into accumulators; then the global norm, clipping, and
+// AdamW on every parameter. With one micro-batch the optimizer reads gradients
+// straight from the arena, where the plan keeps them live to the end.
+
+#include "runtime/step.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "core/options.h"
+#include "core/rng.h"
+#include "core/status.h"
+#include "core/thread_pool.h"
+
+namespace ctr {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+void *must_alloc(const Backend &be, int64_t bytes, const char *what) {
+  void *p = be.iface->alloc(be.ctx, static_cast<size_t>(bytes));
+  if (!p)
+    fail(CTR_STATUS_OUT_OF_MEMORY,
+         strformat("cannot allocate %lld bytes for %s", static_cast<long long>(bytes), what));
+  return p;
+}
+
+}  // namespace
+
+double schedule_lr(const OptimizerConfig &c, int64_t step) {
+  if (c.lr_override) return c.lr_fixed;
+  if (step < c.warmup_steps)
+    return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
+  if (c.schedule == "constant" || c.decay_steps <= 0) return c.lr;
+  double p = static_cast<double>(step - c.warmup_steps) / static_cast<double>(c.decay_steps);
+  p = std::min(1.0, std::max(0.0, p));
+  if (c.schedule == "linear") return c.lr + (c.min_lr - c.lr) * p;
+  return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1.0 + std::cos(M_PI * p));
+}
+
+Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *options)
+    : g_(graph.graph) {
+  OptionReader r(options, "ctr_step_create");
+  CTR_REQUIRE(r.has("batch"), CTR_STATUS_INVALID_OPTION,
+              "ctr_step_create: option 'batch' is required (the micro-batch size)");
+  copt_.batch = r.get_int("batch", 1, 1, 1 << 20);
+  copt_.seq = r.get_int("seq", 0, 0, 1 << 24);
+  copt_.micro_batches = r.get_int("micro_batches", 1, 1, 1 << 16);
+  uint64_t seed = static_cast<uint64_t>(r.get_int("seed", 0, 0));
+  oc_.lr = r.get_float("lr", 3e-4, 0, 10);
+  oc_.min_lr = r.get_float("min_lr", 0, 0, 10);
+  oc_.warmup_steps = r.get_int("warmup_steps", 0, 0);
+  oc_.decay_steps = r.get_int("decay_steps", 0, 0);
+  oc_.schedule = r.get_string("schedule", "cosine", {"cosine", "linear", "constant"});
+  oc_.beta1 = r.get_float("beta1", 0.9, 0, 0.999999);
+  oc_.beta2 = r.get_float("beta2", 0.95, 0, 0.999999);
+  oc_.eps = r.get_float("eps", 1e-8, 0, 1);
+  oc_.weight_decay = r.get_float("weight_decay", 0.1, 0, 10);
+  oc_.grad_clip = r.get_float("grad_clip", 1.0, 0);
+  oc_.check_finite = r.get_int("check_finite", 1, 0, 1) != 0;
+  r.finish();
+  CTR_REQUIRE(mesh.world == 1 && mesh.device == "cpu", CTR_STATUS_UNSUPPORTED,
+              "ctr_step_create: this build runs one CPU rank (mesh has %d ranks on '%s')",
+              mesh.world, mesh.device.c_str());
+
+  pass_infer_shapes(g_, copt_);
+  pass_autodiff(g_);
+  plan_ = pass_plan_memory(g_, copt_);
+  be_ = cpu_backend();
+  prog_ = pass_lower(g_, be_.iface->ops(be_.ctx));
+
+  // Seed of the backward pass: averaged over micro-batches.
+  int seed_t = g_.find_tensor("loss.grad");
+  CTR_CHECK(seed_t >= 0);
+  float inv = 1.0f / static_cast<float>(copt_.micro_batches);
+  std::memcpy(g_.tensors[seed_t].data.data(), &inv, 4);
+
+  arena_ = must_alloc(be_, plan_.arena_bytes, "the activation arena");
+  params_ = must_alloc(be_, plan_.param_bytes, "parameters");
+  inputs_ = must_alloc(be_, plan_.input_bytes, "inputs");
+  consts_ = must_alloc(be_, plan_.const_bytes, "constants");
+
+  ptr_.assign(g_.tensors.size(), nullptr);
+  for (size_t i = 0; i < g_.tensors.size(); ++i) {
+    const Tensor &t = g_.tensors[i];
+    switch (t.storage) {
+      case Storage::Arena: ptr_[i] = static_cast<char *>(arena_) + t.offset; break;
+      case Storage::Param: ptr_[i] = static_cast<char *>(params_) + t.offset; break;
+      case Storage::Input: ptr_[i] = static_cast<char *>(inputs_) + t.offset; break;
+      case Storage::Const:
+        ptr_[i] = static_cast<char *>(consts_) + t.offset;
+        be_.iface->copy_h2d(be_.ctx, ptr_[i], t.data.data(), t.data.size(), 0);
+        break;
+      default: break;
+    }
+  }
+
+  // Optimizer state: m and v for every param, plus accumulators when needed.
+  int64_t total = 0;
+  for (size_t i = 0; i < g_.tensors.size(); ++i)
+    if (g_.tensors[i].role == Role::Param) total += g_.tensors[i].numel();
+  int64_t per = copt_.micro_batches > 1 ? 3 : 2;
+  opt_bytes_ = total * per * 4;
+  state_ = static_cast<float *>(must_alloc(be_, opt_bytes_, "optimizer state"));
+  int64_t off = 0;
+  for (size_t i = 0; i < g_.tensors.size(); ++i) {
+    const Tensor &t = g_.tensors[i];
+    if (t.role != Role::Param) continue;
+    ParamSlot s;
+    s.tensor = static_cast<int>(i);
+    s.grad = plan_.param_grad[i];
+    s.n = t.numel();
+    s.m = state_ + off;
+    s.v = state_ + total + off;
+    s.acc = per == 3 ? state_ + 2 * total + off : nullptr;
+    s.decay = !t.no_decay;
+    off += s.n;
+    slots_.push_back(s);
+  }
+
+  // Inputs and the id ranges their consumers accept.
+  for (size_t i = 0; i < g_.tensors.size(); ++i) {
+    const Tensor &t = g_.tensors[i];
+    if (t.role != Role::Input) continue;
+    InputSlot s;
+    s.tensor = static_cast<int>(i);
+    s.bytes = t.bytes();
+    s.lo = 1;
+    s.hi = 0;
+    for (int ni = 0; ni < g_.num_forward; ++ni) {
+      const Node &n = g_.nodes[ni];
+      if (n.inputs.size() < 2 || n.inputs[1] != s.tensor) continue;
+      int64_t lo = 0, hi = 0;
+      if (n.op == "embedding") {
+        lo = 0;
+        hi = g_.tensors[n.inputs[0]].shape[0];
+      } else if (n.op == "cross_entropy") {
+        lo = -1;
+        hi = g_.tensors[n.inputs[0]].shape.back();
+      } else {
+        continue;
+      }
+      if (s.lo > s.hi) {
+        s.lo = lo;
+        s.hi = hi;
+      } else {
+        s.lo = std::max(s.lo, lo);
+        s.hi = std::min(s.hi, hi);
+      }
+    }
+    inputs_slots_.push_back(s);
+    if (t.name == "tokens") tokens_per_micro_ = t.numel();
+  }
+  if (tokens_per_micro_ == 0 && !inputs_slots_.empty())
+    tokens_per_micro_ = g_.tensors[inputs_slots_[0].tensor].numel();
+
+  init_params(seed);
+}
+
+Step::~Step() {
+  be_.iface->free(be_.ctx, arena_);
+  be_.iface->free(be_.ctx, params_);
+  be_.iface->free(be_.ctx, inputs_);
+  be_.iface->free(be_.ctx, consts_);
+  be_.iface->free(be_.ctx, state_);
+}
+
+void Step::init_params(uint64_t seed) {
+  for (const ParamSlot &s : slots_) {
+    const Tensor &t = g_.tensors[s.tensor];
+    float *p = param_ptr(s.tensor);
+    uint64_t stream = rng::hash_name(t.name);
+    const InitSpec &in = t.init;
+    switch (in.kind) {
+      case InitKind::Zeros: std::fill(p, p + s.n, 0.0f); break;
+      case InitKind::Ones: std::fill(p, p + s.n, 1.0f); break;
+      case InitKind::Data: std::memcpy(p, t.data.data(), static_cast<size_t>(s.n) * 4); break;
+      case InitKind::Normal:
+        parallel_for(s.n, 4096, [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i)
+            p[i] = static_cast<float>(in.mean + in.std * rng::normal(seed, stream, static_cast<uint64_t>(i)));
+        });
+        break;
+      case InitKind::Uniform:
+        parallel_for(s.n, 4096, [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i)
+            p[i] = static_cast<float>(in.low + (in.high - in.low) * rng::uniform(seed, stream, static_cast<uint64_t>(i)));
+        });
+        break;
+    }
+  }
+}
+
+int64_t Step::peak_bytes() const {
+  return plan_.arena_bytes + plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + opt_bytes_;
+}
+
+void Step::set_input(const std::string &name, const void *data, size_t bytes) {
+  InputSlot *slot = nullptr;
+  for (auto &s : inputs_slots_)
+    if (g_.tensors[s.tensor].name == name) slot = &s;
+  if (!slot) {
+    std::string list;
+    for (auto &s : inputs_slots_) list += (list.empty() ? "" : ", ") + g_.tensors[s.tensor].name;
+    fail(CTR_STATUS_NOT_FOUND,
+         strformat("ctr_step_set_input: graph has no input '%s' (inputs: %s)", name.c_str(), list.c_str()));
+  }
+  const Tensor &t = g_.tensors[slot->tensor];
+  size_t want = static_cast<size_t>(slot->bytes * copt_.micro_batches);
+  CTR_REQUIRE(data != nullptr, CTR_STATUS_INVALID_ARGUMENT, "ctr_step_set_input: data is NULL");
+  CTR_REQUIRE(bytes == want, CTR_STATUS_INVALID_ARGUMENT,
+              "ctr_step_set_input: input '%s' takes %zu bytes (%lld micro-batch(es) of %s %s), "
+              "got %zu",
+              name.c_str(), want, static_cast<long long>(copt_.micro_batches),
+              dtype_name(t.dtype), shape_string(t.shape).c_str(), bytes);
+  if (t.dtype == CTR_DTYPE_I32 && slot->lo <= slot->hi) {
+    const int32_t *ids = static_cast<const int32_t *>(data);
+    size_t n = bytes / 4;
+    for (size_t i = 0; i < n; ++i)
+      if (ids[i] < slot->lo || ids[i] >= slot->hi)
+        fail(CTR_STATUS_DATA_ERROR,
+             strformat("ctr_step_set_input: input '%s' has id %d at position %zu, outside the "
+                       "valid range [%lld, %lld) (vocab size %lld)",
+                       name.c_str(), ids[i], i, static_cast<long long>(slot->lo),
+                       static_cast<long long>(slot->hi), static_cast<long long>(slot->hi)));
+  }
+  be_.iface->copy_h2d(be_.ctx, static_cast<char *>(inputs_) + t.offset, data, bytes, 0);
+  slot->set = true;
+}
+
+void Step::check_inputs_set(const char *what) const {
+  for (const auto &s : inputs_slots_)
+    CTR_REQUIRE(s.set, CTR_STATUS_INVALID_STATE, "%s: input '%s' has not been set", what,
+                g_.tensors[s.tensor].name.c_str());
+}
+
+void Step::bind_micro_batch(int64_t mb) {
+  for (const auto &s : inputs_slots_)
+    ptr_[s.tensor] = static_cast<char *>(inputs_) + g_.tensors[s.tensor].offset + mb * s.bytes;
+}
+
+void Step::run_list(const std::vector<Instr> &list) {
+  const auto *iface = be_.iface;
+  KernelCtx kc{&g_, nullptr, ptr_.data()};
+  for (const Instr &in : list) {
+    const Node &n = g_.nodes[in.node];
+    kc.node = &n;
+    KernelFn fn = iface->kernel(be_.ctx, n.op);
+    iface->launch(be_.ctx, fn, kc, in.stream);
+  }
+}
+
+void Step::run(ctr_step_metrics *metrics) {
+  check_inputs_set("ctr_step_run");
+  if (metrics)
+    CTR_REQUIRE(metrics->size >= sizeof(size_t) && metrics->size <= (1 << 16), CTR_STATUS_INVALID_ARGUMENT,
+                "ctr_step_run: metrics->size must be set to sizeof(ctr_step_metrics)");
+  auto t0 = Clock::now();
+  double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
+  const float *loss_ptr = static_cast<const float *>(ptr_[g_.loss]);
+  const int64_t k = copt_.micro_batches;
+  for (int64_t mb = 0; mb < k; ++mb) {
+    bind_micro_batch(mb);
+    auto tf = Clock::now();
+    run_list(prog_.forward);
+    fwd_ms += ms_since(tf);
+    loss_sum += *loss_ptr;
+    auto tb = Clock::now();
+    run_list(prog_.backward);
+    if (k > 1) {
+      for (const ParamSlot &s : slots_) {
+        if (s.grad < 0) continue;
+        const float *gp = static_cast<const float *>(ptr_[s.grad]);
+        if (mb == 0)
+          be_.iface->copy_d2d(be_.ctx, s.acc, gp, static_cast<size_t>(s.n) * 4, 0);
+        else
+          be_.iface->add_into(be_.ctx, s.acc, gp, s.n);
+      }
+    }
+    bwd_ms += ms_since(tb);
+  }
+  double loss = loss_sum / static_cast<double>(k);
+
+  auto to = Clock::now();
+  auto grad_of = [&](const ParamSlot &s) -> const float * {
+    return k > 1 ? s.acc : static_cast<const float *>(ptr_[s.grad]);
+  };
+  double sq = 0;
+  for (const ParamSlot &s : slots_)
+    if (s.grad >= 0) sq += be_.iface->sum_squares(be_.ctx, grad_of(s), s.n);
+  double norm = std::sqrt(sq);
+  if (oc_.check_finite && (!std::isfinite(loss) || !std::isfinite(norm)))
+    fail(CTR_STATUS_NUMERIC_ERROR,
+         strformat("ctr_step_run: step %lld: loss %g, gradient norm %g is not finite; "
+                   "parameters were not updated",
+                   static_cast<long long>(step_ + 1), loss, norm));
+  double scale = 1.0;
+  if (oc_.grad_clip > 0 && norm > oc_.grad_clip) scale = oc_.grad_clip / (norm + 1e-6);
+  double lr = schedule_lr(oc_, step_);
+  int64_t t = step_ + 1;
+  for (const ParamSlot &s : slots_) {
+    if (s.grad < 0) continue;  // as torch: a parameter without gradient is not stepped
+    be_.iface->adamw(be_.ctx, param_ptr(s.tensor), grad_of(s), s.m, s.v, s.n,
+                     static_cast<float>(lr), static_cast<float>(oc_.beta1),
+                     static_cast<float>(oc_.beta2), static_cast<float>(oc_.eps),
+                     static_cast<float>(s.decay ? oc_.weight_decay : 0.0), t,
+                     static_cast<float>(scale));
+  }
+  double opt_ms = ms_since(to);
+  step_ = t;
+  double total_ms = ms_since(t0);
+
+  if (metrics) {
+    ctr_step_metrics m;
+    std::memset(&m, 0, sizeof m);
+    m.size = metrics->size;
+    m.step = step_;
+    m.loss = loss;
+    m.grad_norm = norm;
+    m.lr = lr;
+    m.step_ms = total_ms;
+    m.forward_ms = fwd_ms;
+    m.backward_ms = bwd_ms;
+    m.optimizer_ms = opt_ms;
+    m.tokens = tokens_per_micro_ * k;
+    m.tokens_per_s = total_ms > 0 ? static_cast<double>(m.tokens) * 1000.0 / total_ms : 0;
+    m.peak_bytes = peak_bytes();
+    std::memcpy(metrics, &m, std::min(sizeof m, metrics->size));
+  }
+}
+
+double Step::evaluate() {
+  check_inputs_set("ctr_step_evaluate");
+  const float *loss_ptr = static_cast<const float *>(ptr_[g_.loss]);
+  double sum = 0;
+  for (int64_t mb = 0; mb < copt_.micro_batches; ++mb) {
+    bind_micro_batch(mb);
+    run_list(prog_.forward);
+    sum += *loss_ptr;
+  }
+  return sum / static_cast<double>(copt_.micro_batches);
+}
+
+double Step::forward_backward() {
+  check_inputs_set("forward_backward");
+  CTR_REQUIRE(copt_.micro_batches == 1, CTR_STATUS_UNSUPPORTED,
+              "forward_backward: gradient inspection needs micro_batches = 1");
+  bind_micro_batch(0);
+  run_list(prog_.forward);
+  run_list(prog_.backward);
+  return *static_cast<const float *>(ptr_[g_.loss]);
+}
+
+void Step::read_grad(const std::string &name, float *out, size_t count) {
+  int t = find_param(name, count);
+  int gt = plan_.param_grad[t];
+  if (gt < 0) {
+    std::fill(out, out + count, 0.0f);
+    return;
+  }
+  be_.iface->copy_d2h(be_.ctx, out, ptr_[gt], count * 4, 0);
+}
+
+int Step::find_param(const std::string &name, size_t count) const {
+  for (const ParamSlot &s : slots_) {
+    if (g_.tensors[s.tensor].name != name) continue;
+    CTR_REQUIRE(static_cast<int64_t>(count) == s.n, CTR_STATUS_INVALID_ARGUMENT,
+                "parameter '%s' has %lld elements (shape %s), count is %zu", name.c_str(),
+                static_cast<long long>(s.n), shape_string(g_.tensors[s.tensor].shape).c_str(),
+                count);
+    return s.tensor;
+  }
+  fail(CTR_STATUS_NOT_FOUND, strformat("graph has no parameter '%s'", name.c_str()));
+}
+
+void Step::get_param(const std::string &name, float *out, size_t count) {
+  int t = find_param(name, count);
+  CTR_REQUIRE(out != nullptr, CTR_STATUS_INVALID_ARGUMENT, "ctr_step_get_param: out is NULL");
+  be_.iface->copy_d2h(be_.ctx, out, ptr_[t], count * 4, 0);
+}
+
+void Step::set_param(const std::string &name, const float *data, size_t count) {
+  int t = find_param(name, count);
+  CTR_REQUIRE(data != nullptr, CTR_STATUS_INVALID_ARGUMENT, "ctr_step_set_param: data is NULL");
+  for (size_t i = 0; i < count; ++i)
+    CTR_REQUIRE(std::isfinite(data[i]), CTR_STATUS_INVALID_ARGUMENT,
+                "ctr_step_set_param: parameter '%s' element %zu is not finite", name.c_str(), i);
+  be_.iface->copy_h2d(be_.ctx, ptr_[t], data, count * 4, 0);
+}
+
+void Step::set_lr(double lr) {
+  CTR_REQUIRE(std::isfinite(lr) && lr >= 0, CTR_STATUS_INVALID_ARGUMENT,
+              "ctr_step_set_lr: learning rate %g must be finite and >= 0", lr);
+  oc_.lr_override = true;
+  oc_.lr_fixed = lr;
+}
+
+}  // namespace ctr

@@ -1,0 +1,91 @@
+// The compiled training step: the pipeline's output plus everything that persists
+// across steps (parameters, optimizer state, schedule position).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "api/handles.h"
+#include "backend/backend.h"
+#include "passes/passes.h"
+
+namespace ctr {
+
+struct OptimizerConfig {
+  double lr = 3e-4, min_lr = 0;
+  int64_t warmup_steps = 0, decay_steps = 0;
+  std::string schedule = "cosine";
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+  double grad_clip = 1.0;
+  bool check_finite = true;
+  bool lr_override = false;
+  double lr_fixed = 0;
+};
+
+// The learning rate of optimizer step `step` (0-based).
+double schedule_lr(const OptimizerConfig &c, int64_t step);
+
+class Step {
+ public:
+  Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *options);
+  ~Step();
+  Step(const Step &) = delete;
+  Step &operator=(const Step &) = delete;
+
+  void set_input(const std::string &name, const void *data, size_t bytes);
+  void run(ctr_step_metrics *metrics);
+  double evaluate();
+  void get_param(const std::string &name, float *out, size_t count);
+  void set_param(const std::string &name, const float *data, size_t count);
+  void set_lr(double lr);
+  int64_t count() const { return step_; }
+  const MemoryPlan &plan() const { return plan_; }
+  int64_t optimizer_bytes() const { return opt_bytes_; }
+  int64_t peak_bytes() const;
+
+  // For gradient checks: forward and backward on the current inputs without an
+  // optimizer update (returns the loss), then the gradient of a parameter.
+  double forward_backward();
+  void read_grad(const std::string &name, float *out, size_t count);
+  const Graph &graph() const { return g_; }
+
+ private:
+  struct ParamSlot {
+    int tensor;
+    int grad;  // gradient tensor, -1 when no gradient reaches the param
+    int64_t n;
+    float *m, *v, *acc;
+    bool decay;
+  };
+  struct InputSlot {
+    int tensor;
+    int64_t bytes;  // per micro-batch
+    int64_t lo, hi; // valid id range [lo, hi) for int32 inputs; lo > hi = unchecked
+    bool set = false;
+  };
+
+  void init_params(uint64_t seed);
+  void bind_micro_batch(int64_t mb);
+  void run_list(const std::vector<Instr> &list);
+  float *param_ptr(int t) const { return static_cast<float *>(ptr_[t]); }
+  int find_param(const std::string &name, size_t count) const;
+  void check_inputs_set(const char *what) const;
+
+  Graph g_;
+  CompileOptions copt_;
+  OptimizerConfig oc_;
+  MemoryPlan plan_;
+  Program prog_;
+  Backend be_;
+  void *arena_ = nullptr, *params_ = nullptr, *inputs_ = nullptr, *consts_ = nullptr;
+  float *state_ = nullptr;  // m, v and gradient accumulators, one allocation
+  int64_t opt_bytes_ = 0;
+  std::vector<void *> ptr_;
+  std::vector<ParamSlot> slots_;
+  std::vector<InputSlot> inputs_slots_;
+  int64_t step_ = 0;
+  int64_t tokens_per_micro_ = 0;
+};
+
+}  // namespace ctr

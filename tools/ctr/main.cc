@@ -1,0 +1,694 @@
+// ctr — the command-line face of libctr: build and inspect graph files, train.
+//
+//   ctr graph build --preset gpt --layers 4 --dim 256 -o tiny.ctrg
+//   ctr graph inspect tiny.ctrg --after autodiff
+//   ctr run tiny.ctrg --data corpus.bin --steps 1000 --batch 8
+//   ctr version
+//
+// Training goes through the public C ABI only, exactly as any host program
+// would, so the tool doubles as the reference user of include/ctr/ctr.h; only
+// `graph inspect` reaches into the library (lib/api/internal.h) for the pass
+// dumps no host needs. Every failure is one line on stderr,
+// "ctr: error: <status>: <message>", and exit status 1; bad usage exits 2.
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "api/internal.h"
+#include "core/status.h"
+#include "ctr/ctr.h"
+#include "data/data.h"
+
+namespace {
+
+// ------------------------------------------------------------------------------------------
+// Errors and handles
+
+// A failure with an optional second line of advice (what to do about it).
+class ToolError : public ctr::Error {
+ public:
+  ToolError(ctr_status code, std::string msg, std::string note)
+      : ctr::Error(code, std::move(msg)), note_(std::move(note)) {}
+  const std::string &note() const { return note_; }
+
+ private:
+  std::string note_;
+};
+
+// Turns a failed C call into an exception carrying its status and message. The
+// message is copied at once: ctr_last_error() is only valid until the next call.
+void check(ctr_status status) {
+  if (status != CTR_STATUS_OK) throw ctr::Error(status, ctr_last_error());
+}
+
+struct OptionsFree {
+  void operator()(ctr_options *o) const { ctr_options_free(o); }
+};
+struct GraphFree {
+  void operator()(ctr_graph *g) const { ctr_graph_free(g); }
+};
+struct MeshFree {
+  void operator()(ctr_mesh *m) const { ctr_mesh_free(m); }
+};
+struct StepFree {
+  void operator()(ctr_step *s) const { ctr_step_free(s); }
+};
+using Options = std::unique_ptr<ctr_options, OptionsFree>;
+using Graph = std::unique_ptr<ctr_graph, GraphFree>;
+using Mesh = std::unique_ptr<ctr_mesh, MeshFree>;
+using Step = std::unique_ptr<ctr_step, StepFree>;
+
+Options new_options() {
+  ctr_options *o = nullptr;
+  check(ctr_options_create(&o));
+  return Options(o);
+}
+
+Graph load_graph(const std::string &path) {
+  ctr_graph *g = nullptr;
+  check(ctr_graph_load_file(path.c_str(), &g));
+  return Graph(g);
+}
+
+void set_int(ctr_options *o, const char *key, int64_t v) { check(ctr_options_set_int(o, key, v)); }
+void set_float(ctr_options *o, const char *key, double v) {
+  check(ctr_options_set_float(o, key, v));
+}
+void set_string(ctr_options *o, const char *key, const std::string &v) {
+  check(ctr_options_set_string(o, key, v.c_str()));
+}
+
+// ------------------------------------------------------------------------------------------
+// Formatting
+
+// 3412224 -> "3.41M"; keeps three significant digits, as people read sizes.
+std::string human(double v) {
+  static const char *const kSuffix[] = {"", "k", "M", "G", "T", "P"};
+  int i = 0;
+  while (std::fabs(v) >= 999.5 && i < 5) {
+    v /= 1000;
+    ++i;
+  }
+  const char *fmt = std::fabs(v) >= 99.95 ? "%.0f%s" : std::fabs(v) >= 9.995 ? "%.1f%s" : "%.2f%s";
+  if (i == 0 && v == std::floor(v)) fmt = "%.0f%s";
+  return ctr::strformat(fmt, v, kSuffix[i]);
+}
+
+// 12345678 -> "12,345,678".
+std::string grouped(int64_t v) {
+  std::string digits = std::to_string(v < 0 ? -v : v);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return v < 0 ? "-" + out : out;
+}
+
+// Seconds -> "m:ss" or "h:mm:ss".
+std::string clock_time(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) seconds = 0;
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600)
+    return ctr::strformat("%" PRId64 ":%02" PRId64 ":%02" PRId64, s / 3600, s / 60 % 60, s % 60);
+  return ctr::strformat("%" PRId64 ":%02" PRId64, s / 60, s % 60);
+}
+
+double mib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+
+const char *dtype_name(ctr_dtype t) {
+  switch (t) {
+    case CTR_DTYPE_F32: return "f32";
+    case CTR_DTYPE_F16: return "f16";
+    case CTR_DTYPE_BF16: return "bf16";
+    case CTR_DTYPE_I32: return "i32";
+    case CTR_DTYPE_I64: return "i64";
+    case CTR_DTYPE_U16: return "u16";
+    case CTR_DTYPE_U32: return "u32";
+    case CTR_DTYPE_U8: return "u8";
+    case CTR_DTYPE_F64: return "f64";
+  }
+  return "?";
+}
+
+struct TensorInfo {
+  ctr_dtype dtype = CTR_DTYPE_F32;
+  std::vector<int64_t> dims;  // -1 for a symbolic dim
+
+  int64_t elements() const {
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;
+    return n;
+  }
+  std::string shape() const {
+    std::string s = "[";
+    for (size_t i = 0; i < dims.size(); ++i) {
+      if (i > 0) s += ", ";
+      s += dims[i] < 0 ? std::string("?") : std::to_string(dims[i]);
+    }
+    return s + "]";
+  }
+};
+
+TensorInfo tensor_info(const ctr_graph *g, const char *name) {
+  TensorInfo info;
+  int64_t dims[16];
+  size_t ndim = 0;
+  check(ctr_graph_tensor_info(g, name, &info.dtype, dims, 16, &ndim));
+  info.dims.assign(dims, dims + ndim);
+  return info;
+}
+
+int64_t param_count(const ctr_graph *g) {
+  int64_t n = 0;
+  check(ctr_graph_param_count(g, &n));
+  return n;
+}
+
+double flops_per_token(const ctr_graph *g, int64_t seq) {
+  double f = 0;
+  check(ctr_graph_flops_per_token(g, seq, &f));
+  return f;
+}
+
+// ------------------------------------------------------------------------------------------
+// ctr graph build
+
+struct BuildArgs {
+  std::string preset, out;
+  int64_t layers = 0, dim = 0, heads = 0, kv_heads = 0, vocab = 0, seq = 0, ffn_dim = 0;
+  bool tied = false;
+  double rope_theta = 0, norm_eps = 0, init_std = 0;
+  // The options the user actually gave; the rest keep the preset's defaults.
+  std::vector<std::pair<const char *, CLI::Option *>> given_int, given_float;
+  CLI::Option *tied_opt = nullptr;
+};
+
+int cmd_graph_build(const BuildArgs &a) {
+  Options opts = new_options();
+  for (const auto &[key, opt] : a.given_int) {
+    if (opt->count() == 0) continue;
+    set_int(opts.get(), key, opt->as<int64_t>());
+  }
+  for (const auto &[key, opt] : a.given_float) {
+    if (opt->count() == 0) continue;
+    set_float(opts.get(), key, opt->as<double>());
+  }
+  if (a.tied_opt->count() > 0) set_int(opts.get(), "tied", a.tied ? 1 : 0);
+
+  ctr_graph *raw = nullptr;
+  check(ctr_graph_create_preset(a.preset.c_str(), opts.get(), &raw));
+  Graph graph(raw);
+  check(ctr_graph_save_file(graph.get(), a.out.c_str()));
+
+  const int64_t params = param_count(graph.get());
+  std::printf("wrote %s: %s preset, %s parameters (%s), %s FLOPs/token (training, max seq)\n",
+              a.out.c_str(), a.preset.c_str(), grouped(params).c_str(),
+              human(static_cast<double>(params)).c_str(),
+              human(flops_per_token(graph.get(), 0)).c_str());
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------
+// ctr graph inspect
+
+struct InspectArgs {
+  std::string file, after = "verify";
+  int64_t batch = 1, seq = 0;
+  CLI::Option *after_opt = nullptr, *seq_opt = nullptr;
+};
+
+void print_summary(const ctr_graph *g, const std::string &file) {
+  std::printf("\ngraph %s\n", file.c_str());
+  const size_t ninputs = ctr_graph_num_inputs(g);
+  std::printf("inputs (? = a symbolic dim, bound by the step's batch and seq):\n");
+  for (size_t i = 0; i < ninputs; ++i) {
+    const char *name = nullptr;
+    check(ctr_graph_input_name(g, i, &name));
+    const TensorInfo t = tensor_info(g, name);
+    std::printf("  %-24s %-5s %s\n", name, dtype_name(t.dtype), t.shape().c_str());
+  }
+  const size_t nparams = ctr_graph_num_params(g);
+  std::printf("params (%zu tensors):\n", nparams);
+  for (size_t i = 0; i < nparams; ++i) {
+    const char *name = nullptr;
+    check(ctr_graph_param_name(g, i, &name));
+    const TensorInfo t = tensor_info(g, name);
+    std::printf("  %-24s %-5s %-20s %12s\n", name, dtype_name(t.dtype), t.shape().c_str(),
+                grouped(t.elements()).c_str());
+  }
+  const int64_t params = param_count(g);
+  std::printf("parameters: %s (%s)\n", grouped(params).c_str(),
+              human(static_cast<double>(params)).c_str());
+  std::printf("training FLOPs/token at max seq: %s\n", human(flops_per_token(g, 0)).c_str());
+}
+
+int cmd_graph_inspect(const InspectArgs &a) {
+  Graph graph = load_graph(a.file);
+  Options opts = new_options();
+  set_int(opts.get(), "batch", a.batch);
+  if (a.seq_opt->count() > 0) set_int(opts.get(), "seq", a.seq);
+  const std::string dump = ctr::inspect_graph(graph.get(), opts.get(), a.after);
+  std::fputs(dump.c_str(), stdout);
+  if (!dump.empty() && dump.back() != '\n') std::fputc('\n', stdout);
+  if (a.after_opt->count() == 0) print_summary(graph.get(), a.file);
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------
+// ctr run
+
+struct RunArgs {
+  std::string graph, data, schedule = "cosine", metrics, device, mesh;
+  int64_t steps = 0, batch = 0, seq = 0, micro_batches = 1, warmup = 0, seed = 0, data_seed = 0;
+  int64_t log_every = 10, eval_every = 0, eval_batches = 4, threads = 0;
+  double lr = 3e-4, min_lr = 0, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0;
+  CLI::Option *seq_opt = nullptr, *min_lr_opt = nullptr, *beta1_opt = nullptr,
+              *beta2_opt = nullptr, *threads_opt = nullptr, *device_opt = nullptr,
+              *mesh_opt = nullptr;
+};
+
+// The seed of the built-in corpus is fixed, so `ctr run` without --data trains
+// on the same text everywhere; --data-seed changes only the order.
+constexpr uint64_t kCorpusSeed = 0;
+// Evaluation without a file of its own reads text the model never trains on.
+constexpr uint64_t kEvalCorpusSeed = 1;
+constexpr int64_t kEvalCorpusBytes = int64_t{1} << 20;
+
+// The graph's longest sequence: dim 1 of the "tokens" input when it is fixed.
+// A symbolic dim says nothing about the limit, so fall back to a common size.
+int64_t default_seq(const ctr_graph *g) {
+  const TensorInfo t = tensor_info(g, "tokens");
+  if (t.dims.size() >= 2 && t.dims[1] > 0) return t.dims[1];
+  return 256;
+}
+
+// The ranks of a data-parallel mesh each train on their own share of one
+// global batch. Every rank runs the same loader (same seed, same state) and
+// keeps rows [rank * local, (rank + 1) * local), so the data order and the
+// loader state do not depend on the number of ranks.
+class Batches {
+ public:
+  Batches(const ctr::data::TokenSource &src, int64_t seq, int64_t local_rows, int rank, int world,
+          uint64_t seed)
+      : loader_(src, seq, local_rows * world, seed),
+        offset_(static_cast<size_t>(rank * local_rows * seq)),
+        count_(static_cast<size_t>(local_rows * seq)),
+        tokens_(static_cast<size_t>(local_rows * world * seq)),
+        targets_(tokens_.size()) {}
+
+  void next() { loader_.next(tokens_.data(), targets_.data()); }
+  const int32_t *tokens() const { return tokens_.data() + offset_; }
+  const int32_t *targets() const { return targets_.data() + offset_; }
+  size_t bytes() const { return count_ * sizeof(int32_t); }
+  int64_t windows() const { return loader_.windows(); }
+
+ private:
+  ctr::data::Loader loader_;
+  size_t offset_, count_;
+  std::vector<int32_t> tokens_, targets_;
+};
+
+// Sets both inputs; an id outside the graph's vocabulary gets a hint that
+// names the data and its largest id, since the library can only name the
+// position of the first bad id.
+void set_inputs(ctr_step *step, const Batches &b, const ctr::data::TokenSource &src) {
+  for (const auto &[name, data] :
+       {std::pair{"tokens", b.tokens()}, std::pair{"targets", b.targets()}}) {
+    const ctr_status s = ctr_step_set_input(step, name, data, b.bytes());
+    if (s == CTR_STATUS_OK) continue;
+    std::string msg = ctr_last_error();
+    if (s != CTR_STATUS_DATA_ERROR) throw ctr::Error(s, msg);
+    throw ToolError(
+        s, msg,
+        ctr::strformat("the data (%s, %s) holds token ids up to %u; the graph's vocabulary "
+                       "must be larger than that: build the graph with --vocab %u or more, "
+                       "or use data tokenized for this graph",
+                       src.name().c_str(), src.kind(), src.max_token(), src.max_token() + 1));
+  }
+}
+
+int cmd_run(const RunArgs &a) {
+  using Clock = std::chrono::steady_clock;
+
+  Graph graph = load_graph(a.graph);
+  const int64_t seq = a.seq_opt->count() > 0 ? a.seq : default_seq(graph.get());
+
+  std::unique_ptr<ctr::data::TokenSource> src =
+      a.data.empty() ? ctr::data::TokenSource::synthetic(kCorpusSeed)
+                     : ctr::data::TokenSource::open(a.data);
+
+  Options mesh_opts = new_options();
+  if (a.threads_opt->count() > 0) set_int(mesh_opts.get(), "threads", a.threads);
+  if (a.device_opt->count() > 0) set_string(mesh_opts.get(), "device", a.device);
+  if (a.mesh_opt->count() > 0) set_string(mesh_opts.get(), "mesh", a.mesh);
+  ctr_mesh *raw_mesh = nullptr;
+  check(ctr_mesh_create_from_env(mesh_opts.get(), &raw_mesh));
+  Mesh mesh(raw_mesh);
+  const int rank = ctr_mesh_rank(mesh.get());
+  const int world = ctr_mesh_world_size(mesh.get());
+  const bool lead = rank == 0;  // one rank speaks for the job
+
+  Options step_opts = new_options();
+  set_int(step_opts.get(), "batch", a.batch);
+  set_int(step_opts.get(), "seq", seq);
+  set_int(step_opts.get(), "micro_batches", a.micro_batches);
+  set_int(step_opts.get(), "seed", a.seed);
+  set_float(step_opts.get(), "lr", a.lr);
+  if (a.min_lr_opt->count() > 0) set_float(step_opts.get(), "min_lr", a.min_lr);
+  set_int(step_opts.get(), "warmup_steps", a.warmup);
+  set_int(step_opts.get(), "decay_steps", std::max<int64_t>(0, a.steps - a.warmup));
+  set_string(step_opts.get(), "schedule", a.schedule);
+  set_float(step_opts.get(), "weight_decay", a.weight_decay);
+  if (a.beta1_opt->count() > 0) set_float(step_opts.get(), "beta1", a.beta1);
+  if (a.beta2_opt->count() > 0) set_float(step_opts.get(), "beta2", a.beta2);
+  set_float(step_opts.get(), "grad_clip", a.grad_clip);
+  ctr_step *raw_step = nullptr;
+  check(ctr_step_create(mesh.get(), graph.get(), step_opts.get(), &raw_step));
+  Step step(raw_step);
+
+  const int64_t local_rows = a.batch * a.micro_batches;
+  Batches batches(*src, seq, local_rows, rank, world, static_cast<uint64_t>(a.data_seed));
+
+  // Evaluation batches are the same every time, so successive eval losses are
+  // comparable: a fresh loader with a fixed seed over held-out text.
+  std::unique_ptr<ctr::data::TokenSource> eval_src;
+  std::string eval_what;
+  if (a.eval_every > 0) {
+    if (a.data.empty()) {
+      eval_src = ctr::data::TokenSource::synthetic(kEvalCorpusSeed, kEvalCorpusBytes);
+      eval_what = "batches of held-out synthetic text";
+    } else {
+      eval_what = "batches of the training data (no held-out file)";
+    }
+  }
+  const ctr::data::TokenSource &eval_data = eval_src ? *eval_src : *src;
+
+  int64_t arena = 0, param_bytes = 0, opt_bytes = 0;
+  check(ctr_step_memory(step.get(), &arena, &param_bytes, &opt_bytes));
+  const int64_t params = param_count(graph.get());
+  const double flops = flops_per_token(graph.get(), seq);
+
+  if (lead) {
+    const std::string kind =
+        std::strcmp(src->kind(), "synthetic") == 0 ? "" : std::string(src->kind()) + ", ";
+    std::string shape = ctr::strformat("batch %" PRId64 " x seq %" PRId64, a.batch, seq);
+    if (a.micro_batches > 1) shape += ctr::strformat(" x %" PRId64 " micro", a.micro_batches);
+    if (world > 1) shape += ctr::strformat(" x %d ranks", world);
+    std::printf("%s: %s params | data %s: %s%s tokens | %s | memory %.1f MiB (arena %.1f, "
+                "params %.1f, optimizer %.1f)\n",
+                a.graph.c_str(), human(static_cast<double>(params)).c_str(),
+                src->name().c_str(), kind.c_str(), human(static_cast<double>(src->size())).c_str(),
+                shape.c_str(), mib(arena + param_bytes + opt_bytes), mib(arena),
+                mib(param_bytes), mib(opt_bytes));
+    std::fflush(stdout);
+  }
+
+  std::ofstream metrics;
+  if (lead && !a.metrics.empty()) {
+    metrics.open(a.metrics, std::ios::out | std::ios::trunc);
+    if (!metrics)
+      throw ctr::Error(CTR_STATUS_IO_ERROR,
+                       ctr::strformat("cannot open metrics file '%s': %s", a.metrics.c_str(),
+                                      std::strerror(errno)));
+  }
+
+  auto evaluate = [&](int64_t at) -> double {
+    Batches eval(eval_data, seq, local_rows, rank, world, /*seed=*/0);
+    double sum = 0;
+    for (int64_t i = 0; i < a.eval_batches; ++i) {
+      eval.next();
+      set_inputs(step.get(), eval, eval_data);
+      double loss = 0;
+      check(ctr_step_evaluate(step.get(), &loss));
+      sum += loss;
+    }
+    const double mean = sum / static_cast<double>(a.eval_batches);
+    if (lead) {
+      std::printf("eval %*" PRId64 "/%" PRId64 " | loss %.4f | %" PRId64 " %s\n",
+                  static_cast<int>(std::to_string(a.steps).size()), at, a.steps, mean,
+                  a.eval_batches, eval_what.c_str());
+      std::fflush(stdout);
+    }
+    return mean;
+  };
+
+  const int width = static_cast<int>(std::to_string(a.steps).size());
+  double last_loss = NAN;
+  double total_ms = 0, total_tokens = 0;
+  // Figures since the previous progress line, so each line describes the
+  // recent rate rather than a whole-run average dominated by the first steps.
+  double window_ms = 0, window_tokens = 0, window_wall = 0;
+  int64_t window_steps = 0;
+  const auto run_start = Clock::now();
+
+  for (int64_t i = 1; i <= a.steps; ++i) {
+    const auto t0 = Clock::now();
+    batches.next();
+    set_inputs(step.get(), batches, *src);
+    ctr_step_metrics m;
+    std::memset(&m, 0, sizeof m);
+    m.size = sizeof m;
+    check(ctr_step_run(step.get(), &m));
+    const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+
+    last_loss = m.loss;
+    total_ms += m.step_ms;
+    total_tokens += static_cast<double>(m.tokens);
+    window_ms += m.step_ms;
+    window_tokens += static_cast<double>(m.tokens);
+    window_wall += wall;
+    ++window_steps;
+
+    const bool log = a.log_every > 0 && (i == 1 || i % a.log_every == 0 || i == a.steps);
+    if (lead && log) {
+      const double ms = window_ms / static_cast<double>(window_steps);
+      const double tok_s = window_ms > 0 ? window_tokens / (window_ms / 1000.0) : 0;
+      const double eta = window_wall / static_cast<double>(window_steps) *
+                         static_cast<double>(a.steps - i);
+      std::printf("step %*" PRId64 "/%" PRId64 " | loss %.4f | grad %.3f | lr %.2e | %s tok/s | "
+                  "%.0f ms/step | ETA %s\n",
+                  width, i, a.steps, m.loss, m.grad_norm, m.lr, human(tok_s).c_str(), ms,
+                  clock_time(eta).c_str());
+      std::fflush(stdout);
+      window_ms = window_tokens = window_wall = 0;
+      window_steps = 0;
+    }
+
+    std::optional<double> eval_loss;
+    if (a.eval_every > 0 && (i % a.eval_every == 0 || i == a.steps)) eval_loss = evaluate(i);
+
+    if (metrics.is_open()) {
+      nlohmann::json j = {
+          {"step", m.step},
+          {"loss", m.loss},
+          {"grad_norm", m.grad_norm},
+          {"lr", m.lr},
+          {"step_ms", m.step_ms},
+          {"forward_ms", m.forward_ms},
+          {"backward_ms", m.backward_ms},
+          {"optimizer_ms", m.optimizer_ms},
+          {"tokens_per_s", m.tokens_per_s},
+          {"peak_bytes", m.peak_bytes},
+          {"flops_per_token", flops},
+          {"tokens", m.tokens},
+      };
+      if (eval_loss) j["eval_loss"] = *eval_loss;
+      metrics << j.dump() << '\n';
+      metrics.flush();
+      if (!metrics)
+        throw ctr::Error(CTR_STATUS_IO_ERROR,
+                         ctr::strformat("cannot write metrics file '%s'", a.metrics.c_str()));
+    }
+  }
+
+  if (lead) {
+    const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
+    std::printf("done: %" PRId64 " steps in %s | final loss %.4f | mean %s tok/s\n", a.steps,
+                clock_time(elapsed).c_str(), last_loss,
+                human(total_ms > 0 ? total_tokens / (total_ms / 1000.0) : 0).c_str());
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------
+// ctr version
+
+int cmd_version() {
+  std::printf("ctr %s (ABI %d)\n", ctr_version(), ctr_abi_version());
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------
+// Command line
+
+// A numeric lower bound with a plain message ("must be >= 1, got 0"), where
+// CLI11's Range would print the whole double range.
+CLI::Validator at_least(double min, const std::string &name) {
+  return CLI::Validator(
+      [min](std::string &text) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(text, v)) return "not a number: " + text;
+        if (v < min) return ctr::strformat("must be >= %g, got %s", min, text.c_str());
+        return "";
+      },
+      name);
+}
+const CLI::Validator kPositive = at_least(1, "POSITIVE");
+const CLI::Validator kNonNegative = at_least(0, "NONNEGATIVE");
+
+void print_error(const ctr::Error &e) {
+  std::fprintf(stderr, "ctr: error: %s: %s\n", ctr_status_string(e.code()), e.message().c_str());
+}
+
+int run_main(int argc, char **argv) {
+  CLI::App app{"ctr: build, inspect and train libctr graphs"};
+  app.require_subcommand(1);
+  app.fallthrough(false);
+
+  // graph build / inspect ------------------------------------------------------------------
+  CLI::App *graph = app.add_subcommand("graph", "Build or inspect a graph file (.ctrg)");
+  graph->require_subcommand(1);
+
+  BuildArgs build;
+  CLI::App *build_cmd = graph->add_subcommand("build", "Build a model preset and save it");
+  build_cmd->add_option("--preset", build.preset, "Model family")
+      ->required()
+      ->check(CLI::IsMember({"gpt", "llama"}));
+  build_cmd->add_option("-o,--output", build.out, "Graph file to write")->required();
+  const auto int_opt = [&](const char *flag, const char *key, int64_t &var, const char *help) {
+    build.given_int.emplace_back(
+        key, build_cmd->add_option(flag, var, help)->check(kNonNegative));
+  };
+  int_opt("--layers", "layers", build.layers, "Transformer blocks");
+  int_opt("--dim", "dim", build.dim, "Model width");
+  int_opt("--heads", "heads", build.heads, "Attention heads");
+  int_opt("--kv-heads", "kv_heads", build.kv_heads, "Key/value heads (llama)");
+  int_opt("--vocab", "vocab", build.vocab, "Vocabulary size");
+  int_opt("--seq", "seq", build.seq, "Longest sequence (positions)");
+  int_opt("--ffn-dim", "ffn_dim", build.ffn_dim, "MLP hidden width (0 = preset default)");
+  const auto float_opt = [&](const char *flag, const char *key, double &var, const char *help) {
+    build.given_float.emplace_back(key, build_cmd->add_option(flag, var, help));
+  };
+  float_opt("--rope-theta", "rope_theta", build.rope_theta, "Rotary base (llama)");
+  float_opt("--norm-eps", "norm_eps", build.norm_eps, "Normalisation epsilon");
+  float_opt("--init-std", "init_std", build.init_std, "Std of the normal weight init");
+  build.tied_opt = build_cmd->add_flag("--tied,!--untied", build.tied,
+                                       "Share the input embedding with the output layer");
+
+  InspectArgs inspect;
+  std::vector<std::string> passes = ctr::pass_names();
+  std::string pass_list;
+  for (const auto &p : passes) pass_list += (pass_list.empty() ? "" : ", ") + p;
+  CLI::App *inspect_cmd = graph->add_subcommand(
+      "inspect", "Print a graph after a compiler pass (and, by default, a summary)");
+  inspect_cmd->add_option("file", inspect.file, "Graph file")->required();
+  inspect.after_opt =
+      inspect_cmd
+          ->add_option("--after", inspect.after,
+                       "Stop after this pass and print the IR (default: verify, plus a "
+                       "summary). Passes: " + pass_list)
+          ->check(CLI::IsMember(passes));
+  inspect_cmd->add_option("--batch", inspect.batch, "Batch size bound to the graph")
+      ->check(kPositive);
+  inspect.seq_opt =
+      inspect_cmd->add_option("--seq", inspect.seq, "Sequence length (default: graph max)")
+          ->check(kPositive);
+
+  // run -------------------------------------------------------------------------------------
+  RunArgs run;
+  CLI::App *run_cmd = app.add_subcommand("run", "Train a graph");
+  run_cmd->add_option("graph", run.graph, "Graph file")->required();
+  run_cmd->add_option("--data", run.data,
+                      "Token file (llm.c .bin) or any file read as bytes "
+                      "(default: the built-in synthetic English corpus)");
+  run_cmd->add_option("--steps", run.steps, "Optimizer steps")
+      ->required()
+      ->check(kPositive);
+  run_cmd->add_option("--batch", run.batch, "Sequences per micro-batch")
+      ->required()
+      ->check(kPositive);
+  run.seq_opt = run_cmd
+                    ->add_option("--seq", run.seq,
+                                 "Sequence length (default: the graph's, else 256)")
+                    ->check(kPositive);
+  run_cmd->add_option("--micro-batches", run.micro_batches,
+                      "Gradient accumulation steps per optimizer step")->capture_default_str()
+      ->check(kPositive);
+  run_cmd->add_option("--lr", run.lr, "Peak learning rate")->capture_default_str()->check(kNonNegative);
+  run.min_lr_opt = run_cmd->add_option("--min-lr", run.min_lr, "Final learning rate (0)")
+                       ->check(kNonNegative);
+  run_cmd->add_option("--warmup", run.warmup, "Linear warm-up steps")->capture_default_str()
+      ->check(kNonNegative);
+  run_cmd->add_option("--schedule", run.schedule, "Decay after warm-up, over the rest")->capture_default_str()
+      ->check(CLI::IsMember({"cosine", "linear", "constant"}));
+  run_cmd->add_option("--weight-decay", run.weight_decay, "AdamW decoupled decay")->capture_default_str()
+      ->check(kNonNegative);
+  run.beta1_opt = run_cmd->add_option("--beta1", run.beta1, "AdamW beta1 (0.9)");
+  run.beta2_opt = run_cmd->add_option("--beta2", run.beta2, "AdamW beta2 (0.95)");
+  run_cmd->add_option("--grad-clip", run.grad_clip, "Global-norm clip, 0 = off")->capture_default_str()
+      ->check(kNonNegative);
+  run_cmd->add_option("--seed", run.seed, "Parameter init seed")->capture_default_str();
+  run_cmd->add_option("--data-seed", run.data_seed, "Data order seed")->capture_default_str();
+  run_cmd->add_option("--metrics", run.metrics, "Write one JSON object per step to this file");
+  run_cmd->add_option("--log-every", run.log_every, "Steps between progress lines (0 = none)")->capture_default_str()
+      ->check(kNonNegative);
+  run_cmd->add_option("--eval-every", run.eval_every, "Steps between evaluations (0 = none)")->capture_default_str()
+      ->check(kNonNegative);
+  run_cmd->add_option("--eval-batches", run.eval_batches, "Batches per evaluation")->capture_default_str()
+      ->check(kPositive);
+  run.threads_opt = run_cmd->add_option("--threads", run.threads, "CPU worker threads")
+                        ->check(kPositive);
+  run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default) or cuda");
+  run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4");
+
+  CLI::App *version_cmd = app.add_subcommand("version", "Print the library and ABI version");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError &e) {
+    // --help is a "parse error" that exits 0; real usage errors exit 2, the
+    // convention of getopt-based tools, rather than CLI11's own codes.
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+
+  if (build_cmd->parsed()) return cmd_graph_build(build);
+  if (inspect_cmd->parsed()) return cmd_graph_inspect(inspect);
+  if (run_cmd->parsed()) return cmd_run(run);
+  if (version_cmd->parsed()) return cmd_version();
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  try {
+    return run_main(argc, argv);
+  } catch (const ToolError &e) {
+    print_error(e);
+    if (!e.note().empty()) std::fprintf(stderr, "ctr: note: %s\n", e.note().c_str());
+  } catch (const ctr::Error &e) {
+    print_error(e);
+  } catch (const std::bad_alloc &) {
+    std::fprintf(stderr, "ctr: error: %s: out of memory\n",
+                 ctr_status_string(CTR_STATUS_OUT_OF_MEMORY));
+  } catch (const std::exception &e) {
+    std::fprintf(stderr, "ctr: error: %s: %s\n", ctr_status_string(CTR_STATUS_INTERNAL),
+                 e.what());
+  }
+  return 1;
+}
