@@ -96,8 +96,9 @@ CTR_HOST_DEVICE float exp_fast(float x) {
 CTR_HOST_DEVICE float sigmoid_fast(float x) { return 1.0f / (1.0f + exp_fast(-x)); }
 
 // 0.5 (1 + tanh(u)) = sigmoid(2u), so gelu(x) = x * sigmoid(2u): no cancellation
-// for large negative x, and the derivative follows from s = sigmoid(2u) alone:
-// 1 + t = 2s and 1 - t^2 = 4 s (1 - s).
+// for large negative x. The derivatives use 1 + t = 2s, 1 - t^2 = 4 s (1 - s), and
+// take 1 - s as e * s with e = exp(-z), s = 1 / (1 + e), which stays accurate when
+// s is close to 1 (1.0f - s would keep only the few bits left after cancellation).
 CTR_HOST_DEVICE float gelu_fast(float x) {
   float u = kGeluC * fmadd(kGeluA * x, x * x, x);
   return x * sigmoid_fast(2.0f * u);
@@ -106,16 +107,18 @@ CTR_HOST_DEVICE float gelu_fast(float x) {
 CTR_HOST_DEVICE float gelu_grad_fast(float x) {
   float x2 = x * x;
   float u = kGeluC * fmadd(kGeluA * x, x2, x);
-  float s = sigmoid_fast(2.0f * u);
+  float e = exp_fast(-2.0f * u);
+  float s = 1.0f / (1.0f + e);
   float du = kGeluC * fmadd(3.0f * kGeluA, x2, 1.0f);
-  return s + 2.0f * x * s * (1.0f - s) * du;
+  return fmadd(2.0f * x * du, s * (e * s), s);
 }
 
 CTR_HOST_DEVICE float silu_fast(float x) { return x * sigmoid_fast(x); }
 
 CTR_HOST_DEVICE float silu_grad_fast(float x) {
-  float s = sigmoid_fast(x);
-  return s * (1.0f + x * (1.0f - s));
+  float e = exp_fast(-x);
+  float s = 1.0f / (1.0f + e);
+  return s * fmadd(x, e * s, 1.0f);
 }
 
 }  // namespace ctr::math

@@ -256,11 +256,9 @@ void swiglu_bwd(const float *dy, const float *gate, const float *up, float *dgat
                 int64_t n) {
   for_range(n, kGrainExp, [=](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float g = gate[i];
-      const float s = math::sigmoid_fast(g);
-      const float d = dy[i];
-      dup[i] = d * g * s;
-      dgate[i] = d * up[i] * (s * (1.0f + g * (1.0f - s)));
+      const float g = gate[i], d = dy[i];
+      dup[i] = d * math::silu_fast(g);
+      dgate[i] = d * up[i] * math::silu_grad_fast(g);
     }
   });
 }

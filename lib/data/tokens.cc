@@ -24,6 +24,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/rng.h"
@@ -434,10 +435,6 @@ std::unique_ptr<TokenSource> TokenSource::synthetic(uint64_t seed, int64_t bytes
 // ------------------------------------------------------------------------------------------
 // Loader
 
-namespace {
-const uint64_t kLoaderStream = rng::hash_name("ctr.data.loader");
-}
-
 Loader::Loader(const TokenSource &src, int64_t seq, int64_t rows, uint64_t seed)
     : src_(src), seq_(seq), rows_(rows), seed_(seed) {
   CTR_REQUIRE(seq >= 1, CTR_STATUS_INVALID_ARGUMENT, "data loader: seq must be >= 1, got %lld",
@@ -461,12 +458,13 @@ void Loader::begin_epoch() {
   // Eight counters per epoch, five used: the LCG's multiplier (made = 1 mod 4)
   // and increment (made odd) satisfy Hull-Dobell for a power-of-two modulus, so
   // the generator walks all m residues before repeating.
+  const uint64_t stream = rng::hash_name("ctr.data.loader");
   const uint64_t base = epoch_ * 8;
-  mul_ = (rng::bits(seed_, kLoaderStream, base) & ~uint64_t{3}) | 1;
-  inc_ = rng::bits(seed_, kLoaderStream, base + 1) | 1;
-  x_ = rng::bits(seed_, kLoaderStream, base + 2) & mask_;
-  mix1_ = rng::bits(seed_, kLoaderStream, base + 3) | 1;
-  mix2_ = rng::bits(seed_, kLoaderStream, base + 4) | 1;
+  mul_ = (rng::bits(seed_, stream, base) & ~uint64_t{3}) | 1;
+  inc_ = rng::bits(seed_, stream, base + 1) | 1;
+  x_ = rng::bits(seed_, stream, base + 2) & mask_;
+  mix1_ = rng::bits(seed_, stream, base + 3) | 1;
+  mix2_ = rng::bits(seed_, stream, base + 4) | 1;
   position_ = 0;
 }
 

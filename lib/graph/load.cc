@@ -25,16 +25,26 @@ namespace {
 Graph load_graph_buffer(const void *data, size_t size, const std::string &src) {
   CTR_REQUIRE(data != nullptr || size == 0, CTR_STATUS_INVALID_ARGUMENT, "%s: data is NULL",
               src.c_str());
-  if (size < 8) bad(src, strformat("file is truncated (%zu bytes; a graph file has at least 8)", size));
+  // A file is a size-prefixed FlatBuffer: 4 bytes of length, then the buffer
+  // whose bytes 4..8 are the identifier. The prefix makes truncation exact.
+  if (size < 12)
+    bad(src, strformat("file is truncated (%zu bytes; a graph file has at least 12)", size));
   const auto *bytes = static_cast<const uint8_t *>(data);
-  if (!flatbuffers::BufferHasIdentifier(bytes, fb::GraphIdentifier())) {
+  if (!flatbuffers::BufferHasIdentifier(bytes, fb::GraphIdentifier(), true)) {
     char id[5] = {0};
-    std::memcpy(id, bytes + 4, 4);
+    std::memcpy(id, bytes + 8, 4);
     for (char &c : id)
       if (c && (c < 32 || c > 126)) c = '?';
     bad(src, strformat("wrong file identifier '%s' (expected '%s'): not a libctr graph file", id,
                        fb::GraphIdentifier()));
   }
+  uint32_t body = flatbuffers::ReadScalar<uint32_t>(bytes);
+  if (static_cast<uint64_t>(body) + 4 > size)
+    bad(src, strformat("file is truncated (%zu bytes, its header says %llu)", size,
+                       static_cast<unsigned long long>(body) + 4));
+  if (static_cast<uint64_t>(body) + 4 < size)
+    bad(src, strformat("file has %llu unexpected bytes after the graph",
+                       static_cast<unsigned long long>(size - body - 4)));
   // The verifier needs the buffer aligned; copy when the caller's is not.
   std::vector<uint8_t> aligned;
   if (reinterpret_cast<uintptr_t>(bytes) % 8 != 0) {
@@ -42,9 +52,9 @@ Graph load_graph_buffer(const void *data, size_t size, const std::string &src) {
     bytes = aligned.data();
   }
   flatbuffers::Verifier verifier(bytes, size, 64, 10000000);
-  if (!fb::VerifyGraphBuffer(verifier))
-    bad(src, "file is truncated or corrupt (FlatBuffers verification failed)");
-  const fb::Graph *fg = fb::GetGraph(bytes);
+  if (!fb::VerifySizePrefixedGraphBuffer(verifier))
+    bad(src, "file is corrupt (FlatBuffers verification failed)");
+  const fb::Graph *fg = fb::GetSizePrefixedGraph(bytes);
   if (fg->format_version() == 0 || fg->format_version() > kFormatVersion)
     bad(src, strformat("unsupported format version %u (this library reads versions 1..%u)",
                        fg->format_version(), kFormatVersion));

@@ -60,9 +60,9 @@ std::vector<uint8_t> save_graph_buffer(const Graph &g) {
   auto vt = b.CreateVector(tensors);
   auto vn = b.CreateVector(nodes);
   auto vm = b.CreateVector(meta);
-  auto root = fb::CreateGraph(b, kFormatVersion, name, vt, vn,
+  auto root = fb::CreateGraph(b, g.format_version, name, vt, vn,
                               static_cast<uint32_t>(g.loss < 0 ? 0 : g.loss), vm);
-  fb::FinishGraphBuffer(b, root);
+  fb::FinishSizePrefixedGraphBuffer(b, root);
   return std::vector<uint8_t>(b.GetBufferPointer(), b.GetBufferPointer() + b.GetSize());
 }
 

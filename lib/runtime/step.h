@@ -45,7 +45,9 @@ class Step {
   int64_t peak_bytes() const;
 
   // For gradient checks: forward and backward on the current inputs without an
-  // optimizer update (returns the loss), then the gradient of a parameter.
+  // optimizer update (returns the loss), then the gradient of a parameter. The
+  // gradients share arena bytes with forward activations: read them before the
+  // next evaluate() or run().
   double forward_backward();
   void read_grad(const std::string &name, float *out, size_t count);
   const Graph &graph() const { return g_; }

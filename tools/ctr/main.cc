@@ -314,7 +314,6 @@ class Batches {
   const int32_t *tokens() const { return tokens_.data() + offset_; }
   const int32_t *targets() const { return targets_.data() + offset_; }
   size_t bytes() const { return count_ * sizeof(int32_t); }
-  int64_t windows() const { return loader_.windows(); }
 
  private:
   ctr::data::Loader loader_;
@@ -361,6 +360,17 @@ int cmd_run(const RunArgs &a) {
   const int rank = ctr_mesh_rank(mesh.get());
   const int world = ctr_mesh_world_size(mesh.get());
   const bool lead = rank == 0;  // one rank speaks for the job
+
+  // Opened before the (possibly slow) compile so that a bad path fails at once.
+  // Only rank 0 writes: the ranks of a job may share one file system.
+  std::ofstream metrics;
+  if (lead && !a.metrics.empty()) {
+    metrics.open(a.metrics, std::ios::out | std::ios::trunc);
+    if (!metrics)
+      throw ctr::Error(CTR_STATUS_IO_ERROR,
+                       ctr::strformat("cannot open metrics file '%s': %s", a.metrics.c_str(),
+                                      std::strerror(errno)));
+  }
 
   Options step_opts = new_options();
   set_int(step_opts.get(), "batch", a.batch);
@@ -415,15 +425,6 @@ int cmd_run(const RunArgs &a) {
                 shape.c_str(), mib(arena + param_bytes + opt_bytes), mib(arena),
                 mib(param_bytes), mib(opt_bytes));
     std::fflush(stdout);
-  }
-
-  std::ofstream metrics;
-  if (lead && !a.metrics.empty()) {
-    metrics.open(a.metrics, std::ios::out | std::ios::trunc);
-    if (!metrics)
-      throw ctr::Error(CTR_STATUS_IO_ERROR,
-                       ctr::strformat("cannot open metrics file '%s': %s", a.metrics.c_str(),
-                                      std::strerror(errno)));
   }
 
   auto evaluate = [&](int64_t at) -> double {

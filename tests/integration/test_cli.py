@@ -1,0 +1,110 @@
+#!/usr/bin/python3
+"""End-to-end checks of the ctr tool: build, inspect and train from the command
+line, and clear failures (exit 1, one 'ctr: error:' line) for bad input.
+
+usage: test_cli.py PATH_TO_CTR
+"""
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+
+CTR = os.path.abspath(sys.argv[1])
+failures = []
+
+
+def run(*args, expect=0, timeout=300):
+    p = subprocess.run([CTR, *args], capture_output=True, text=True, timeout=timeout)
+    if p.returncode != expect:
+        failures.append(f"`ctr {' '.join(args)}` exited {p.returncode}, expected {expect}\n"
+                        f"stdout: {p.stdout[-2000:]}\nstderr: {p.stderr[-2000:]}")
+    return p
+
+
+def check(cond, msg):
+    if not cond:
+        failures.append(msg)
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="ctr_cli_")
+    graph = os.path.join(tmp, "tiny.ctrg")
+    run("graph", "build", "--preset", "gpt", "--layers", "2", "--dim", "64", "--heads", "4",
+        "--vocab", "256", "--seq", "32", "-o", graph)
+    check(os.path.getsize(graph) > 100, "graph file not written")
+
+    # Every pass prints.
+    for p in ["verify", "infer_shapes", "autodiff", "plan_memory", "lower"]:
+        out = run("graph", "inspect", graph, "--after", p, "--batch", "2").stdout
+        check(len(out) > 200, f"inspect --after {p} printed almost nothing")
+        if p == "autodiff":
+            check("-- backward --" in out and "linear_bwd_w" in out, "autodiff dump lacks backward nodes")
+        if p == "plan_memory":
+            check("memory plan: arena" in out, "plan_memory dump lacks the plan summary")
+        if p == "lower":
+            check("backward:" in out, "lower dump lacks the backward list")
+    r = run("graph", "inspect", graph, "--after", "nonsense", expect=1)
+    check("unknown pass 'nonsense'" in r.stderr, f"bad pass name message: {r.stderr}")
+
+    # Train on a learnable byte text: a short sentence repeated.
+    data = os.path.join(tmp, "text.txt")
+    with open(data, "w") as f:
+        f.write("the quick brown fox jumps over the lazy dog. " * 400)
+    metrics = os.path.join(tmp, "m.jsonl")
+    r = run("run", graph, "--data", data, "--steps", "80", "--batch", "8", "--lr", "3e-3",
+            "--warmup", "5", "--metrics", metrics, "--log-every", "20")
+    check("step" in r.stdout and "tok/s" in r.stdout and "ETA" in r.stdout,
+          f"no progress line in: {r.stdout[:500]}")
+    rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+    check(len(rows) == 80, f"metrics has {len(rows)} rows, expected 80")
+    if rows:
+        for key in ["step", "loss", "grad_norm", "lr", "step_ms", "tokens_per_s", "peak_bytes"]:
+            check(key in rows[0], f"metrics lacks key {key}")
+        check(rows[0]["loss"] > 4.0, f"initial loss {rows[0]['loss']} is not near log(256)")
+        check(rows[-1]["loss"] < 1.0, f"loss did not fall below 1.0: {rows[-1]['loss']}")
+        check(rows[0]["lr"] < rows[10]["lr"], "warm-up did not raise the learning rate")
+
+    # Bad inputs: each is one clear error line and exit status 1.
+    junk = os.path.join(tmp, "junk.ctrg")
+    with open(junk, "wb") as f:
+        f.write(b"\x00" * 3 + b"not a graph at all" * 10)
+    r = run("run", junk, "--steps", "1", "--batch", "1", expect=1)
+    check("ctr: error: invalid graph" in r.stderr and "identifier" in r.stderr,
+          f"junk graph message: {r.stderr}")
+    r = run("run", os.path.join(tmp, "missing.ctrg"), "--steps", "1", "--batch", "1", expect=1)
+    check("missing.ctrg" in r.stderr, f"missing file message: {r.stderr}")
+    r = run("graph", "build", "--preset", "bert", "-o", junk, expect=1)
+    check("unknown preset 'bert'" in r.stderr, f"unknown preset message: {r.stderr}")
+    r = run("graph", "build", "--preset", "gpt", "--dim", "10", "--heads", "4", "-o", junk, expect=1)
+    check("multiple of 'heads'" in r.stderr, f"bad dims message: {r.stderr}")
+    run("run", expect=2)  # usage error
+
+    # An llm.c token file whose tokens exceed the model's vocabulary.
+    tokfile = os.path.join(tmp, "big_vocab.bin")
+    with open(tokfile, "wb") as f:
+        header = [20240520, 1, 1000] + [0] * 253
+        f.write(struct.pack("<256i", *header))
+        f.write(struct.pack("<1000H", *[(i * 37) % 1000 for i in range(1000)]))
+    r = run("run", graph, "--data", tokfile, "--steps", "1", "--batch", "2", expect=1)
+    check("ctr: error:" in r.stderr and ("vocab" in r.stderr or "range" in r.stderr),
+          f"out-of-vocab message: {r.stderr}")
+    # A truncated token file.
+    with open(tokfile, "r+b") as f:
+        f.truncate(256 * 4 + 100)
+    r = run("run", graph, "--data", tokfile, "--steps", "1", "--batch", "2", expect=1)
+    check("ctr: error: data error" in r.stderr and "big_vocab.bin" in r.stderr,
+          f"truncated token file message: {r.stderr}")
+
+    if failures:
+        print(f"{len(failures)} failure(s):")
+        for f in failures:
+            print(" -", f)
+        return 1
+    print("cli: all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

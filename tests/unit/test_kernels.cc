@@ -1,0 +1,1083 @@
+// Tests of the CPU kernels (kernels/cpu/kernels.h).
+//
+// Every forward kernel is compared with a plain double-precision reference written
+// here, and every backward kernel with central finite differences of that double
+// reference: for L = sum(dy * f(x)) with a random dy, dL/dx_i is estimated as
+// (L(x + h e_i) - L(x - h e_i)) / 2h in double with h = 1e-6, which is accurate to
+// about 1e-9 for these smooth functions, so the tolerances below measure only the
+// fp32 error of the kernel. Shapes are small and deliberately odd (R=3, C=7, T=5,
+// V=11, ...); a few larger shapes exercise the blocked and multi-threaded paths, and
+// the determinism tests check that reductions do not depend on the thread count.
+//
+// Tolerances are absolute + relative: |got - ref| <= atol + rtol * |ref|.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/math.h"
+#include "core/thread_pool.h"
+#include "cpu/kernels.h"
+
+namespace {
+
+using F = std::vector<float>;
+using Dv = std::vector<double>;
+using RefFn = std::function<Dv(const Dv &)>;
+
+// ---------------------------------------------------------------------------
+// Helpers
+
+F random_vec(int64_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  F v(static_cast<size_t>(n));
+  for (auto &x : v) x = dist(rng);
+  return v;
+}
+
+Dv to_d(const F &v) { return Dv(v.begin(), v.end()); }
+
+void expect_close(const F &got, const Dv &ref, double atol, double rtol, const std::string &what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  double worst = 0.0;
+  size_t worst_i = 0;
+  int bad = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - ref[i]);
+    const double lim = atol + rtol * std::fabs(ref[i]);
+    if (!(err <= lim)) ++bad;
+    if (!(err <= worst) || std::isnan(err)) {
+      worst = err;
+      worst_i = i;
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size()
+                    << " elements out of tolerance; worst at " << worst_i << ": got "
+                    << got[worst_i] << ", want " << ref[worst_i];
+}
+
+void expect_close(const F &got, const F &ref, double atol, double rtol, const std::string &what) {
+  expect_close(got, to_d(ref), atol, rtol, what);
+}
+
+double dot(const Dv &a, const Dv &b) {
+  double s = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Central finite differences of L(x) = sum(dy * f(x)) at the listed indices of x
+// (all of them when `idx` is empty).
+Dv fd_grad(const RefFn &f, Dv x, const Dv &dy, std::vector<size_t> idx = {}) {
+  constexpr double h = 1e-6;
+  if (idx.empty())
+    for (size_t i = 0; i < x.size(); ++i) idx.push_back(i);
+  Dv g(x.size(), 0.0);
+  for (size_t i : idx) {
+    const double x0 = x[i];
+    x[i] = x0 + h;
+    const double lp = dot(dy, f(x));
+    x[i] = x0 - h;
+    const double lm = dot(dy, f(x));
+    x[i] = x0;
+    g[i] = (lp - lm) / (2 * h);
+  }
+  return g;
+}
+
+// Compares an analytic gradient with finite differences, on all indices or on a
+// random sample of `samples` of them for larger inputs.
+// `prior` holds what an accumulating kernel's output held before the call.
+void expect_grad(const F &got, const RefFn &f, const F &x, const F &dy, double atol, double rtol,
+                 const std::string &what, size_t samples = 0, const F *prior = nullptr) {
+  std::vector<size_t> idx;
+  if (samples && samples < x.size()) {
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<size_t> pick(0, x.size() - 1);
+    for (size_t s = 0; s < samples; ++s) idx.push_back(pick(rng));
+  }
+  Dv ref = fd_grad(f, to_d(x), to_d(dy), idx);
+  if (prior)
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] += (*prior)[i];
+  if (idx.empty()) {
+    expect_close(got, ref, atol, rtol, what);
+    return;
+  }
+  F g2;
+  Dv r2;
+  for (size_t i : idx) {
+    g2.push_back(got[i]);
+    r2.push_back(ref[i]);
+  }
+  expect_close(g2, r2, atol, rtol, what + " (sampled)");
+}
+
+// Runs fn with the pool at `n` threads, restoring the default afterwards.
+template <class Fn>
+void with_threads(int n, Fn fn) {
+  ctr::set_num_threads(n);
+  fn();
+  ctr::set_num_threads(0);
+}
+
+// ---------------------------------------------------------------------------
+// Double-precision references
+
+Dv ref_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha, const Dv &A,
+            int64_t lda, const Dv &B, int64_t ldb, double beta, Dv C, int64_t ldc) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = 0.0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double a = ta ? A[k * lda + i] : A[i * lda + k];
+        const double b = tb ? B[j * ldb + k] : B[k * ldb + j];
+        s += a * b;
+      }
+      double &c = C[i * ldc + j];
+      c = alpha * s + (beta == 0.0 ? 0.0 : beta * c);
+    }
+  return C;
+}
+
+Dv ref_linear(const Dv &x, const Dv &w, const Dv *b, int64_t M, int64_t K, int64_t N) {
+  Dv y(M * N);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = b ? (*b)[j] : 0.0;
+      for (int64_t k = 0; k < K; ++k) s += x[i * K + k] * w[j * K + k];
+      y[i * N + j] = s;
+    }
+  return y;
+}
+
+Dv ref_matmul(const Dv &a, const Dv &b, int64_t batch, int64_t M, int64_t K, int64_t N,
+              bool shared) {
+  Dv c(batch * M * N);
+  for (int64_t p = 0; p < batch; ++p) {
+    const double *bp = b.data() + (shared ? 0 : p * K * N);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        double s = 0.0;
+        for (int64_t k = 0; k < K; ++k) s += a[(p * M + i) * K + k] * bp[k * N + j];
+        c[(p * M + i) * N + j] = s;
+      }
+  }
+  return c;
+}
+
+double gelu_d(double x) {
+  const double u = 0.7978845608028654 * (x + 0.044715 * x * x * x);
+  return 0.5 * x * (1.0 + std::tanh(u));
+}
+double sigmoid_d(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+double silu_d(double x) { return x * sigmoid_d(x); }
+
+Dv ref_softmax(const Dv &x, int64_t R, int64_t C) {
+  Dv y(x.size());
+  for (int64_t r = 0; r < R; ++r) {
+    double m = -INFINITY, s = 0.0;
+    for (int64_t j = 0; j < C; ++j) m = std::max(m, x[r * C + j]);
+    for (int64_t j = 0; j < C; ++j) s += std::exp(x[r * C + j] - m);
+    for (int64_t j = 0; j < C; ++j) y[r * C + j] = std::exp(x[r * C + j] - m) / s;
+  }
+  return y;
+}
+
+struct NormOut {
+  Dv y, mean, rstd;
+};
+
+NormOut ref_layernorm(const Dv &x, const Dv &w, const Dv *b, int64_t R, int64_t C, double eps) {
+  NormOut o{Dv(x.size()), Dv(R), Dv(R)};
+  for (int64_t r = 0; r < R; ++r) {
+    double m = 0.0, v = 0.0;
+    for (int64_t j = 0; j < C; ++j) m += x[r * C + j];
+    m /= C;
+    for (int64_t j = 0; j < C; ++j) v += (x[r * C + j] - m) * (x[r * C + j] - m);
+    v /= C;
+    const double s = 1.0 / std::sqrt(v + eps);
+    o.mean[r] = m;
+    o.rstd[r] = s;
+    for (int64_t j = 0; j < C; ++j)
+      o.y[r * C + j] = (x[r * C + j] - m) * s * w[j] + (b ? (*b)[j] : 0.0);
+  }
+  return o;
+}
+
+NormOut ref_rmsnorm(const Dv &x, const Dv &w, int64_t R, int64_t C, double eps) {
+  NormOut o{Dv(x.size()), Dv(), Dv(R)};
+  for (int64_t r = 0; r < R; ++r) {
+    double ms = 0.0;
+    for (int64_t j = 0; j < C; ++j) ms += x[r * C + j] * x[r * C + j];
+    const double s = 1.0 / std::sqrt(ms / C + eps);
+    o.rstd[r] = s;
+    for (int64_t j = 0; j < C; ++j) o.y[r * C + j] = x[r * C + j] * s * w[j];
+  }
+  return o;
+}
+
+Dv ref_rope(const Dv &x, int64_t B, int64_t T, int64_t H, int64_t D, double theta) {
+  Dv y(x.size());
+  const int64_t half = D / 2;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t base = ((b * T + t) * H + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const double ang = t * std::pow(theta, -2.0 * i / D);
+          const double x1 = x[base + i], x2 = x[base + i + half];
+          y[base + i] = x1 * std::cos(ang) - x2 * std::sin(ang);
+          y[base + i + half] = x1 * std::sin(ang) + x2 * std::cos(ang);
+        }
+      }
+  return y;
+}
+
+struct AttnOut {
+  Dv out, probs;
+};
+
+AttnOut ref_attention(const Dv &q, const Dv &k, const Dv &v, int64_t B, int64_t T, int64_t Hq,
+                      int64_t Hkv, int64_t D, double scale, bool causal) {
+  AttnOut o{Dv(B * T * Hq * D, 0.0), Dv(B * Hq * T * T, 0.0)};
+  const int64_t group = Hq / Hkv;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t g = h / group;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t n = causal ? t + 1 : T;
+        Dv s(n);
+        double m = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) {
+          double acc = 0.0;
+          for (int64_t d = 0; d < D; ++d)
+            acc += q[((b * T + t) * Hq + h) * D + d] * k[((b * T + j) * Hkv + g) * D + d];
+          s[j] = scale * acc;
+          m = std::max(m, s[j]);
+        }
+        double sum = 0.0;
+        for (auto &e : s) sum += (e = std::exp(e - m));
+        for (int64_t j = 0; j < n; ++j) {
+          const double p = s[j] / sum;
+          o.probs[((b * Hq + h) * T + t) * T + j] = p;
+          for (int64_t d = 0; d < D; ++d)
+            o.out[((b * T + t) * Hq + h) * D + d] += p * v[((b * T + j) * Hkv + g) * D + d];
+        }
+      }
+    }
+  return o;
+}
+
+struct CeOut {
+  double loss;
+  Dv lse;
+  int64_t count;
+};
+
+CeOut ref_cross_entropy(const Dv &x, const std::vector<int32_t> &tgt, int64_t R, int64_t V) {
+  CeOut o{0.0, Dv(R), 0};
+  for (int64_t r = 0; r < R; ++r) {
+    double m = -INFINITY, s = 0.0;
+    for (int64_t j = 0; j < V; ++j) m = std::max(m, x[r * V + j]);
+    for (int64_t j = 0; j < V; ++j) s += std::exp(x[r * V + j] - m);
+    o.lse[r] = m + std::log(s);
+    if (tgt[r] >= 0) {
+      o.loss += o.lse[r] - x[r * V + tgt[r]];
+      ++o.count;
+    }
+  }
+  if (o.count) o.loss /= static_cast<double>(o.count);
+  return o;
+}
+
+// ---------------------------------------------------------------------------
+// Scalar math (common/math.h)
+
+TEST(Math, ExpFastMatchesExp) {
+  // Within 4 float ulps (relative 2.4e-7) over the range where exp is normal.
+  double worst = 0.0;
+  for (double x = -87.0; x < 88.0; x += 0.00731) {
+    const float xf = static_cast<float>(x);
+    const double ref = std::exp(static_cast<double>(xf));
+    worst = std::max(worst, std::fabs(ctr::math::exp_fast(xf) - ref) / ref);
+  }
+  EXPECT_LT(worst, 2.4e-7);
+  EXPECT_EQ(ctr::math::exp_fast(-100.0f), 0.0f);
+  EXPECT_EQ(ctr::math::exp_fast(-INFINITY), 0.0f);
+  EXPECT_TRUE(std::isfinite(ctr::math::exp_fast(100.0f)));
+  EXPECT_TRUE(std::isnan(ctr::math::exp_fast(NAN)));
+  EXPECT_EQ(ctr::math::exp_fast(0.0f), 1.0f);
+}
+
+TEST(Math, FastFormsMatchDefinitions) {
+  // The vectorisable forms equal gelu/silu and their derivatives up to float
+  // rounding: 2e-6 absolute + 1e-5 relative over [-12, 12].
+  for (double x = -12.0; x < 12.0; x += 0.0173) {
+    const float xf = static_cast<float>(x);
+    EXPECT_NEAR(ctr::math::gelu_fast(xf), ctr::math::gelu(xf), 2e-6 + 1e-5 * std::fabs(x));
+    EXPECT_NEAR(ctr::math::gelu_grad_fast(xf), ctr::math::gelu_grad(xf), 2e-6);
+    EXPECT_NEAR(ctr::math::silu_fast(xf), ctr::math::silu(xf), 2e-6 + 1e-5 * std::fabs(x));
+    EXPECT_NEAR(ctr::math::silu_grad_fast(xf), ctr::math::silu_grad(xf), 2e-6);
+    EXPECT_NEAR(ctr::math::sigmoid_fast(xf), ctr::math::sigmoid(xf), 2e-7);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// GEMM
+
+struct GemmCase {
+  int64_t M, N, K;
+};
+
+TEST(Gemm, AllTransposesWithStridesAlphaBeta) {
+  // Operands in [-1, 1]; fp32 dot products of K <= 70 terms are accurate to a few
+  // 1e-6, so 2e-5 absolute + 1e-5 relative. The larger cases are above the
+  // parallel threshold and split over rows (M >= N) or columns (M < N).
+  for (GemmCase c : {GemmCase{3, 7, 5}, GemmCase{1, 1, 1}, GemmCase{130, 41, 70},
+                     GemmCase{37, 150, 60}}) {
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb) {
+        const int64_t pad = 3;  // leading dimensions larger than the rows
+        const int64_t arows = ta ? c.K : c.M, acols = ta ? c.M : c.K;
+        const int64_t brows = tb ? c.N : c.K, bcols = tb ? c.K : c.N;
+        const int64_t lda = acols + pad, ldb = bcols + pad, ldc = c.N + pad;
+        F A = random_vec(arows * lda, 1), B = random_vec(brows * ldb, 2);
+        F C = random_vec(c.M * ldc, 3);
+        const float alpha = 0.75f, beta = -0.5f;
+        Dv ref = ref_gemm(ta, tb, c.M, c.N, c.K, alpha, to_d(A), lda, to_d(B), ldb, beta,
+                          to_d(C), ldc);
+        ctr::cpu::gemm(ta, tb, c.M, c.N, c.K, alpha, A.data(), lda, B.data(), ldb, beta,
+                       C.data(), ldc);
+        expect_close(C, ref, 2e-5, 1e-5,
+                     "gemm M=" + std::to_string(c.M) + " N=" + std::to_string(c.N) +
+                         " K=" + std::to_string(c.K) + " ta=" + std::to_string(ta) +
+                         " tb=" + std::to_string(tb));
+      }
+  }
+}
+
+TEST(Gemm, BetaZeroIgnoresNaNInOutput) {
+  // beta = 0 must overwrite, not multiply: C may hold garbage (exact comparison is
+  // not needed, 1e-5 as above).
+  F A = random_vec(3 * 5, 1), B = random_vec(5 * 7, 2), C(3 * 7, NAN);
+  ctr::cpu::gemm(false, false, 3, 7, 5, 1.0f, A.data(), 5, B.data(), 7, 0.0f, C.data(), 7);
+  Dv ref = ref_gemm(false, false, 3, 7, 5, 1.0, to_d(A), 5, to_d(B), 7, 0.0, Dv(21, 0.0), 7);
+  expect_close(C, ref, 1e-5, 1e-5, "gemm beta=0");
+}
+
+// ---------------------------------------------------------------------------
+// Linear
+
+TEST(Linear, Forward) {
+  // K-term fp32 dot products of values in [-1, 1]: 2e-5 absolute + 1e-5 relative.
+  for (GemmCase c : {GemmCase{3, 7, 5}, GemmCase{129, 67, 45}}) {
+    const int64_t M = c.M, N = c.N, K = c.K;
+    F x = random_vec(M * K, 1), w = random_vec(N * K, 2), b = random_vec(N, 3);
+    F y(M * N, NAN);
+    Dv bd = to_d(b);
+    ctr::cpu::linear_fwd(x.data(), w.data(), b.data(), y.data(), M, K, N);
+    expect_close(y, ref_linear(to_d(x), to_d(w), &bd, M, K, N), 2e-5, 1e-5, "linear+bias");
+    std::fill(y.begin(), y.end(), NAN);
+    ctr::cpu::linear_fwd(x.data(), w.data(), nullptr, y.data(), M, K, N);
+    expect_close(y, ref_linear(to_d(x), to_d(w), nullptr, M, K, N), 2e-5, 1e-5, "linear");
+  }
+}
+
+TEST(Linear, BackwardMatchesFiniteDifferences) {
+  // The function is linear in each input, so the central difference is exact up
+  // to double rounding (~1e-10); the kernel's fp32 error dominates: 5e-5 + 1e-4 rel.
+  const int64_t M = 5, K = 7, N = 3;
+  F x = random_vec(M * K, 1), w = random_vec(N * K, 2), b = random_vec(N, 3),
+    dy = random_vec(M * N, 4);
+  const Dv xd = to_d(x), wd = to_d(w), bd = to_d(b);
+
+  F dx(M * K, NAN);
+  ctr::cpu::linear_bwd_x(dy.data(), w.data(), dx.data(), M, K, N);
+  expect_grad(dx, [&](const Dv &v) { return ref_linear(v, wd, &bd, M, K, N); }, x, dy, 5e-5,
+              1e-4, "linear dx");
+
+  for (bool acc : {false, true}) {
+    F prior = random_vec(N * K, 5);
+    F dw = acc ? prior : F(N * K, NAN);
+    ctr::cpu::linear_bwd_w(dy.data(), x.data(), dw.data(), M, K, N, acc);
+    expect_grad(dw, [&](const Dv &v) { return ref_linear(xd, v, &bd, M, K, N); }, w, dy, 5e-5,
+                1e-4, acc ? "linear dw accumulate" : "linear dw", 0,
+                acc ? &prior : nullptr);
+
+    F priorb = random_vec(N, 6);
+    F db = acc ? priorb : F(N, NAN);
+    ctr::cpu::linear_bwd_b(dy.data(), db.data(), M, N, acc);
+    expect_grad(db, [&](const Dv &v) { return ref_linear(xd, wd, &v, M, K, N); }, b, dy, 5e-5,
+                1e-4, acc ? "linear db accumulate" : "linear db", 0,
+                acc ? &priorb : nullptr);
+  }
+}
+
+TEST(Linear, LargeBackwardMatchesReference) {
+  // Above the parallel thresholds (both row and column splits): compare with the
+  // double reference products directly; 200-term sums: 1e-4 + 1e-5 relative.
+  const int64_t M = 200, K = 90, N = 130;
+  F x = random_vec(M * K, 1), w = random_vec(N * K, 2), dy = random_vec(M * N, 3);
+  F dx(M * K), dw(N * K), db(N);
+  ctr::cpu::linear_bwd_x(dy.data(), w.data(), dx.data(), M, K, N);
+  ctr::cpu::linear_bwd_w(dy.data(), x.data(), dw.data(), M, K, N, false);
+  ctr::cpu::linear_bwd_b(dy.data(), db.data(), M, N, false);
+  expect_close(dx, ref_gemm(false, false, M, K, N, 1, to_d(dy), N, to_d(w), K, 0, Dv(M * K), K),
+               1e-4, 1e-5, "dx");
+  expect_close(dw, ref_gemm(true, false, N, K, M, 1, to_d(dy), N, to_d(x), K, 0, Dv(N * K), K),
+               1e-4, 1e-5, "dw");
+  Dv dbr(N, 0.0);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) dbr[j] += dy[i * N + j];
+  expect_close(db, dbr, 1e-4, 1e-5, "db");
+}
+
+// ---------------------------------------------------------------------------
+// Matmul
+
+TEST(Matmul, ForwardSharedAndBatched) {
+  // K <= 9 term products: 1e-5 absolute + 1e-5 relative.
+  for (bool shared : {false, true})
+    for (int64_t batch : {1, 3, 8}) {
+      const int64_t M = 5, K = 9, N = 7;
+      F a = random_vec(batch * M * K, 1), b = random_vec((shared ? 1 : batch) * K * N, 2);
+      F c(batch * M * N, NAN);
+      ctr::cpu::matmul_fwd(a.data(), b.data(), c.data(), batch, M, K, N, shared);
+      expect_close(c, ref_matmul(to_d(a), to_d(b), batch, M, K, N, shared), 1e-5, 1e-5,
+                   "matmul batch=" + std::to_string(batch) + (shared ? " shared" : ""));
+    }
+}
+
+TEST(Matmul, BackwardMatchesFiniteDifferences) {
+  // Linear in each input, so the difference quotient is exact to ~1e-10; the fp32
+  // kernel error dominates: 5e-5 absolute + 1e-4 relative.
+  for (bool shared : {false, true})
+    for (int64_t batch : {1, 3}) {
+      const int64_t M = 3, K = 5, N = 4;
+      F a = random_vec(batch * M * K, 1), b = random_vec((shared ? 1 : batch) * K * N, 2);
+      F dc = random_vec(batch * M * N, 3);
+      F da(a.size(), NAN), db(b.size(), NAN);
+      ctr::cpu::matmul_bwd(dc.data(), a.data(), b.data(), da.data(), db.data(), batch, M, K, N,
+                           shared);
+      const Dv ad = to_d(a), bd = to_d(b);
+      const std::string tag = " batch=" + std::to_string(batch) + (shared ? " shared" : "");
+      expect_grad(da, [&](const Dv &v) { return ref_matmul(v, bd, batch, M, K, N, shared); }, a,
+                  dc, 5e-5, 1e-4, "matmul da" + tag);
+      expect_grad(db, [&](const Dv &v) { return ref_matmul(ad, v, batch, M, K, N, shared); }, b,
+                  dc, 5e-5, 1e-4, "matmul db" + tag);
+      // Either output may be skipped.
+      F db2(b.size(), NAN);
+      ctr::cpu::matmul_bwd(dc.data(), a.data(), b.data(), nullptr, db2.data(), batch, M, K, N,
+                           shared);
+      expect_close(db2, db, 0.0, 0.0, "matmul db alone" + tag);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Embedding
+
+TEST(Embedding, Forward) {
+  // A gather: exact.
+  const int64_t n = 6, V = 11, C = 7;
+  std::vector<int32_t> ids = {3, 0, 10, 3, 7, 3};
+  F table = random_vec(V * C, 1), out(n * C, NAN);
+  ctr::cpu::embedding_fwd(ids.data(), table.data(), out.data(), n, V, C);
+  Dv ref(n * C);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < C; ++j) ref[i * C + j] = table[ids[i] * C + j];
+  expect_close(out, ref, 0.0, 0.0, "embedding");
+}
+
+TEST(Embedding, BackwardMatchesFiniteDifferences) {
+  // Repeated ids add up; a sum of at most 3 fp32 terms: 1e-6 + 1e-6 relative.
+  const int64_t n = 6, V = 11, C = 7;
+  std::vector<int32_t> ids = {3, 0, 10, 3, 7, 3};
+  F table = random_vec(V * C, 1), dout = random_vec(n * C, 2);
+  auto f = [&](const Dv &t) {
+    Dv o(n * C);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < C; ++j) o[i * C + j] = t[ids[i] * C + j];
+    return o;
+  };
+  for (bool acc : {false, true}) {
+    F prior = random_vec(V * C, 3);
+    F dt = acc ? prior : F(V * C, NAN);
+    ctr::cpu::embedding_bwd(ids.data(), dout.data(), dt.data(), n, V, C, acc);
+    expect_grad(dt, f, table, dout, 1e-6, 1e-6, acc ? "embedding accumulate" : "embedding", 0,
+                acc ? &prior : nullptr);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Broadcast arithmetic
+
+struct BcastCase {
+  int64_t n, nb;
+};
+
+Dv ref_bcast(const Dv &a, const Dv &b, int64_t n, int64_t nb, bool mul) {
+  Dv o(n);
+  for (int64_t i = 0; i < n; ++i) o[i] = mul ? a[i] * b[i % nb] : a[i] + b[i % nb];
+  return o;
+}
+
+TEST(Broadcast, AddAndMulForward) {
+  // One fp32 operation per element: rounding only, 1e-7 + 1e-7 relative.
+  for (BcastCase c : {BcastCase{21, 7}, BcastCase{21, 1}, BcastCase{21, 21},
+                      BcastCase{3 * 40000, 40000}, BcastCase{50000, 1}}) {
+    F a = random_vec(c.n, 1), b = random_vec(c.nb, 2), o(c.n, NAN);
+    ctr::cpu::add_fwd(a.data(), b.data(), o.data(), c.n, c.nb);
+    expect_close(o, ref_bcast(to_d(a), to_d(b), c.n, c.nb, false), 1e-7, 1e-7, "add");
+    ctr::cpu::mul_fwd(a.data(), b.data(), o.data(), c.n, c.nb);
+    expect_close(o, ref_bcast(to_d(a), to_d(b), c.n, c.nb, true), 1e-7, 1e-7, "mul");
+  }
+}
+
+TEST(Broadcast, ReduceRowsAndMulBackwardMatchFiniteDifferences) {
+  // Sums of n/nb fp32 terms (at most 21 here): 1e-5 + 1e-5 relative.
+  for (BcastCase c : {BcastCase{21, 7}, BcastCase{21, 1}, BcastCase{21, 21}}) {
+    const std::string tag = " n=" + std::to_string(c.n) + " nb=" + std::to_string(c.nb);
+    F a = random_vec(c.n, 1), b = random_vec(c.nb, 2), dout = random_vec(c.n, 3);
+    const Dv ad = to_d(a), bd = to_d(b);
+    for (bool acc : {false, true}) {
+      F prior = random_vec(c.nb, 4);
+      F db = acc ? prior : F(c.nb, NAN);
+      ctr::cpu::reduce_rows(dout.data(), db.data(), c.n, c.nb, acc);
+      expect_grad(db, [&](const Dv &v) { return ref_bcast(ad, v, c.n, c.nb, false); }, b, dout,
+                  1e-5, 1e-5, "reduce_rows" + tag, 0, acc ? &prior : nullptr);
+
+      F da(c.n, NAN), dbm = acc ? prior : F(c.nb, NAN);
+      ctr::cpu::mul_bwd(dout.data(), a.data(), b.data(), da.data(), dbm.data(), c.n, c.nb, acc);
+      expect_grad(da, [&](const Dv &v) { return ref_bcast(v, bd, c.n, c.nb, true); }, a, dout,
+                  1e-5, 1e-5, "mul da" + tag);
+      expect_grad(dbm, [&](const Dv &v) { return ref_bcast(ad, v, c.n, c.nb, true); }, b, dout,
+                  1e-5, 1e-5, "mul db" + tag, 0, acc ? &prior : nullptr);
+    }
+    // Either output of mul_bwd may be null; the other is unchanged by that.
+    F da_both(c.n), db_both(c.nb), da(c.n, NAN), db(c.nb, NAN);
+    ctr::cpu::mul_bwd(dout.data(), a.data(), b.data(), da_both.data(), db_both.data(), c.n, c.nb,
+                      false);
+    ctr::cpu::mul_bwd(dout.data(), a.data(), b.data(), da.data(), nullptr, c.n, c.nb, false);
+    ctr::cpu::mul_bwd(dout.data(), a.data(), b.data(), nullptr, db.data(), c.n, c.nb, false);
+    expect_close(da, da_both, 0.0, 0.0, "mul da alone" + tag);
+    expect_close(db, db_both, 0.0, 0.0, "mul db alone" + tag);
+  }
+}
+
+TEST(Broadcast, LargeReductionsMatchReference) {
+  // Column-split reductions above the parallel threshold; 400-term sums of values
+  // in [-1, 1]: 1e-4 absolute + 1e-5 relative.
+  const int64_t rows = 400, nb = 333;
+  F dout = random_vec(rows * nb, 1), a = random_vec(rows * nb, 2), b = random_vec(nb, 3);
+  F db(nb), dm(nb);
+  ctr::cpu::reduce_rows(dout.data(), db.data(), rows * nb, nb, false);
+  ctr::cpu::mul_bwd(dout.data(), a.data(), b.data(), nullptr, dm.data(), rows * nb, nb, false);
+  Dv r1(nb, 0.0), r2(nb, 0.0);
+  for (int64_t i = 0; i < rows * nb; ++i) {
+    r1[i % nb] += dout[i];
+    r2[i % nb] += static_cast<double>(dout[i]) * a[i];
+  }
+  expect_close(db, r1, 1e-4, 1e-5, "reduce_rows large");
+  expect_close(dm, r2, 1e-4, 1e-5, "mul db large");
+}
+
+TEST(Elementwise, AddSameAndScale) {
+  // One fp32 operation per element: 1e-7 + 1e-7 relative.
+  for (int64_t n : {7, 100003}) {
+    F a = random_vec(n, 1), b = random_vec(n, 2), o(n, NAN);
+    ctr::cpu::add_same(a.data(), b.data(), o.data(), n);
+    Dv r(n);
+    for (int64_t i = 0; i < n; ++i) r[i] = static_cast<double>(a[i]) + b[i];
+    expect_close(o, r, 1e-7, 1e-7, "add_same");
+    ctr::cpu::scale(a.data(), o.data(), n, -1.7f);
+    for (int64_t i = 0; i < n; ++i) r[i] = -1.7 * a[i];
+    expect_close(o, r, 1e-7, 1e-7, "scale");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Activations
+
+Dv map_d(const Dv &x, double (*f)(double)) {
+  Dv y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = f(x[i]);
+  return y;
+}
+
+TEST(Activations, ForwardMatchesReference) {
+  // Inputs in [-10, 10] (tails included). The polynomial exp is within 2 ulps, so
+  // 1e-6 absolute + 2e-6 relative.
+  for (int64_t n : {37, 70001}) {
+    F x = random_vec(n, 1, -10.0f, 10.0f), up = random_vec(n, 2), y(n, NAN);
+    const Dv xd = to_d(x);
+    ctr::cpu::gelu_fwd(x.data(), y.data(), n);
+    expect_close(y, map_d(xd, gelu_d), 1e-6, 2e-6, "gelu");
+    ctr::cpu::silu_fwd(x.data(), y.data(), n);
+    expect_close(y, map_d(xd, silu_d), 1e-6, 2e-6, "silu");
+    ctr::cpu::swiglu_fwd(x.data(), up.data(), y.data(), n);
+    Dv r = map_d(xd, silu_d);
+    for (int64_t i = 0; i < n; ++i) r[i] *= up[i];
+    expect_close(y, r, 1e-6, 2e-6, "swiglu");
+  }
+}
+
+TEST(Activations, BackwardMatchesFiniteDifferences) {
+  // Inputs in [-6, 6]. The derivatives go through one polynomial exp and a few
+  // float operations: 5e-6 absolute + 1e-5 relative against the double quotient.
+  const int64_t n = 37;
+  F x = random_vec(n, 1, -6.0f, 6.0f), up = random_vec(n, 2), dy = random_vec(n, 3);
+  F dx(n, NAN), dup(n, NAN);
+  ctr::cpu::gelu_bwd(dy.data(), x.data(), dx.data(), n);
+  expect_grad(dx, [](const Dv &v) { return map_d(v, gelu_d); }, x, dy, 5e-6, 1e-5, "gelu");
+  ctr::cpu::silu_bwd(dy.data(), x.data(), dx.data(), n);
+  expect_grad(dx, [](const Dv &v) { return map_d(v, silu_d); }, x, dy, 5e-6, 1e-5, "silu");
+  ctr::cpu::swiglu_bwd(dy.data(), x.data(), up.data(), dx.data(), dup.data(), n);
+  const Dv xd = to_d(x), ud = to_d(up);
+  auto sw = [](const Dv &g, const Dv &u) {
+    Dv o(g.size());
+    for (size_t i = 0; i < g.size(); ++i) o[i] = silu_d(g[i]) * u[i];
+    return o;
+  };
+  expect_grad(dx, [&](const Dv &v) { return sw(v, ud); }, x, dy, 5e-6, 1e-5, "swiglu dgate");
+  expect_grad(dup, [&](const Dv &v) { return sw(xd, v); }, up, dy, 5e-6, 1e-5, "swiglu dup");
+}
+
+// ---------------------------------------------------------------------------
+// Softmax
+
+TEST(Softmax, ForwardMatchesReference) {
+  // Probabilities <= 1 from a 2-ulp exp and a float sum of C terms: 1e-6 + 1e-5 rel.
+  for (auto [R, C] : {std::pair<int64_t, int64_t>{3, 7}, {5, 1}, {130, 257}}) {
+    F x = random_vec(R * C, 1, -8.0f, 8.0f), y(R * C, NAN);
+    ctr::cpu::softmax_fwd(x.data(), y.data(), R, C);
+    expect_close(y, ref_softmax(to_d(x), R, C), 1e-6, 1e-5, "softmax");
+  }
+}
+
+TEST(Softmax, BackwardMatchesFiniteDifferences) {
+  // dx is a product of fp32 probabilities and gradient differences: 1e-6 + 1e-4 rel.
+  const int64_t R = 3, C = 7;
+  F x = random_vec(R * C, 1, -3.0f, 3.0f), dy = random_vec(R * C, 2), y(R * C), dx(R * C, NAN);
+  ctr::cpu::softmax_fwd(x.data(), y.data(), R, C);
+  ctr::cpu::softmax_bwd(dy.data(), y.data(), dx.data(), R, C);
+  expect_grad(dx, [&](const Dv &v) { return ref_softmax(v, R, C); }, x, dy, 1e-6, 1e-4,
+              "softmax");
+}
+
+// ---------------------------------------------------------------------------
+// Normalisation
+
+TEST(LayerNorm, ForwardMatchesReference) {
+  // Normalised values are O(1); mean/variance sums of C fp32 terms: 2e-6 + 1e-5 rel.
+  for (auto [R, C] : {std::pair<int64_t, int64_t>{3, 7}, {300, 130}})
+    for (bool bias : {true, false}) {
+      F x = random_vec(R * C, 1, -2.0f, 3.0f), w = random_vec(C, 2), b = random_vec(C, 3);
+      F y(R * C, NAN), mean(R, NAN), rstd(R, NAN);
+      ctr::cpu::layernorm_fwd(x.data(), w.data(), bias ? b.data() : nullptr, y.data(),
+                              mean.data(), rstd.data(), R, C, 1e-5f);
+      Dv bd = to_d(b);
+      NormOut r = ref_layernorm(to_d(x), to_d(w), bias ? &bd : nullptr, R, C, 1e-5);
+      expect_close(y, r.y, 2e-6, 1e-5, "layernorm y");
+      expect_close(mean, r.mean, 2e-6, 1e-5, "layernorm mean");
+      expect_close(rstd, r.rstd, 2e-6, 1e-5, "layernorm rstd");
+    }
+}
+
+TEST(LayerNorm, BackwardMatchesFiniteDifferences) {
+  // dx subtracts row means of O(1) terms (cancellation): 2e-5 + 1e-4 relative.
+  const int64_t R = 3, C = 7;
+  const double eps = 1e-5;
+  F x = random_vec(R * C, 1, -2.0f, 3.0f), w = random_vec(C, 2), b = random_vec(C, 3);
+  F dy = random_vec(R * C, 4);
+  F y(R * C), mean(R), rstd(R);
+  ctr::cpu::layernorm_fwd(x.data(), w.data(), b.data(), y.data(), mean.data(), rstd.data(), R, C,
+                          static_cast<float>(eps));
+  const Dv xd = to_d(x), wd = to_d(w), bd = to_d(b);
+  for (bool acc : {false, true}) {
+    F pw = random_vec(C, 5), pb = random_vec(C, 6);
+    F dx(R * C, NAN), dw = acc ? pw : F(C, NAN), db = acc ? pb : F(C, NAN);
+    ctr::cpu::layernorm_bwd(dy.data(), x.data(), w.data(), mean.data(), rstd.data(), dx.data(),
+                            dw.data(), db.data(), R, C, acc);
+    const std::string tag = acc ? " accumulate" : "";
+    expect_grad(dx, [&](const Dv &v) { return ref_layernorm(v, wd, &bd, R, C, eps).y; }, x, dy,
+                2e-5, 1e-4, "layernorm dx" + tag);
+    expect_grad(dw, [&](const Dv &v) { return ref_layernorm(xd, v, &bd, R, C, eps).y; }, w, dy,
+                2e-5, 1e-4, "layernorm dw" + tag, 0, acc ? &pw : nullptr);
+    expect_grad(db, [&](const Dv &v) { return ref_layernorm(xd, wd, &v, R, C, eps).y; }, b, dy,
+                2e-5, 1e-4, "layernorm db" + tag, 0, acc ? &pb : nullptr);
+  }
+  // Without a bias, db is null and dw is unchanged.
+  F dx(R * C), dw(C), dw_ref(C), db_ref(C);
+  ctr::cpu::layernorm_bwd(dy.data(), x.data(), w.data(), mean.data(), rstd.data(), dx.data(),
+                          dw_ref.data(), db_ref.data(), R, C, false);
+  ctr::cpu::layernorm_bwd(dy.data(), x.data(), w.data(), mean.data(), rstd.data(), dx.data(),
+                          dw.data(), nullptr, R, C, false);
+  expect_close(dw, dw_ref, 0.0, 0.0, "layernorm dw without bias");
+}
+
+TEST(RmsNorm, ForwardMatchesReference) {
+  // As layernorm: 2e-6 + 1e-5 relative.
+  for (auto [R, C] : {std::pair<int64_t, int64_t>{3, 7}, {300, 130}}) {
+    F x = random_vec(R * C, 1, -2.0f, 3.0f), w = random_vec(C, 2), y(R * C, NAN), rstd(R, NAN);
+    ctr::cpu::rmsnorm_fwd(x.data(), w.data(), y.data(), rstd.data(), R, C, 1e-6f);
+    NormOut r = ref_rmsnorm(to_d(x), to_d(w), R, C, 1e-6);
+    expect_close(y, r.y, 2e-6, 1e-5, "rmsnorm y");
+    expect_close(rstd, r.rstd, 2e-6, 1e-5, "rmsnorm rstd");
+  }
+}
+
+TEST(RmsNorm, BackwardMatchesFiniteDifferences) {
+  // 2e-5 + 1e-4 relative, as layernorm.
+  const int64_t R = 3, C = 7;
+  const double eps = 1e-6;
+  F x = random_vec(R * C, 1, -2.0f, 3.0f), w = random_vec(C, 2), dy = random_vec(R * C, 4);
+  F y(R * C), rstd(R);
+  ctr::cpu::rmsnorm_fwd(x.data(), w.data(), y.data(), rstd.data(), R, C, static_cast<float>(eps));
+  const Dv xd = to_d(x), wd = to_d(w);
+  for (bool acc : {false, true}) {
+    F pw = random_vec(C, 5);
+    F dx(R * C, NAN), dw = acc ? pw : F(C, NAN);
+    ctr::cpu::rmsnorm_bwd(dy.data(), x.data(), w.data(), rstd.data(), dx.data(), dw.data(), R, C,
+                          acc);
+    const std::string tag = acc ? " accumulate" : "";
+    expect_grad(dx, [&](const Dv &v) { return ref_rmsnorm(v, wd, R, C, eps).y; }, x, dy, 2e-5,
+                1e-4, "rmsnorm dx" + tag);
+    expect_grad(dw, [&](const Dv &v) { return ref_rmsnorm(xd, v, R, C, eps).y; }, w, dy, 2e-5,
+                1e-4, "rmsnorm dw" + tag, 0, acc ? &pw : nullptr);
+  }
+}
+
+TEST(Norm, LargeBackwardMatchesReference) {
+  // Above the parallel thresholds: the kernels' dx/dw/db against the double
+  // reference's finite differences would be slow, so compare with the analytic
+  // double formulas instead; 300-term sums: 1e-4 + 1e-4 relative.
+  const int64_t R = 300, C = 130;
+  F x = random_vec(R * C, 1, -2.0f, 3.0f), w = random_vec(C, 2), b = random_vec(C, 3);
+  F dy = random_vec(R * C, 4), y(R * C), mean(R), rstd(R), dx(R * C), dw(C), db(C);
+  ctr::cpu::layernorm_fwd(x.data(), w.data(), b.data(), y.data(), mean.data(), rstd.data(), R, C,
+                          1e-5f);
+  ctr::cpu::layernorm_bwd(dy.data(), x.data(), w.data(), mean.data(), rstd.data(), dx.data(),
+                          dw.data(), db.data(), R, C, false);
+  Dv bd = to_d(b);
+  NormOut r = ref_layernorm(to_d(x), to_d(w), &bd, R, C, 1e-5);
+  Dv rdx(R * C), rdw(C, 0.0), rdb(C, 0.0);
+  for (int64_t i = 0; i < R; ++i) {
+    double mg = 0.0, mgx = 0.0;
+    for (int64_t j = 0; j < C; ++j) {
+      const double xh = (x[i * C + j] - r.mean[i]) * r.rstd[i];
+      const double g = dy[i * C + j] * static_cast<double>(w[j]);
+      mg += g / C;
+      mgx += g * xh / C;
+      rdw[j] += dy[i * C + j] * xh;
+      rdb[j] += dy[i * C + j];
+    }
+    for (int64_t j = 0; j < C; ++j) {
+      const double xh = (x[i * C + j] - r.mean[i]) * r.rstd[i];
+      rdx[i * C + j] = r.rstd[i] * (dy[i * C + j] * static_cast<double>(w[j]) - mg - xh * mgx);
+    }
+  }
+  expect_close(dx, rdx, 1e-4, 1e-4, "layernorm dx large");
+  expect_close(dw, rdw, 1e-4, 1e-4, "layernorm dw large");
+  expect_close(db, rdb, 1e-4, 1e-4, "layernorm db large");
+}
+
+// ---------------------------------------------------------------------------
+// RoPE
+
+TEST(Rope, ForwardMatchesReference) {
+  // A rotation of O(1) values with float cos/sin: 1e-6 + 1e-6 relative.
+  for (auto d : {std::array<int64_t, 4>{2, 5, 3, 4}, std::array<int64_t, 4>{2, 300, 4, 64}}) {
+    const int64_t B = d[0], T = d[1], H = d[2], D = d[3];
+    F x = random_vec(B * T * H * D, 1), y(x.size(), NAN);
+    ctr::cpu::rope_fwd(x.data(), y.data(), B, T, H, D, 10000.0f);
+    expect_close(y, ref_rope(to_d(x), B, T, H, D, 10000.0), 1e-6, 1e-6, "rope");
+  }
+}
+
+TEST(Rope, BackwardMatchesFiniteDifferences) {
+  // Linear in x: 1e-6 + 1e-6 relative.
+  const int64_t B = 2, T = 5, H = 3, D = 4;
+  F x = random_vec(B * T * H * D, 1), dy = random_vec(x.size(), 2), dx(x.size(), NAN);
+  ctr::cpu::rope_bwd(dy.data(), dx.data(), B, T, H, D, 500.0f);
+  expect_grad(dx, [&](const Dv &v) { return ref_rope(v, B, T, H, D, 500.0); }, x, dy, 1e-6,
+              1e-6, "rope");
+}
+
+// ---------------------------------------------------------------------------
+// Attention
+
+struct AttnCase {
+  int64_t B, T, Hq, Hkv, D;
+  bool causal;
+};
+
+std::string attn_tag(const AttnCase &c) {
+  return " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) +
+         " Hq=" + std::to_string(c.Hq) + " Hkv=" + std::to_string(c.Hkv) +
+         " D=" + std::to_string(c.D) + (c.causal ? " causal" : "");
+}
+
+// Small odd shapes, GQA and MHA, causal and not; T=150 spans three causal blocks
+// with a ragged last one.
+const AttnCase kAttnCases[] = {
+    {2, 5, 4, 2, 4, true},  {2, 5, 4, 2, 4, false}, {1, 7, 3, 3, 6, true},
+    {1, 7, 3, 3, 6, false}, {1, 5, 4, 1, 4, true},  {1, 150, 2, 1, 8, true},
+    {1, 150, 2, 2, 8, false},
+};
+
+TEST(Attention, ForwardMatchesReference) {
+  // D-term fp32 dot products, a 2-ulp exp and sums of T probabilities:
+  // 2e-6 absolute + 1e-5 relative on out and probs.
+  for (const AttnCase &c : kAttnCases) {
+    const int64_t nq = c.B * c.T * c.Hq * c.D, nkv = c.B * c.T * c.Hkv * c.D;
+    F q = random_vec(nq, 1), k = random_vec(nkv, 2), v = random_vec(nkv, 3);
+    F out(nq, NAN), probs(c.B * c.Hq * c.T * c.T, NAN);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+    ctr::cpu::attention_fwd(q.data(), k.data(), v.data(), out.data(), probs.data(), c.B, c.T,
+                            c.Hq, c.Hkv, c.D, scale, c.causal);
+    AttnOut r = ref_attention(to_d(q), to_d(k), to_d(v), c.B, c.T, c.Hq, c.Hkv, c.D, scale,
+                              c.causal);
+    expect_close(out, r.out, 2e-6, 1e-5, "attention out" + attn_tag(c));
+    expect_close(probs, r.probs, 2e-6, 1e-5, "attention probs" + attn_tag(c));
+  }
+}
+
+TEST(Attention, BackwardMatchesFiniteDifferences) {
+  // Gradients chain two products and a softmax in fp32: 2e-5 absolute + 1e-4
+  // relative. The T=150 cases check a random sample of 300 entries per input.
+  for (const AttnCase &c : kAttnCases) {
+    const int64_t nq = c.B * c.T * c.Hq * c.D, nkv = c.B * c.T * c.Hkv * c.D;
+    F q = random_vec(nq, 1), k = random_vec(nkv, 2), v = random_vec(nkv, 3);
+    F dout = random_vec(nq, 4);
+    F out(nq), probs(c.B * c.Hq * c.T * c.T);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+    ctr::cpu::attention_fwd(q.data(), k.data(), v.data(), out.data(), probs.data(), c.B, c.T,
+                            c.Hq, c.Hkv, c.D, scale, c.causal);
+    F dq(nq, NAN), dk(nkv, NAN), dv(nkv, NAN);
+    ctr::cpu::attention_bwd(dout.data(), q.data(), k.data(), v.data(), probs.data(), dq.data(),
+                            dk.data(), dv.data(), c.B, c.T, c.Hq, c.Hkv, c.D, scale, c.causal);
+    const Dv qd = to_d(q), kd = to_d(k), vd = to_d(v);
+    const size_t samples = c.T > 64 ? 300 : 0;
+    auto run = [&](const Dv &qq, const Dv &kk, const Dv &vv) {
+      return ref_attention(qq, kk, vv, c.B, c.T, c.Hq, c.Hkv, c.D, scale, c.causal).out;
+    };
+    expect_grad(dq, [&](const Dv &x) { return run(x, kd, vd); }, q, dout, 2e-5, 1e-4,
+                "attention dq" + attn_tag(c), samples);
+    expect_grad(dk, [&](const Dv &x) { return run(qd, x, vd); }, k, dout, 2e-5, 1e-4,
+                "attention dk" + attn_tag(c), samples);
+    expect_grad(dv, [&](const Dv &x) { return run(qd, kd, x); }, v, dout, 2e-5, 1e-4,
+                "attention dv" + attn_tag(c), samples);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Cross-entropy
+
+TEST(CrossEntropy, ForwardMatchesReference) {
+  // lse from a 2-ulp exp, a float sum and a float log: 2e-6 + 1e-6 relative; the
+  // loss is summed in double: the same bound.
+  const int64_t R = 6, V = 11;
+  F x = random_vec(R * V, 1, -5.0f, 5.0f);
+  for (const std::vector<int32_t> &tgt :
+       {std::vector<int32_t>{3, 10, 0, 5, 7, 1}, std::vector<int32_t>{3, -1, 0, -1, 7, -1}}) {
+    F loss(1, NAN), lse(R, NAN);
+    int64_t count = -1;
+    ctr::cpu::cross_entropy_fwd(x.data(), tgt.data(), loss.data(), lse.data(), &count, R, V);
+    CeOut r = ref_cross_entropy(to_d(x), tgt, R, V);
+    EXPECT_EQ(count, r.count);
+    expect_close(loss, Dv{r.loss}, 2e-6, 1e-6, "cross_entropy loss");
+    expect_close(lse, r.lse, 2e-6, 1e-6, "cross_entropy lse");
+  }
+  // No counted row: loss 0, count 0.
+  std::vector<int32_t> none(R, -1);
+  F loss(1, NAN), lse(R);
+  int64_t count = -1;
+  ctr::cpu::cross_entropy_fwd(x.data(), none.data(), loss.data(), lse.data(), &count, R, V);
+  EXPECT_EQ(count, 0);
+  EXPECT_EQ(loss[0], 0.0f);
+}
+
+TEST(CrossEntropy, LargeForwardMatchesReference) {
+  // Parallel path, R=2048 V=256: 2e-6 + 1e-6 relative, as above.
+  const int64_t R = 2048, V = 256;
+  F x = random_vec(R * V, 1, -5.0f, 5.0f);
+  std::vector<int32_t> tgt(R);
+  for (int64_t r = 0; r < R; ++r) tgt[r] = r % 5 == 0 ? -1 : static_cast<int32_t>((r * 37) % V);
+  F loss(1), lse(R);
+  int64_t count = 0;
+  ctr::cpu::cross_entropy_fwd(x.data(), tgt.data(), loss.data(), lse.data(), &count, R, V);
+  CeOut r = ref_cross_entropy(to_d(x), tgt, R, V);
+  EXPECT_EQ(count, r.count);
+  expect_close(loss, Dv{r.loss}, 2e-6, 1e-6, "loss");
+  expect_close(lse, r.lse, 2e-6, 1e-6, "lse");
+}
+
+TEST(CrossEntropy, BackwardMatchesFiniteDifferences) {
+  // Softmax probabilities minus one-hot, scaled by dloss/count: 1e-6 + 1e-5 rel.
+  const int64_t R = 6, V = 11;
+  F x = random_vec(R * V, 1, -5.0f, 5.0f);
+  const float dloss = 1.7f;
+  for (const std::vector<int32_t> &tgt :
+       {std::vector<int32_t>{3, 10, 0, 5, 7, 1}, std::vector<int32_t>{3, -1, 0, -1, 7, -1},
+        std::vector<int32_t>(R, -1)}) {
+    F loss(1), lse(R), dx(R * V, NAN);
+    int64_t count = 0;
+    ctr::cpu::cross_entropy_fwd(x.data(), tgt.data(), loss.data(), lse.data(), &count, R, V);
+    ctr::cpu::cross_entropy_bwd(x.data(), tgt.data(), lse.data(), dloss, count, dx.data(), R, V);
+    expect_grad(dx, [&](const Dv &v) { return Dv{ref_cross_entropy(v, tgt, R, V).loss}; }, x,
+                F{dloss}, 1e-6, 1e-5, "cross_entropy count=" + std::to_string(count));
+    for (int64_t r = 0; r < R; ++r) {
+      if (tgt[r] >= 0) continue;
+      for (int64_t j = 0; j < V; ++j) EXPECT_EQ(dx[r * V + j], 0.0f) << "ignored row " << r;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Layout
+
+Dv ref_transpose(const Dv &x, const std::vector<int64_t> &dims, const std::vector<int> &perm) {
+  const int nd = static_cast<int>(dims.size());
+  std::vector<int64_t> xs(nd), yd(nd);
+  int64_t total = 1;
+  for (int i = nd - 1; i >= 0; --i) {
+    xs[i] = total;
+    total *= dims[i];
+  }
+  for (int i = 0; i < nd; ++i) yd[i] = dims[perm[i]];
+  Dv y(total);
+  for (int64_t o = 0; o < total; ++o) {
+    int64_t rem = o, xoff = 0;
+    for (int i = nd - 1; i >= 0; --i) {
+      xoff += (rem % yd[i]) * xs[perm[i]];
+      rem /= yd[i];
+    }
+    y[o] = x[xoff];
+  }
+  return y;
+}
+
+TEST(Layout, TransposeMatchesReference) {
+  // A permutation copies values: exact.
+  struct Case {
+    std::vector<int64_t> dims;
+    std::vector<int> perm;
+  };
+  const Case cases[] = {
+      {{2, 5, 3, 4}, {0, 2, 1, 3}},        // [B,T,H,D] -> [B,H,T,D]: rows stay rows
+      {{2, 5, 3, 4}, {3, 1, 0, 2}},        // innermost axis moves
+      {{3, 7, 5, 2}, {2, 0, 3, 1}},        // 4-D, x's rows land mid-way in y
+      {{37, 45}, {1, 0}},                  // plain matrix transpose, ragged tiles
+      {{4, 1, 6, 1}, {3, 2, 0, 1}},        // size-1 axes, x's innermost has size 1
+      {{2, 3, 4, 5, 6, 7}, {5, 4, 3, 2, 1, 0}},  // 6-D reversal
+      {{300, 2, 200}, {2, 1, 0}},          // large enough to split over threads
+      {{9}, {0}},
+  };
+  for (const Case &c : cases) {
+    int64_t n = 1;
+    for (int64_t d : c.dims) n *= d;
+    F x = random_vec(n, 1), y(n, NAN);
+    ctr::cpu::transpose(x.data(), y.data(), c.dims.data(), c.perm.data(),
+                        static_cast<int>(c.dims.size()));
+    std::string tag = "transpose perm";
+    for (int p : c.perm) tag += " " + std::to_string(p);
+    expect_close(y, ref_transpose(to_d(x), c.dims, c.perm), 0.0, 0.0, tag);
+  }
+}
+
+TEST(Layout, CopyAndFill) {
+  // Exact.
+  for (int64_t n : {0, 13, 3 << 20}) {
+    F x = random_vec(n, 1), y(n, NAN);
+    ctr::cpu::copy(x.data(), y.data(), n * static_cast<int64_t>(sizeof(float)));
+    EXPECT_TRUE(std::equal(x.begin(), x.end(), y.begin()));
+    ctr::cpu::fill(y.data(), 2.5f, n);
+    EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float v) { return v == 2.5f; }));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Optimizer
+
+TEST(Optim, SumSquares) {
+  // Accumulated in double from exact float squares: 1e-12 relative.
+  for (int64_t n : {0, 1, 7, 100003, 5000017}) {
+    F x = random_vec(n, 1, -3.0f, 3.0f);
+    double r = 0.0;
+    for (float v : x) r += static_cast<double>(v) * v;
+    EXPECT_NEAR(ctr::cpu::sum_squares(x.data(), n), r, 1e-12 * std::max(1.0, r)) << n;
+  }
+}
+
+TEST(Optim, AdamWMatchesTorchFormulaOverThreeSteps) {
+  // torch.optim.AdamW (foreach=False) in double: p *= 1 - lr*wd; m, v updated;
+  // p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps). The kernel runs the same
+  // sequence in float; after 3 steps parameters agree to 1e-6 absolute + 1e-6
+  // relative and the moments to 1e-7 + 1e-5 relative.
+  const int64_t n = 37;  // odd, so the vector loop has a tail
+  const float lr = 1e-2f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f, gs = 0.5f;
+  F p = random_vec(n, 1), m(n, 0.0f), v(n, 0.0f);
+  Dv pd = to_d(p), md(n, 0.0), vd(n, 0.0);
+  for (int64_t t = 1; t <= 3; ++t) {
+    F g = random_vec(n, static_cast<uint32_t>(10 + t), -2.0f, 2.0f);
+    g[0] = 0.0f;  // a zero gradient keeps v at 0 at first: denominator = eps
+    ctr::cpu::adamw_update(p.data(), g.data(), m.data(), v.data(), n, lr, b1, b2, eps, wd, t, gs);
+    const double bc1 = 1.0 - std::pow(static_cast<double>(b1), static_cast<double>(t));
+    const double bc2 = 1.0 - std::pow(static_cast<double>(b2), static_cast<double>(t));
+    for (int64_t i = 0; i < n; ++i) {
+      const double gi = static_cast<double>(g[i]) * gs;
+      pd[i] *= 1.0 - static_cast<double>(lr) * wd;
+      md[i] = static_cast<double>(b1) * md[i] + (1.0 - static_cast<double>(b1)) * gi;
+      vd[i] = static_cast<double>(b2) * vd[i] + (1.0 - static_cast<double>(b2)) * gi * gi;
+      const double denom = std::sqrt(vd[i]) / std::sqrt(bc2) + eps;
+      pd[i] -= static_cast<double>(lr) / bc1 * md[i] / denom;
+    }
+    expect_close(p, pd, 1e-6, 1e-6, "adamw param step " + std::to_string(t));
+    expect_close(m, md, 1e-7, 1e-5, "adamw m step " + std::to_string(t));
+    expect_close(v, vd, 1e-7, 1e-5, "adamw v step " + std::to_string(t));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Determinism across thread counts
+
+TEST(Determinism, ReductionsDoNotDependOnThreadCount) {
+  // Bit-identical results with 1 and 3 threads for every kernel whose reduction
+  // order the library controls.
+  const int64_t R = 333, C = 129, V = 53, n = R * C;
+  F x = random_vec(n, 1), dy = random_vec(n, 2), w = random_vec(C, 3);
+  std::vector<int32_t> ids(R);
+  for (int64_t i = 0; i < R; ++i) ids[i] = static_cast<int32_t>((i * 7) % V);
+  auto run = [&] {
+    std::vector<F> outs;
+    F mean(R), rstd(R), y(n), dx(n), dw(C), db(C), dt(V * C), rr(C);
+    ctr::cpu::layernorm_fwd(x.data(), w.data(), nullptr, y.data(), mean.data(), rstd.data(), R,
+                            C, 1e-5f);
+    ctr::cpu::layernorm_bwd(dy.data(), x.data(), w.data(), mean.data(), rstd.data(), dx.data(),
+                            dw.data(), db.data(), R, C, false);
+    ctr::cpu::embedding_bwd(ids.data(), dy.data(), dt.data(), R, V, C, false);
+    ctr::cpu::reduce_rows(dy.data(), rr.data(), n, C, false);
+    F ss{static_cast<float>(ctr::cpu::sum_squares(x.data(), n))};
+    for (F *f : {&y, &dx, &dw, &db, &dt, &rr, &ss}) outs.push_back(*f);
+    return outs;
+  };
+  std::vector<F> one, three;
+  with_threads(1, [&] { one = run(); });
+  with_threads(3, [&] { three = run(); });
+  ASSERT_EQ(one.size(), three.size());
+  for (size_t i = 0; i < one.size(); ++i)
+    EXPECT_EQ(0, std::memcmp(one[i].data(), three[i].data(), one[i].size() * sizeof(float)))
+        << "output " << i;
+}
+
+}  // namespace
