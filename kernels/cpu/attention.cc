@@ -12,8 +12,10 @@
 // parallel loop (see gemm.cc on why OpenBLAS itself is kept to one thread).
 //
 // With a causal mask, rows are processed in blocks of kBlock: block i only needs
-// keys 0 .. end of block i, so the products skip the blocks above the diagonal,
-// which cuts the GEMM work nearly in half for long sequences.
+// keys 0 .. end of block i, so the products skip the blocks above the diagonal
+// (forward and backward), which cuts the GEMM work nearly in half for long
+// sequences. The parallel loop's captures fit std::function's inline storage, so
+// a call does not allocate.
 
 #include <algorithm>
 #include <cstdint>
@@ -50,14 +52,23 @@ float row_max(const float *x, int64_t n) {
   return m;
 }
 
-// Sixteen independent partial sums, which vectorise without reassociating.
-float row_sum(const float *x, int64_t n) {
+// y[j] = exp(x[j] - m), returning their sum; sixteen independent partial sums
+// vectorise without reassociating. y may be x.
+float exp_sum(const float *x, float *y, float m, int64_t n) {
   float acc[16] = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    for (int k = 0; k < 16; ++k) acc[k] += x[i + k];
+    for (int k = 0; k < 16; ++k) {
+      const float e = math::exp_fast(x[i + k] - m);
+      y[i + k] = e;
+      acc[k] += e;
+    }
   float s = 0.0f;
-  for (; i < n; ++i) s += x[i];
+  for (; i < n; ++i) {
+    const float e = math::exp_fast(x[i] - m);
+    y[i] = e;
+    s += e;
+  }
   for (int k = 0; k < 16; ++k) s += acc[k];
   return s;
 }
@@ -75,9 +86,7 @@ float row_dot(const float *x, const float *y, int64_t n) {
 
 // In-place softmax of the first n entries of a row; entries n .. end are zeroed.
 void softmax_prefix(float *p, int64_t n, int64_t end) {
-  float m = row_max(p, n);
-  for (int64_t j = 0; j < n; ++j) p[j] = math::exp_fast(p[j] - m);
-  float inv = 1.0f / row_sum(p, n);
+  const float inv = 1.0f / exp_sum(p, p, row_max(p, n), n);
   for (int64_t j = 0; j < n; ++j) p[j] *= inv;
   for (int64_t j = n; j < end; ++j) p[j] = 0.0f;
 }
@@ -104,19 +113,18 @@ void forward_head(const Dims &d, const float *q, const float *k, const float *v,
   for (int64_t r0 = 0; r0 < T; r0 += blk) {
     const int64_t r1 = std::min(T, r0 + blk);
     const int64_t cols = d.causal ? r1 : T;  // keys this row block can see
-    gemm(false, true, r1 - r0, cols, D, d.scale, q + r0 * d.ldq, d.ldq, k, d.ldkv, 0.0f,
-          P + r0 * T, T);
+    gemm(false, true, r1 - r0, cols, D, d.scale, q + r0 * d.ldq, d.ldq, k, d.ldkv, 0.0f, P + r0 * T,
+         T);
     for (int64_t t = r0; t < r1; ++t) softmax_prefix(P + t * T, d.causal ? t + 1 : T, T);
-    gemm(false, false, r1 - r0, D, cols, 1.0f, P + r0 * T, T, v, d.ldkv, 0.0f,
-          out + r0 * d.ldq, d.ldq);
+    gemm(false, false, r1 - r0, D, cols, 1.0f, P + r0 * T, T, v, d.ldkv, 0.0f, out + r0 * d.ldq,
+         d.ldq);
   }
 }
 
 // One query head's contribution to dq (overwritten) and dk, dv (beta 0: overwrite,
 // 1: add the group's earlier heads).
-void backward_head(const Dims &d, const float *dout, const float *q, const float *k,
-                   const float *v, const float *P, float *dq, float *dk, float *dv, float beta,
-                   float *dS) {
+void backward_head(const Dims &d, const float *dout, const float *q, const float *k, const float *v,
+                   const float *P, float *dq, float *dk, float *dv, float beta, float *dS) {
   const int64_t T = d.T, D = d.D;
   const int64_t blk = d.causal ? kBlock : T;
   for (int64_t r0 = 0; r0 < T; r0 += blk) {
@@ -124,7 +132,7 @@ void backward_head(const Dims &d, const float *dout, const float *q, const float
     const int64_t cols = d.causal ? r1 : T;
     // dP = dout v^T, then dS = P * (dP - rowsum(P * dP)) in place.
     gemm(false, true, r1 - r0, cols, D, 1.0f, dout + r0 * d.ldq, d.ldq, v, d.ldkv, 0.0f,
-          dS + r0 * T, T);
+         dS + r0 * T, T);
     for (int64_t t = r0; t < r1; ++t) {
       const int64_t n = d.causal ? t + 1 : T;
       const float *p = P + t * T;
@@ -134,23 +142,22 @@ void backward_head(const Dims &d, const float *dout, const float *q, const float
       for (int64_t j = n; j < cols; ++j) s[j] = 0.0f;
     }
     // dq rows of this block only see keys 0 .. cols.
-    gemm(false, false, r1 - r0, D, cols, d.scale, dS + r0 * T, T, k, d.ldkv, 0.0f,
-          dq + r0 * d.ldq, d.ldq);
+    gemm(false, false, r1 - r0, D, cols, d.scale, dS + r0 * T, T, k, d.ldkv, 0.0f, dq + r0 * d.ldq,
+         d.ldq);
   }
   // dk[c0:c1] and dv[c0:c1] gather from query rows t >= c0 only when causal, since
   // dS and P are zero above the diagonal. This runs after every row block of dS is done.
   for (int64_t c0 = 0; c0 < T; c0 += blk) {
     const int64_t c1 = std::min(T, c0 + blk);
     const int64_t t0 = d.causal ? c0 : 0;
-    gemm(true, false, c1 - c0, D, T - t0, d.scale, dS + t0 * T + c0, T, q + t0 * d.ldq, d.ldq,
-          beta, dk + c0 * d.ldkv, d.ldkv);
-    gemm(true, false, c1 - c0, D, T - t0, 1.0f, P + t0 * T + c0, T, dout + t0 * d.ldq,
-          d.ldq, beta, dv + c0 * d.ldkv, d.ldkv);
+    gemm(true, false, c1 - c0, D, T - t0, d.scale, dS + t0 * T + c0, T, q + t0 * d.ldq, d.ldq, beta,
+         dk + c0 * d.ldkv, d.ldkv);
+    gemm(true, false, c1 - c0, D, T - t0, 1.0f, P + t0 * T + c0, T, dout + t0 * d.ldq, d.ldq, beta,
+         dv + c0 * d.ldkv, d.ldkv);
   }
 }
 
-Dims make_dims(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float scale,
-               bool causal) {
+Dims make_dims(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal) {
   return Dims{B, T, Hq, Hkv, D, Hq / Hkv, Hq * D, Hkv * D, scale, causal};
 }
 
@@ -167,14 +174,18 @@ void attention_fwd(const float *q, const float *k, const float *v, float *out, f
                    int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float scale,
                    bool causal) {
   const Dims d = make_dims(B, T, Hq, Hkv, D, scale, causal);
-  ctr::parallel_for(B * Hkv, pair_grain(d), [&d, q, k, v, out, probs](int64_t p0, int64_t p1) {
+  struct Args {
+    const float *q, *k, *v;
+    float *out, *probs;
+  } a{q, k, v, out, probs};
+  ctr::parallel_for(B * Hkv, pair_grain(d), [&d, &a](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / d.Hkv, g = p % d.Hkv;
-      const float *kb = k + b * d.T * d.ldkv + g * d.D;
-      const float *vb = v + b * d.T * d.ldkv + g * d.D;
+      const int64_t kv_off = b * d.T * d.ldkv + g * d.D;
       for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
-        forward_head(d, q + b * d.T * d.ldq + h * d.D, kb, vb, out + b * d.T * d.ldq + h * d.D,
-                     probs + (b * d.Hq + h) * d.T * d.T);
+        const int64_t q_off = b * d.T * d.ldq + h * d.D;
+        forward_head(d, a.q + q_off, a.k + kv_off, a.v + kv_off, a.out + q_off,
+                     a.probs + (b * d.Hq + h) * d.T * d.T);
       }
     }
   });

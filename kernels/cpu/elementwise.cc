@@ -1,6 +1,6 @@
 // Element-wise, broadcast, embedding, softmax and layout kernels.
 //
-// These are memory-bound loops written so that GCC vectorises them at -O3: inner
+// These are short loops written so that GCC vectorises them at -O3: inner
 // loops are unit-stride over float arrays, transcendental functions come from the
 // polynomial forms in common/math.h (a libm call would keep the loop scalar), and
 // reductions keep sixteen independent partial sums, which vectorise without the
@@ -21,10 +21,9 @@
 namespace ctr::cpu {
 namespace {
 
-// Elements per chunk below which a loop stays on the calling thread. A light loop
-// (add, copy) moves about 1 GB/s per 1 ns/element; 32K elements take a few
-// microseconds, comparable to waking the pool. Loops with an exp per element pay
-// for the pool sooner.
+// Elements per chunk below which a loop stays on the calling thread. Streaming 32K
+// floats takes a few microseconds, about what waking the pool costs; loops with an
+// exp per element are worth splitting eight times sooner.
 constexpr int64_t kGrain = 1 << 15;
 constexpr int64_t kGrainExp = 1 << 12;
 
@@ -57,6 +56,26 @@ float row_sum(const float *x, int64_t n) {
     for (int k = 0; k < 16; ++k) acc[k] += x[i + k];
   float s = 0.0f;
   for (; i < n; ++i) s += x[i];
+  for (int k = 0; k < 16; ++k) s += acc[k];
+  return s;
+}
+
+// y[j] = exp(x[j] - m), returning their sum.
+float exp_sum(const float *x, float *y, float m, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) {
+      const float e = math::exp_fast(x[i + k] - m);
+      y[i + k] = e;
+      acc[k] += e;
+    }
+  float s = 0.0f;
+  for (; i < n; ++i) {
+    const float e = math::exp_fast(x[i] - m);
+    y[i] = e;
+    s += e;
+  }
   for (int k = 0; k < 16; ++k) s += acc[k];
   return s;
 }
@@ -272,25 +291,22 @@ void softmax_fwd(const float *x, float *y, int64_t R, int64_t C) {
               for (int64_t r = r0; r < r1; ++r) {
                 const float *xr = x + r * C;
                 float *yr = y + r * C;
-                const float m = row_max(xr, C);
-                for (int64_t j = 0; j < C; ++j) yr[j] = math::exp_fast(xr[j] - m);
-                const float inv = 1.0f / row_sum(yr, C);
+                const float inv = 1.0f / exp_sum(xr, yr, row_max(xr, C), C);
                 for (int64_t j = 0; j < C; ++j) yr[j] *= inv;
               }
             });
 }
 
 void softmax_bwd(const float *dy, const float *y, float *dx, int64_t R, int64_t C) {
-  for_range(R, std::max<int64_t>(1, kGrain / std::max<int64_t>(C, 1)),
-            [=](int64_t r0, int64_t r1) {
-              for (int64_t r = r0; r < r1; ++r) {
-                const float *g = dy + r * C;
-                const float *p = y + r * C;
-                float *o = dx + r * C;
-                const float dot = row_dot(g, p, C);
-                for (int64_t j = 0; j < C; ++j) o[j] = p[j] * (g[j] - dot);
-              }
-            });
+  for_range(R, std::max<int64_t>(1, kGrain / std::max<int64_t>(C, 1)), [=](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *g = dy + r * C;
+      const float *p = y + r * C;
+      float *o = dx + r * C;
+      const float dot = row_dot(g, p, C);
+      for (int64_t j = 0; j < C; ++j) o[j] = p[j] * (g[j] - dot);
+    }
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -357,22 +373,24 @@ void transpose(const float *x, float *y, const int64_t *dims, const int *perm, i
 
   // x's rows run along axis a of y. Walk y in square tiles over (a, last) so that
   // both the reads (along x's rows) and the writes (along y's rows) stay in cache.
+  // The parallel loop runs over strips of kT indices along a, so that a plain
+  // matrix transpose (a single outer index) still splits over threads.
   constexpr int64_t kT = 32;
   const int64_t na = ydims[a], sa = ystride[a];
-  const int64_t outer = total / (na * nl);
-  for_range(outer, std::max<int64_t>(1, kGrain / (na * nl)), [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; ++o) {
+  const int64_t outer = total / (na * nl), strips = (na + kT - 1) / kT;
+  for_range(outer * strips, std::max<int64_t>(1, kGrain / (kT * nl)), [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t i0 = (s % strips) * kT, i1 = std::min(na, i0 + kT);
       int64_t xoff, yoff;
-      offsets(o, a, xoff, yoff);
-      for (int64_t i0 = 0; i0 < na; i0 += kT)
-        for (int64_t l0 = 0; l0 < nl; l0 += kT) {
-          const int64_t i1 = std::min(na, i0 + kT), l1 = std::min(nl, l0 + kT);
-          for (int64_t i = i0; i < i1; ++i) {
-            const float *src = x + xoff + i;
-            float *dst = y + yoff + i * sa;
-            for (int64_t l = l0; l < l1; ++l) dst[l] = src[l * xl];
-          }
+      offsets(s / strips, a, xoff, yoff);
+      for (int64_t l0 = 0; l0 < nl; l0 += kT) {
+        const int64_t l1 = std::min(nl, l0 + kT);
+        for (int64_t i = i0; i < i1; ++i) {
+          const float *src = x + xoff + i;
+          float *dst = y + yoff + i * sa;
+          for (int64_t l = l0; l < l1; ++l) dst[l] = src[l * xl];
         }
+      }
     }
   });
 }

@@ -2,13 +2,13 @@
 //
 // Every product is an OpenBLAS cblas_sgemm call, and OpenBLAS is kept to one thread:
 // the parallelism comes from the process thread pool, which gives each thread one
-// block of C. Kernels such as attention call gemm from inside their own parallel
-// loops, and a multi-threaded OpenBLAS entered from two threads at once contends for
-// its own workers (measured at less than half the speed of single-threaded calls);
-// a second set of spinning BLAS workers would also compete with the pool for the
-// cores between GEMMs. Splitting C ourselves costs little: each thread packs its
-// own copy of the shared operand, and the split is along the dimension that makes
-// that copy the smaller one.
+// block of C. Two measurements decided this. Attention calls gemm from inside its
+// own parallel loop, and a multi-threaded OpenBLAS entered from two threads at once
+// ran those calls 2.3x slower than single-threaded ones. And after a threaded
+// OpenBLAS call its workers keep spinning for a while, so the pool's next loop
+// (a GELU, say) ran 1.7x slower on the shared cores. Splitting C ourselves costs
+// nothing measurable on the large products: each thread packs its own copy of the
+// shared operand, and the split is along the dimension that makes that copy small.
 //
 // Setting OpenBLAS's thread count is process-wide; it happens once, on the first
 // product, and CTR_NUM_THREADS (through the pool) then governs all CPU parallelism.
@@ -72,8 +72,8 @@ void run_block(const Product &p, int64_t r0, int64_t r1, int64_t c0, int64_t c1)
   }
   const float *A = p.ta ? p.A + r0 : p.A + r0 * p.lda;
   const float *B = p.tb ? p.B + c0 * p.ldb : p.B + c0;
-  sgemm(p.ta, p.tb, r1 - r0, c1 - c0, p.K, p.alpha, A, p.lda, B, p.ldb, beta,
-        p.C + r0 * p.ldc + c0, p.ldc);
+  sgemm(p.ta, p.tb, r1 - r0, c1 - c0, p.K, p.alpha, A, p.lda, B, p.ldb, beta, p.C + r0 * p.ldc + c0,
+        p.ldc);
 }
 
 void run(const Product &p) {
@@ -135,9 +135,8 @@ void column_sums(const float *x, float *out, int64_t R, int64_t C, bool accumula
 // ---------------------------------------------------------------------------
 // GEMM
 
-void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
-          const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
-          int64_t ldc) {
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+          int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
   run(Product{trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, nullptr});
 }
 
@@ -157,8 +156,7 @@ void linear_bwd_x(const float *dy, const float *w, float *dx, int64_t M, int64_t
 
 void linear_bwd_w(const float *dy, const float *x, float *dw, int64_t M, int64_t K, int64_t N,
                   bool accumulate) {
-  run(Product{true, false, N, K, M, 1.0f, dy, N, x, K, accumulate ? 1.0f : 0.0f, dw, K,
-              nullptr});
+  run(Product{true, false, N, K, M, 1.0f, dy, N, x, K, accumulate ? 1.0f : 0.0f, dw, K, nullptr});
 }
 
 void linear_bwd_b(const float *dy, float *db, int64_t M, int64_t N, bool accumulate) {
@@ -167,64 +165,57 @@ void linear_bwd_b(const float *dy, float *db, int64_t M, int64_t N, bool accumul
 
 // ---------------------------------------------------------------------------
 // Batched matmul
+//
+// With a shared b the batch folds into one large product. Otherwise a batch of
+// products of moderate size goes one product per thread (each single-threaded, as
+// gemm runs on the calling thread inside a parallel loop); a batch of large ones
+// runs in order, each split over the pool.
+
+namespace {
+
+// Grain (in batch entries) for a batch of products of `flops` each.
+int64_t batch_grain(int64_t batch, double flops) {
+  if (batch < ctr::num_threads() || flops >= 5e7) return batch;  // serial outer loop
+  return std::max<int64_t>(1, static_cast<int64_t>(kParallelFlops / flops));
+}
+
+}  // namespace
 
 void matmul_fwd(const float *a, const float *b, float *c, int64_t batch, int64_t M, int64_t K,
                 int64_t N, bool b_shared) {
   if (b_shared) {
-    // a is contiguous, so the batch folds into the rows of one product.
     run(Product{false, false, batch * M, N, K, 1.0f, a, K, b, N, 0.0f, c, N, nullptr});
     return;
   }
-  // Many small products go one per thread; a few large ones split internally.
   const double flops = 2.0 * static_cast<double>(M) * N * K;
-  if (batch >= ctr::num_threads() && flops < 5e7) {
-    blas_single_threaded();
-    const int64_t grain = std::max<int64_t>(1, static_cast<int64_t>(kParallelFlops / flops));
-    ctr::parallel_for(batch, grain, [=](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i)
-        sgemm(false, false, M, N, K, 1.0f, a + i * M * K, K, b + i * K * N, N, 0.0f,
-              c + i * M * N, N);
-    });
-    return;
-  }
-  for (int64_t i = 0; i < batch; ++i)
-    gemm(false, false, M, N, K, 1.0f, a + i * M * K, K, b + i * K * N, N, 0.0f, c + i * M * N,
-         N);
+  ctr::parallel_for(batch, batch_grain(batch, flops), [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      gemm(false, false, M, N, K, 1.0f, a + i * M * K, K, b + i * K * N, N, 0.0f, c + i * M * N, N);
+  });
 }
 
+// da or db may be null when that gradient is not needed; db is overwritten (the
+// interface has no accumulate flag for it).
 void matmul_bwd(const float *dc, const float *a, const float *b, float *da, float *db,
                 int64_t batch, int64_t M, int64_t K, int64_t N, bool b_shared) {
   if (b_shared) {
-    // da[batch*M, K] = dc[batch*M, N] b^T and db[K, N] = a^T dc with the batch
+    // da[batch*M, K] = dc[batch*M, N] b^T, and db[K, N] = a^T dc with the batch
     // folded into the reduction, so the sum over the batch happens inside the GEMM.
     if (da) run(Product{false, true, batch * M, K, N, 1.0f, dc, N, b, N, 0.0f, da, K, nullptr});
     if (db) run(Product{true, false, K, N, batch * M, 1.0f, a, K, dc, N, 0.0f, db, N, nullptr});
     return;
   }
-  const double flops = 4.0 * static_cast<double>(M) * N * K;
-  if (batch >= ctr::num_threads() && flops < 1e8) {
-    blas_single_threaded();
-    const int64_t grain = std::max<int64_t>(1, static_cast<int64_t>(kParallelFlops / flops));
-    ctr::parallel_for(batch, grain, [=](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        if (da)
-          sgemm(false, true, M, K, N, 1.0f, dc + i * M * N, N, b + i * K * N, N, 0.0f,
-                da + i * M * K, K);
-        if (db)
-          sgemm(true, false, K, N, M, 1.0f, a + i * M * K, K, dc + i * M * N, N, 0.0f,
-                db + i * K * N, N);
-      }
-    });
-    return;
-  }
-  for (int64_t i = 0; i < batch; ++i) {
-    if (da)
-      gemm(false, true, M, K, N, 1.0f, dc + i * M * N, N, b + i * K * N, N, 0.0f, da + i * M * K,
-           K);
-    if (db)
-      gemm(true, false, K, N, M, 1.0f, a + i * M * K, K, dc + i * M * N, N, 0.0f, db + i * K * N,
-           N);
-  }
+  const double flops = 2.0 * static_cast<double>(M) * N * K;
+  ctr::parallel_for(batch, batch_grain(batch, flops), [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (da)
+        gemm(false, true, M, K, N, 1.0f, dc + i * M * N, N, b + i * K * N, N, 0.0f, da + i * M * K,
+             K);
+      if (db)
+        gemm(true, false, K, N, M, 1.0f, a + i * M * K, K, dc + i * M * N, N, 0.0f, db + i * K * N,
+             N);
+    }
+  });
 }
 
 }  // namespace ctr::cpu

@@ -54,8 +54,8 @@ int64_t row_grain(int64_t C) { return std::max<int64_t>(1, kGrain / std::max<int
 
 // dw[j] (+)= sum_r dy[r,j] * xhat[r,j] with xhat = (x - shift[r]) * rstd[r]
 // (shift null: 0), and db[j] (+)= sum_r dy[r,j] when db is set.
-void weight_grads(const float *dy, const float *x, const float *shift, const float *rstd,
-                  float *dw, float *db, int64_t R, int64_t C, bool accumulate) {
+void weight_grads(const float *dy, const float *x, const float *shift, const float *rstd, float *dw,
+                  float *db, int64_t R, int64_t C, bool accumulate) {
   const int64_t grain = std::max<int64_t>(16, kGrain / std::max<int64_t>(R, 1));
   ctr::parallel_for(C, grain, [=](int64_t c0, int64_t c1) {
     for (int64_t j0 = c0; j0 < c1; j0 += kCols) {
@@ -136,8 +136,7 @@ void layernorm_bwd(const float *dy, const float *x, const float *w, const float 
         sgx += a2[k];
       }
       const float mg = sg / static_cast<float>(C), mgx = sgx / static_cast<float>(C);
-      for (int64_t k = 0; k < C; ++k)
-        o[k] = s * (g[k] * w[k] - mg - ((xr[k] - m) * s) * mgx);
+      for (int64_t k = 0; k < C; ++k) o[k] = s * (g[k] * w[k] - mg - ((xr[k] - m) * s) * mgx);
     }
   });
   weight_grads(dy, x, mean, rstd, dw, db, R, C, accumulate);

@@ -64,13 +64,11 @@ void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D
 
 }  // namespace
 
-void rope_fwd(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D,
-              float theta) {
+void rope_fwd(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
   rotate(x, y, B, T, H, D, theta, 1.0f);
 }
 
-void rope_bwd(const float *dy, float *dx, int64_t B, int64_t T, int64_t H, int64_t D,
-              float theta) {
+void rope_bwd(const float *dy, float *dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
   rotate(dy, dx, B, T, H, D, theta, -1.0f);
 }
 

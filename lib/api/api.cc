@@ -188,14 +188,43 @@ ctr_status mesh_create(const ctr_options *options, ctr_mesh **out, bool from_env
   m->rank = static_cast<int>(r.get_int("rank", env_rank, 0, m->world - 1));
   m->axes = parse_axes(r.get_string("mesh", ""), m->world);
   int64_t threads = r.get_int("threads", 0, 0, 4096);
+  auto env_str = [&](std::initializer_list<const char *> names, const char *def) {
+    if (!from_env) return std::string(def);
+    for (const char *n : names)
+      if (const char *v = std::getenv(n); v && *v) return std::string(v);
+    return std::string(def);
+  };
+  ctr::RendezvousConfig rc;
+  rc.addr = r.get_string("master_addr", env_str({"CTR_MASTER_ADDR", "MASTER_ADDR"}, "127.0.0.1"));
+  std::string port_env = env_str({"CTR_MASTER_PORT", "MASTER_PORT"}, "29500");
+  char *end = nullptr;
+  long port_def = std::strtol(port_env.c_str(), &end, 10);
+  if (*end != '\0' || port_def < 1 || port_def > 65535)
+    fail(CTR_STATUS_INVALID_OPTION,
+         strformat("master port '%s' is not a TCP port number", port_env.c_str()));
+  rc.port = static_cast<int>(r.get_int("master_port", port_def, 1, 65535));
+  rc.token = r.get_string("job_token", env_str({"CTR_JOB_TOKEN"}, ""));
+  double timeout_s = r.get_float("timeout", 60.0, 0.01, 1e6);
   r.finish();
+  m->timeout_ms = static_cast<int64_t>(timeout_s * 1000.0);
   CTR_REQUIRE(m->rank < m->world, CTR_STATUS_INVALID_OPTION, "mesh: rank %d is not below world %d",
               m->rank, m->world);
   CTR_REQUIRE(m->device == "cpu", CTR_STATUS_UNSUPPORTED,
               "mesh: device 'cuda' needs libctr-cuda.so, which this build does not include");
-  CTR_REQUIRE(m->world == 1, CTR_STATUS_UNSUPPORTED,
-              "mesh: %d ranks requested, but this build has no communicator (one rank only)",
-              m->world);
+  CTR_REQUIRE(m->axis_size("ep") == 1, CTR_STATUS_UNSUPPORTED,
+              "mesh: axis 'ep' (expert parallelism) needs a graph with experts; this build has "
+              "no MoE support");
+  if (m->world > 1) {
+    rc.rank = m->rank;
+    rc.world = m->world;
+    rc.timeout_ms = m->timeout_ms;
+    m->store = ctr::store_join(rc);
+    m->world_comm = ctr::ucx_comm_create(*m->store, m->rank, m->world, m->timeout_ms);
+    for (const char *axis : {"fsdp", "dp"}) {
+      std::vector<int> members = m->axis_group(axis);
+      m->axis_comm[axis] = m->world_comm.iface->split(m->world_comm.ctx, members);
+    }
+  }
   if (threads > 0) ctr::set_num_threads(static_cast<int>(threads));
   *out = m.release();
   CTR_API_END
@@ -216,9 +245,7 @@ extern "C" int ctr_mesh_rank(const ctr_mesh *mesh) { return mesh ? mesh->rank : 
 extern "C" int ctr_mesh_world_size(const ctr_mesh *mesh) { return mesh ? mesh->world : 0; }
 extern "C" int ctr_mesh_axis_size(const ctr_mesh *mesh, const char *axis) {
   if (!mesh || !axis) return 0;
-  for (const auto &a : mesh->axes)
-    if (a.first == axis) return a.second;
-  return 1;
+  return mesh->axis_size(axis);
 }
 extern "C" const char *ctr_mesh_device(const ctr_mesh *mesh) {
   return mesh ? mesh->device.c_str() : "";
@@ -473,7 +500,7 @@ extern "C" int64_t ctr_step_count(const ctr_step *step) {
 namespace ctr {
 
 std::vector<std::string> pass_names() {
-  return {"load", "verify", "infer_shapes", "autodiff", "plan_memory", "lower"};
+  return {"load", "verify", "infer_shapes", "autodiff", "shard", "plan_memory", "lower"};
 }
 
 std::string inspect_graph(const ctr_graph *graph, const ctr_options *options, const std::string &after) {
@@ -492,6 +519,13 @@ std::string inspect_graph(const ctr_graph *graph, const ctr_options *options, co
   o.batch = r.get_int("batch", 1, 1, 1 << 20);
   o.seq = r.get_int("seq", 0, 0, 1 << 24);
   o.micro_batches = r.get_int("micro_batches", 1, 1, 1 << 16);
+  // The placement of one rank of a mesh, to see what the shard pass makes of it.
+  o.fsdp = r.get_int("fsdp", 1, 1, 1 << 20);
+  o.dp = r.get_int("dp", 1, 1, 1 << 20);
+  int64_t rank = r.get_int("rank", 0, 0, o.fsdp * o.dp - 1);
+  o.fsdp_index = rank % o.fsdp;
+  o.dp_index = rank / o.fsdp;
+  o.reshard_after_forward = r.get_int("reshard_after_forward", 1, 0, 1) != 0;
   r.finish();
   Graph g = graph->graph;  // loaded and verified
   if (idx <= 1) return dump_graph(g);
@@ -499,6 +533,8 @@ std::string inspect_graph(const ctr_graph *graph, const ctr_options *options, co
   if (idx == 2) return dump_graph(g);
   pass_autodiff(g);
   if (idx == 3) return dump_graph(g);
+  pass_shard(g, o);
+  if (idx == 4) return dump_graph(g);
   MemoryPlan plan = pass_plan_memory(g, o);
   std::string head = strformat(
       "memory plan: arena %lld bytes (%.2f MiB; %.2f MiB without reuse), params %lld bytes, "
@@ -506,7 +542,7 @@ std::string inspect_graph(const ctr_graph *graph, const ctr_options *options, co
       static_cast<long long>(plan.arena_bytes), plan.arena_bytes / 1048576.0,
       plan.naive_bytes / 1048576.0, static_cast<long long>(plan.param_bytes),
       static_cast<long long>(plan.input_bytes));
-  if (idx == 4) return head + dump_graph(g);
+  if (idx == 5) return head + dump_graph(g);
   Backend be = cpu_backend();
   Program p = pass_lower(g, be.iface->ops(be.ctx));
   return head + dump_program(g, p);

@@ -59,9 +59,15 @@ struct Tensor {
   int grad_of = -1;            // autodiff: this tensor is d(loss)/d(tensor grad_of)
   Storage storage = Storage::None;
   int64_t offset = 0;          // plan_memory: byte offset within its storage
+  int64_t alloc_bytes = 0;     // bytes to reserve when more than bytes() (padded collectives)
+  // shard: this param is rows [shard_index * shape[0], ...) of a tensor with
+  // full_rows rows (0 = not sharded); rows past full_rows are padding.
+  int64_t full_rows = 0;
+  int64_t shard_index = 0;
 
   int64_t numel() const;
   int64_t bytes() const;
+  int64_t alloc_size() const { return bytes() > alloc_bytes ? bytes() : alloc_bytes; }
 };
 
 struct Node {

@@ -528,6 +528,10 @@ const std::vector<OpDef> &table() {
       {"cross_entropy_bwd", 5, 5, 1, {}, true, no_infer, nullptr, zero_flops},
       {"add_same", 2, 2, 1, {}, true, no_infer, nullptr, zero_flops},
       {"take_rows_bwd", 1, 1, 1, {}, true, no_infer, nullptr, zero_flops},
+      // Collectives inserted by the shard pass.
+      {"all_gather", 1, 1, 1, {}, true, no_infer, nullptr, zero_flops},
+      {"reduce_scatter", 1, 1, 1, {}, true, no_infer, nullptr, zero_flops},
+      {"all_reduce", 1, 1, 1, {}, true, no_infer, nullptr, zero_flops},
   };
   return ops;
 }

@@ -19,12 +19,20 @@ Program pass_lower(const Graph &g, const std::vector<std::string> &backend_ops) 
   CTR_CHECK(g.num_forward >= 0);
   for (int ni = 0; ni < static_cast<int>(g.nodes.size()); ++ni) {
     const Node &n = g.nodes[ni];
+    Instr in;
+    in.node = ni;
+    if (is_collective(n.op)) {
+      // Collectives run on the comm stream; the executor hands them to the
+      // communicator of their mesh axis.
+      in.stream = 1;
+      p.num_streams = 2;
+      (ni < g.num_forward ? p.forward : p.backward).push_back(in);
+      continue;
+    }
     if (std::find(backend_ops.begin(), backend_ops.end(), n.op) == backend_ops.end())
       fail(CTR_STATUS_UNSUPPORTED,
            strformat("node '%s': the backend has no kernel for op '%s'", n.name.c_str(),
                      n.op.c_str()));
-    Instr in;
-    in.node = ni;
     (ni < g.num_forward ? p.forward : p.backward).push_back(in);
   }
   return p;

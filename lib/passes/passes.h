@@ -18,6 +18,10 @@ struct CompileOptions {
   int64_t batch = 1;          // binds the "batch" symbol (one micro-batch)
   int64_t seq = 0;            // binds "seq"; 0 = the graph's maximum
   int64_t micro_batches = 1;  // gradient accumulation steps
+  // Mesh placement of this rank (shard pass).
+  int64_t fsdp = 1, fsdp_index = 0;
+  int64_t dp = 1, dp_index = 0;
+  bool reshard_after_forward = true;
 };
 
 // Semantic checks on a freshly loaded graph and a topological sort of its nodes.
@@ -32,6 +36,19 @@ void pass_infer_shapes(Graph &g, const CompileOptions &opt);
 // d(loss)/d(loss) held in the Const tensor "loss.grad". Afterwards each param
 // with a gradient has tensors[grad].grad_of == param.
 void pass_autodiff(Graph &g);
+
+// Places parameters on the mesh: each param is cut on dim 0 into `fsdp` shards of
+// equal (padded) row count and this rank keeps shard fsdp_index. An all_gather
+// node rebuilds the full param before its first forward use and, with
+// reshard_after_forward, again before its first backward use, so the full copy
+// is not held from forward to backward. The full gradient is reduce-scattered
+// back to the shard (averaged over fsdp) and all-reduced over dp. Collectives
+// are ordinary nodes (ops all_gather, reduce_scatter, all_reduce with attribute
+// "axis"), visible in `graph inspect --after shard`. No-op on a single rank.
+void pass_shard(Graph &g, const CompileOptions &opt);
+
+// True for the collective ops the shard pass inserts.
+bool is_collective(const std::string &op);
 
 struct MemoryPlan {
   int64_t arena_bytes = 0;   // peak of the activation arena

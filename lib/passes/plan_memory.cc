@@ -70,21 +70,22 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt) {
     if (i == g.loss || t.grad_of >= 0) last[i] = nn;
     t.storage = Storage::Arena;
     order.push_back(i);
-    plan.naive_bytes += align_up(t.bytes());
+    plan.naive_bytes += align_up(t.alloc_size());
   }
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-    return g.tensors[a].bytes() > g.tensors[b].bytes();
+    return g.tensors[a].alloc_size() > g.tensors[b].alloc_size();
   });
 
   std::vector<int> placed;
   std::vector<std::pair<int64_t, int64_t>> busy;  // [offset, end) of overlapping tensors
   for (int i : order) {
     Tensor &t = g.tensors[i];
-    int64_t size = align_up(std::max<int64_t>(t.bytes(), 1));
+    int64_t size = align_up(std::max<int64_t>(t.alloc_size(), 1));
     busy.clear();
     for (int p : placed)
       if (first[p] <= last[i] && first[i] <= last[p])
-        busy.emplace_back(g.tensors[p].offset, g.tensors[p].offset + align_up(std::max<int64_t>(g.tensors[p].bytes(), 1)));
+        busy.emplace_back(g.tensors[p].offset,
+                          g.tensors[p].offset + align_up(std::max<int64_t>(g.tensors[p].alloc_size(), 1)));
     std::sort(busy.begin(), busy.end());
     int64_t off = 0;
     for (const auto &r : busy) {

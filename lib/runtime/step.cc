@@ -52,7 +52,7 @@ double schedule_lr(const OptimizerConfig &c, int64_t step) {
 }
 
 Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *options)
-    : g_(graph.graph) {
+    : mesh_(mesh), g_(graph.graph) {
   OptionReader r(options, "ctr_step_create");
   CTR_REQUIRE(r.has("batch"), CTR_STATUS_INVALID_OPTION,
               "ctr_step_create: option 'batch' is required (the micro-batch size)");
@@ -71,13 +71,16 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
   oc_.weight_decay = r.get_float("weight_decay", 0.1, 0, 10);
   oc_.grad_clip = r.get_float("grad_clip", 1.0, 0);
   oc_.check_finite = r.get_int("check_finite", 1, 0, 1) != 0;
+  copt_.reshard_after_forward = r.get_int("reshard_after_forward", 1, 0, 1) != 0;
   r.finish();
-  CTR_REQUIRE(mesh.world == 1 && mesh.device == "cpu", CTR_STATUS_UNSUPPORTED,
-              "ctr_step_create: this build runs one CPU rank (mesh has %d ranks on '%s')",
-              mesh.world, mesh.device.c_str());
+  copt_.fsdp = mesh.axis_size("fsdp");
+  copt_.fsdp_index = mesh.axis_index("fsdp");
+  copt_.dp = mesh.axis_size("dp");
+  copt_.dp_index = mesh.axis_index("dp");
 
   pass_infer_shapes(g_, copt_);
   pass_autodiff(g_);
+  pass_shard(g_, copt_);
   plan_ = pass_plan_memory(g_, copt_);
   be_ = cpu_backend();
   prog_ = pass_lower(g_, be_.iface->ops(be_.ctx));
@@ -184,20 +187,33 @@ void Step::init_params(uint64_t seed) {
     float *p = param_ptr(s.tensor);
     uint64_t stream = rng::hash_name(t.name);
     const InitSpec &in = t.init;
+    // A shard holds rows [first_row, first_row + rows) of the full tensor; its
+    // element i is global element base + i, and rows past the end are padding.
+    const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    const int64_t row_elems = rows > 0 ? s.n / rows : 0;
+    const int64_t first_row = t.full_rows > 0 ? t.shard_index * rows : 0;
+    const int64_t full_rows = t.full_rows > 0 ? t.full_rows : rows;
+    const int64_t base = first_row * row_elems;
+    const int64_t valid = std::max<int64_t>(0, std::min(rows, full_rows - first_row)) * row_elems;
+    std::fill(p, p + s.n, 0.0f);
     switch (in.kind) {
-      case InitKind::Zeros: std::fill(p, p + s.n, 0.0f); break;
-      case InitKind::Ones: std::fill(p, p + s.n, 1.0f); break;
-      case InitKind::Data: std::memcpy(p, t.data.data(), static_cast<size_t>(s.n) * 4); break;
+      case InitKind::Zeros: break;
+      case InitKind::Ones: std::fill(p, p + valid, 1.0f); break;
+      case InitKind::Data:
+        std::memcpy(p, t.data.data() + base * 4, static_cast<size_t>(valid) * 4);
+        break;
       case InitKind::Normal:
-        parallel_for(s.n, 4096, [&](int64_t b, int64_t e) {
+        parallel_for(valid, 4096, [&](int64_t b, int64_t e) {
           for (int64_t i = b; i < e; ++i)
-            p[i] = static_cast<float>(in.mean + in.std * rng::normal(seed, stream, static_cast<uint64_t>(i)));
+            p[i] = static_cast<float>(
+                in.mean + in.std * rng::normal(seed, stream, static_cast<uint64_t>(base + i)));
         });
         break;
       case InitKind::Uniform:
-        parallel_for(s.n, 4096, [&](int64_t b, int64_t e) {
+        parallel_for(valid, 4096, [&](int64_t b, int64_t e) {
           for (int64_t i = b; i < e; ++i)
-            p[i] = static_cast<float>(in.low + (in.high - in.low) * rng::uniform(seed, stream, static_cast<uint64_t>(i)));
+            p[i] = static_cast<float>(in.low + (in.high - in.low) *
+                                                   rng::uniform(seed, stream, static_cast<uint64_t>(base + i)));
         });
         break;
     }
@@ -257,10 +273,49 @@ void Step::run_list(const std::vector<Instr> &list) {
   KernelCtx kc{&g_, nullptr, ptr_.data()};
   for (const Instr &in : list) {
     const Node &n = g_.nodes[in.node];
+    if (in.stream == 1) {
+      run_collective(n);
+      continue;
+    }
     kc.node = &n;
     KernelFn fn = iface->kernel(be_.ctx, n.op);
     iface->launch(be_.ctx, fn, kc, in.stream);
   }
+}
+
+const ctr::Comm &Step::axis_comm(const std::string &axis) const {
+  auto it = mesh_.axis_comm.find(axis);
+  CTR_CHECK(it != mesh_.axis_comm.end() && it->second);
+  return it->second;
+}
+
+void Step::run_collective(const Node &n) {
+  const Comm &c = axis_comm(n.attr_string("axis", ""));
+  const Tensor &in = g_.tensors[n.inputs[0]];
+  const Tensor &out = g_.tensors[n.outputs[0]];
+  void *src = ptr_[n.inputs[0]];
+  void *dst = ptr_[n.outputs[0]];
+  CommWork *w = nullptr;
+  if (n.op == "all_gather") {
+    w = c.iface->all_gather(c.ctx, src, dst, static_cast<size_t>(in.bytes()));
+  } else if (n.op == "reduce_scatter") {
+    // The full gradient reserves fsdp * rows rows; zero the padding past the
+    // real rows so it reduces to zero.
+    int64_t used = in.bytes(), reserved = in.alloc_size();
+    if (reserved > used) std::memset(static_cast<char *>(src) + used, 0, static_cast<size_t>(reserved - used));
+    w = c.iface->reduce_scatter(c.ctx, src, dst, static_cast<size_t>(out.numel()), CTR_DTYPE_F32,
+                                ReduceOp::Avg);
+  } else {
+    w = c.iface->all_reduce(c.ctx, src, dst, static_cast<size_t>(out.numel()), CTR_DTYPE_F32,
+                            ReduceOp::Avg);
+  }
+  comm_wait(c, w, mesh_.timeout_ms);
+}
+
+int64_t Step::full_numel(int t) const {
+  const Tensor &x = g_.tensors[t];
+  if (x.full_rows == 0) return x.numel();
+  return x.numel() / x.shape[0] * x.full_rows;
 }
 
 void Step::run(ctr_step_metrics *metrics) {
@@ -293,6 +348,12 @@ void Step::run(ctr_step_metrics *metrics) {
     bwd_ms += ms_since(tb);
   }
   double loss = loss_sum / static_cast<double>(k);
+  if (mesh_.world > 1) {
+    // Every rank reports (and checks) the same global mean loss.
+    const Comm &wc = mesh_.world_comm;
+    comm_wait(wc, wc.iface->all_reduce(wc.ctx, &loss, &loss, 1, CTR_DTYPE_F64, ReduceOp::Avg),
+              mesh_.timeout_ms);
+  }
 
   auto to = Clock::now();
   auto grad_of = [&](const ParamSlot &s) -> const float * {
@@ -301,6 +362,12 @@ void Step::run(ctr_step_metrics *metrics) {
   double sq = 0;
   for (const ParamSlot &s : slots_)
     if (s.grad >= 0) sq += be_.iface->sum_squares(be_.ctx, grad_of(s), s.n);
+  if (copt_.fsdp > 1) {
+    // Shards of the (dp-replicated) gradient: the global norm sums over fsdp.
+    const Comm &fc = axis_comm("fsdp");
+    comm_wait(fc, fc.iface->all_reduce(fc.ctx, &sq, &sq, 1, CTR_DTYPE_F64, ReduceOp::Sum),
+              mesh_.timeout_ms);
+  }
   double norm = std::sqrt(sq);
   if (oc_.check_finite && (!std::isfinite(loss) || !std::isfinite(norm)))
     fail(CTR_STATUS_NUMERIC_ERROR,
@@ -335,7 +402,7 @@ void Step::run(ctr_step_metrics *metrics) {
     m.forward_ms = fwd_ms;
     m.backward_ms = bwd_ms;
     m.optimizer_ms = opt_ms;
-    m.tokens = tokens_per_micro_ * k;
+    m.tokens = tokens_per_micro_ * k * mesh_.world;
     m.tokens_per_s = total_ms > 0 ? static_cast<double>(m.tokens) * 1000.0 / total_ms : 0;
     m.peak_bytes = peak_bytes();
     std::memcpy(metrics, &m, std::min(sizeof m, metrics->size));
@@ -366,6 +433,8 @@ double Step::forward_backward() {
 
 void Step::read_grad(const std::string &name, float *out, size_t count) {
   int t = find_param(name, count);
+  CTR_REQUIRE(g_.tensors[t].full_rows == 0, CTR_STATUS_UNSUPPORTED,
+              "read_grad: parameter '%s' is sharded", name.c_str());
   int gt = plan_.param_grad[t];
   if (gt < 0) {
     std::fill(out, out + count, 0.0f);
@@ -377,10 +446,10 @@ void Step::read_grad(const std::string &name, float *out, size_t count) {
 int Step::find_param(const std::string &name, size_t count) const {
   for (const ParamSlot &s : slots_) {
     if (g_.tensors[s.tensor].name != name) continue;
-    CTR_REQUIRE(static_cast<int64_t>(count) == s.n, CTR_STATUS_INVALID_ARGUMENT,
-                "parameter '%s' has %lld elements (shape %s), count is %zu", name.c_str(),
-                static_cast<long long>(s.n), shape_string(g_.tensors[s.tensor].shape).c_str(),
-                count);
+    int64_t full = full_numel(s.tensor);
+    CTR_REQUIRE(static_cast<int64_t>(count) == full, CTR_STATUS_INVALID_ARGUMENT,
+                "parameter '%s' has %lld elements, count is %zu", name.c_str(),
+                static_cast<long long>(full), count);
     return s.tensor;
   }
   fail(CTR_STATUS_NOT_FOUND, strformat("graph has no parameter '%s'", name.c_str()));
@@ -389,7 +458,17 @@ int Step::find_param(const std::string &name, size_t count) const {
 void Step::get_param(const std::string &name, float *out, size_t count) {
   int t = find_param(name, count);
   CTR_REQUIRE(out != nullptr, CTR_STATUS_INVALID_ARGUMENT, "ctr_step_get_param: out is NULL");
-  be_.iface->copy_d2h(be_.ctx, out, ptr_[t], count * 4, 0);
+  const Tensor &x = g_.tensors[t];
+  if (x.full_rows == 0) {
+    be_.iface->copy_d2h(be_.ctx, out, ptr_[t], count * 4, 0);
+    return;
+  }
+  // Sharded: gather the shards of the fsdp group (a collective call).
+  const Comm &c = axis_comm("fsdp");
+  std::vector<float> full(static_cast<size_t>(x.numel() * copt_.fsdp));
+  comm_wait(c, c.iface->all_gather(c.ctx, ptr_[t], full.data(), static_cast<size_t>(x.bytes())),
+            mesh_.timeout_ms);
+  std::memcpy(out, full.data(), count * 4);
 }
 
 void Step::set_param(const std::string &name, const float *data, size_t count) {
@@ -398,7 +477,17 @@ void Step::set_param(const std::string &name, const float *data, size_t count) {
   for (size_t i = 0; i < count; ++i)
     CTR_REQUIRE(std::isfinite(data[i]), CTR_STATUS_INVALID_ARGUMENT,
                 "ctr_step_set_param: parameter '%s' element %zu is not finite", name.c_str(), i);
-  be_.iface->copy_h2d(be_.ctx, ptr_[t], data, count * 4, 0);
+  const Tensor &x = g_.tensors[t];
+  if (x.full_rows == 0) {
+    be_.iface->copy_h2d(be_.ctx, ptr_[t], data, count * 4, 0);
+    return;
+  }
+  const int64_t row_elems = x.numel() / x.shape[0];
+  const int64_t first = x.shard_index * x.shape[0];
+  const int64_t valid = std::max<int64_t>(0, std::min(x.shape[0], x.full_rows - first)) * row_elems;
+  float *p = param_ptr(t);
+  std::fill(p, p + x.numel(), 0.0f);
+  if (valid > 0) std::memcpy(p, data + first * row_elems, static_cast<size_t>(valid) * 4);
 }
 
 void Step::set_lr(double lr) {

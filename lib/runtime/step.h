@@ -68,12 +68,16 @@ class Step {
   };
 
   void init_params(uint64_t seed);
+  void run_collective(const Node &n);
+  const ctr::Comm &axis_comm(const std::string &axis) const;
+  int64_t full_numel(int t) const;
   void bind_micro_batch(int64_t mb);
   void run_list(const std::vector<Instr> &list);
   float *param_ptr(int t) const { return static_cast<float *>(ptr_[t]); }
   int find_param(const std::string &name, size_t count) const;
   void check_inputs_set(const char *what) const;
 
+  const ctr_mesh &mesh_;
   Graph g_;
   CompileOptions copt_;
   OptimizerConfig oc_;

@@ -45,8 +45,11 @@ def main():
             check("memory plan: arena" in out, "plan_memory dump lacks the plan summary")
         if p == "lower":
             check("backward:" in out, "lower dump lacks the backward list")
-    r = run("graph", "inspect", graph, "--after", "nonsense", expect=1)
-    check("unknown pass 'nonsense'" in r.stderr, f"bad pass name message: {r.stderr}")
+    r = run("graph", "inspect", graph, "--after", "nonsense", expect=2)
+    check("nonsense" in r.stderr and "autodiff" in r.stderr, f"bad pass name message: {r.stderr}")
+    out = run("graph", "inspect", graph, "--after", "shard", "--fsdp", "2", "--dp", "2").stdout
+    check("all_gather" in out and "reduce_scatter" in out and "all_reduce" in out,
+          "shard dump lacks the collectives")
 
     # Train on a learnable byte text: a short sentence repeated.
     data = os.path.join(tmp, "text.txt")
@@ -75,8 +78,8 @@ def main():
           f"junk graph message: {r.stderr}")
     r = run("run", os.path.join(tmp, "missing.ctrg"), "--steps", "1", "--batch", "1", expect=1)
     check("missing.ctrg" in r.stderr, f"missing file message: {r.stderr}")
-    r = run("graph", "build", "--preset", "bert", "-o", junk, expect=1)
-    check("unknown preset 'bert'" in r.stderr, f"unknown preset message: {r.stderr}")
+    r = run("graph", "build", "--preset", "bert", "-o", junk, expect=2)
+    check("bert" in r.stderr, f"unknown preset message: {r.stderr}")
     r = run("graph", "build", "--preset", "gpt", "--dim", "10", "--heads", "4", "-o", junk, expect=1)
     check("multiple of 'heads'" in r.stderr, f"bad dims message: {r.stderr}")
     run("run", expect=2)  # usage error

@@ -1003,7 +1003,8 @@ TEST(ModelGradient, LlamaPresetWithGqa) {
 // Drives a step over a periodic token sequence; returns the per-step losses.
 std::vector<double> train(ctr_graph *g, int64_t batch, int64_t micro, int steps, double lr,
                           int64_t T, int vocab, ctr_step **keep = nullptr) {
-  Mesh m;
+  static Mesh m;  // a step kept by the caller needs its mesh alive
+
   Opts o;
   o.i("batch", batch).i("micro_batches", micro).f("lr", lr).i("seed", 3).s("schedule", "constant");
   ctr_step *s = nullptr;

@@ -13,7 +13,7 @@ One script measures both sides on the same configuration and prints one table:
   3. libctr: `ctr graph build` then `ctr run --metrics`, the first --warmup steps of the metrics
      file skipped and the median step_ms taken. Skipped, with a note, if the ctr binary is absent.
 
-Both sides are charged the same model FLOPs per token, 6 * N + 6 * L * T * C, where N excludes
+Both sides are charged the same model FLOPs per token, 6 * N + 12 * L * T * C, where N excludes
 embedding tables used only as lookups (wpe, and wte/tok_embeddings when untied). Achieved
 GFLOP/s is that times tokens/s, and the last row divides it by the sgemm peak: the share of
 the machine's matrix-multiply rate each runtime turns into training.
@@ -219,7 +219,7 @@ def model_figures(args: argparse.Namespace) -> dict:
     m = torch_models.build(args.preset, args.vocab, args.seq, args.layers, args.dim, args.heads,
                            args.kv_heads)
     counted = torch_models.counted_parameters(m)
-    attn = 6 * args.layers * args.seq * args.dim
+    attn = 12 * args.layers * args.seq * args.dim
     return {"params": sum(p.numel() for p in m.parameters()), "counted_params": counted,
             "excluded": list(torch_models.lookup_only_parameters(m)),
             "attn_flops": attn, "flops_per_token": torch_models.flops_per_token(m)}
@@ -235,8 +235,8 @@ def print_table(args, fig, peak, torch_r, ctr_r, ctr_note) -> None:
           f"warm-up {args.warmup}, median of {args.steps} steps")
     print(f"parameters {fig['params']:,}; counted for FLOPs N = {fig['counted_params']:,} "
           f"(excluding lookup-only {', '.join(fig['excluded']) or 'nothing'})")
-    print(f"FLOPs/token = 6*N + 6*L*T*C = 6*{fig['counted_params']:,} + "
-          f"6*{args.layers}*{args.seq}*{args.dim} = {fig['flops_per_token']:,}")
+    print(f"FLOPs/token = 6*N + 12*L*T*C = 6*{fig['counted_params']:,} + "
+          f"12*{args.layers}*{args.seq}*{args.dim} = {fig['flops_per_token']:,}")
     if peak_g is not None:
         print(f"OpenBLAS sgemm peak: {peak_g:.1f} GFLOP/s ({peak.get('threads')} threads, "
               f"best of {len(peak.get('shapes', []))} shapes)")

@@ -36,8 +36,7 @@ namespace {
 double g_seconds = 0.5;
 
 double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 double time_once(const std::function<void()> &fn) {
@@ -81,9 +80,8 @@ void raw_sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float *A
 }
 
 void print_gemm_line(const std::string &name, double flops, double t_kernel, double t_raw) {
-  std::printf("%-34s %8.3f ms %8.1f GFLOP/s   raw sgemm %8.1f GFLOP/s   ratio %.2f\n",
-              name.c_str(), t_kernel * 1e3, flops / t_kernel * 1e-9, flops / t_raw * 1e-9,
-              t_raw / t_kernel);
+  std::printf("%-34s %8.3f ms %8.1f GFLOP/s   raw sgemm %8.1f GFLOP/s   ratio %.2f\n", name.c_str(),
+              t_kernel * 1e3, flops / t_kernel * 1e-9, flops / t_raw * 1e-9, t_raw / t_kernel);
 }
 
 void print_mem_line(const std::string &name, double bytes, double t) {
@@ -166,14 +164,17 @@ void bench_attention(int threads, bool causal) {
     };
   };
   const auto t = best_times({
-      serial(fwd_products), pooled(fwd_products), serial(bwd_products), pooled(bwd_products),
+      serial(fwd_products),
+      pooled(fwd_products),
+      serial(bwd_products),
+      pooled(bwd_products),
       [&] {
-        ctr::cpu::attention_fwd(q.data(), k.data(), v.data(), out.data(), probs.data(), B, T, H,
-                                H, D, scale, causal);
+        ctr::cpu::attention_fwd(q.data(), k.data(), v.data(), out.data(), probs.data(), B, T, H, H,
+                                D, scale, causal);
       },
       [&] {
-        ctr::cpu::attention_bwd(dout.data(), q.data(), k.data(), v.data(), probs.data(),
-                                dq.data(), dk.data(), dv.data(), B, T, H, H, D, scale, causal);
+        ctr::cpu::attention_bwd(dout.data(), q.data(), k.data(), v.data(), probs.data(), dq.data(),
+                                dk.data(), dv.data(), B, T, H, H, D, scale, causal);
       },
   });
   const double r_fwd = std::min(t[0], t[1]), r_bwd = std::min(t[2], t[3]);
@@ -188,7 +189,8 @@ void bench_attention(int threads, bool causal) {
 
 void bench_layernorm() {
   const int64_t R = 2048, C = 256;
-  auto x = random_vec(R * C, 1), w = random_vec(C, 2), b = random_vec(C, 3), dy = random_vec(R * C, 4);
+  auto x = random_vec(R * C, 1), w = random_vec(C, 2), b = random_vec(C, 3),
+       dy = random_vec(R * C, 4);
   std::vector<float> y(R * C), mean(R), rstd(R), dx(R * C), dw(C), db(C);
   const double t_f = best_time([&] {
     ctr::cpu::layernorm_fwd(x.data(), w.data(), b.data(), y.data(), mean.data(), rstd.data(), R, C,
@@ -210,9 +212,8 @@ void bench_cross_entropy() {
   std::vector<float> lse(R), dx(R * V);
   float loss = 0.0f;
   int64_t count = 0;
-  const double t_f = best_time([&] {
-    ctr::cpu::cross_entropy_fwd(x.data(), tgt.data(), &loss, lse.data(), &count, R, V);
-  });
+  const double t_f = best_time(
+      [&] { ctr::cpu::cross_entropy_fwd(x.data(), tgt.data(), &loss, lse.data(), &count, R, V); });
   const double t_b = best_time([&] {
     ctr::cpu::cross_entropy_bwd(x.data(), tgt.data(), lse.data(), 1.0f, count, dx.data(), R, V);
   });

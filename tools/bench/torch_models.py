@@ -342,14 +342,15 @@ def counted_parameters(model: nn.Module) -> int:
 
 
 def flops_per_token(model: nn.Module, seq: Optional[int] = None) -> int:
-    """Training FLOPs per token: 6 * N + 6 * L * T * C.
+    """Training FLOPs per token: 6 * N + 12 * L * T * C.
 
     N counts every parameter except lookup-only embedding tables (6 = 2 forward + 4 backward per
-    multiply-accumulate). 6 * L * T * C is the attention term for the score and value products
-    at sequence length T (default: the model's), the same for both presets."""
+    multiply-accumulate). 12 * L * T * C is the attention term for the score and value products
+    (4 * T * C forward per token and layer, times 3 with backward) at sequence length T (default:
+    the model's), with no discount for the causal mask, as in the PaLM paper's accounting."""
     cfg = model.cfg
     t = cfg.seq if seq is None else seq
-    return 6 * counted_parameters(model) + 6 * cfg.layers * t * cfg.dim
+    return 6 * counted_parameters(model) + 12 * cfg.layers * t * cfg.dim
 
 
 # ------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@
 #include "core/status.h"
 #include "ctr/ctr.h"
 #include "data/data.h"
+#include "launch.h"
 
 namespace {
 
@@ -227,32 +228,42 @@ int cmd_graph_build(const BuildArgs &a) {
 
 struct InspectArgs {
   std::string file, after = "verify";
-  int64_t batch = 1, seq = 0;
+  int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, rank = 0;
+  bool keep_params = false;
   CLI::Option *after_opt = nullptr, *seq_opt = nullptr;
 };
 
 void print_summary(const ctr_graph *g, const std::string &file) {
+  const auto names = [g](size_t n, ctr_status (*get)(const ctr_graph *, size_t, const char **)) {
+    std::vector<std::string> out;
+    for (size_t i = 0; i < n; ++i) {
+      const char *name = nullptr;
+      check(get(g, i, &name));
+      out.emplace_back(name);
+    }
+    return out;
+  };
+  const std::vector<std::string> inputs = names(ctr_graph_num_inputs(g), ctr_graph_input_name);
+  const std::vector<std::string> params = names(ctr_graph_num_params(g), ctr_graph_param_name);
+  int width = 8;
+  for (const auto *list : {&inputs, &params})
+    for (const auto &n : *list) width = std::max(width, static_cast<int>(n.size()));
+
   std::printf("\ngraph %s\n", file.c_str());
-  const size_t ninputs = ctr_graph_num_inputs(g);
   std::printf("inputs (? = a symbolic dim, bound by the step's batch and seq):\n");
-  for (size_t i = 0; i < ninputs; ++i) {
-    const char *name = nullptr;
-    check(ctr_graph_input_name(g, i, &name));
-    const TensorInfo t = tensor_info(g, name);
-    std::printf("  %-24s %-5s %s\n", name, dtype_name(t.dtype), t.shape().c_str());
+  for (const auto &name : inputs) {
+    const TensorInfo t = tensor_info(g, name.c_str());
+    std::printf("  %-*s  %-5s %s\n", width, name.c_str(), dtype_name(t.dtype), t.shape().c_str());
   }
-  const size_t nparams = ctr_graph_num_params(g);
-  std::printf("params (%zu tensors):\n", nparams);
-  for (size_t i = 0; i < nparams; ++i) {
-    const char *name = nullptr;
-    check(ctr_graph_param_name(g, i, &name));
-    const TensorInfo t = tensor_info(g, name);
-    std::printf("  %-24s %-5s %-20s %12s\n", name, dtype_name(t.dtype), t.shape().c_str(),
-                grouped(t.elements()).c_str());
+  std::printf("params (%zu tensors):\n", params.size());
+  for (const auto &name : params) {
+    const TensorInfo t = tensor_info(g, name.c_str());
+    std::printf("  %-*s  %-5s %-14s %12s\n", width, name.c_str(), dtype_name(t.dtype),
+                t.shape().c_str(), grouped(t.elements()).c_str());
   }
-  const int64_t params = param_count(g);
-  std::printf("parameters: %s (%s)\n", grouped(params).c_str(),
-              human(static_cast<double>(params)).c_str());
+  const int64_t count = param_count(g);
+  std::printf("parameters: %s (%s)\n", grouped(count).c_str(),
+              human(static_cast<double>(count)).c_str());
   std::printf("training FLOPs/token at max seq: %s\n", human(flops_per_token(g, 0)).c_str());
 }
 
@@ -261,6 +272,10 @@ int cmd_graph_inspect(const InspectArgs &a) {
   Options opts = new_options();
   set_int(opts.get(), "batch", a.batch);
   if (a.seq_opt->count() > 0) set_int(opts.get(), "seq", a.seq);
+  set_int(opts.get(), "fsdp", a.fsdp);
+  set_int(opts.get(), "dp", a.dp);
+  set_int(opts.get(), "rank", a.rank);
+  set_int(opts.get(), "reshard_after_forward", a.keep_params ? 0 : 1);
   const std::string dump = ctr::inspect_graph(graph.get(), opts.get(), a.after);
   std::fputs(dump.c_str(), stdout);
   if (!dump.empty() && dump.back() != '\n') std::fputc('\n', stdout);
@@ -288,12 +303,21 @@ constexpr uint64_t kCorpusSeed = 0;
 constexpr uint64_t kEvalCorpusSeed = 1;
 constexpr int64_t kEvalCorpusBytes = int64_t{1} << 20;
 
-// The graph's longest sequence: dim 1 of the "tokens" input when it is fixed.
-// A symbolic dim says nothing about the limit, so fall back to a common size.
+// The sequence length when --seq is not given: dim 1 of the "tokens" input when
+// it is fixed. A symbolic dim says nothing about the limit, so take a common
+// size, 256, but no more than the rows of a learned position table ("wpe", the
+// gpt preset's), which is the one hard limit a graph's parameters reveal.
 int64_t default_seq(const ctr_graph *g) {
   const TensorInfo t = tensor_info(g, "tokens");
   if (t.dims.size() >= 2 && t.dims[1] > 0) return t.dims[1];
-  return 256;
+  int64_t seq = 256;
+  ctr_dtype dtype;
+  int64_t dims[8];
+  size_t ndim = 0;
+  if (ctr_graph_tensor_info(g, "wpe", &dtype, dims, 8, &ndim) == CTR_STATUS_OK && ndim == 2 &&
+      dims[0] > 0)
+    seq = std::min(seq, dims[0]);
+  return seq;
 }
 
 // The ranks of a data-parallel mesh each train on their own share of one
@@ -608,6 +632,14 @@ int run_main(int argc, char **argv) {
   inspect.seq_opt =
       inspect_cmd->add_option("--seq", inspect.seq, "Sequence length (default: graph max)")
           ->check(kPositive);
+  inspect_cmd->add_option("--fsdp", inspect.fsdp, "Shard over this many ranks (shard pass)")
+      ->check(kPositive);
+  inspect_cmd->add_option("--dp", inspect.dp, "Replicate over this many ranks (shard pass)")
+      ->check(kPositive);
+  inspect_cmd->add_option("--rank", inspect.rank, "Which rank's placement to show")
+      ->check(kNonNegative);
+  inspect_cmd->add_flag("--keep-params", inspect.keep_params,
+                        "Keep gathered params from forward to backward (no reshard)");
 
   // run -------------------------------------------------------------------------------------
   RunArgs run;
@@ -656,6 +688,21 @@ int run_main(int argc, char **argv) {
   run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default) or cuda");
   run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4");
 
+  // launch ----------------------------------------------------------------------------------
+  ctr_tool::LaunchOptions launch;
+  CLI::App *launch_cmd = app.add_subcommand(
+      "launch", "Start N local ranks of a job: ctr launch -n N [--port P] -- COMMAND ...");
+  launch_cmd->add_option("-n,--nprocs", launch.nprocs, "Number of ranks")->required()->check(kPositive);
+  launch_cmd->add_option("--port", launch.port, "Rendezvous port on 127.0.0.1 (default: a free one)")
+      ->check(CLI::Range(1, 65535));
+  launch_cmd->add_option("--grace-ms", launch.grace_ms,
+                         "After a rank fails, time the others get to exit before SIGKILL")
+      ->capture_default_str()
+      ->check(kNonNegative);
+  launch_cmd->add_option("command", launch.command, "The command each rank runs (after --)")
+      ->required();
+  launch_cmd->positionals_at_end(true);
+
   CLI::App *version_cmd = app.add_subcommand("version", "Print the library and ABI version");
 
   try {
@@ -671,6 +718,7 @@ int run_main(int argc, char **argv) {
   if (inspect_cmd->parsed()) return cmd_graph_inspect(inspect);
   if (run_cmd->parsed()) return cmd_run(run);
   if (version_cmd->parsed()) return cmd_version();
+  if (launch_cmd->parsed()) return ctr_tool::launch(launch);
   return 2;
 }
 

@@ -1,0 +1,125 @@
+// The communicator interface and the rendezvous that bootstraps it.
+//
+// A communicator is {iface, ctx}: a table of asynchronous collectives over a
+// fixed, ordered group of ranks. Every collective returns a work handle at once;
+// the caller keeps its buffers alive and later waits on the handle (the executor
+// treats that as an event on the comm stream), so communication overlaps compute.
+// Every rank of a group must issue the same collectives in the same order.
+//
+// Failures never hang: each wait has a deadline, and a timeout or a dead peer is
+// a ctr::Error (CTR_STATUS_TIMEOUT / CTR_STATUS_COMM_ERROR) whose message names
+// the collective, the group and the peer rank (as a global rank) at fault.
+//
+// Implementations: lib/comm/ucx.cc moves host memory over UCP (shared memory on
+// one machine, TCP across machines); a NCCL communicator for device memory
+// implements the same table.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ctr/ctr.h"
+
+namespace ctr {
+
+enum class ReduceOp : uint8_t { Sum = 0, Avg = 1, Max = 2, Min = 3 };
+
+// An in-flight collective. Owned by the communicator; released by wait().
+struct CommWork;
+
+struct Comm;
+
+struct CommIface {
+  const char *name;
+
+  // This rank's index within the group and the group's size.
+  int (*rank)(void *ctx);
+  int (*size)(void *ctx);
+  // Global rank (in the world communicator) of group member i; for messages.
+  int (*global_rank)(void *ctx, int i);
+
+  // recv[size * bytes] receives every member's `bytes` from send, in rank order.
+  CommWork *(*all_gather)(void *ctx, const void *send, void *recv, size_t bytes);
+  // send holds size * count elements; this rank receives the reduction of block
+  // `rank` into recv[count]. dtype: F32, F64, I32, I64.
+  CommWork *(*reduce_scatter)(void *ctx, const void *send, void *recv, size_t count,
+                              ctr_dtype dtype, ReduceOp op);
+  // recv[count] = reduction of every member's send[count]; send == recv allowed.
+  CommWork *(*all_reduce)(void *ctx, const void *send, void *recv, size_t count,
+                          ctr_dtype dtype, ReduceOp op);
+  // Personalised exchange: to member j goes send_counts[j] elements of elem_size
+  // bytes from send + send_displs[j] elements; from member j arrive
+  // recv_counts[j] elements at recv + recv_displs[j]. Zero counts are allowed.
+  CommWork *(*all_to_all_v)(void *ctx, const void *send, const size_t *send_counts,
+                            const size_t *send_displs, void *recv, const size_t *recv_counts,
+                            const size_t *recv_displs, size_t elem_size);
+  // buf[bytes] of member `root` is copied to every member.
+  CommWork *(*broadcast)(void *ctx, void *buf, size_t bytes, int root);
+  CommWork *(*barrier)(void *ctx);
+
+  // Blocks until the work is complete or timeout_ms passes (< 0: the
+  // communicator's default timeout). Releases the handle either way; throws
+  // ctr::Error on timeout or failure.
+  void (*wait)(void *ctx, CommWork *work, int64_t timeout_ms);
+  // True once the work is complete (it must still be waited on). Optional.
+  bool (*test)(void *ctx, CommWork *work);
+
+  // A communicator over the members listed (indices into this group, in the new
+  // group's order; must include the caller). Every listed member calls it with
+  // the same list. The new communicator shares this one's transport.
+  Comm (*split)(void *ctx, const std::vector<int> &members);
+  void (*destroy)(void *ctx);
+};
+
+struct Comm {
+  const CommIface *iface = nullptr;
+  void *ctx = nullptr;
+  explicit operator bool() const { return iface != nullptr; }
+};
+
+// Convenience: issue and wait.
+inline void comm_wait(const Comm &c, CommWork *w, int64_t timeout_ms = -1) {
+  c.iface->wait(c.ctx, w, timeout_ms);
+}
+
+// ---------------------------------------------------------------------------
+// Rendezvous: a small TCP key-value store served by rank 0.
+
+struct RendezvousConfig {
+  int rank = 0;
+  int world = 1;
+  std::string addr = "127.0.0.1";  // rank 0's address
+  int port = 29500;
+  std::string token;               // CTR_JOB_TOKEN; peers with another token are refused
+  int64_t timeout_ms = 60000;      // join and default get timeout
+};
+
+class Store {
+ public:
+  virtual ~Store() = default;
+  // Stores value under key (overwrites).
+  virtual void set(const std::string &key, const std::string &value) = 0;
+  // Waits until key exists, then returns its value. Throws CTR_STATUS_TIMEOUT
+  // naming the key after timeout_ms (< 0: the config's timeout).
+  virtual std::string get(const std::string &key, int64_t timeout_ms = -1) = 0;
+  // Atomically adds delta to the integer at key (missing = 0); returns the result.
+  virtual int64_t add(const std::string &key, int64_t delta) = 0;
+  // All ranks of the world meet here; throws naming the ranks that did not arrive.
+  virtual void barrier(const std::string &name, int64_t timeout_ms = -1) = 0;
+};
+
+// Joins the job: rank 0 serves the store and every rank connects to it with the
+// job token. Returns once all `world` ranks have joined; throws
+// CTR_STATUS_TIMEOUT naming the ranks still missing after timeout_ms, or
+// CTR_STATUS_COMM_ERROR when the server refuses this rank (wrong token,
+// duplicate rank) or cannot be reached.
+std::unique_ptr<Store> store_join(const RendezvousConfig &cfg);
+
+// The world communicator over UCX; addresses are exchanged through the store.
+// timeout_ms is the default deadline of every wait.
+Comm ucx_comm_create(Store &store, int rank, int world, int64_t timeout_ms);
+
+}  // namespace ctr

@@ -1,0 +1,1348 @@
+// The UCX communicator: asynchronous collectives on host memory over UCP tag messages.
+//
+// Shape. One ucp_context and one ucp_worker per process, an endpoint to every
+// peer, and one progress thread that owns the worker. A collective is compiled,
+// on the issuing thread, into a list of small operations (tagged send, tagged
+// receive, local copy or reduction) with dependencies between them; the progress
+// thread posts each operation once its dependencies are done and advances the
+// list as UCP completes requests. Issuing therefore returns at once, every
+// collective of every communicator progresses concurrently, and the caller only
+// blocks in wait(). Keeping UCP calls on that one thread means the worker needs
+// no locks (thread mode serialized): other threads only hand work over through a
+// mutex-protected queue and an eventfd.
+//
+// Algorithms. all_gather and the two halves of all_reduce are rings; data is cut
+// into segments so that a ring step forwards segment k while segment k + 1 is
+// still arriving. reduce_scatter reduces each block along the ring in a fixed
+// order, and all_reduce is reduce_scatter followed by all_gather of the reduced
+// blocks, so every rank receives the owner's bits: results are deterministic and
+// bitwise identical on all ranks. all_to_all_v posts every pairwise exchange at
+// once, broadcast is a segmented chain from the root, barrier is the
+// dissemination algorithm (log2 n rounds).
+//
+// Tags. UCP matches a receive by tag only, so a tag names the communicator (24
+// bits), the collective's sequence number on it (24 bits) and the sender's index
+// (16 bits). Between two endpoints UCP delivers messages with the same tag in
+// order, and the progress thread posts the sends to a peer, and the receives
+// from a peer, in list order, so the k-th message of a collective on a channel
+// always lands in the k-th receive. Communicator ids are agreed by the members
+// when splitting (the largest of their next free ids), so two communicators that
+// share a member never share an id.
+//
+// Failure. Endpoints use UCP_ERR_HANDLING_MODE_PEER; the error callback marks
+// the peer failed, and every in-flight collective of a group containing it fails
+// with CTR_STATUS_COMM_ERROR naming it (such a collective can never complete).
+// wait() has a deadline; on timeout the collective is failed with a message
+// naming the peer it still waits for. A failed collective's requests are
+// cancelled; a request that cannot be cancelled (a send the peer never takes) is
+// given a short grace and then its endpoint is closed by force, so that no UCP
+// operation touches the caller's buffers once wait() has returned.
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "comm/comm.h"
+#include "core/status.h"
+
+namespace ctr {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using TimePoint = Clock::time_point;
+
+constexpr uint32_t kCommIdBits = 24;
+constexpr uint32_t kSeqMask = (1u << 24) - 1;
+constexpr uint32_t kMaxMembers = 1u << 16;
+// Reserved communicator ids: split agreement and the final barrier of destroy().
+constexpr uint32_t kSplitCommId = (1u << kCommIdBits) - 1;
+constexpr uint32_t kTeardownCommId = kSplitCommId - 1;
+
+// Ring and chain messages are cut into segments of this size: big enough for
+// UCP's zero-copy protocols to reach full bandwidth, small enough that a ring
+// of a few ranks overlaps its steps (see tools/bench/bench_comm.py).
+constexpr size_t kSegmentBytes = size_t{1} << 20;
+// After a collective fails, how long its sends may still wait for a peer
+// before that peer's endpoint is closed by force.
+constexpr int64_t kFailGraceMs = 1000;
+// How long destroy() waits for endpoints to flush and close.
+constexpr int64_t kCloseTimeoutMs = 3000;
+// The progress thread sleeps on the worker's event fd at most this long, so
+// that UCP's keepalive (which runs inside ucp_worker_progress) still checks
+// peers on an idle worker.
+constexpr int kIdlePollMs = 100;
+// While collectives are in flight the progress thread keeps polling this long
+// after the last event before it sleeps: the next message usually follows
+// within microseconds, and a sleep plus wakeup costs more than that.
+constexpr int64_t kSpinUs = 50;
+
+std::string seconds(int64_t ms) { return strformat("%.1f s", static_cast<double>(ms) / 1000.0); }
+
+size_t dtype_bytes(ctr_dtype dt) {
+  switch (dt) {
+    case CTR_DTYPE_F32:
+    case CTR_DTYPE_I32:
+      return 4;
+    case CTR_DTYPE_F64:
+    case CTR_DTYPE_I64:
+      return 8;
+    default:
+      return 0;
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Reductions: dst[i] = a[i] op b[i], then dst[i] /= divisor when divisor > 1.
+// dst may alias a or b exactly (in-place accumulation).
+
+template <typename T>
+T reduce_max(T a, T b) {
+  if (a != a) return a;  // NaN wins, whatever the order
+  return (b > a || b != b) ? b : a;
+}
+template <typename T>
+T reduce_min(T a, T b) {
+  if (a != a) return a;
+  return (b < a || b != b) ? b : a;
+}
+
+template <typename T>
+void reduce_typed(void *dst_v, const void *a_v, const void *b_v, size_t n, ReduceOp op,
+                  int64_t divisor) {
+  T *dst = static_cast<T *>(dst_v);
+  const T *a = static_cast<const T *>(a_v);
+  const T *b = static_cast<const T *>(b_v);
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg:
+      if constexpr (std::is_integral_v<T>) {
+        // Wraps on overflow like the hardware does instead of being undefined.
+        using U = std::make_unsigned_t<T>;
+        for (size_t i = 0; i < n; ++i)
+          dst[i] = static_cast<T>(static_cast<U>(a[i]) + static_cast<U>(b[i]));
+      } else {
+        for (size_t i = 0; i < n; ++i) dst[i] = a[i] + b[i];
+      }
+      break;
+    case ReduceOp::Max:
+      for (size_t i = 0; i < n; ++i) dst[i] = reduce_max(a[i], b[i]);
+      break;
+    case ReduceOp::Min:
+      for (size_t i = 0; i < n; ++i) dst[i] = reduce_min(a[i], b[i]);
+      break;
+  }
+  if (divisor > 1) {
+    const T d = static_cast<T>(divisor);
+    for (size_t i = 0; i < n; ++i) dst[i] = dst[i] / d;
+  }
+}
+
+void reduce(void *dst, const void *a, const void *b, size_t n, ctr_dtype dt, ReduceOp op,
+            int64_t divisor) {
+  switch (dt) {
+    case CTR_DTYPE_F32:
+      return reduce_typed<float>(dst, a, b, n, op, divisor);
+    case CTR_DTYPE_F64:
+      return reduce_typed<double>(dst, a, b, n, op, divisor);
+    case CTR_DTYPE_I32:
+      return reduce_typed<int32_t>(dst, a, b, n, op, divisor);
+    case CTR_DTYPE_I64:
+      return reduce_typed<int64_t>(dst, a, b, n, op, divisor);
+    default:
+      break;
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Groups, operations, collectives
+
+// An ordered set of world ranks with an id agreed by its members.
+struct Group {
+  std::vector<int> members;  // global ranks, in group order
+  int me = 0;                // this process's index
+  uint32_t id = 0;
+  std::string name;  // "world" or "group {0, 2}"
+  int size() const { return static_cast<int>(members.size()); }
+};
+
+std::string group_name(const std::vector<int> &members) {
+  std::string s = "group {";
+  constexpr size_t kShown = 8;
+  for (size_t i = 0; i < members.size() && i < kShown; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(members[i]);
+  }
+  if (members.size() > kShown) s += ", ...";
+  return s + "}";
+}
+
+struct Coll;
+class Transport;
+
+struct Op {
+  enum Kind : uint8_t { kSend, kRecv, kCopy, kReduce, kFence };
+  enum State : uint8_t { kWaiting, kPosted, kDone, kSkipped };
+  Kind kind;
+  State state = kWaiting;
+  int peer = -1;             // group index (send, recv)
+  int dep[2] = {-1, -1};     // operations that must be done first
+  void *dst = nullptr;       // recv buffer, copy/reduce destination
+  const void *src = nullptr; // send buffer, copy source, reduce's first operand
+  const void *src2 = nullptr;// reduce's second operand
+  size_t bytes = 0;          // send/recv/copy bytes; reduce element count
+  int64_t divisor = 0;       // reduce: divide the result (Avg on the last step)
+  void *req = nullptr;       // UCP request while posted
+  Coll *coll = nullptr;
+};
+
+// One collective in flight. Shared by the waiting thread and the progress
+// thread, each holding one reference.
+struct Coll {
+  std::atomic<int> refs{2};
+  Transport *t = nullptr;
+  const char *what = "";
+  std::shared_ptr<const Group> group;
+  uint64_t tag = 0;  // communicator id and sequence number; the sender's index is or-ed in
+  ctr_dtype dtype = CTR_DTYPE_F32;
+  ReduceOp op = ReduceOp::Sum;
+  std::vector<Op> ops;
+  std::unique_ptr<char[]> scratch;
+  bool network = false;  // has sends or receives
+
+  // Progress thread only.
+  size_t scan_from = 0;     // first operation that may still be waiting
+  size_t first_undone = 0;  // every operation before it is done
+  size_t n_done = 0;
+  int n_posted = 0;
+  bool failing = false;
+  bool dirty = false;
+  bool retired = false;  // finished; the progress thread lets go at the end of its pass
+  ctr_status pending_code = CTR_STATUS_OK;  // a failure seen in a UCP callback, acted on later
+  std::string pending_error;
+  TimePoint fail_at{};
+  std::vector<uint8_t> blocked;  // scratch for advance(): channels that must keep order
+
+  // The outcome, published under mu.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;
+  ctr_status code = CTR_STATUS_OK;
+  std::string error;
+
+  std::string label() const {
+    return strformat("%s (%s, %d ranks)", what, group->name.c_str(), group->size());
+  }
+};
+
+void release(Coll *c) {
+  if (c->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete c;
+}
+
+CommWork *to_handle(Coll *c) { return reinterpret_cast<CommWork *>(c); }
+Coll *from_handle(CommWork *w) { return reinterpret_cast<Coll *>(w); }
+
+// Builds a collective's operation list.
+class Builder {
+ public:
+  explicit Builder(Coll &c) : c_(c) {}
+  int send(int peer, const void *buf, size_t bytes, int dep0 = -1, int dep1 = -1) {
+    Op op{Op::kSend};
+    op.peer = peer;
+    op.src = buf;
+    op.bytes = bytes;
+    c_.network = true;
+    return add(op, dep0, dep1);
+  }
+  int recv(int peer, void *buf, size_t bytes, int dep0 = -1, int dep1 = -1) {
+    Op op{Op::kRecv};
+    op.peer = peer;
+    op.dst = buf;
+    op.bytes = bytes;
+    c_.network = true;
+    return add(op, dep0, dep1);
+  }
+  int copy(void *dst, const void *src, size_t bytes, int dep0 = -1) {
+    Op op{Op::kCopy};
+    op.dst = dst;
+    op.src = src;
+    op.bytes = bytes;
+    return add(op, dep0, -1);
+  }
+  int reduce(void *dst, const void *a, const void *b, size_t count, int64_t divisor, int dep0) {
+    Op op{Op::kReduce};
+    op.dst = dst;
+    op.src = a;
+    op.src2 = b;
+    op.bytes = count;
+    op.divisor = divisor;
+    return add(op, dep0, -1);
+  }
+  // Done once every earlier operation is done.
+  int fence() { return add(Op{Op::kFence}, -1, -1); }
+
+ private:
+  int add(Op op, int dep0, int dep1) {
+    op.coll = &c_;
+    op.dep[0] = dep0;
+    op.dep[1] = dep1;
+    c_.ops.push_back(op);
+    return static_cast<int>(c_.ops.size() - 1);
+  }
+  Coll &c_;
+};
+
+size_t n_segments(size_t bytes) { return bytes == 0 ? 1 : (bytes + kSegmentBytes - 1) / kSegmentBytes; }
+size_t segment_len(size_t bytes, size_t k) {
+  size_t start = k * kSegmentBytes;
+  return start >= bytes ? 0 : std::min(kSegmentBytes, bytes - start);
+}
+
+// Ring all-gather in place on out: block i is out[off[i], off[i] + len[i]).
+// This rank's block is sent first from own (which may be out + off[me]) and
+// copied into place unless it is already there. Everything waits for `after`.
+void build_ring_all_gather(Builder &b, const Group &g, char *out, const std::vector<size_t> &off,
+                           const std::vector<size_t> &len, const char *own, int after) {
+  const int n = g.size(), r = g.me;
+  const int left = (r - 1 + n) % n, right = (r + 1) % n;
+  if (own != out + off[r] && len[r] > 0) b.copy(out + off[r], own, len[r], after);
+  if (n == 1) return;
+  // Receives land in distinct places, so all are posted at once, in step order.
+  std::vector<std::vector<int>> recvd(n - 1);
+  for (int s = 0; s < n - 1; ++s) {
+    int blk = (r - s - 1 + 2 * n) % n;
+    for (size_t k = 0; k < n_segments(len[blk]); ++k)
+      recvd[s].push_back(b.recv(left, out + off[blk] + k * kSegmentBytes, segment_len(len[blk], k), after));
+  }
+  for (int s = 0; s < n - 1; ++s) {
+    int blk = (r - s + n) % n;
+    const char *base = s == 0 ? own : out + off[blk];
+    for (size_t k = 0; k < n_segments(len[blk]); ++k)
+      b.send(right, base + k * kSegmentBytes, segment_len(len[blk], k),
+             s == 0 ? after : recvd[s - 1][k]);
+  }
+}
+
+// Ring reduce-scatter: block i of send is elements [off[i], off[i] + cnt[i]);
+// this rank's reduced block goes to out. Block j is reduced along the ring
+// starting at rank j + 1 and ending at j, always in that order.
+void build_ring_reduce_scatter(Builder &b, Coll &c, const Group &g, const char *send, char *out,
+                               const std::vector<size_t> &off, const std::vector<size_t> &cnt,
+                               size_t esz, int64_t divisor) {
+  const int n = g.size(), r = g.me;
+  if (n == 1) {
+    // One member: the reduction of one block is the block (Avg divides by 1).
+    if (send + off[0] * esz != out) b.copy(out, send + off[0] * esz, cnt[0] * esz);
+    (void)c;
+    (void)divisor;
+    return;
+  }
+  const int left = (r - 1 + n) % n, right = (r + 1) % n;
+  size_t max_bytes = 0;
+  for (int i = 0; i < n; ++i) max_bytes = std::max(max_bytes, cnt[i] * esz);
+  // Two staging buffers: step s receives into tmp[s % 2] while step s's send
+  // still reads the partial sum of step s - 1 from the other.
+  c.scratch.reset(new char[2 * max_bytes + 1]);
+  char *tmp[2] = {c.scratch.get(), c.scratch.get() + max_bytes};
+  std::vector<int> prev_send, prev_reduce;
+  for (int s = 0; s < n - 1; ++s) {
+    const int sb = (r - s - 1 + 2 * n) % n;  // block sent at step s
+    const int rb = (r - s - 2 + 2 * n) % n;  // block received (and reduced) at step s
+    const size_t sbytes = cnt[sb] * esz, rbytes = cnt[rb] * esz;
+    std::vector<int> sends, reduces;
+    for (size_t k = 0; k < n_segments(sbytes); ++k) {
+      const char *src = s == 0 ? send + off[sb] * esz : tmp[(s - 1) % 2];
+      sends.push_back(b.send(right, src + k * kSegmentBytes, segment_len(sbytes, k),
+                             s == 0 ? -1 : prev_reduce[k]));
+    }
+    const bool last = s == n - 2;
+    for (size_t k = 0; k < n_segments(rbytes); ++k) {
+      char *buf = tmp[s % 2] + k * kSegmentBytes;
+      size_t len = segment_len(rbytes, k);
+      // The same bytes of this buffer were last sent at step s - 1.
+      int dep = (s >= 2 && k < prev_send.size()) ? prev_send[k] : -1;
+      int rv = b.recv(left, buf, len, dep);
+      char *dst = last ? out + k * kSegmentBytes : buf;
+      reduces.push_back(b.reduce(dst, buf, send + off[rb] * esz + k * kSegmentBytes, len / esz,
+                                 last ? divisor : 0, rv));
+    }
+    prev_send = std::move(sends);
+    prev_reduce = std::move(reduces);
+  }
+}
+
+// Splits count elements into n nearly equal blocks (the first count % n get one more).
+void partition(size_t count, int n, std::vector<size_t> *off, std::vector<size_t> *cnt) {
+  off->resize(n);
+  cnt->resize(n);
+  size_t base = count / n, extra = count % n, at = 0;
+  for (int i = 0; i < n; ++i) {
+    (*off)[i] = at;
+    (*cnt)[i] = base + (static_cast<size_t>(i) < extra ? 1 : 0);
+    at += (*cnt)[i];
+  }
+}
+
+// Dissemination barrier: in round i each rank signals rank + 2^i and waits for
+// rank - 2^i; after ceil(log2 n) rounds every rank has heard from every other.
+void build_barrier(Builder &b, const Group &g) {
+  const int n = g.size(), r = g.me;
+  int prev = -1;
+  for (int d = 1; d < n; d *= 2) {
+    b.send((r + d) % n, nullptr, 0, prev);
+    prev = b.recv((r - d + n) % n, nullptr, 0);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Transport: context, worker, endpoints and the progress thread
+
+struct Peer {
+  ucp_ep_h ep = nullptr;
+  ucs_status_t failed = UCS_OK;  // set once, by the error callback or a forced close
+  std::string why;
+  Transport *t = nullptr;
+  int rank = -1;
+};
+
+class Transport {
+ public:
+  Transport(int rank, int world, int64_t timeout_ms)
+      : rank_(rank), world_(world), timeout_ms_(timeout_ms), peers_(world) {}
+  ~Transport() { shutdown(); }
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  int64_t timeout_ms() const { return timeout_ms_; }
+  std::mutex &split_mu() { return split_mu_; }
+  uint32_t &next_comm_id() { return next_comm_id_; }
+
+  void init(Store &store);
+
+  // Hands a built collective to the progress thread (or runs it here if it
+  // needs no peer) and returns its handle.
+  CommWork *issue(Coll *c);
+  void wait(Coll *c, int64_t timeout_ms);
+
+ private:
+  void shutdown();
+  void run();
+  void start(Coll *c);
+  bool advance(Coll *c);
+  void post(Coll *c, Op &op);
+  void complete(Op &op, ucs_status_t st, size_t recv_len);
+  void timed_out(Coll *c, int64_t timeout_ms);
+  void fail(Coll *c, ctr_status code, const std::string &msg);
+  void finish(Coll *c);
+  void handle_failed_peers();
+  void enforce_grace(TimePoint now);
+  void mark_dirty(Coll *c) {
+    if (!c->dirty && !c->retired) {
+      c->dirty = true;
+      dirty_.push_back(c);
+    }
+  }
+  void peer_failed(int rank, ucs_status_t st, const std::string &why);
+  void close_ep(int rank, bool force);
+  void wake();
+  std::string peer_reason(int rank) const {
+    return strformat("rank %d failed: %s", rank, peers_[rank].why.c_str());
+  }
+
+  static void on_send(void *req, ucs_status_t st, void *user);
+  static void on_recv(void *req, ucs_status_t st, const ucp_tag_recv_info_t *info, void *user);
+  static void on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t st);
+
+  const int rank_, world_;
+  const int64_t timeout_ms_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int worker_fd_ = -1;
+  int wake_fd_ = -1;
+  std::vector<Peer> peers_;
+  std::thread thread_;
+
+  std::mutex split_mu_;
+  uint32_t next_comm_id_ = 1;  // 0 is the world
+
+  // Handed from other threads to the progress thread.
+  std::mutex mu_;
+  std::vector<Coll *> incoming_;
+  std::vector<std::pair<Coll *, int64_t>> abandoned_;  // timed out in wait(), with the timeout
+  bool stop_ = false;
+  std::atomic<bool> any_failure_{false};
+
+  // Progress thread only.
+  std::vector<Coll *> active_;
+  std::vector<Coll *> dirty_;
+  std::vector<Coll *> retired_;
+  std::vector<int> newly_failed_;
+  std::vector<void *> closing_;  // ep close requests of forced closes
+  int64_t posted_sends_ = 0;
+};
+
+// Configuration defaults: on one machine TCP stays on loopback; shared memory
+// with error handling; keepalive often enough to notice a dead peer within a
+// typical timeout. Every default yields to the user's own UCX_* variable.
+void configure(ucp_config_t *cfg, bool single_host) {
+  auto def = [cfg](const char *name, const char *value) {
+    std::string env = std::string("UCX_") + name;
+    if (!std::getenv(env.c_str())) ucp_config_modify(cfg, name, value);
+  };
+  def("TLS", "self,sm,tcp");
+  // Shared-memory transports support UCP_ERR_HANDLING_MODE_PEER only when asked;
+  // without it UCP would move every local message over TCP.
+  if (!std::getenv("UCX_POSIX_ERROR_HANDLING") && !std::getenv("UCX_SYSV_ERROR_HANDLING"))
+    ucp_config_modify(cfg, "MM_ERROR_HANDLING", "y");
+  def("KEEPALIVE_INTERVAL", "1s");
+  if (single_host) def("NET_DEVICES", "lo");
+}
+
+// This host's identity: the kernel's boot id tells two machines (or VMs) with
+// the same hostname apart; the hostname tells containers sharing a kernel apart.
+std::string host_identity() {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  std::string id = host;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  if (f >> boot) id += "/" + boot;
+  return id;
+}
+
+std::string ucs_text(ucs_status_t st) { return ucs_status_string(st); }
+
+void Transport::init(Store &store) {
+  if (world_ == 1) return;  // no peers: every collective is a local copy
+  // Keys are namespaced by how many worlds this process created, so a second
+  // communicator over the same store (all ranks create them in the same order)
+  // does not read the first one's addresses.
+  static std::atomic<int> generation{0};
+  const std::string ns = strformat("ucx/%d/", generation.fetch_add(1));
+
+  store.set(ns + "host/" + std::to_string(rank_), host_identity());
+  bool single_host = true;
+  const std::string me = host_identity();
+  for (int i = 0; i < world_; ++i)
+    if (i != rank_ && store.get(ns + "host/" + std::to_string(i)) != me) single_host = false;
+
+  if (!std::getenv("UCX_LOG_LEVEL")) ucs_global_opts_set_value("LOG_LEVEL", "error");
+  ucp_config_t *cfg = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &cfg);
+  CTR_REQUIRE(st == UCS_OK, CTR_STATUS_COMM_ERROR, "ucx: reading the UCX configuration: %s",
+              ucs_text(st).c_str());
+  configure(cfg, single_host);
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  params.name = "libctr";
+  st = ucp_init(&params, cfg, &context_);
+  ucp_config_release(cfg);
+  CTR_REQUIRE(st == UCS_OK, CTR_STATUS_COMM_ERROR, "ucx: ucp_init: %s", ucs_text(st).c_str());
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+  st = ucp_worker_create(context_, &wp, &worker_);
+  CTR_REQUIRE(st == UCS_OK, CTR_STATUS_COMM_ERROR, "ucx: ucp_worker_create: %s", ucs_text(st).c_str());
+  st = ucp_worker_get_efd(worker_, &worker_fd_);
+  CTR_REQUIRE(st == UCS_OK, CTR_STATUS_COMM_ERROR, "ucx: ucp_worker_get_efd: %s", ucs_text(st).c_str());
+  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  CTR_REQUIRE(wake_fd_ >= 0, CTR_STATUS_COMM_ERROR, "ucx: eventfd: %s", std::strerror(errno));
+
+  ucp_address_t *addr = nullptr;
+  size_t addr_len = 0;
+  st = ucp_worker_get_address(worker_, &addr, &addr_len);
+  CTR_REQUIRE(st == UCS_OK, CTR_STATUS_COMM_ERROR, "ucx: ucp_worker_get_address: %s",
+              ucs_text(st).c_str());
+  store.set(ns + "addr/" + std::to_string(rank_),
+            std::string(reinterpret_cast<const char *>(addr), addr_len));
+  ucp_worker_release_address(worker_, addr);
+
+  for (int i = 0; i < world_; ++i) {
+    Peer &p = peers_[i];
+    p.t = this;
+    p.rank = i;
+    if (i == rank_) continue;
+    std::string remote = store.get(ns + "addr/" + std::to_string(i));
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t *>(remote.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &Transport::on_ep_error;
+    ep.err_handler.arg = &p;
+    st = ucp_ep_create(worker_, &ep, &p.ep);
+    CTR_REQUIRE(st == UCS_OK, CTR_STATUS_COMM_ERROR,
+                "ucx: cannot create an endpoint to rank %d: %s (check UCX_TLS / UCX_NET_DEVICES)", i,
+                ucs_text(st).c_str());
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+void Transport::wake() {
+  uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof one);
+}
+
+CommWork *Transport::issue(Coll *c) {
+  if (!c->network) {
+    // A group of one, or nothing to move: run it here, synchronously.
+    for (Op &op : c->ops) {
+      if (op.kind == Op::kCopy) std::memmove(op.dst, op.src, op.bytes);
+      if (op.kind == Op::kReduce) {
+        if (op.bytes) reduce(op.dst, op.src, op.src2, op.bytes, c->dtype, c->op, op.divisor);
+      }
+      op.state = Op::kDone;
+    }
+    c->finished = true;
+    release(c);  // the progress thread's reference
+    return to_handle(c);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) {
+      std::string what = c->what;
+      delete c;
+      ctr::fail(CTR_STATUS_INVALID_STATE, "ucx: " + what + " issued on a destroyed communicator");
+    }
+    incoming_.push_back(c);
+  }
+  wake();
+  return to_handle(c);
+}
+
+void Transport::wait(Coll *c, int64_t timeout_ms) {
+  if (timeout_ms < 0) timeout_ms = timeout_ms_;
+  std::unique_lock<std::mutex> lock(c->mu);
+  bool done = c->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), [c] { return c->finished; });
+  if (!done) {
+    lock.unlock();
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      abandoned_.emplace_back(c, timeout_ms);
+    }
+    wake();
+    lock.lock();
+    // The progress thread fails it now, cancels what it can and closes the
+    // endpoints of what it cannot within kFailGraceMs.
+    done = c->cv.wait_for(lock, std::chrono::milliseconds(kFailGraceMs + 2000),
+                          [c] { return c->finished; });
+    if (!done) {
+      // The progress thread itself is stuck; the collective keeps its own
+      // reference and buffers may still be touched. Report it rather than hang.
+      std::string msg = strformat("%s: timed out after %s, and its transfers could not be stopped",
+                                  c->label().c_str(), seconds(timeout_ms).c_str());
+      lock.unlock();
+      release(c);
+      ctr::fail(CTR_STATUS_TIMEOUT, msg);
+    }
+  }
+  ctr_status code = c->code;
+  std::string msg = c->error;
+  lock.unlock();
+  release(c);
+  if (code != CTR_STATUS_OK) ctr::fail(code, msg);
+}
+
+// ---- progress thread: UCP callbacks only record; the loop acts afterwards, so
+// that nothing re-enters UCP from inside ucp_worker_progress.
+
+void Transport::on_send(void *req, ucs_status_t st, void *user) {
+  auto *op = static_cast<Op *>(user);
+  op->req = nullptr;
+  ucp_request_free(req);
+  op->coll->t->complete(*op, st, op->bytes);
+}
+
+void Transport::on_recv(void *req, ucs_status_t st, const ucp_tag_recv_info_t *info, void *user) {
+  auto *op = static_cast<Op *>(user);
+  op->req = nullptr;
+  ucp_request_free(req);
+  op->coll->t->complete(*op, st, st == UCS_OK ? info->length : op->bytes);
+}
+
+void Transport::on_ep_error(void *arg, ucp_ep_h, ucs_status_t st) {
+  auto *p = static_cast<Peer *>(arg);
+  if (p->failed != UCS_OK) return;
+  p->failed = st;
+  p->why = ucs_text(st);
+  p->t->newly_failed_.push_back(p->rank);
+}
+
+void Transport::complete(Op &op, ucs_status_t st, size_t recv_len) {
+  Coll *c = op.coll;
+  op.state = Op::kDone;
+  --c->n_posted;
+  if (op.kind == Op::kSend) --posted_sends_;
+  if (!c->failing && c->pending_code == CTR_STATUS_OK) {
+    const int g = c->group->members[op.peer];
+    const bool is_send = op.kind == Op::kSend;
+    if (st != UCS_OK) {
+      c->pending_code = CTR_STATUS_COMM_ERROR;
+      c->pending_error =
+          peers_[g].failed != UCS_OK
+              ? c->label() + ": " + peer_reason(g)
+              : strformat("%s: %s rank %d failed: %s", c->label().c_str(),
+                          is_send ? "sending to" : "receiving from", g, ucs_text(st).c_str());
+    } else if (!is_send && recv_len != op.bytes) {
+      c->pending_code = CTR_STATUS_COMM_ERROR;
+      c->pending_error = strformat(
+          "%s: rank %d sent %zu bytes where %zu were expected (do all ranks issue the same "
+          "collectives with the same sizes?)",
+          c->label().c_str(), g, recv_len, op.bytes);
+    }
+  }
+  mark_dirty(c);
+}
+
+void Transport::run() {
+  TimePoint last_event = Clock::now();
+  for (;;) {
+    std::vector<Coll *> in;
+    std::vector<std::pair<Coll *, int64_t>> timeouts;
+    bool stopping;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in.swap(incoming_);
+      timeouts.swap(abandoned_);
+      stopping = stop_;
+    }
+    bool worked = !in.empty() || !timeouts.empty();
+    for (Coll *c : in) start(c);
+    for (auto &[c, ms] : timeouts) timed_out(c, ms);
+    while (ucp_worker_progress(worker_) != 0) worked = true;
+    handle_failed_peers();
+    while (!dirty_.empty()) {
+      std::vector<Coll *> d;
+      d.swap(dirty_);
+      for (Coll *c : d) {
+        c->dirty = false;
+        if (!c->retired && advance(c)) worked = true;
+      }
+      handle_failed_peers();
+    }
+    TimePoint now = Clock::now();
+    enforce_grace(now);
+    for (Coll *c : retired_) {
+      {
+        std::lock_guard<std::mutex> lock(c->mu);
+        c->finished = true;
+      }
+      c->cv.notify_all();
+      release(c);
+    }
+    retired_.clear();
+    if (stopping) {
+      for (Coll *c : active_)
+        if (!c->failing)
+          fail(c, CTR_STATUS_INVALID_STATE,
+               c->label() + ": the communicator was destroyed while it was in flight");
+      if (active_.empty()) break;
+    }
+
+    if (worked) {
+      last_event = now;
+      continue;
+    }
+    if (!active_.empty() && now - last_event < std::chrono::microseconds(kSpinUs)) continue;
+    // A send waiting for room in a shared-memory FIFO, or for its rendezvous
+    // to run, is retried only inside ucp_worker_progress: no event announces
+    // that it can go on. Keep polling while any is pending.
+    if (posted_sends_ > 0 && std::getenv("XSPIN")) {
+      std::this_thread::yield();
+      continue;
+    }
+    // Sleep until UCP has an event, another thread hands over work, or the
+    // timer lets keepalive and failure deadlines run.
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    int timeout = kIdlePollMs;
+    for (Coll *c : active_) {
+      if (!c->failing) continue;
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                      c->fail_at + std::chrono::milliseconds(kFailGraceMs) - now)
+                      .count();
+      timeout = static_cast<int>(std::clamp<int64_t>(left + 1, 0, timeout));
+    }
+    pollfd fds[2] = {{worker_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    static int dbg_poll = std::getenv("XPOLL") ? std::atoi(std::getenv("XPOLL")) : -1;
+    if (dbg_poll >= 0) timeout = std::min(timeout, dbg_poll);
+    int pr = ::poll(fds, 2, timeout);
+    if (pr == 0 && !active_.empty() && std::getenv("XDBG")) fprintf(stderr, "DEBUG poll timeout with %zu active, %ld sends\n", active_.size(), (long)posted_sends_);
+    if (fds[1].revents) {
+      uint64_t v;
+      [[maybe_unused]] ssize_t n = ::read(wake_fd_, &v, sizeof v);
+    }
+    last_event = Clock::now();
+  }
+}
+
+void Transport::start(Coll *c) {
+  active_.push_back(c);
+  for (int g : c->group->members) {
+    if (peers_[g].failed != UCS_OK) {
+      fail(c, CTR_STATUS_COMM_ERROR, c->label() + ": " + peer_reason(g));
+      break;
+    }
+  }
+  mark_dirty(c);
+}
+
+// Posts and runs every operation whose turn has come; returns whether anything
+// happened.
+bool Transport::advance(Coll *c) {
+  bool any = false;
+  if (!c->failing && c->pending_code != CTR_STATUS_OK)
+    fail(c, c->pending_code, c->pending_error);
+  std::vector<Op> &ops = c->ops;
+  const size_t n = c->group->members.size();
+  while (!c->failing) {
+    while (c->first_undone < ops.size() && ops[c->first_undone].state == Op::kDone) ++c->first_undone;
+    if (c->first_undone == ops.size()) {
+      finish(c);
+      return true;
+    }
+    // Sends to one peer, and receives from one peer, are posted in list order:
+    // once one of them must wait, the later ones on its channel wait too.
+    c->blocked.assign(2 * n, 0);
+    bool again = false;
+    size_t first_waiting = ops.size();
+    for (size_t i = c->scan_from; i < ops.size() && !c->failing; ++i) {
+      Op &op = ops[i];
+      if (op.state != Op::kWaiting) continue;
+      const bool net = op.kind == Op::kSend || op.kind == Op::kRecv;
+      const size_t ch = net ? (op.kind == Op::kSend ? 0 : n) + op.peer : 0;
+      bool ready = !(net && c->blocked[ch]);
+      for (int d : op.dep) ready = ready && (d < 0 || ops[d].state == Op::kDone);
+      if (op.kind == Op::kFence) ready = ready && c->first_undone >= i;
+      if (!ready) {
+        if (net) c->blocked[ch] = 1;
+        first_waiting = std::min(first_waiting, i);
+        continue;
+      }
+      switch (op.kind) {
+        case Op::kSend:
+        case Op::kRecv:
+          post(c, op);
+          break;
+        case Op::kCopy:
+          std::memmove(op.dst, op.src, op.bytes);
+          op.state = Op::kDone;
+          break;
+        case Op::kReduce:
+          if (op.bytes) reduce(op.dst, op.src, op.src2, op.bytes, c->dtype, c->op, op.divisor);
+          op.state = Op::kDone;
+          break;
+        case Op::kFence:
+          op.state = Op::kDone;
+          break;
+      }
+      if (op.state == Op::kWaiting) first_waiting = std::min(first_waiting, i);
+      again = any = true;
+    }
+    c->scan_from = first_waiting;
+    if (!c->failing && c->pending_code != CTR_STATUS_OK) fail(c, c->pending_code, c->pending_error);
+    if (!again) break;
+  }
+  if (c->failing && c->n_posted == 0) finish(c);
+  return any;
+}
+
+void Transport::post(Coll *c, Op &op) {
+  const int g = c->group->members[op.peer];
+  Peer &p = peers_[g];
+  if (p.failed != UCS_OK || !p.ep) {
+    fail(c, CTR_STATUS_COMM_ERROR, c->label() + ": " + peer_reason(g));
+    return;
+  }
+  // A zero-length message still needs a valid address.
+  static char empty;
+  ucp_request_param_t prm{};
+  prm.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  prm.memory_type = UCS_MEMORY_TYPE_HOST;
+  prm.user_data = &op;
+  // Counted as posted before the call: a receive's callback can run inside it.
+  op.state = Op::kPosted;
+  ++c->n_posted;
+  if (op.kind == Op::kSend) ++posted_sends_;
+  ucs_status_ptr_t r;
+  if (op.kind == Op::kSend) {
+    prm.cb.send = &Transport::on_send;
+    r = ucp_tag_send_nbx(p.ep, op.bytes ? op.src : &empty, op.bytes,
+                         c->tag | static_cast<uint64_t>(c->group->me), &prm);
+  } else {
+    // Receives always complete through the callback: UCX 1.13 does not fill
+    // in recv_info when a receive completes in place, and the length must be
+    // checked against what this rank expects.
+    prm.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    prm.cb.recv = &Transport::on_recv;
+    r = ucp_tag_recv_nbx(worker_, op.bytes ? op.dst : &empty, op.bytes,
+                         c->tag | static_cast<uint64_t>(op.peer), ~ucp_tag_t{0}, &prm);
+  }
+  if (UCS_PTR_IS_ERR(r)) {
+    op.state = Op::kDone;
+    --c->n_posted;
+    if (op.kind == Op::kSend) --posted_sends_;
+    fail(c, CTR_STATUS_COMM_ERROR,
+         strformat("%s: %s rank %d failed: %s", c->label().c_str(),
+                   op.kind == Op::kSend ? "sending to" : "receiving from", g,
+                   ucs_text(UCS_PTR_STATUS(r)).c_str()));
+    return;
+  }
+  if (r == nullptr) {
+    complete(op, UCS_OK, op.bytes);  // a send done in place; no callback follows
+    return;
+  }
+  // Unless the callback already ran (and freed the request), keep it for cancel.
+  if (op.state == Op::kPosted) op.req = r;
+}
+
+void Transport::timed_out(Coll *c, int64_t timeout_ms) {
+  if (c->retired || c->failing) return;  // finished meanwhile, or failed for its own reason
+  // Name the peer whose message is missing; failing that, the one not taking ours.
+  int owed = -1;
+  for (int want : {static_cast<int>(Op::kRecv), static_cast<int>(Op::kSend)}) {
+    for (const Op &op : c->ops) {
+      if (op.kind == want && (op.state == Op::kPosted || op.state == Op::kWaiting)) {
+        owed = c->group->members[op.peer];
+        break;
+      }
+    }
+    if (owed >= 0) break;
+  }
+  std::string msg = strformat("%s: timed out after %s", c->label().c_str(), seconds(timeout_ms).c_str());
+  if (owed >= 0) msg += strformat(" waiting for rank %d", owed);
+  fail(c, CTR_STATUS_TIMEOUT, msg);
+}
+
+void Transport::fail(Coll *c, ctr_status code, const std::string &msg) {
+  if (c->failing) return;
+  c->failing = true;
+  c->fail_at = Clock::now();
+  any_failure_ = true;
+  {
+    std::lock_guard<std::mutex> lock(c->mu);
+    c->code = code;
+    c->error = msg;
+  }
+  for (Op &op : c->ops) {
+    if (op.state == Op::kWaiting) op.state = Op::kSkipped;
+  }
+  // Cancelling completes unmatched receives (their callbacks may run right
+  // here); sends cannot be cancelled and either finish or meet enforce_grace().
+  for (Op &op : c->ops) {
+    if (op.state == Op::kPosted && op.req && op.kind == Op::kRecv) ucp_request_cancel(worker_, op.req);
+  }
+  mark_dirty(c);
+}
+
+void Transport::finish(Coll *c) {
+  c->retired = true;
+  active_.erase(std::find(active_.begin(), active_.end(), c));
+  retired_.push_back(c);
+}
+
+void Transport::handle_failed_peers() {
+  while (!newly_failed_.empty()) {
+    std::vector<int> failed;
+    failed.swap(newly_failed_);
+    for (int g : failed) {
+      close_ep(g, true);
+      for (Coll *c : active_) {
+        if (c->failing) continue;
+        const auto &m = c->group->members;
+        if (std::find(m.begin(), m.end(), g) != m.end())
+          fail(c, CTR_STATUS_COMM_ERROR, c->label() + ": " + peer_reason(g));
+      }
+    }
+  }
+}
+
+// A failed collective whose sends are still pending after the grace period:
+// close those peers' endpoints by force, which completes the sends, so that the
+// caller's buffers are free when wait() returns.
+void Transport::enforce_grace(TimePoint now) {
+  for (Coll *c : active_) {
+    if (!c->failing || c->n_posted == 0 || now < c->fail_at + std::chrono::milliseconds(kFailGraceMs))
+      continue;
+    for (Op &op : c->ops) {
+      if (op.state != Op::kPosted) continue;
+      Peer &p = peers_[c->group->members[op.peer]];
+      if (p.failed != UCS_OK) continue;
+      p.failed = UCS_ERR_CANCELED;
+      p.why = strformat("its endpoint was closed after %s failed", c->what);
+      newly_failed_.push_back(p.rank);
+    }
+  }
+  handle_failed_peers();
+}
+
+void Transport::close_ep(int rank, bool force) {
+  Peer &p = peers_[rank];
+  if (!p.ep) return;
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  prm.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &prm);
+  p.ep = nullptr;
+  if (UCS_PTR_IS_PTR(r)) closing_.push_back(r);
+}
+
+void Transport::shutdown() {
+  if (thread_.joinable()) {
+    // A last barrier, so that no rank closes its endpoints while another still
+    // receives from it (the peer would see a failure). Skipped after a failure:
+    // the job is ending and a dead peer would only make everyone wait.
+    if (!any_failure_) {
+      auto g = std::make_shared<Group>();
+      for (int i = 0; i < world_; ++i) g->members.push_back(i);
+      g->me = rank_;
+      g->id = kTeardownCommId;
+      g->name = "world";
+      Coll *c = new Coll;
+      c->t = this;
+      c->what = "destroy";
+      c->group = g;
+      c->tag = uint64_t{kTeardownCommId} << 40;
+      Builder b(*c);
+      build_barrier(b, *g);
+      try {
+        wait(from_handle(issue(c)), timeout_ms_);
+      } catch (const std::exception &) {
+        // Best effort: the endpoints are closed either way.
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake();
+    thread_.join();
+  }
+  if (worker_) {
+    for (int i = 0; i < world_; ++i) close_ep(i, peers_[i].failed != UCS_OK);
+    TimePoint deadline = Clock::now() + std::chrono::milliseconds(kCloseTimeoutMs);
+    while (!closing_.empty() && Clock::now() < deadline) {
+      ucp_worker_progress(worker_);
+      for (size_t i = 0; i < closing_.size();) {
+        if (ucp_request_check_status(closing_[i]) != UCS_INPROGRESS) {
+          ucp_request_free(closing_[i]);
+          closing_[i] = closing_.back();
+          closing_.pop_back();
+        } else {
+          ++i;
+        }
+      }
+    }
+    // Whatever did not close in time is released with the worker.
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+  }
+  if (context_) ucp_cleanup(context_);
+  context_ = nullptr;
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  wake_fd_ = -1;
+}
+
+// ------------------------------------------------------------------------------------------
+// The communicator table
+
+struct CommCtx {
+  std::shared_ptr<Transport> t;
+  std::shared_ptr<const Group> g;
+  std::atomic<uint32_t> seq{0};
+};
+
+CommCtx *ctx_of(void *ctx) { return static_cast<CommCtx *>(ctx); }
+
+// A new collective on this communicator, with the next sequence number.
+std::unique_ptr<Coll> new_coll(CommCtx *cc, const char *what) {
+  auto c = std::make_unique<Coll>();
+  c->t = cc->t.get();
+  c->what = what;
+  c->group = cc->g;
+  uint32_t s = cc->seq.fetch_add(1, std::memory_order_relaxed) & kSeqMask;
+  c->tag = (uint64_t{cc->g->id} << 40) | (uint64_t{s} << 16);
+  return c;
+}
+
+void check_reduction(const char *what, ctr_dtype dt, ReduceOp op) {
+  CTR_REQUIRE(dtype_bytes(dt) != 0, CTR_STATUS_UNSUPPORTED,
+              "ucx: %s: dtype %d is not supported (F32, F64, I32 and I64 are)", what,
+              static_cast<int>(dt));
+  CTR_REQUIRE(static_cast<int>(op) <= static_cast<int>(ReduceOp::Min), CTR_STATUS_INVALID_ARGUMENT,
+              "ucx: %s: unknown reduce op %d", what, static_cast<int>(op));
+}
+
+int c_rank(void *ctx) { return ctx_of(ctx)->g->me; }
+int c_size(void *ctx) { return ctx_of(ctx)->g->size(); }
+int c_global_rank(void *ctx, int i) {
+  const Group &g = *ctx_of(ctx)->g;
+  CTR_REQUIRE(i >= 0 && i < g.size(), CTR_STATUS_INVALID_ARGUMENT,
+              "ucx: member %d is out of range for %s of %d ranks", i, g.name.c_str(), g.size());
+  return g.members[i];
+}
+
+CommWork *c_all_gather(void *ctx, const void *send, void *recv, size_t bytes) {
+  CommCtx *cc = ctx_of(ctx);
+  CTR_REQUIRE(bytes == 0 || (send && recv), CTR_STATUS_INVALID_ARGUMENT,
+              "ucx: all_gather: null buffer for %zu bytes", bytes);
+  auto c = new_coll(cc, "all_gather");
+  const Group &g = *cc->g;
+  std::vector<size_t> off(g.size()), len(g.size(), bytes);
+  for (int i = 0; i < g.size(); ++i) off[i] = i * bytes;
+  Builder b(*c);
+  build_ring_all_gather(b, g, static_cast<char *>(recv), off, len, static_cast<const char *>(send), -1);
+  return cc->t->issue(c.release());
+}
+
+CommWork *c_reduce_scatter(void *ctx, const void *send, void *recv, size_t count, ctr_dtype dtype,
+                           ReduceOp op) {
+  CommCtx *cc = ctx_of(ctx);
+  check_reduction("reduce_scatter", dtype, op);
+  CTR_REQUIRE(count == 0 || (send && recv), CTR_STATUS_INVALID_ARGUMENT,
+              "ucx: reduce_scatter: null buffer for %zu elements", count);
+  auto c = new_coll(cc, "reduce_scatter");
+  c->dtype = dtype;
+  c->op = op;
+  const Group &g = *cc->g;
+  std::vector<size_t> off(g.size()), cnt(g.size(), count);
+  for (int i = 0; i < g.size(); ++i) off[i] = i * count;
+  Builder b(*c);
+  build_ring_reduce_scatter(b, *c, g, static_cast<const char *>(send), static_cast<char *>(recv), off,
+                            cnt, dtype_bytes(dtype), op == ReduceOp::Avg ? g.size() : 0);
+  return cc->t->issue(c.release());
+}
+
+CommWork *c_all_reduce(void *ctx, const void *send, void *recv, size_t count, ctr_dtype dtype,
+                       ReduceOp op) {
+  CommCtx *cc = ctx_of(ctx);
+  check_reduction("all_reduce", dtype, op);
+  CTR_REQUIRE(count == 0 || (send && recv), CTR_STATUS_INVALID_ARGUMENT,
+              "ucx: all_reduce: null buffer for %zu elements", count);
+  auto c = new_coll(cc, "all_reduce");
+  c->dtype = dtype;
+  c->op = op;
+  const Group &g = *cc->g;
+  const size_t esz = dtype_bytes(dtype);
+  std::vector<size_t> off, cnt;
+  partition(count, g.size(), &off, &cnt);
+  char *out = static_cast<char *>(recv);
+  Builder b(*c);
+  build_ring_reduce_scatter(b, *c, g, static_cast<const char *>(send), out + off[g.me] * esz, off, cnt,
+                            esz, op == ReduceOp::Avg ? g.size() : 0);
+  if (g.size() > 1) {
+    // The gather overwrites blocks the reduction still reads when send == recv.
+    int f = b.fence();
+    std::vector<size_t> boff(g.size()), blen(g.size());
+    for (int i = 0; i < g.size(); ++i) boff[i] = off[i] * esz, blen[i] = cnt[i] * esz;
+    build_ring_all_gather(b, g, out, boff, blen, out + boff[g.me], f);
+  }
+  return cc->t->issue(c.release());
+}
+
+CommWork *c_all_to_all_v(void *ctx, const void *send, const size_t *send_counts,
+                         const size_t *send_displs, void *recv, const size_t *recv_counts,
+                         const size_t *recv_displs, size_t elem_size) {
+  CommCtx *cc = ctx_of(ctx);
+  CTR_REQUIRE(send_counts && send_displs && recv_counts && recv_displs, CTR_STATUS_INVALID_ARGUMENT,
+              "ucx: all_to_all_v: null count or displacement array");
+  const Group &g = *cc->g;
+  const int n = g.size(), r = g.me;
+  for (int j = 0; j < n; ++j) {
+    CTR_REQUIRE((send_counts[j] == 0 || send) && (recv_counts[j] == 0 || recv),
+                CTR_STATUS_INVALID_ARGUMENT, "ucx: all_to_all_v: null buffer with a nonzero count");
+  }
+  CTR_REQUIRE(send_counts[r] == recv_counts[r], CTR_STATUS_INVALID_ARGUMENT,
+              "ucx: all_to_all_v: rank %d sends itself %zu elements but expects %zu", g.members[r],
+              send_counts[r], recv_counts[r]);
+  auto c = new_coll(cc, "all_to_all_v");
+  const char *s = static_cast<const char *>(send);
+  char *d = static_cast<char *>(recv);
+  Builder b(*c);
+  if (send_counts[r]) b.copy(d + recv_displs[r] * elem_size, s + send_displs[r] * elem_size,
+                             send_counts[r] * elem_size);
+  // Step k pairs this rank with r + k and r - k, so at every step each rank
+  // sends to one peer and receives from another; UCP runs all steps at once.
+  for (int k = 1; k < n; ++k) {
+    int from = (r - k + n) % n, to = (r + k) % n;
+    b.recv(from, d + recv_displs[from] * elem_size, recv_counts[from] * elem_size);
+    b.send(to, s + send_displs[to] * elem_size, send_counts[to] * elem_size);
+  }
+  return cc->t->issue(c.release());
+}
+
+CommWork *c_broadcast(void *ctx, void *buf, size_t bytes, int root) {
+  CommCtx *cc = ctx_of(ctx);
+  const Group &g = *cc->g;
+  const int n = g.size(), r = g.me;
+  CTR_REQUIRE(root >= 0 && root < n, CTR_STATUS_INVALID_ARGUMENT,
+              "ucx: broadcast: root %d is out of range for %s of %d ranks", root, g.name.c_str(), n);
+  CTR_REQUIRE(bytes == 0 || buf, CTR_STATUS_INVALID_ARGUMENT, "ucx: broadcast: null buffer");
+  auto c = new_coll(cc, "broadcast");
+  Builder b(*c);
+  if (n > 1) {
+    // A chain root -> root + 1 -> ... : each rank forwards segment k as soon as
+    // it has it, so large messages take about one transfer time in total.
+    char *p = static_cast<char *>(buf);
+    const int prev = (r - 1 + n) % n, next = (r + 1) % n;
+    for (size_t k = 0; k < n_segments(bytes); ++k) {
+      char *seg = p + k * kSegmentBytes;
+      size_t len = segment_len(bytes, k);
+      int got = r == root ? -1 : b.recv(prev, seg, len);
+      if (next != root) b.send(next, seg, len, got);
+    }
+  }
+  return cc->t->issue(c.release());
+}
+
+CommWork *c_barrier(void *ctx) {
+  CommCtx *cc = ctx_of(ctx);
+  auto c = new_coll(cc, "barrier");
+  Builder b(*c);
+  build_barrier(b, *cc->g);
+  return cc->t->issue(c.release());
+}
+
+void c_wait(void *ctx, CommWork *work, int64_t timeout_ms) {
+  CTR_REQUIRE(work, CTR_STATUS_INVALID_ARGUMENT, "ucx: wait on a null work handle");
+  ctx_of(ctx)->t->wait(from_handle(work), timeout_ms);
+}
+
+bool c_test(void *, CommWork *work) {
+  if (!work) return false;
+  Coll *c = from_handle(work);
+  std::lock_guard<std::mutex> lock(c->mu);
+  return c->finished;
+}
+
+void c_destroy(void *ctx) { delete ctx_of(ctx); }
+
+uint64_t hash_members(const std::vector<int> &m) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (int v : m) {
+    for (int i = 0; i < 4; ++i) {
+      h ^= (static_cast<uint32_t>(v) >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  return h ^ m.size();
+}
+
+Comm c_split(void *ctx, const std::vector<int> &members);
+
+const CommIface kIface = {
+    "ucx",        c_rank,    c_size,       c_global_rank, c_all_gather, c_reduce_scatter,
+    c_all_reduce, c_all_to_all_v, c_broadcast, c_barrier, c_wait, c_test, c_split,
+    c_destroy,
+};
+
+Comm c_split(void *ctx, const std::vector<int> &members) {
+  CommCtx *cc = ctx_of(ctx);
+  const Group &parent = *cc->g;
+  Transport &t = *cc->t;
+  CTR_REQUIRE(!members.empty(), CTR_STATUS_INVALID_ARGUMENT, "ucx: split of %s: empty member list",
+              parent.name.c_str());
+  auto g = std::make_shared<Group>();
+  std::vector<char> seen(parent.size(), 0);
+  g->me = -1;
+  for (size_t i = 0; i < members.size(); ++i) {
+    int m = members[i];
+    CTR_REQUIRE(m >= 0 && m < parent.size(), CTR_STATUS_INVALID_ARGUMENT,
+                "ucx: split of %s: member %d is out of range for %d ranks", parent.name.c_str(), m,
+                parent.size());
+    CTR_REQUIRE(!seen[m], CTR_STATUS_INVALID_ARGUMENT, "ucx: split of %s: member %d listed twice",
+                parent.name.c_str(), m);
+    seen[m] = 1;
+    g->members.push_back(parent.members[m]);
+    if (m == parent.me) g->me = static_cast<int>(i);
+  }
+  CTR_REQUIRE(g->me >= 0, CTR_STATUS_INVALID_ARGUMENT,
+              "ucx: split of %s: the member list does not include the calling rank %d",
+              parent.name.c_str(), parent.members[parent.me]);
+  g->name = group_name(g->members);
+
+  // The members agree on an id no communicator of any of them has used: the
+  // largest of their next free ids. Serialised per process, so that two splits
+  // on different threads cannot both take the same id.
+  std::lock_guard<std::mutex> lock(t.split_mu());
+  uint32_t &next = t.next_comm_id();
+  if (g->size() > 1) {
+    struct Offer {
+      uint64_t next_id;
+      uint64_t hash;
+    };
+    Offer mine{next, hash_members(g->members)};
+    std::vector<Offer> all(g->size());
+    auto tmp = std::make_shared<Group>(*g);
+    tmp->id = kSplitCommId;
+    auto c = std::make_unique<Coll>();
+    c->t = &t;
+    c->what = "split";
+    c->group = tmp;
+    // The parent's id in the sequence field keeps agreements on different parents apart.
+    c->tag = (uint64_t{kSplitCommId} << 40) | (uint64_t{parent.id & kSeqMask} << 16);
+    std::vector<size_t> off(g->size()), len(g->size(), sizeof(Offer));
+    for (int i = 0; i < g->size(); ++i) off[i] = i * sizeof(Offer);
+    Builder b(*c);
+    build_ring_all_gather(b, *tmp, reinterpret_cast<char *>(all.data()), off, len,
+                          reinterpret_cast<const char *>(&mine), -1);
+    t.wait(from_handle(t.issue(c.release())), -1);
+    uint64_t id = 0;
+    for (int i = 0; i < g->size(); ++i) {
+      CTR_REQUIRE(all[i].hash == mine.hash, CTR_STATUS_INVALID_ARGUMENT,
+                  "ucx: split of %s: rank %d passed a different member list than rank %d",
+                  parent.name.c_str(), g->members[i], g->members[g->me]);
+      id = std::max(id, all[i].next_id);
+    }
+    CTR_REQUIRE(id < kTeardownCommId, CTR_STATUS_UNSUPPORTED,
+                "ucx: split of %s: communicator ids are exhausted", parent.name.c_str());
+    g->id = static_cast<uint32_t>(id);
+    next = g->id + 1;
+  } else {
+    g->id = next;  // a group of one sends nothing; any id will do
+  }
+  auto *child = new CommCtx;
+  child->t = cc->t;
+  child->g = std::move(g);
+  return Comm{&kIface, child};
+}
+
+}  // namespace
+
+Comm ucx_comm_create(Store &store, int rank, int world, int64_t timeout_ms) {
+  CTR_REQUIRE(world >= 1 && world <= static_cast<int>(kMaxMembers), CTR_STATUS_INVALID_ARGUMENT,
+              "ucx: world size %d is out of range", world);
+  CTR_REQUIRE(rank >= 0 && rank < world, CTR_STATUS_INVALID_ARGUMENT,
+              "ucx: rank %d is out of range for %d ranks", rank, world);
+  CTR_REQUIRE(timeout_ms >= 0, CTR_STATUS_INVALID_ARGUMENT, "ucx: negative timeout");
+  auto t = std::make_shared<Transport>(rank, world, timeout_ms);
+  t->init(store);
+  auto g = std::make_shared<Group>();
+  for (int i = 0; i < world; ++i) g->members.push_back(i);
+  g->me = rank;
+  g->id = 0;
+  g->name = "world";
+  auto *cc = new CommCtx;
+  cc->t = std::move(t);
+  cc->g = std::move(g);
+  return Comm{&kIface, cc};
+}
+
+}  // namespace ctr

@@ -1,0 +1,179 @@
+// Pass 4, shard: FSDP / HSDP placement of the parameters (see passes.h).
+//
+// The pass runs after autodiff, on the whole training graph, so it sees every
+// use of a parameter — forward and backward — and can decide where each full
+// copy is rebuilt and how long it lives. Padding makes every shard the same
+// size (all_gather and reduce_scatter then move equal blocks): the gathered
+// tensor and the full gradient reserve fsdp * rows rows, and consumers read only
+// the first full_rows of them. Pad rows of a shard start at zero and their
+// gradients are zero, so AdamW keeps them at zero.
+
+#include <algorithm>
+
+#include "core/status.h"
+#include "passes/passes.h"
+
+namespace ctr {
+
+bool is_collective(const std::string &op) {
+  return op == "all_gather" || op == "reduce_scatter" || op == "all_reduce";
+}
+
+namespace {
+
+Attr str_attr(const std::string &s) {
+  Attr a;
+  a.type = Attr::String;
+  a.s = s;
+  return a;
+}
+
+Attr int_attr(int64_t v) {
+  Attr a;
+  a.type = Attr::Int;
+  a.i = v;
+  return a;
+}
+
+}  // namespace
+
+void pass_shard(Graph &g, const CompileOptions &opt) {
+  CTR_CHECK(g.num_forward >= 0);
+  if (opt.fsdp <= 1 && opt.dp <= 1) return;
+  const int F = static_cast<int>(opt.fsdp);
+
+  // New node order: collectives are inserted in front of the node that first
+  // needs them (gathers) or right after the node that completes a gradient.
+  std::vector<std::vector<Node>> before(g.nodes.size()), after(g.nodes.size());
+  const int nf = g.num_forward;
+  const int ntensors = static_cast<int>(g.tensors.size());
+
+  for (int p = 0; p < ntensors; ++p) {
+    if (g.tensors[p].role != Role::Param) continue;
+    const std::vector<int64_t> full_shape = g.tensors[p].shape;
+    const std::string name = g.tensors[p].name;
+    int64_t row_elems = 1;
+    for (size_t d = 1; d < full_shape.size(); ++d) row_elems *= full_shape[d];
+    const int64_t N0 = full_shape.empty() ? 1 : full_shape[0];
+    const int64_t rows = (N0 + F - 1) / F;
+    const int64_t padded_bytes = rows * F * row_elems * 4;
+
+    int grad = -1;
+    for (int t = 0; t < ntensors; ++t)
+      if (g.tensors[t].grad_of == p) grad = t;
+
+    if (F > 1) {
+      // The param itself becomes this rank's shard.
+      Tensor &pt = g.tensors[p];
+      pt.full_rows = N0;
+      pt.shard_index = opt.fsdp_index;
+      if (pt.shape.empty()) pt.shape = {1};
+      pt.shape[0] = rows;
+
+      // Full copies: one for forward uses, one for backward uses (or one for both).
+      auto make_full = [&](const char *suffix) {
+        Tensor t;
+        t.name = name + suffix;
+        t.dtype = CTR_DTYPE_F32;
+        t.shape = full_shape;
+        t.has_shape = true;
+        t.alloc_bytes = padded_bytes;
+        return g.add_tensor(std::move(t));
+      };
+      int first_fwd = -1, first_bwd = -1;
+      for (int ni = 0; ni < static_cast<int>(g.nodes.size()); ++ni)
+        for (int in : g.nodes[ni].inputs)
+          if (in == p) {
+            if (ni < nf && first_fwd < 0) first_fwd = ni;
+            if (ni >= nf && first_bwd < 0) first_bwd = ni;
+          }
+      int full_fwd = -1, full_bwd = -1;
+      auto gather = [&](int full, int at) {
+        Node n;
+        n.op = "all_gather";
+        n.name = g.tensors[full].name;
+        n.inputs = {p};
+        n.outputs = {full};
+        n.attrs = {{"axis", str_attr("fsdp")}, {"rows", int_attr(N0)}};
+        n.block = g.nodes[at].block;
+        n.backward = at >= nf;
+        before[at].push_back(std::move(n));
+      };
+      if (first_fwd >= 0) {
+        full_fwd = make_full(".full");
+        gather(full_fwd, first_fwd);
+      }
+      if (first_bwd >= 0) {
+        if (opt.reshard_after_forward || full_fwd < 0) {
+          full_bwd = make_full(".full_bwd");
+          gather(full_bwd, first_bwd);
+        } else {
+          full_bwd = full_fwd;
+        }
+      }
+      for (int ni = 0; ni < static_cast<int>(g.nodes.size()); ++ni)
+        for (int &in : g.nodes[ni].inputs)
+          if (in == p) in = ni < nf ? full_fwd : full_bwd;
+    }
+
+    if (grad < 0) continue;
+    int producer = -1;
+    for (int ni = 0; ni < static_cast<int>(g.nodes.size()); ++ni)
+      for (int o : g.nodes[ni].outputs)
+        if (o == grad) producer = ni;
+    CTR_CHECK(producer >= 0);
+    int cur = grad;
+    if (F > 1) {
+      g.tensors[grad].alloc_bytes = padded_bytes;
+      Tensor t;
+      t.name = name + ".grad_shard";
+      t.dtype = CTR_DTYPE_F32;
+      t.shape = g.tensors[p].shape;
+      t.has_shape = true;
+      int gs = g.add_tensor(std::move(t));
+      Node n;
+      n.op = "reduce_scatter";
+      n.name = name + ".reduce_scatter";
+      n.inputs = {cur};
+      n.outputs = {gs};
+      n.attrs = {{"axis", str_attr("fsdp")}, {"rows", int_attr(N0)}};
+      n.block = g.nodes[producer].block;
+      n.backward = true;
+      after[producer].push_back(std::move(n));
+      cur = gs;
+    }
+    if (opt.dp > 1) {
+      Tensor t;
+      t.name = name + ".grad_dp";
+      t.dtype = CTR_DTYPE_F32;
+      t.shape = g.tensors[p].shape;
+      t.has_shape = true;
+      int gd = g.add_tensor(std::move(t));
+      Node n;
+      n.op = "all_reduce";
+      n.name = name + ".all_reduce";
+      n.inputs = {cur};
+      n.outputs = {gd};
+      n.attrs = {{"axis", str_attr("dp")}};
+      n.block = g.nodes[producer].block;
+      n.backward = true;
+      after[producer].push_back(std::move(n));
+      cur = gd;
+    }
+    g.tensors[grad].grad_of = -1;
+    g.tensors[cur].grad_of = p;
+  }
+
+  std::vector<Node> nodes;
+  int new_nf = 0;
+  for (size_t ni = 0; ni < g.nodes.size(); ++ni) {
+    for (Node &n : before[ni]) nodes.push_back(std::move(n));
+    nodes.push_back(std::move(g.nodes[ni]));
+    for (Node &n : after[ni]) nodes.push_back(std::move(n));
+    if (static_cast<int>(ni) + 1 == nf) new_nf = static_cast<int>(nodes.size());
+  }
+  g.nodes = std::move(nodes);
+  g.num_forward = new_nf;
+}
+
+}  // namespace ctr

@@ -1,0 +1,590 @@
+// One rank of the communicator test; run_comm.py starts N of them.
+//
+// Every rank derives every other rank's input from (rank, index, salt), so each
+// can compute the serial reference of a collective by itself and compare its own
+// result exactly. Integer-valued inputs keep float sums exact whatever the order
+// of reduction, so float results are compared bit for bit as well; a second
+// all_reduce on non-integer floats checks that all ranks got the same bits, by
+// all-gathering a hash of the result.
+//
+//   comm_test            every collective, dtype and size; splits; many small ones
+//   comm_test token      the last rank presents a wrong job token: it is refused,
+//                        the others time out naming it
+//   comm_test missing    world 3 with ranks 0 and 1 started: the join times out
+//                        naming rank 2
+//   comm_test dead       the last rank exits after joining; the next collective
+//                        of the others fails naming it, within the timeout
+//
+// Configuration comes from CTR_RANK, CTR_WORLD_SIZE, CTR_MASTER_ADDR,
+// CTR_MASTER_PORT, CTR_JOB_TOKEN and CTR_TIMEOUT_MS. Exit status 0 means every
+// check passed (for the failure modes: the expected failure was seen).
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/comm.h"
+#include "core/status.h"
+
+namespace {
+
+using ctr::Comm;
+using ctr::CommWork;
+using ctr::ReduceOp;
+
+int g_rank = -1;
+
+[[noreturn]] __attribute__((format(printf, 1, 2))) void die(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::fprintf(stderr, "comm_test: rank %d: FAIL: ", g_rank);
+  std::vfprintf(stderr, fmt, ap);
+  std::fprintf(stderr, "\n");
+  va_end(ap);
+  std::fflush(stderr);
+  std::_Exit(1);
+}
+
+#define CHECK(cond, ...)      \
+  do {                        \
+    if (!(cond)) die(__VA_ARGS__); \
+  } while (0)
+
+struct Env {
+  int rank = 0, world = 1, port = 29500;
+  std::string addr = "127.0.0.1", token;
+  int64_t timeout_ms = 30000;
+};
+
+Env read_env() {
+  Env e;
+  auto get = [](const char *name) -> const char * {
+    const char *v = std::getenv(name);
+    return v && *v ? v : nullptr;
+  };
+  if (auto v = get("CTR_RANK")) e.rank = std::atoi(v);
+  if (auto v = get("CTR_WORLD_SIZE")) e.world = std::atoi(v);
+  if (auto v = get("CTR_MASTER_ADDR")) e.addr = v;
+  if (auto v = get("CTR_MASTER_PORT")) e.port = std::atoi(v);
+  if (auto v = get("CTR_JOB_TOKEN")) e.token = v;
+  if (auto v = get("CTR_TIMEOUT_MS")) e.timeout_ms = std::atoll(v);
+  return e;
+}
+
+ctr::RendezvousConfig rendezvous(const Env &e) {
+  ctr::RendezvousConfig cfg;
+  cfg.rank = e.rank;
+  cfg.world = e.world;
+  cfg.addr = e.addr;
+  cfg.port = e.port;
+  cfg.token = e.token;
+  cfg.timeout_ms = e.timeout_ms;
+  return cfg;
+}
+
+double elapsed_s(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Runs fn, which must throw ctr::Error with `code` and a message containing
+// every one of `needles`; returns the message.
+template <typename F>
+std::string expect_error(const char *what, ctr_status code, std::vector<std::string> needles, F fn) {
+  try {
+    fn();
+  } catch (const ctr::Error &e) {
+    CHECK(e.code() == code, "%s: expected status %d, got %d: %s", what, code, e.code(), e.what());
+    for (auto &n : needles)
+      CHECK(e.message().find(n) != std::string::npos, "%s: message lacks '%s': %s", what, n.c_str(),
+            e.what());
+    return e.message();
+  }
+  die("%s: expected an error, got success", what);
+}
+
+uint64_t fnv1a(const void *p, size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; ++i) {
+    h ^= static_cast<const uint8_t *>(p)[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+uint64_t mix(uint64_t x) {  // splitmix64
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Small integers: sums of a few ranks stay exact in every dtype.
+template <typename T>
+T input(int rank, size_t i, uint32_t salt) {
+  uint64_t h = mix((uint64_t{static_cast<uint32_t>(rank)} << 40) ^ (uint64_t{salt} << 32) ^ i);
+  return static_cast<T>(static_cast<int>(h % 201) - 100);
+}
+
+uint8_t byte_at(int rank, size_t i, uint32_t salt) {
+  return static_cast<uint8_t>(mix((uint64_t{static_cast<uint32_t>(rank)} << 40) ^ (uint64_t{salt} << 32) ^ i));
+}
+
+template <typename T>
+T combine(ReduceOp op, T a, T b) {
+  switch (op) {
+    case ReduceOp::Max:
+      return std::max(a, b);
+    case ReduceOp::Min:
+      return std::min(a, b);
+    default:
+      return static_cast<T>(a + b);
+  }
+}
+
+// The serial reference: element i reduced over the ranks listed, in rank order.
+template <typename T>
+T reference(ReduceOp op, const std::vector<int> &ranks, size_t i, uint32_t salt) {
+  T acc = input<T>(ranks[0], i, salt);
+  for (size_t k = 1; k < ranks.size(); ++k) acc = combine(op, acc, input<T>(ranks[k], i, salt));
+  if (op == ReduceOp::Avg) acc = static_cast<T>(acc / static_cast<T>(ranks.size()));
+  return acc;
+}
+
+const char *op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Avg:
+      return "avg";
+    case ReduceOp::Max:
+      return "max";
+    case ReduceOp::Min:
+      return "min";
+  }
+  return "?";
+}
+
+template <typename T>
+const char *type_name();
+template <>
+const char *type_name<float>() { return "f32"; }
+template <>
+const char *type_name<double>() { return "f64"; }
+template <>
+const char *type_name<int32_t>() { return "i32"; }
+template <>
+const char *type_name<int64_t>() { return "i64"; }
+
+const size_t kCounts[] = {0, 1, 7, 1000, 100003};
+const ReduceOp kOps[] = {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min};
+
+std::vector<int> members_of(const Comm &c) {
+  std::vector<int> m(c.iface->size(c.ctx));
+  for (size_t i = 0; i < m.size(); ++i) m[i] = c.iface->global_rank(c.ctx, static_cast<int>(i));
+  return m;
+}
+
+// ------------------------------------------------------------------------------------------
+// Checks, one collective kind each
+
+template <typename T>
+void check_reductions(const Comm &c, ctr_dtype dt) {
+  const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
+  const std::vector<int> ranks = members_of(c);
+  const int gme = ranks[me];
+  uint32_t salt = 1;
+  for (size_t count : kCounts) {
+    for (ReduceOp op : kOps) {
+      ++salt;
+      std::vector<T> send(count), recv(count, T(-7));
+      for (size_t i = 0; i < count; ++i) send[i] = input<T>(gme, i, salt);
+      ctr::comm_wait(c, c.iface->all_reduce(c.ctx, send.data(), recv.data(), count, dt, op));
+      for (size_t i = 0; i < count; ++i) {
+        T want = reference<T>(op, ranks, i, salt);
+        CHECK(std::memcmp(&recv[i], &want, sizeof(T)) == 0,
+              "all_reduce %s %s count %zu: element %zu is %g, want %g", type_name<T>(), op_name(op),
+              count, i, static_cast<double>(recv[i]), static_cast<double>(want));
+      }
+      // In place.
+      std::vector<T> inplace = send;
+      ctr::comm_wait(c, c.iface->all_reduce(c.ctx, inplace.data(), inplace.data(), count, dt, op));
+      CHECK(inplace == recv, "in-place all_reduce %s %s count %zu differs from out-of-place",
+            type_name<T>(), op_name(op), count);
+
+      // reduce_scatter: block b of every rank's send reduces into rank b's recv.
+      std::vector<T> rs_send(count * n), rs_recv(count, T(-7));
+      for (size_t i = 0; i < rs_send.size(); ++i) rs_send[i] = input<T>(gme, i, salt);
+      ctr::comm_wait(c, c.iface->reduce_scatter(c.ctx, rs_send.data(), rs_recv.data(), count, dt, op));
+      for (size_t i = 0; i < count; ++i) {
+        T want = reference<T>(op, ranks, me * count + i, salt);
+        CHECK(std::memcmp(&rs_recv[i], &want, sizeof(T)) == 0,
+              "reduce_scatter %s %s count %zu: element %zu is %g, want %g", type_name<T>(),
+              op_name(op), count, i, static_cast<double>(rs_recv[i]), static_cast<double>(want));
+      }
+    }
+  }
+}
+
+void check_all_gather(const Comm &c) {
+  const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
+  const std::vector<int> ranks = members_of(c);
+  uint32_t salt = 100;
+  for (size_t count : kCounts) {
+    for (size_t esz : {1, 4, 8}) {
+      const size_t bytes = count * esz;
+      ++salt;
+      std::vector<uint8_t> send(bytes), recv(bytes * n, 0xee);
+      for (size_t i = 0; i < bytes; ++i) send[i] = byte_at(ranks[me], i, salt);
+      ctr::comm_wait(c, c.iface->all_gather(c.ctx, send.data(), recv.data(), bytes));
+      for (int r = 0; r < n; ++r)
+        for (size_t i = 0; i < bytes; ++i)
+          CHECK(recv[r * bytes + i] == byte_at(ranks[r], i, salt),
+                "all_gather %zu bytes: byte %zu of member %d is wrong", bytes, i, r);
+      // In place: this rank's block already sits in recv.
+      std::vector<uint8_t> inplace(bytes * n, 0xee);
+      std::copy(send.begin(), send.end(), inplace.begin() + me * bytes);
+      ctr::comm_wait(c, c.iface->all_gather(c.ctx, inplace.data() + me * bytes, inplace.data(), bytes));
+      CHECK(inplace == recv, "in-place all_gather of %zu bytes differs", bytes);
+    }
+  }
+}
+
+void check_broadcast(const Comm &c) {
+  const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
+  const std::vector<int> ranks = members_of(c);
+  uint32_t salt = 200;
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{7}, size_t{4000}, size_t{3} << 20 | 5}) {
+    for (int root = 0; root < n; ++root) {
+      ++salt;
+      std::vector<uint8_t> buf(bytes, 0xee);
+      if (me == root)
+        for (size_t i = 0; i < bytes; ++i) buf[i] = byte_at(ranks[root], i, salt);
+      ctr::comm_wait(c, c.iface->broadcast(c.ctx, buf.data(), bytes, root));
+      for (size_t i = 0; i < bytes; ++i)
+        CHECK(buf[i] == byte_at(ranks[root], i, salt), "broadcast of %zu bytes from %d: byte %zu wrong",
+              bytes, root, i);
+    }
+  }
+}
+
+// Element counts from member i to member j; many are zero.
+size_t a2a_count(int i, int j, size_t scale, uint32_t salt) {
+  uint64_t h = mix((uint64_t{static_cast<uint32_t>(i)} << 32) ^ (uint64_t{static_cast<uint32_t>(j)} << 16) ^ salt);
+  return h % 3 == 0 ? 0 : static_cast<size_t>(h % (scale + 1));
+}
+
+void check_all_to_all(const Comm &c) {
+  const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
+  const std::vector<int> ranks = members_of(c);
+  uint32_t salt = 300;
+  for (size_t scale : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{100003}}) {
+    ++salt;
+    const size_t esz = 8;
+    std::vector<size_t> sc(n), sd(n), rc(n), rd(n);
+    size_t stot = 0, rtot = 0;
+    for (int j = 0; j < n; ++j) {
+      sc[j] = a2a_count(me, j, scale, salt);
+      rc[j] = a2a_count(j, me, scale, salt);
+    }
+    rc[me] = sc[me];
+    // Displacements with gaps, in reverse order, to catch any assumption of packing.
+    for (int j = n - 1; j >= 0; --j) {
+      sd[j] = stot;
+      stot += sc[j] + 3;
+      rd[j] = rtot;
+      rtot += rc[j] + 1;
+    }
+    std::vector<int64_t> send(stot, -1), recv(rtot, -1);
+    // Element k to member j carries (sender, j, k) in one integer.
+    for (int j = 0; j < n; ++j)
+      for (size_t k = 0; k < sc[j]; ++k)
+        send[sd[j] + k] = (int64_t{ranks[me]} << 48) | (int64_t{ranks[j]} << 32) | static_cast<int64_t>(k);
+    ctr::comm_wait(c, c.iface->all_to_all_v(c.ctx, send.data(), sc.data(), sd.data(), recv.data(),
+                                           rc.data(), rd.data(), esz));
+    for (int j = 0; j < n; ++j)
+      for (size_t k = 0; k < rc[j]; ++k) {
+        int64_t want = (int64_t{ranks[j]} << 48) | (int64_t{ranks[me]} << 32) | static_cast<int64_t>(k);
+        CHECK(recv[rd[j] + k] == want, "all_to_all_v scale %zu: element %zu from member %d is wrong",
+              scale, k, j);
+      }
+  }
+}
+
+// Non-integer floats: results must be the same bits on every rank, and close to
+// the serial sum.
+void check_identical(const Comm &c) {
+  const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
+  const std::vector<int> ranks = members_of(c);
+  for (size_t count : {size_t{7}, size_t{100003}, size_t{1} << 20 | 3}) {
+    auto value = [](int r, size_t i) {
+      return static_cast<float>(static_cast<double>(mix((uint64_t(r) << 40) ^ i) >> 11) * 0x1p-53 * 2.0 - 1.0);
+    };
+    std::vector<float> send(count), recv(count);
+    for (size_t i = 0; i < count; ++i) send[i] = value(ranks[me], i);
+    ctr::comm_wait(c, c.iface->all_reduce(c.ctx, send.data(), recv.data(), count, CTR_DTYPE_F32,
+                                         ReduceOp::Sum));
+    for (size_t i = 0; i < count; ++i) {
+      double want = 0;
+      for (int r : ranks) want += value(r, i);
+      CHECK(std::fabs(recv[i] - want) <= 1e-5 * n, "float all_reduce count %zu: element %zu is %.9g, want %.9g",
+            count, i, recv[i], want);
+    }
+    uint64_t h = fnv1a(recv.data(), count * sizeof(float));
+    std::vector<uint64_t> all(n);
+    ctr::comm_wait(c, c.iface->all_gather(c.ctx, &h, all.data(), sizeof h));
+    for (int r = 0; r < n; ++r)
+      CHECK(all[r] == h, "all_reduce of %zu floats: member %d got different bits than member %d", count,
+            r, me);
+  }
+}
+
+void check_barrier_and_test(const Comm &c) {
+  for (int i = 0; i < 5; ++i) ctr::comm_wait(c, c.iface->barrier(c.ctx));
+  CommWork *w = c.iface->barrier(c.ctx);
+  // test() may say either before the wait; after it the handle is gone, so
+  // only check it does not crash on a live handle.
+  if (c.iface->test) (void)c.iface->test(c.ctx, w);
+  ctr::comm_wait(c, w);
+}
+
+// Many small collectives in flight at once on one communicator.
+void check_many_small(const Comm &c) {
+  const int me = c.iface->rank(c.ctx);
+  const std::vector<int> ranks = members_of(c);
+  constexpr int kN = 500;
+  std::vector<int64_t> in(kN), out(kN, -1);
+  std::vector<CommWork *> works;
+  for (int k = 0; k < kN; ++k) {
+    in[k] = ranks[me] * 1000 + k;
+    works.push_back(c.iface->all_reduce(c.ctx, &in[k], &out[k], 1, CTR_DTYPE_I64, ReduceOp::Sum));
+  }
+  for (CommWork *w : works) ctr::comm_wait(c, w);
+  for (int k = 0; k < kN; ++k) {
+    int64_t want = 0;
+    for (int r : ranks) want += r * 1000 + k;
+    CHECK(out[k] == want, "small all_reduce %d: got %lld, want %lld", k, static_cast<long long>(out[k]),
+          static_cast<long long>(want));
+  }
+  // And strictly one after another.
+  for (int k = 0; k < 200; ++k) {
+    int64_t v = ranks[me] + k, r = 0;
+    ctr::comm_wait(c, c.iface->all_reduce(c.ctx, &v, &r, 1, CTR_DTYPE_I64, ReduceOp::Max));
+    CHECK(r == *std::max_element(ranks.begin(), ranks.end()) + k, "back-to-back all_reduce %d wrong", k);
+  }
+}
+
+void check_all(const Comm &c) {
+  check_reductions<float>(c, CTR_DTYPE_F32);
+  check_reductions<double>(c, CTR_DTYPE_F64);
+  check_reductions<int32_t>(c, CTR_DTYPE_I32);
+  check_reductions<int64_t>(c, CTR_DTYPE_I64);
+  check_all_gather(c);
+  check_broadcast(c);
+  check_all_to_all(c);
+  check_identical(c);
+  check_barrier_and_test(c);
+}
+
+// Pairs {0,1}, {2,3}, ... (a lone last rank forms a group of one), with
+// collectives on the pair and on the world in flight at the same time.
+void check_splits(const Comm &world) {
+  const int n = world.iface->size(world.ctx), me = world.iface->rank(world.ctx);
+  std::vector<int> pair = {me - me % 2};
+  if (pair[0] + 1 < n) pair.push_back(pair[0] + 1);
+  Comm sub = world.iface->split(world.ctx, pair);
+  CHECK(sub.iface->size(sub.ctx) == static_cast<int>(pair.size()), "pair size is wrong");
+  CHECK(sub.iface->global_rank(sub.ctx, sub.iface->rank(sub.ctx)) == me, "pair rank is wrong");
+
+  // The world in reverse: member i is global rank n - 1 - i.
+  std::vector<int> rev(n);
+  for (int i = 0; i < n; ++i) rev[i] = n - 1 - i;
+  Comm back = world.iface->split(world.ctx, rev);
+  CHECK(back.iface->rank(back.ctx) == n - 1 - me, "reversed rank is wrong");
+
+  constexpr size_t kCount = 100003;
+  constexpr int kRounds = 4;
+  std::vector<std::vector<double>> ps(kRounds), pr(kRounds), ws(kRounds), wr(kRounds);
+  std::vector<uint64_t> gathered(n), mine = {static_cast<uint64_t>(me) * 77 + 5};
+  std::vector<CommWork *> works;
+  for (int k = 0; k < kRounds; ++k) {
+    ps[k].assign(kCount, 0);
+    ws[k].assign(kCount, 0);
+    pr[k].assign(kCount, -1);
+    wr[k].assign(kCount, -1);
+    for (size_t i = 0; i < kCount; ++i) {
+      ps[k][i] = input<double>(me, i, 900 + k);
+      ws[k][i] = input<double>(me, i, 950 + k);
+    }
+    works.push_back(sub.iface->all_reduce(sub.ctx, ps[k].data(), pr[k].data(), kCount, CTR_DTYPE_F64,
+                                          ReduceOp::Sum));
+    works.push_back(world.iface->all_reduce(world.ctx, ws[k].data(), wr[k].data(), kCount,
+                                            CTR_DTYPE_F64, ReduceOp::Sum));
+  }
+  CommWork *g = back.iface->all_gather(back.ctx, mine.data(), gathered.data(), sizeof(uint64_t));
+  // Wait in an order unrelated to issue order.
+  ctr::comm_wait(back, g);
+  for (int k = kRounds - 1; k >= 0; --k) {
+    ctr::comm_wait(world, works[2 * k + 1]);
+    ctr::comm_wait(sub, works[2 * k]);
+  }
+  std::vector<int> all(n);
+  for (int i = 0; i < n; ++i) all[i] = i;
+  for (int k = 0; k < kRounds; ++k)
+    for (size_t i = 0; i < kCount; ++i) {
+      CHECK(pr[k][i] == reference<double>(ReduceOp::Sum, pair, i, 900 + k), "pair all_reduce %d wrong at %zu", k, i);
+      CHECK(wr[k][i] == reference<double>(ReduceOp::Sum, all, i, 950 + k), "world all_reduce %d wrong at %zu", k, i);
+    }
+  for (int i = 0; i < n; ++i)
+    CHECK(gathered[i] == static_cast<uint64_t>(n - 1 - i) * 77 + 5, "reversed all_gather slot %d wrong", i);
+
+  // The sub-communicators run the full suite too (a pair of the same two
+  // ranks as part of the world).
+  check_all(sub);
+  check_all_gather(back);
+  check_reductions<float>(back, CTR_DTYPE_F32);
+
+  // A split of a split.
+  Comm solo = sub.iface->split(sub.ctx, {sub.iface->rank(sub.ctx)});
+  check_reductions<int32_t>(solo, CTR_DTYPE_I32);
+  solo.iface->destroy(solo.ctx);
+  back.iface->destroy(back.ctx);
+  sub.iface->destroy(sub.ctx);
+}
+
+void check_store(ctr::Store &store, const Env &e) {
+  store.set("test/key/" + std::to_string(e.rank), "value of " + std::to_string(e.rank));
+  std::string binary("a\0b\xff", 4);
+  if (e.rank == 0) store.set("test/binary", binary);
+  for (int r = 0; r < e.world; ++r)
+    CHECK(store.get("test/key/" + std::to_string(r)) == "value of " + std::to_string(r), "store get wrong");
+  CHECK(store.get("test/binary") == binary, "binary value mangled");
+  int64_t v = store.add("test/counter", e.rank + 1);
+  CHECK(v >= e.rank + 1, "store add returned %lld", static_cast<long long>(v));
+  store.barrier("test/after-add");
+  CHECK(store.add("test/counter", 0) == int64_t{e.world} * (e.world + 1) / 2, "store add total wrong");
+  store.barrier("test/after-add");  // a name can be reused once a barrier completed
+  expect_error("get of a missing key", CTR_STATUS_TIMEOUT, {"test/never", "0.2 s"},
+               [&] { store.get("test/never", 200); });
+}
+
+// ------------------------------------------------------------------------------------------
+// Modes
+
+int run_all(const Env &e) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto store = ctr::store_join(rendezvous(e));
+  check_store(*store, e);
+  Comm world = ctr::ucx_comm_create(*store, e.rank, e.world, e.timeout_ms);
+  CHECK(world.iface->size(world.ctx) == e.world && world.iface->rank(world.ctx) == e.rank,
+        "world rank/size wrong");
+  check_all(world);
+  check_splits(world);
+  check_many_small(world);
+  // Argument errors are reported, not crashed on.
+  expect_error("bad dtype", CTR_STATUS_UNSUPPORTED, {"dtype"}, [&] {
+    world.iface->all_reduce(world.ctx, nullptr, nullptr, 0, CTR_DTYPE_BF16, ReduceOp::Sum);
+  });
+  expect_error("bad root", CTR_STATUS_INVALID_ARGUMENT, {"root"},
+               [&] { world.iface->broadcast(world.ctx, nullptr, 0, e.world); });
+  expect_error("bad split", CTR_STATUS_INVALID_ARGUMENT, {"split"},
+               [&] { world.iface->split(world.ctx, {e.world}); });
+  world.iface->destroy(world.ctx);
+  std::printf("comm_test: rank %d of %d: PASS (%.2f s)\n", e.rank, e.world, elapsed_s(t0));
+  return 0;
+}
+
+int run_token(Env e) {
+  const int bad = e.world - 1;
+  if (e.rank == bad) {
+    e.token += "-wrong";
+    std::string msg = expect_error("join with a wrong token", CTR_STATUS_COMM_ERROR,
+                                   {"job token mismatch from"}, [&] { ctr::store_join(rendezvous(e)); });
+    std::fprintf(stderr, "comm_test: rank %d: refused as expected: %s\n", e.rank, msg.c_str());
+  } else {
+    std::string who = "rank " + std::to_string(bad) + " of " + std::to_string(e.world) + " did not join";
+    std::string msg = expect_error("join while a rank is refused", CTR_STATUS_TIMEOUT, {who},
+                                   [&] { ctr::store_join(rendezvous(e)); });
+    std::fprintf(stderr, "comm_test: rank %d: timed out as expected: %s\n", e.rank, msg.c_str());
+  }
+  std::printf("comm_test: rank %d of %d: PASS token\n", e.rank, e.world);
+  return 0;
+}
+
+// Started as world 3 with only ranks 0 and 1.
+int run_missing(const Env &e) {
+  auto t0 = std::chrono::steady_clock::now();
+  std::string msg = expect_error("join with a rank missing", CTR_STATUS_TIMEOUT,
+                                 {"rank 2 of 3 did not join within"},
+                                 [&] { ctr::store_join(rendezvous(e)); });
+  double took = elapsed_s(t0);
+  CHECK(took < e.timeout_ms / 1000.0 + 3.0, "the failed join took %.1f s", took);
+  std::fprintf(stderr, "comm_test: rank %d: timed out as expected after %.1f s: %s\n", e.rank, took,
+               msg.c_str());
+  std::printf("comm_test: rank %d of %d: PASS missing\n", e.rank, e.world);
+  return 0;
+}
+
+// The last rank leaves right after joining; the others' next collective must
+// fail naming it, well within the timeout plus a small grace.
+int run_dead(const Env &e) {
+  auto store = ctr::store_join(rendezvous(e));
+  Comm world = ctr::ucx_comm_create(*store, e.rank, e.world, e.timeout_ms);
+  ctr::comm_wait(world, world.iface->barrier(world.ctx));
+  const int dead = e.world - 1;
+  if (e.rank == dead) {
+    std::printf("comm_test: rank %d of %d: exiting without a word\n", e.rank, e.world);
+    std::fflush(stdout);
+    std::_Exit(0);
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<float> buf(100000, 1.0f);
+  std::string msg;
+  try {
+    ctr::comm_wait(world, world.iface->all_reduce(world.ctx, buf.data(), buf.data(), buf.size(),
+                                                  CTR_DTYPE_F32, ReduceOp::Sum));
+    die("all_reduce with a dead rank succeeded");
+  } catch (const ctr::Error &err) {
+    msg = err.message();
+    CHECK(err.code() == CTR_STATUS_COMM_ERROR || err.code() == CTR_STATUS_TIMEOUT,
+          "unexpected status %d: %s", err.code(), err.what());
+    CHECK(msg.find("rank " + std::to_string(dead)) != std::string::npos,
+          "the error does not name rank %d: %s", dead, err.what());
+  }
+  double took = elapsed_s(t0);
+  CHECK(took < e.timeout_ms / 1000.0 + 3.0, "the failure took %.1f s", took);
+  auto t1 = std::chrono::steady_clock::now();
+  world.iface->destroy(world.ctx);
+  double destroy = elapsed_s(t1);
+  CHECK(destroy < 10.0, "destroy with a dead peer took %.1f s", destroy);
+  std::fprintf(stderr, "comm_test: rank %d: failed as expected after %.2f s (destroy %.2f s): %s\n",
+               e.rank, took, destroy, msg.c_str());
+  std::printf("comm_test: rank %d of %d: PASS dead\n", e.rank, e.world);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  Env e = read_env();
+  g_rank = e.rank;
+  std::string mode = argc > 1 ? argv[1] : "all";
+  try {
+    if (mode == "all") return run_all(e);
+    if (mode == "token") return run_token(e);
+    if (mode == "missing") return run_missing(e);
+    if (mode == "dead") return run_dead(e);
+  } catch (const ctr::Error &err) {
+    die("unexpected error (status %d): %s", err.code(), err.what());
+  }
+  die("unknown mode '%s'", mode.c_str());
+}

@@ -1,0 +1,130 @@
+/* One rank of a data-parallel training run, through the public C ABI only.
+ *
+ * usage: equiv_train PRESET MESH GLOBAL_BATCH STEPS OUT_FILE [reshard(0/1)] [micro_batches]
+ *
+ * Rank and world come from the environment (ctr launch sets them). Every rank
+ * builds the same global batch of a learnable token pattern and feeds its own
+ * contiguous slice of rows, so any world size trains on the same data. Rank 0
+ * writes one loss per line, with 9 significant digits, and then the checksum of
+ * a few parameters, for the driver to compare across meshes. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ctr/ctr.h"
+
+#define CHECK(call)                                                                      \
+  do {                                                                                   \
+    ctr_status st_ = (call);                                                             \
+    if (st_ != CTR_STATUS_OK) {                                                          \
+      fprintf(stderr, "%s failed: %s: %s\n", #call, ctr_status_string(st_), ctr_last_error()); \
+      exit(1);                                                                           \
+    }                                                                                    \
+  } while (0)
+
+int main(int argc, char **argv) {
+  const char *preset, *mesh_spec, *out_path;
+  int global_batch, steps, reshard = 1, micro = 1;
+  const int T = 16, V = 64;
+  ctr_options *mo, *go, *so;
+  ctr_mesh *mesh;
+  ctr_graph *graph;
+  ctr_step *step;
+  int rank, world, local, r, t, s;
+  int32_t *tok, *tgt;
+  FILE *out = NULL;
+
+  if (argc < 6) {
+    fprintf(stderr, "usage: %s PRESET MESH GLOBAL_BATCH STEPS OUT [reshard] [micro]\n", argv[0]);
+    return 2;
+  }
+  preset = argv[1];
+  mesh_spec = argv[2];
+  global_batch = atoi(argv[3]);
+  steps = atoi(argv[4]);
+  out_path = argv[5];
+  if (argc > 6) reshard = atoi(argv[6]);
+  if (argc > 7) micro = atoi(argv[7]);
+
+  CHECK(ctr_options_create(&mo));
+  CHECK(ctr_options_set_string(mo, "mesh", mesh_spec));
+  CHECK(ctr_options_set_float(mo, "timeout", 60.0));
+  CHECK(ctr_mesh_create_from_env(mo, &mesh));
+  rank = ctr_mesh_rank(mesh);
+  world = ctr_mesh_world_size(mesh);
+  if (global_batch % (world * micro) != 0) {
+    fprintf(stderr, "global batch %d does not split over %d ranks x %d micro-batches\n",
+            global_batch, world, micro);
+    return 2;
+  }
+  local = global_batch / world / micro;
+
+  CHECK(ctr_options_create(&go));
+  CHECK(ctr_options_set_int(go, "layers", 2));
+  CHECK(ctr_options_set_int(go, "dim", 32));
+  CHECK(ctr_options_set_int(go, "heads", 4));
+  if (strcmp(preset, "llama") == 0) CHECK(ctr_options_set_int(go, "kv_heads", 2));
+  CHECK(ctr_options_set_int(go, "vocab", V));
+  CHECK(ctr_options_set_int(go, "seq", T));
+  CHECK(ctr_graph_create_preset(preset, go, &graph));
+
+  CHECK(ctr_options_create(&so));
+  CHECK(ctr_options_set_int(so, "batch", local));
+  CHECK(ctr_options_set_int(so, "micro_batches", micro));
+  CHECK(ctr_options_set_int(so, "seed", 5));
+  CHECK(ctr_options_set_float(so, "lr", 3e-3));
+  CHECK(ctr_options_set_int(so, "warmup_steps", 3));
+  CHECK(ctr_options_set_int(so, "decay_steps", steps));
+  CHECK(ctr_options_set_float(so, "grad_clip", 0.5));
+  CHECK(ctr_options_set_int(so, "reshard_after_forward", reshard));
+  CHECK(ctr_step_create(mesh, graph, so, &step));
+
+  tok = malloc(sizeof(int32_t) * (size_t)(local * micro * T));
+  tgt = malloc(sizeof(int32_t) * (size_t)(local * micro * T));
+  if (rank == 0) {
+    out = fopen(out_path, "w");
+    if (!out) {
+      perror(out_path);
+      return 1;
+    }
+  }
+  for (s = 0; s < steps; ++s) {
+    ctr_step_metrics met;
+    /* Rows of this rank: [rank * local * micro, (rank + 1) * local * micro) of the global batch. */
+    for (r = 0; r < local * micro; ++r) {
+      int g = rank * local * micro + r;
+      int stride = 1 + (g + s) % 3, start = (g * 5 + s * 11) % V;
+      for (t = 0; t < T; ++t) {
+        tok[r * T + t] = (start + stride * t) % V;
+        tgt[r * T + t] = (start + stride * (t + 1)) % V;
+      }
+    }
+    CHECK(ctr_step_set_input(step, "tokens", tok, sizeof(int32_t) * (size_t)(local * micro * T)));
+    CHECK(ctr_step_set_input(step, "targets", tgt, sizeof(int32_t) * (size_t)(local * micro * T)));
+    met.size = sizeof met;
+    CHECK(ctr_step_run(step, &met));
+    if (out) fprintf(out, "%.9g %.9g\n", met.loss, met.grad_norm);
+  }
+  {
+    /* Every rank takes part in gathering sharded parameters. */
+    size_t n = (size_t)(V * 32);
+    float *w = malloc(sizeof(float) * n);
+    double sum = 0;
+    size_t i;
+    const char *name = strcmp(preset, "llama") == 0 ? "output.weight" : "wte";
+    CHECK(ctr_step_get_param(step, name, w, n));
+    for (i = 0; i < n; ++i) sum += w[i] * (double)(i % 7 + 1);
+    if (out) fprintf(out, "param %.9g\n", sum);
+    free(w);
+  }
+  if (out) fclose(out);
+  free(tok);
+  free(tgt);
+  ctr_step_free(step);
+  ctr_graph_free(graph);
+  ctr_mesh_free(mesh);
+  ctr_options_free(mo);
+  ctr_options_free(go);
+  ctr_options_free(so);
+  return 0;
+}

@@ -1,0 +1,82 @@
+#!/usr/bin/python3
+"""N ranks train like one: the gpt and llama presets on 1 rank and on fsdp=2,
+fsdp=4 and dp=2 x fsdp=2 (and fsdp=2 without resharding, and with micro-batches)
+with the same global batch give the same per-step losses within 1e-5 relative and
+the same final weights.
+
+usage: test_equivalence.py CTR EQUIV_TRAIN
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+CTR, PROG = sys.argv[1], sys.argv[2]
+STEPS, BATCH = 20, 8
+TIME_LIMIT = 240  # seconds per launched job; a hang fails the test instead of blocking CI
+
+
+def run(preset, nprocs, mesh, out, reshard=1, micro=1):
+    cmd = [CTR, "launch", "-n", str(nprocs), "--", PROG, preset, mesh, str(BATCH), str(STEPS),
+           out, str(reshard), str(micro)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIME_LIMIT)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {TIME_LIMIT} s: {' '.join(cmd)}"
+    if p.returncode != 0:
+        return f"exit {p.returncode}: {' '.join(cmd)}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return None
+
+
+def read(path):
+    losses, param = [], None
+    for line in open(path):
+        parts = line.split()
+        if parts[0] == "param":
+            param = float(parts[1])
+        else:
+            losses.append(float(parts[0]))
+    return losses, param
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="ctr_equiv_")
+    failures = []
+    for preset in ("gpt", "llama"):
+        ref_path = os.path.join(tmp, f"{preset}_1.txt")
+        err = run(preset, 1, "fsdp=1", ref_path)
+        if err:
+            failures.append(err)
+            continue
+        ref, ref_param = read(ref_path)
+        if len(ref) != STEPS or not ref[-1] < ref[0]:
+            failures.append(f"{preset}: reference run did not train: {ref}")
+        cases = [(2, "fsdp=2", 1, 1), (4, "fsdp=4", 1, 1), (4, "dp=2,fsdp=2", 1, 1),
+                 (2, "dp=2", 1, 1), (2, "fsdp=2", 0, 1), (2, "fsdp=2", 1, 2)]
+        for n, mesh, reshard, micro in cases:
+            label = f"{preset} {mesh} reshard={reshard} micro={micro}"
+            path = os.path.join(tmp, f"{preset}_{mesh}_{reshard}_{micro}.txt")
+            err = run(preset, n, mesh, path, reshard, micro)
+            if err:
+                failures.append(f"{label}: {err}")
+                continue
+            got, param = read(path)
+            worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref)) if got else 1.0
+            if len(got) != STEPS or worst > 1e-5:
+                failures.append(f"{label}: losses differ from 1 rank by {worst:.2e} relative\n"
+                                f"  1 rank: {ref[:5]}...\n  {mesh}: {got[:5]}...")
+            if param is None or abs(param - ref_param) > 1e-4 * abs(ref_param):
+                failures.append(f"{label}: final weights differ: {param} vs {ref_param}")
+            print(f"{label}: max relative loss difference {worst:.2e}, "
+                  f"weights {param:.9g} vs {ref_param:.9g}")
+    if failures:
+        print(f"{len(failures)} failure(s):")
+        for f in failures:
+            print(" -", f)
+        return 1
+    print("equivalence: all meshes match one rank")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

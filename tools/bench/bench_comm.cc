@@ -1,0 +1,127 @@
+// One rank of the communicator benchmark; bench_comm.py starts two and sets the scene.
+//
+// Measures all_reduce (f32 sum) and all_gather bandwidth of the UCX communicator
+// from 4 KiB to 64 MiB, memcpy bandwidth at the same sizes (the ceiling for any
+// transfer through memory on this machine), and the CPU time the process burns
+// while the communicator sits idle (the progress thread must sleep, not spin).
+// Rank 0 prints one line per figure in a fixed, parseable format:
+//
+//   coll all_reduce 4096 iters 2000 us 12.3 algbw_gbs 0.33 busbw_gbs 0.33
+//   memcpy 4096 gbs 25.1
+//   idle_cpu rank 0 pct 0.4
+//
+// Sizes follow NCCL's convention: all_reduce counts the array, all_gather the
+// gathered output; bus bandwidth scales algorithm bandwidth by 2(n-1)/n and
+// (n-1)/n respectively, so it compares directly with a point-to-point link.
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/comm.h"
+#include "core/status.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int env_int(const char *name, int fallback) {
+  const char *v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+double cpu_seconds() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+}
+
+// Enough repetitions to move about 1 GiB, so small sizes are not all noise;
+// a pure function of the size, so every rank runs the same count.
+int iterations(size_t bytes) {
+  return static_cast<int>(std::clamp<size_t>((size_t{1} << 30) / bytes, 5, 2000));
+}
+
+double memcpy_gbs(size_t bytes) {
+  std::vector<char> a(bytes, 1), b(bytes, 2);
+  int iters = iterations(bytes);
+  std::memcpy(b.data(), a.data(), bytes);
+  auto t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) {
+    a[i % bytes] = static_cast<char>(i);  // keeps the copies from being merged
+    std::memcpy(b.data(), a.data(), bytes);
+  }
+  double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (b[0] == 42) std::printf(" ");
+  return static_cast<double>(bytes) * iters / s / 1e9;
+}
+
+}  // namespace
+
+int main() {
+  const int rank = env_int("CTR_RANK", 0), world = env_int("CTR_WORLD_SIZE", 1);
+  ctr::RendezvousConfig cfg;
+  cfg.rank = rank;
+  cfg.world = world;
+  cfg.port = env_int("CTR_MASTER_PORT", 29500);
+  if (const char *a = std::getenv("CTR_MASTER_ADDR")) cfg.addr = a;
+  if (const char *t = std::getenv("CTR_JOB_TOKEN")) cfg.token = t;
+  try {
+    auto store = ctr::store_join(cfg);
+    ctr::Comm c = ctr::ucx_comm_create(*store, rank, world, 120000);
+    const double n = world;
+    std::vector<size_t> sizes;
+    for (size_t s = size_t{4} << 10; s <= size_t{64} << 20; s *= 4) sizes.push_back(s);
+
+    for (const char *op : {"all_reduce", "all_gather"}) {
+      const bool ar = std::strcmp(op, "all_reduce") == 0;
+      for (size_t bytes : sizes) {
+        std::vector<float> send(ar ? bytes / 4 : bytes / 4 / world, 1.0f), recv(bytes / 4);
+        auto issue = [&] {
+          return ar ? c.iface->all_reduce(c.ctx, send.data(), recv.data(), send.size(),
+                                          CTR_DTYPE_F32, ctr::ReduceOp::Sum)
+                    : c.iface->all_gather(c.ctx, send.data(), recv.data(), send.size() * 4);
+        };
+        for (int i = 0; i < 3; ++i) ctr::comm_wait(c, issue());
+        ctr::comm_wait(c, c.iface->barrier(c.ctx));
+        const int iters = iterations(bytes);
+        auto t0 = Clock::now();
+        for (int i = 0; i < iters; ++i) ctr::comm_wait(c, issue());
+        double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / iters;
+        double algbw = static_cast<double>(bytes) / us / 1e3;
+        double busbw = algbw * (ar ? 2 * (n - 1) / n : (n - 1) / n);
+        if (rank == 0)
+          std::printf("coll %s %zu iters %d us %.1f algbw_gbs %.3f busbw_gbs %.3f\n", op, bytes, iters,
+                      us, algbw, busbw);
+      }
+    }
+    if (rank == 0)
+      for (size_t bytes : sizes) std::printf("memcpy %zu gbs %.2f\n", bytes, memcpy_gbs(bytes));
+
+    // Idle: nothing in flight, this thread asleep; what remains is the
+    // progress thread (and UCX's own) waiting for events.
+    ctr::comm_wait(c, c.iface->barrier(c.ctx));
+    double cpu0 = cpu_seconds();
+    auto t0 = Clock::now();
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    double pct = 100.0 * (cpu_seconds() - cpu0) / std::chrono::duration<double>(Clock::now() - t0).count();
+    std::vector<double> all(world);
+    ctr::comm_wait(c, c.iface->all_gather(c.ctx, &pct, all.data(), sizeof pct));
+    if (rank == 0)
+      for (int r = 0; r < world; ++r) std::printf("idle_cpu rank %d pct %.2f\n", r, all[r]);
+    std::fflush(stdout);
+    c.iface->destroy(c.ctx);
+  } catch (const ctr::Error &e) {
+    std::fprintf(stderr, "bench_comm: rank %d: %s\n", rank, e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,39 @@
+#!/bin/sh
+# Installs what libctr needs from Debian's archive (only what is missing, so a
+# second run is quick), then configures and builds into ./build.
+#
+#   tools/setup.sh            build dependencies, then build
+#   tools/setup.sh --tests    also the test dependencies (GoogleTest, PyTorch for parity)
+#
+# Environment: BUILD_DIR (default build), MESON_ARGS (extra `meson setup` arguments).
+set -eu
+
+cd "$(dirname "$0")/.."
+BUILD_DIR=${BUILD_DIR:-build}
+
+pkgs="meson ninja-build pkg-config g++ flatbuffers-compiler libflatbuffers-dev
+libopenblas-dev libcli11-dev nlohmann-json3-dev libxxhash-dev python3"
+if [ "${1:-}" = "--tests" ]; then
+  pkgs="$pkgs libgtest-dev python3-numpy python3-torch binutils"
+fi
+
+missing=""
+for p in $pkgs; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  echo "setup: installing$missing"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends $missing
+fi
+
+if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+  # shellcheck disable=SC2086
+  meson setup "$BUILD_DIR" ${MESON_ARGS:-}
+elif [ -n "${MESON_ARGS:-}" ]; then
+  # shellcheck disable=SC2086
+  meson configure "$BUILD_DIR" ${MESON_ARGS}
+fi
+ninja -C "$BUILD_DIR"
