@@ -77,7 +77,8 @@ typedef enum ctr_status {
   CTR_STATUS_TIMEOUT = 10,         /* a peer did not answer in time */
   CTR_STATUS_COMM_ERROR = 11,      /* a collective or the rendezvous failed */
   CTR_STATUS_NUMERIC_ERROR = 12,   /* non-finite loss or gradient */
-  CTR_STATUS_INTERNAL = 13         /* a bug in libctr; please report it */
+  CTR_STATUS_INTERNAL = 13,        /* a bug in libctr; please report it */
+  CTR_STATUS_CHECKPOINT_ERROR = 14 /* a checkpoint is corrupt, incomplete or mismatched */
 } ctr_status;
 
 /* A static, human-readable name of a status code ("invalid graph"). Never NULL. */
@@ -226,6 +227,10 @@ typedef struct ctr_step ctr_step;
  *   "check_finite" int       fail a step whose loss or gradient norm is not finite
  *                            with CTR_STATUS_NUMERIC_ERROR, leaving the
  *                            parameters unchanged (1)
+ *   "reshard_after_forward" int  free gathered parameters after forward and gather
+ *                            them again for backward (1); 0 keeps them
+ *   "keep" string            comma-separated forward tensors to keep readable with
+ *                            ctr_step_get_output (e.g. "logits")
  */
 CTR_API ctr_status ctr_step_create(const ctr_mesh *mesh, const ctr_graph *graph,
                                    const ctr_options *options, ctr_step **out);
@@ -266,11 +271,18 @@ CTR_API ctr_status ctr_step_run(ctr_step *step, ctr_step_metrics *metrics);
 CTR_API ctr_status ctr_step_evaluate(ctr_step *step, double *loss);
 
 /* Copies the named parameter out to / in from host fp32 memory. count is its
- * element count (see ctr_graph_tensor_info). */
+ * element count (see ctr_graph_tensor_info). With a sharded mesh these are
+ * collective: every rank calls them for the same parameter. */
 CTR_API ctr_status ctr_step_get_param(ctr_step *step, const char *name, float *out,
                                       size_t count);
 CTR_API ctr_status ctr_step_set_param(ctr_step *step, const char *name, const float *data,
                                       size_t count);
+
+/* Copies out a forward activation named in the step option "keep" (for example
+ * the logits), as computed by the last ctr_step_run or ctr_step_evaluate (the
+ * last micro-batch). count is its element count for one micro-batch. */
+CTR_API ctr_status ctr_step_get_output(ctr_step *step, const char *name, float *out,
+                                       size_t count);
 
 /* Replaces the learning-rate schedule by a constant lr from the next run on
  * (lr >= 0 and finite). */
@@ -284,6 +296,65 @@ CTR_API ctr_status ctr_step_memory(const ctr_step *step, int64_t *arena_bytes,
 
 /* Optimizer steps taken so far. */
 CTR_API int64_t ctr_step_count(const ctr_step *step);
+
+/* ------------------------------------------------------------------------ */
+/* Checkpoints and weights                                                   */
+
+/* Saves the step's whole state to directory dir: parameters, optimizer state,
+ * step count and schedule position, the attached loader's state (if any), the
+ * mesh and options, with a checksum per tensor. Written to "dir.tmp", fsynced and
+ * renamed, so a crash never leaves a partial checkpoint under dir. Collective:
+ * every rank of the mesh calls it with the same dir (each rank writes its own
+ * shard file). An existing dir is replaced. */
+CTR_API ctr_status ctr_step_save(ctr_step *step, const char *dir);
+
+/* Restores a checkpoint written by ctr_step_save for the same graph, on any mesh
+ * (parameters and optimizer state are resharded). Verifies every checksum; a
+ * corrupt, incomplete or mismatched checkpoint fails with
+ * CTR_STATUS_CHECKPOINT_ERROR naming the file and tensor, leaving the step
+ * unchanged. Collective. */
+CTR_API ctr_status ctr_step_load(ctr_step *step, const char *dir);
+
+/* Writes the parameters, under their graph names, as a safetensors file (an
+ * 8-byte little-endian header length, a JSON header, raw little-endian F32 data).
+ * Collective; rank 0 writes the file. */
+CTR_API ctr_status ctr_step_export_safetensors(ctr_step *step, const char *path);
+
+/* Sets parameters from a safetensors file (F32, or F16/BF16 widened). Every
+ * parameter of the graph must be present with its shape; names in the file that
+ * the graph lacks are an error unless "allow_extra" is set in options (may be
+ * NULL). Collective. */
+CTR_API ctr_status ctr_step_import_safetensors(ctr_step *step, const char *path,
+                                               const ctr_options *options);
+
+/* ------------------------------------------------------------------------ */
+/* Data                                                                      */
+
+typedef struct ctr_loader ctr_loader;
+
+/* Opens a token source and a loader over it. path: an llm.c token file (uint16
+ * or uint32), any other file read as bytes, or NULL for the built-in synthetic
+ * corpus. Keys of options: "seq" (int, required), "seed" (int, data order, 0),
+ * "corpus_bytes" (int, size of the built-in corpus). The order is a seeded
+ * permutation of non-overlapping windows per epoch; the loader's state is a few
+ * integers, saved by ctr_step_save when the loader is attached to the step. */
+CTR_API ctr_status ctr_loader_create(const char *path, const ctr_options *options,
+                                     ctr_loader **out);
+CTR_API void ctr_loader_free(ctr_loader *loader);
+
+/* Fills the next `rows` windows of the global order: tokens and targets are
+ * [rows, seq] int32 (targets shifted by one). Data-parallel ranks all draw the
+ * same global batch and each feeds its own slice of rows. */
+CTR_API ctr_status ctr_loader_next(ctr_loader *loader, int64_t rows, int32_t *tokens,
+                                   int32_t *targets);
+
+/* Tokens in the source and the largest token id (any pointer may be NULL). */
+CTR_API ctr_status ctr_loader_info(const ctr_loader *loader, int64_t *tokens,
+                                   int64_t *max_token);
+
+/* Makes ctr_step_save / ctr_step_load include this loader's position. The
+ * loader must outlive the step or be detached with loader NULL. */
+CTR_API ctr_status ctr_step_attach_loader(ctr_step *step, ctr_loader *loader);
 
 #ifdef __cplusplus
 } /* extern "C" */

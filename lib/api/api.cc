@@ -13,6 +13,7 @@
 #include "core/options.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
+#include "data/data.h"
 #include "graph/ops.h"
 #include "graph/presets.h"
 #include "passes/passes.h"
@@ -54,6 +55,7 @@ extern "C" const char *ctr_status_string(ctr_status status) {
     case CTR_STATUS_COMM_ERROR: return "communication error";
     case CTR_STATUS_NUMERIC_ERROR: return "numeric error";
     case CTR_STATUS_INTERNAL: return "internal error";
+    case CTR_STATUS_CHECKPOINT_ERROR: return "checkpoint error";
   }
   return "unknown status";
 }
@@ -490,8 +492,100 @@ extern "C" ctr_status ctr_step_memory(const ctr_step *step, int64_t *arena_bytes
   CTR_API_END
 }
 
+extern "C" ctr_status ctr_step_get_output(ctr_step *step, const char *name, float *out, size_t count) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_get_output");
+  REQUIRE_ARG(name != nullptr, "ctr_step_get_output: name is NULL");
+  step->impl->get_output(name, out, count);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_save(ctr_step *step, const char *dir) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_save");
+  REQUIRE_ARG(dir != nullptr, "ctr_step_save: dir is NULL");
+  step->impl->save(dir);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_load(ctr_step *step, const char *dir) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_load");
+  REQUIRE_ARG(dir != nullptr, "ctr_step_load: dir is NULL");
+  step->impl->load(dir);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_export_safetensors(ctr_step *step, const char *path) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_export_safetensors");
+  REQUIRE_ARG(path != nullptr, "ctr_step_export_safetensors: path is NULL");
+  step->impl->export_safetensors(path);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_import_safetensors(ctr_step *step, const char *path,
+                                                  const ctr_options *options) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_import_safetensors");
+  REQUIRE_ARG(path != nullptr, "ctr_step_import_safetensors: path is NULL");
+  ctr::OptionReader r(options, "ctr_step_import_safetensors");
+  bool allow_extra = r.get_int("allow_extra", 0, 0, 1) != 0;
+  r.finish();
+  step->impl->import_safetensors(path, allow_extra);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_attach_loader(ctr_step *step, ctr_loader *loader) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_attach_loader");
+  step->impl->attach_loader(loader);
+  CTR_API_END
+}
+
 extern "C" int64_t ctr_step_count(const ctr_step *step) {
   return step && step->impl ? step->impl->count() : 0;
+}
+
+// ---------------------------------------------------------------------------
+// Data loader
+
+ctr_loader::~ctr_loader() = default;
+
+extern "C" ctr_status ctr_loader_create(const char *path, const ctr_options *options, ctr_loader **out) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(out != nullptr, "ctr_loader_create: out is NULL");
+  ctr::OptionReader r(options, "ctr_loader_create");
+  CTR_REQUIRE(r.has("seq"), CTR_STATUS_INVALID_OPTION, "ctr_loader_create: option 'seq' is required");
+  int64_t seq = r.get_int("seq", 0, 1, 1 << 24);
+  uint64_t seed = static_cast<uint64_t>(r.get_int("seed", 0, 0));
+  int64_t bytes = r.get_int("corpus_bytes", ctr::data::kSyntheticDefaultBytes, 1, int64_t{1} << 34);
+  r.finish();
+  auto l = std::make_unique<ctr_loader>();
+  l->seq = seq;
+  l->source = path ? ctr::data::TokenSource::open(path) : ctr::data::TokenSource::synthetic(0, bytes);
+  l->loader = std::make_unique<ctr::data::Loader>(*l->source, seq, 1, seed);
+  *out = l.release();
+  CTR_API_END
+}
+
+extern "C" void ctr_loader_free(ctr_loader *loader) { delete loader; }
+
+extern "C" ctr_status ctr_loader_next(ctr_loader *loader, int64_t rows, int32_t *tokens, int32_t *targets) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(loader != nullptr, "ctr_loader_next: loader is NULL");
+  REQUIRE_ARG(rows >= 0, "ctr_loader_next: rows must be >= 0");
+  REQUIRE_ARG(tokens != nullptr && targets != nullptr, "ctr_loader_next: tokens or targets is NULL");
+  for (int64_t r = 0; r < rows; ++r) loader->loader->next(tokens + r * loader->seq, targets + r * loader->seq);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_loader_info(const ctr_loader *loader, int64_t *tokens, int64_t *max_token) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(loader != nullptr, "ctr_loader_info: loader is NULL");
+  if (tokens) *tokens = loader->source->size();
+  if (max_token) *max_token = loader->source->max_token();
+  CTR_API_END
 }
 
 // ---------------------------------------------------------------------------

@@ -66,7 +66,18 @@ struct ctr_graph {
 
 namespace ctr {
 class Step;
-}
+namespace data {
+class TokenSource;
+class Loader;
+}  // namespace data
+}  // namespace ctr
+
+struct ctr_loader {
+  std::unique_ptr<ctr::data::TokenSource> source;
+  std::unique_ptr<ctr::data::Loader> loader;
+  int64_t seq = 0;
+  ~ctr_loader();
+};
 
 struct ctr_step {
   std::unique_ptr<ctr::Step> impl;

@@ -74,10 +74,12 @@ constexpr uint32_t kMaxMembers = 1u << 16;
 constexpr uint32_t kSplitCommId = (1u << kCommIdBits) - 1;
 constexpr uint32_t kTeardownCommId = kSplitCommId - 1;
 
-// Ring and chain messages are cut into segments of this size: big enough for
-// UCP's zero-copy protocols to reach full bandwidth, small enough that a ring
-// of a few ranks overlaps its steps (see tools/bench/bench_comm.py).
-constexpr size_t kSegmentBytes = size_t{1} << 20;
+// Ring and chain messages are cut into segments of this size, so that a rank
+// reduces or forwards segment k while segment k + 1 is still arriving. Between
+// 256 KiB and 2 MiB the bandwidth of two local ranks hardly changes (measured
+// with tools/bench/bench_comm.py); smaller costs per-message overhead, larger
+// loses the overlap.
+constexpr size_t kSegmentBytes = size_t{512} << 10;
 // After a collective fails, how long its sends may still wait for a peer
 // before that peer's endpoint is closed by force.
 constexpr int64_t kFailGraceMs = 1000;
@@ -195,8 +197,56 @@ std::string group_name(const std::vector<int> &members) {
 struct Coll;
 class Transport;
 
+// Staging buffers for reductions, kept between collectives: a fresh buffer of
+// many megabytes costs a page fault per page on first touch, which at these
+// sizes takes longer than the transfer. Shared by the communicators of one
+// transport; holds at most kPoolBytes while idle.
+class ScratchPool {
+ public:
+  struct Buf {
+    std::unique_ptr<char[]> p;
+    size_t size = 0;
+  };
+  Buf take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto best = free_.end();
+      for (auto it = free_.begin(); it != free_.end(); ++it)
+        if (it->size >= bytes && (best == free_.end() || it->size < best->size)) best = it;
+      if (best != free_.end()) {
+        Buf b = std::move(*best);
+        free_.erase(best);
+        held_ -= b.size;
+        return b;
+      }
+    }
+    Buf b;
+    b.size = std::max<size_t>(bytes, 1);
+    b.p.reset(new char[b.size]);
+    return b;
+  }
+  void give(Buf b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_ += b.size;
+    free_.push_back(std::move(b));
+    // Drop the smallest first: the large ones are the expensive ones to fault in.
+    while (held_ > kPoolBytes && !free_.empty()) {
+      auto it = std::min_element(free_.begin(), free_.end(),
+                                 [](const Buf &x, const Buf &y) { return x.size < y.size; });
+      held_ -= it->size;
+      free_.erase(it);
+    }
+  }
+
+ private:
+  static constexpr size_t kPoolBytes = size_t{256} << 20;
+  std::mutex mu_;
+  std::vector<Buf> free_;
+  size_t held_ = 0;
+};
+
 struct Op {
-  enum Kind : uint8_t { kSend, kRecv, kCopy, kReduce, kFence };
+  enum Kind : uint8_t { kSend, kRecv, kCopy, kReduce };
   enum State : uint8_t { kWaiting, kPosted, kDone, kSkipped };
   Kind kind;
   State state = kWaiting;
@@ -222,7 +272,8 @@ struct Coll {
   ctr_dtype dtype = CTR_DTYPE_F32;
   ReduceOp op = ReduceOp::Sum;
   std::vector<Op> ops;
-  std::unique_ptr<char[]> scratch;
+  std::shared_ptr<ScratchPool> pool;
+  ScratchPool::Buf scratch;
   bool network = false;  // has sends or receives
 
   // Progress thread only.
@@ -247,6 +298,9 @@ struct Coll {
 
   std::string label() const {
     return strformat("%s (%s, %d ranks)", what, group->name.c_str(), group->size());
+  }
+  ~Coll() {
+    if (scratch.p) pool->give(std::move(scratch));
   }
 };
 
@@ -293,8 +347,6 @@ class Builder {
     op.divisor = divisor;
     return add(op, dep0, -1);
   }
-  // Done once every earlier operation is done.
-  int fence() { return add(Op{Op::kFence}, -1, -1); }
 
  private:
   int add(Op op, int dep0, int dep1) {
@@ -313,43 +365,53 @@ size_t segment_len(size_t bytes, size_t k) {
   return start >= bytes ? 0 : std::min(kSegmentBytes, bytes - start);
 }
 
+// Operations indexed by [block][segment], or by [segment].
+using OpTable = std::vector<std::vector<int>>;
+
 // Ring all-gather in place on out: block i is out[off[i], off[i] + len[i]).
 // This rank's block is sent first from own (which may be out + off[me]) and
-// copied into place unless it is already there. Everything waits for `after`.
+// copied into place unless it is already there. When the gather follows a
+// reduce-scatter, own_ready[k] is the operation that finished segment k of this
+// rank's block and block_free[j][k] the last one to read segment k of block j
+// of the input (which the gather overwrites when the reduction ran in place).
 void build_ring_all_gather(Builder &b, const Group &g, char *out, const std::vector<size_t> &off,
-                           const std::vector<size_t> &len, const char *own, int after) {
+                           const std::vector<size_t> &len, const char *own,
+                           const std::vector<int> *own_ready = nullptr,
+                           const OpTable *block_free = nullptr) {
   const int n = g.size(), r = g.me;
   const int left = (r - 1 + n) % n, right = (r + 1) % n;
-  if (own != out + off[r] && len[r] > 0) b.copy(out + off[r], own, len[r], after);
+  if (own != out + off[r] && len[r] > 0) b.copy(out + off[r], own, len[r]);
   if (n == 1) return;
   // Receives land in distinct places, so all are posted at once, in step order.
-  std::vector<std::vector<int>> recvd(n - 1);
+  OpTable recvd(n - 1);
   for (int s = 0; s < n - 1; ++s) {
     int blk = (r - s - 1 + 2 * n) % n;
     for (size_t k = 0; k < n_segments(len[blk]); ++k)
-      recvd[s].push_back(b.recv(left, out + off[blk] + k * kSegmentBytes, segment_len(len[blk], k), after));
+      recvd[s].push_back(b.recv(left, out + off[blk] + k * kSegmentBytes, segment_len(len[blk], k),
+                                block_free ? (*block_free)[blk][k] : -1));
   }
   for (int s = 0; s < n - 1; ++s) {
     int blk = (r - s + n) % n;
     const char *base = s == 0 ? own : out + off[blk];
     for (size_t k = 0; k < n_segments(len[blk]); ++k)
       b.send(right, base + k * kSegmentBytes, segment_len(len[blk], k),
-             s == 0 ? after : recvd[s - 1][k]);
+             s > 0 ? recvd[s - 1][k] : own_ready ? (*own_ready)[k] : -1);
   }
 }
 
 // Ring reduce-scatter: block i of send is elements [off[i], off[i] + cnt[i]);
 // this rank's reduced block goes to out. Block j is reduced along the ring
-// starting at rank j + 1 and ending at j, always in that order.
+// starting at rank j + 1 and ending at j, always in that order. Fills done[k],
+// the operation completing segment k of out, and readers[j][k], the one that
+// reads segment k of send's block j (each is read exactly once).
 void build_ring_reduce_scatter(Builder &b, Coll &c, const Group &g, const char *send, char *out,
                                const std::vector<size_t> &off, const std::vector<size_t> &cnt,
-                               size_t esz, int64_t divisor) {
+                               size_t esz, int64_t divisor, std::vector<int> *done = nullptr,
+                               OpTable *readers = nullptr) {
   const int n = g.size(), r = g.me;
   if (n == 1) {
     // One member: the reduction of one block is the block (Avg divides by 1).
     if (send + off[0] * esz != out) b.copy(out, send + off[0] * esz, cnt[0] * esz);
-    (void)c;
-    (void)divisor;
     return;
   }
   const int left = (r - 1 + n) % n, right = (r + 1) % n;
@@ -357,8 +419,9 @@ void build_ring_reduce_scatter(Builder &b, Coll &c, const Group &g, const char *
   for (int i = 0; i < n; ++i) max_bytes = std::max(max_bytes, cnt[i] * esz);
   // Two staging buffers: step s receives into tmp[s % 2] while step s's send
   // still reads the partial sum of step s - 1 from the other.
-  c.scratch.reset(new char[2 * max_bytes + 1]);
-  char *tmp[2] = {c.scratch.get(), c.scratch.get() + max_bytes};
+  c.scratch = c.pool->take(2 * max_bytes);
+  char *tmp[2] = {c.scratch.p.get(), c.scratch.p.get() + max_bytes};
+  if (readers) readers->assign(n, {});
   std::vector<int> prev_send, prev_reduce;
   for (int s = 0; s < n - 1; ++s) {
     const int sb = (r - s - 1 + 2 * n) % n;  // block sent at step s
@@ -369,6 +432,7 @@ void build_ring_reduce_scatter(Builder &b, Coll &c, const Group &g, const char *
       const char *src = s == 0 ? send + off[sb] * esz : tmp[(s - 1) % 2];
       sends.push_back(b.send(right, src + k * kSegmentBytes, segment_len(sbytes, k),
                              s == 0 ? -1 : prev_reduce[k]));
+      if (s == 0 && readers) (*readers)[sb].push_back(sends.back());
     }
     const bool last = s == n - 2;
     for (size_t k = 0; k < n_segments(rbytes); ++k) {
@@ -380,7 +444,9 @@ void build_ring_reduce_scatter(Builder &b, Coll &c, const Group &g, const char *
       char *dst = last ? out + k * kSegmentBytes : buf;
       reduces.push_back(b.reduce(dst, buf, send + off[rb] * esz + k * kSegmentBytes, len / esz,
                                  last ? divisor : 0, rv));
+      if (readers) (*readers)[rb].push_back(reduces.back());
     }
+    if (last && done) *done = reduces;
     prev_send = std::move(sends);
     prev_reduce = std::move(reduces);
   }
@@ -400,12 +466,14 @@ void partition(size_t count, int n, std::vector<size_t> *off, std::vector<size_t
 
 // Dissemination barrier: in round i each rank signals rank + 2^i and waits for
 // rank - 2^i; after ceil(log2 n) rounds every rank has heard from every other.
-void build_barrier(Builder &b, const Group &g) {
+// With announce_only a rank sends all its signals at once and waits for none:
+// it lets the others pass without being held up itself.
+void build_barrier(Builder &b, const Group &g, bool announce_only = false) {
   const int n = g.size(), r = g.me;
   int prev = -1;
   for (int d = 1; d < n; d *= 2) {
     b.send((r + d) % n, nullptr, 0, prev);
-    prev = b.recv((r - d + n) % n, nullptr, 0);
+    if (!announce_only) prev = b.recv((r - d + n) % n, nullptr, 0);
   }
 }
 
@@ -430,6 +498,7 @@ class Transport {
   int world() const { return world_; }
   int64_t timeout_ms() const { return timeout_ms_; }
   std::mutex &split_mu() { return split_mu_; }
+  const std::shared_ptr<ScratchPool> &pool() const { return pool_; }
   uint32_t &next_comm_id() { return next_comm_id_; }
 
   void init(Store &store);
@@ -479,6 +548,7 @@ class Transport {
 
   std::mutex split_mu_;
   uint32_t next_comm_id_ = 1;  // 0 is the world
+  std::shared_ptr<ScratchPool> pool_ = std::make_shared<ScratchPool>();
 
   // Handed from other threads to the progress thread.
   std::mutex mu_;
@@ -493,7 +563,6 @@ class Transport {
   std::vector<Coll *> retired_;
   std::vector<int> newly_failed_;
   std::vector<void *> closing_;  // ep close requests of forced closes
-  int64_t posted_sends_ = 0;
 };
 
 // Configuration defaults: on one machine TCP stays on loopback; shared memory
@@ -689,7 +758,6 @@ void Transport::complete(Op &op, ucs_status_t st, size_t recv_len) {
   Coll *c = op.coll;
   op.state = Op::kDone;
   --c->n_posted;
-  if (op.kind == Op::kSend) --posted_sends_;
   if (!c->failing && c->pending_code == CTR_STATUS_OK) {
     const int g = c->group->members[op.peer];
     const bool is_send = op.kind == Op::kSend;
@@ -761,13 +829,6 @@ void Transport::run() {
       continue;
     }
     if (!active_.empty() && now - last_event < std::chrono::microseconds(kSpinUs)) continue;
-    // A send waiting for room in a shared-memory FIFO, or for its rendezvous
-    // to run, is retried only inside ucp_worker_progress: no event announces
-    // that it can go on. Keep polling while any is pending.
-    if (posted_sends_ > 0 && std::getenv("XSPIN")) {
-      std::this_thread::yield();
-      continue;
-    }
     // Sleep until UCP has an event, another thread hands over work, or the
     // timer lets keepalive and failure deadlines run.
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
@@ -780,10 +841,7 @@ void Transport::run() {
       timeout = static_cast<int>(std::clamp<int64_t>(left + 1, 0, timeout));
     }
     pollfd fds[2] = {{worker_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    static int dbg_poll = std::getenv("XPOLL") ? std::atoi(std::getenv("XPOLL")) : -1;
-    if (dbg_poll >= 0) timeout = std::min(timeout, dbg_poll);
-    int pr = ::poll(fds, 2, timeout);
-    if (pr == 0 && !active_.empty() && std::getenv("XDBG")) fprintf(stderr, "DEBUG poll timeout with %zu active, %ld sends\n", active_.size(), (long)posted_sends_);
+    ::poll(fds, 2, timeout);
     if (fds[1].revents) {
       uint64_t v;
       [[maybe_unused]] ssize_t n = ::read(wake_fd_, &v, sizeof v);
@@ -829,7 +887,6 @@ bool Transport::advance(Coll *c) {
       const size_t ch = net ? (op.kind == Op::kSend ? 0 : n) + op.peer : 0;
       bool ready = !(net && c->blocked[ch]);
       for (int d : op.dep) ready = ready && (d < 0 || ops[d].state == Op::kDone);
-      if (op.kind == Op::kFence) ready = ready && c->first_undone >= i;
       if (!ready) {
         if (net) c->blocked[ch] = 1;
         first_waiting = std::min(first_waiting, i);
@@ -846,9 +903,6 @@ bool Transport::advance(Coll *c) {
           break;
         case Op::kReduce:
           if (op.bytes) reduce(op.dst, op.src, op.src2, op.bytes, c->dtype, c->op, op.divisor);
-          op.state = Op::kDone;
-          break;
-        case Op::kFence:
           op.state = Op::kDone;
           break;
       }
@@ -880,7 +934,6 @@ void Transport::post(Coll *c, Op &op) {
   // Counted as posted before the call: a receive's callback can run inside it.
   op.state = Op::kPosted;
   ++c->n_posted;
-  if (op.kind == Op::kSend) ++posted_sends_;
   ucs_status_ptr_t r;
   if (op.kind == Op::kSend) {
     prm.cb.send = &Transport::on_send;
@@ -898,7 +951,6 @@ void Transport::post(Coll *c, Op &op) {
   if (UCS_PTR_IS_ERR(r)) {
     op.state = Op::kDone;
     --c->n_posted;
-    if (op.kind == Op::kSend) --posted_sends_;
     fail(c, CTR_STATUS_COMM_ERROR,
          strformat("%s: %s rank %d failed: %s", c->label().c_str(),
                    op.kind == Op::kSend ? "sending to" : "receiving from", g,
@@ -1007,9 +1059,12 @@ void Transport::close_ep(int rank, bool force) {
 void Transport::shutdown() {
   if (thread_.joinable()) {
     // A last barrier, so that no rank closes its endpoints while another still
-    // receives from it (the peer would see a failure). Skipped after a failure:
-    // the job is ending and a dead peer would only make everyone wait.
-    if (!any_failure_) {
+    // receives from it (the peer would see a failure). After a failure this
+    // rank only announces that it leaves: the job is ending, a dead peer would
+    // make it wait for nothing, and a live one that still enters the barrier
+    // should not wait for this rank either.
+    {
+      const bool announce_only = any_failure_;
       auto g = std::make_shared<Group>();
       for (int i = 0; i < world_; ++i) g->members.push_back(i);
       g->me = rank_;
@@ -1021,9 +1076,9 @@ void Transport::shutdown() {
       c->group = g;
       c->tag = uint64_t{kTeardownCommId} << 40;
       Builder b(*c);
-      build_barrier(b, *g);
+      build_barrier(b, *g, announce_only);
       try {
-        wait(from_handle(issue(c)), timeout_ms_);
+        wait(from_handle(issue(c)), announce_only ? kCloseTimeoutMs : timeout_ms_);
       } catch (const std::exception &) {
         // Best effort: the endpoints are closed either way.
       }
@@ -1075,6 +1130,7 @@ CommCtx *ctx_of(void *ctx) { return static_cast<CommCtx *>(ctx); }
 std::unique_ptr<Coll> new_coll(CommCtx *cc, const char *what) {
   auto c = std::make_unique<Coll>();
   c->t = cc->t.get();
+  c->pool = cc->t->pool();
   c->what = what;
   c->group = cc->g;
   uint32_t s = cc->seq.fetch_add(1, std::memory_order_relaxed) & kSeqMask;
@@ -1108,7 +1164,7 @@ CommWork *c_all_gather(void *ctx, const void *send, void *recv, size_t bytes) {
   std::vector<size_t> off(g.size()), len(g.size(), bytes);
   for (int i = 0; i < g.size(); ++i) off[i] = i * bytes;
   Builder b(*c);
-  build_ring_all_gather(b, g, static_cast<char *>(recv), off, len, static_cast<const char *>(send), -1);
+  build_ring_all_gather(b, g, static_cast<char *>(recv), off, len, static_cast<const char *>(send));
   return cc->t->issue(c.release());
 }
 
@@ -1145,14 +1201,17 @@ CommWork *c_all_reduce(void *ctx, const void *send, void *recv, size_t count, ct
   partition(count, g.size(), &off, &cnt);
   char *out = static_cast<char *>(recv);
   Builder b(*c);
+  std::vector<int> done;
+  OpTable readers;
   build_ring_reduce_scatter(b, *c, g, static_cast<const char *>(send), out + off[g.me] * esz, off, cnt,
-                            esz, op == ReduceOp::Avg ? g.size() : 0);
+                            esz, op == ReduceOp::Avg ? g.size() : 0, &done, &readers);
   if (g.size() > 1) {
-    // The gather overwrites blocks the reduction still reads when send == recv.
-    int f = b.fence();
+    // Each segment of this rank's result goes round as soon as it is reduced;
+    // a gathered segment may land only once the reduction has read that part
+    // of the input (send == recv is allowed).
     std::vector<size_t> boff(g.size()), blen(g.size());
     for (int i = 0; i < g.size(); ++i) boff[i] = off[i] * esz, blen[i] = cnt[i] * esz;
-    build_ring_all_gather(b, g, out, boff, blen, out + boff[g.me], f);
+    build_ring_all_gather(b, g, out, boff, blen, out + boff[g.me], &done, &readers);
   }
   return cc->t->issue(c.release());
 }
@@ -1302,7 +1361,7 @@ Comm c_split(void *ctx, const std::vector<int> &members) {
     for (int i = 0; i < g->size(); ++i) off[i] = i * sizeof(Offer);
     Builder b(*c);
     build_ring_all_gather(b, *tmp, reinterpret_cast<char *>(all.data()), off, len,
-                          reinterpret_cast<const char *>(&mine), -1);
+                          reinterpret_cast<const char *>(&mine));
     t.wait(from_handle(t.issue(c.release())), -1);
     uint64_t id = 0;
     for (int i = 0; i < g->size(); ++i) {

@@ -64,6 +64,7 @@ struct Tensor {
   // full_rows rows (0 = not sharded); rows past full_rows are padding.
   int64_t full_rows = 0;
   int64_t shard_index = 0;
+  bool keep = false;           // stays readable after the step (step option "keep")
 
   int64_t numel() const;
   int64_t bytes() const;

@@ -67,7 +67,7 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt) {
   for (int i = 0; i < nt; ++i) {
     Tensor &t = g.tensors[i];
     if (t.role != Role::Activation || first[i] < 0) continue;
-    if (i == g.loss || t.grad_of >= 0) last[i] = nn;
+    if (i == g.loss || t.grad_of >= 0 || t.keep) last[i] = nn;
     t.storage = Storage::Arena;
     order.push_back(i);
     plan.naive_bytes += align_up(t.alloc_size());

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <nlohmann/json.hpp>
 
 #include "core/options.h"
 #include "core/rng.h"
@@ -72,13 +73,36 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
   oc_.grad_clip = r.get_float("grad_clip", 1.0, 0);
   oc_.check_finite = r.get_int("check_finite", 1, 0, 1) != 0;
   copt_.reshard_after_forward = r.get_int("reshard_after_forward", 1, 0, 1) != 0;
+  std::string keep = r.get_string("keep", "");
   r.finish();
+  if (options) {
+    // Recorded in checkpoints, for the record.
+    nlohmann::json js = nlohmann::json::object();
+    for (const auto &kv : options->values) {
+      if (kv.second.kind == ctr_options::Value::Int) js[kv.first] = kv.second.i;
+      else if (kv.second.kind == ctr_options::Value::Float) js[kv.first] = kv.second.f;
+      else js[kv.first] = kv.second.s;
+    }
+    options_json_ = js.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  }
   copt_.fsdp = mesh.axis_size("fsdp");
   copt_.fsdp_index = mesh.axis_index("fsdp");
   copt_.dp = mesh.axis_size("dp");
   copt_.dp_index = mesh.axis_index("dp");
 
   pass_infer_shapes(g_, copt_);
+  for (size_t pos = 0; pos < keep.size();) {
+    size_t comma = keep.find(',', pos);
+    std::string name = keep.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    pos = comma == std::string::npos ? keep.size() : comma + 1;
+    if (name.empty()) continue;
+    int t = g_.find_tensor(name);
+    CTR_REQUIRE(t >= 0 && g_.tensors[t].role == Role::Activation && g_.tensors[t].dtype == CTR_DTYPE_F32,
+                CTR_STATUS_INVALID_OPTION,
+                "ctr_step_create: option 'keep': '%s' is not an f32 activation of the graph", name.c_str());
+    g_.tensors[t].keep = true;
+    kept_.push_back(t);
+  }
   pass_autodiff(g_);
   pass_shard(g_, copt_);
   plan_ = pass_plan_memory(g_, copt_);
@@ -331,6 +355,7 @@ void Step::run(ctr_step_metrics *metrics) {
     bind_micro_batch(mb);
     auto tf = Clock::now();
     run_list(prog_.forward);
+    ran_forward_ = true;
     fwd_ms += ms_since(tf);
     loss_sum += *loss_ptr;
     auto tb = Clock::now();
@@ -416,6 +441,7 @@ double Step::evaluate() {
   for (int64_t mb = 0; mb < copt_.micro_batches; ++mb) {
     bind_micro_batch(mb);
     run_list(prog_.forward);
+    ran_forward_ = true;
     sum += *loss_ptr;
   }
   return sum / static_cast<double>(copt_.micro_batches);
@@ -488,6 +514,21 @@ void Step::set_param(const std::string &name, const float *data, size_t count) {
   float *p = param_ptr(t);
   std::fill(p, p + x.numel(), 0.0f);
   if (valid > 0) std::memcpy(p, data + first * row_elems, static_cast<size_t>(valid) * 4);
+}
+
+void Step::get_output(const std::string &name, float *out, size_t count) {
+  int t = -1;
+  for (int k : kept_)
+    if (g_.tensors[k].name == name) t = k;
+  CTR_REQUIRE(t >= 0, CTR_STATUS_NOT_FOUND,
+              "ctr_step_get_output: '%s' was not named in the step option 'keep'", name.c_str());
+  CTR_REQUIRE(out != nullptr, CTR_STATUS_INVALID_ARGUMENT, "ctr_step_get_output: out is NULL");
+  CTR_REQUIRE(static_cast<int64_t>(count) == g_.tensors[t].numel(), CTR_STATUS_INVALID_ARGUMENT,
+              "ctr_step_get_output: '%s' has %lld elements, count is %zu", name.c_str(),
+              static_cast<long long>(g_.tensors[t].numel()), count);
+  CTR_REQUIRE(ran_forward_, CTR_STATUS_INVALID_STATE,
+              "ctr_step_get_output: no step or evaluation has run yet");
+  be_.iface->copy_d2h(be_.ctx, out, ptr_[t], count * 4, 0);
 }
 
 void Step::set_lr(double lr) {

@@ -44,6 +44,14 @@ class Step {
   int64_t optimizer_bytes() const { return opt_bytes_; }
   int64_t peak_bytes() const;
 
+  // Checkpoints (lib/ckpt/checkpoint.cc) and safetensors (lib/ckpt/safetensors.cc).
+  void save(const std::string &dir);
+  void load(const std::string &dir);
+  void export_safetensors(const std::string &path);
+  void import_safetensors(const std::string &path, bool allow_extra);
+  void attach_loader(ctr_loader *loader) { loader_ = loader; }
+  void get_output(const std::string &name, float *out, size_t count);
+
   // For gradient checks: forward and backward on the current inputs without an
   // optimizer update (returns the loss), then the gradient of a parameter. The
   // gradients share arena bytes with forward activations: read them before the
@@ -92,6 +100,20 @@ class Step {
   std::vector<InputSlot> inputs_slots_;
   int64_t step_ = 0;
   int64_t tokens_per_micro_ = 0;
+  ctr_loader *loader_ = nullptr;
+  bool ran_forward_ = false;
+  std::string options_json_;  // the options the step was created with, for checkpoints
+  std::vector<int> kept_;     // tensors named in option "keep"
+
+  // Agreement across ranks: true if any rank passes true.
+  bool any_rank(bool flag);
+  void world_barrier();
+  // A param slot's placement: rows held locally, its first global row, the full
+  // row count and the elements per row.
+  struct Placement {
+    int64_t rows, first_row, full_rows, row_elems, valid_rows;
+  };
+  Placement placement(const ParamSlot &s) const;
 };
 
 }  // namespace ctr

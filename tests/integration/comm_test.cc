@@ -14,6 +14,8 @@
 //                        naming rank 2
 //   comm_test dead       the last rank exits after joining; the next collective
 //                        of the others fails naming it, within the timeout
+//   comm_test hang       the last rank lives but skips a barrier: the others
+//                        time out naming it; everyone then shuts down promptly
 //
 // Configuration comes from CTR_RANK, CTR_WORLD_SIZE, CTR_MASTER_ADDR,
 // CTR_MASTER_PORT, CTR_JOB_TOKEN and CTR_TIMEOUT_MS. Exit status 0 means every
@@ -572,6 +574,37 @@ int run_dead(const Env &e) {
   return 0;
 }
 
+// The last rank stays alive but never enters the barrier the others are in:
+// they time out naming it, within the timeout they gave; then all shut down.
+int run_hang(const Env &e) {
+  auto store = ctr::store_join(rendezvous(e));
+  Comm world = ctr::ucx_comm_create(*store, e.rank, e.world, e.timeout_ms);
+  ctr::comm_wait(world, world.iface->barrier(world.ctx));
+  const int hung = e.world - 1;
+  if (e.rank == hung) {
+    // Busy elsewhere until rank 0 has seen the timeout.
+    store->get("hang/release", 4 * e.timeout_ms);
+  } else {
+    auto t0 = std::chrono::steady_clock::now();
+    const int64_t wait_ms = 2000;
+    std::string msg = expect_error("barrier with a hung rank", CTR_STATUS_TIMEOUT,
+                                   {"barrier (world, " + std::to_string(e.world) + " ranks)",
+                                    "timed out after 2.0 s waiting for rank " + std::to_string(hung)},
+                                   [&] { ctr::comm_wait(world, world.iface->barrier(world.ctx), wait_ms); });
+    double took = elapsed_s(t0);
+    CHECK(took >= 1.9 && took < 2.0 + 3.0, "the timeout took %.1f s", took);
+    std::fprintf(stderr, "comm_test: rank %d: timed out as expected after %.2f s: %s\n", e.rank, took,
+                 msg.c_str());
+    if (e.rank == 0) store->set("hang/release", "1");
+  }
+  auto t1 = std::chrono::steady_clock::now();
+  world.iface->destroy(world.ctx);
+  double destroy = elapsed_s(t1);
+  CHECK(destroy < 10.0, "destroy after a timeout took %.1f s", destroy);
+  std::printf("comm_test: rank %d of %d: PASS hang (destroy %.2f s)\n", e.rank, e.world, destroy);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -583,6 +616,7 @@ int main(int argc, char **argv) {
     if (mode == "token") return run_token(e);
     if (mode == "missing") return run_missing(e);
     if (mode == "dead") return run_dead(e);
+    if (mode == "hang") return run_hang(e);
   } catch (const ctr::Error &err) {
     die("unexpected error (status %d): %s", err.code(), err.what());
   }

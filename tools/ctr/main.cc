@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -288,6 +289,8 @@ int cmd_graph_inspect(const InspectArgs &a) {
 
 struct RunArgs {
   std::string graph, data, schedule = "cosine", metrics, device, mesh;
+  std::string save_dir = "checkpoints", resume, export_safetensors;
+  int64_t save_every = 0, keep = 3, stop_after = 0;
   int64_t steps = 0, batch = 0, seq = 0, micro_batches = 1, warmup = 0, seed = 0, data_seed = 0;
   int64_t log_every = 10, eval_every = 0, eval_batches = 4, threads = 0;
   double lr = 3e-4, min_lr = 0, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0;
@@ -326,24 +329,71 @@ int64_t default_seq(const ctr_graph *g) {
 // loader state do not depend on the number of ranks.
 class Batches {
  public:
-  Batches(const ctr::data::TokenSource &src, int64_t seq, int64_t local_rows, int rank, int world,
-          uint64_t seed)
-      : loader_(src, seq, local_rows * world, seed),
+  // The loader hands out the global order; this rank keeps rows
+  // [rank * local_rows, (rank + 1) * local_rows) of each global batch.
+  Batches(ctr_loader *loader, int64_t seq, int64_t local_rows, int rank, int world)
+      : loader_(loader),
+        global_rows_(local_rows * world),
         offset_(static_cast<size_t>(rank * local_rows * seq)),
         count_(static_cast<size_t>(local_rows * seq)),
         tokens_(static_cast<size_t>(local_rows * world * seq)),
         targets_(tokens_.size()) {}
 
-  void next() { loader_.next(tokens_.data(), targets_.data()); }
+  void next() { check(ctr_loader_next(loader_, global_rows_, tokens_.data(), targets_.data())); }
   const int32_t *tokens() const { return tokens_.data() + offset_; }
   const int32_t *targets() const { return targets_.data() + offset_; }
   size_t bytes() const { return count_ * sizeof(int32_t); }
 
  private:
-  ctr::data::Loader loader_;
+  ctr_loader *loader_;
+  int64_t global_rows_;
   size_t offset_, count_;
   std::vector<int32_t> tokens_, targets_;
 };
+
+struct LoaderDeleter {
+  void operator()(ctr_loader *l) const { ctr_loader_free(l); }
+};
+using Loader = std::unique_ptr<ctr_loader, LoaderDeleter>;
+
+Loader open_loader(const std::string &path, int64_t seq, uint64_t seed, int64_t corpus_bytes = 0) {
+  Options o = new_options();
+  set_int(o.get(), "seq", seq);
+  set_int(o.get(), "seed", static_cast<int64_t>(seed));
+  if (corpus_bytes > 0) set_int(o.get(), "corpus_bytes", corpus_bytes);
+  ctr_loader *l = nullptr;
+  check(ctr_loader_create(path.empty() ? nullptr : path.c_str(), o.get(), &l));
+  return Loader(l);
+}
+
+// ------------------------------------------------------------------------------------------
+// Checkpoint directories: SAVE_DIR/step_00000100, ..., and SAVE_DIR/latest naming the
+// newest complete one. `latest` is replaced atomically after the checkpoint itself
+// is in place, so it never points at a partial checkpoint.
+
+std::string step_dir_name(int64_t step) { return ctr::strformat("step_%08" PRId64, step); }
+
+std::vector<std::string> list_checkpoints(const std::string &dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto &e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("step_", 0) == 0 && n.find('.') == std::string::npos && e.is_directory()) out.push_back(n);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void write_latest(const std::string &dir, const std::string &name) {
+  const std::string tmp = dir + "/latest.tmp", dst = dir + "/latest";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << name << '\n';
+    f.flush();
+    if (!f) throw ctr::Error(CTR_STATUS_IO_ERROR, ctr::strformat("cannot write %s", tmp.c_str()));
+  }
+  std::filesystem::rename(tmp, dst);
+}
 
 // Sets both inputs; an id outside the graph's vocabulary gets a hint that
 // names the data and its largest id, since the library can only name the
@@ -415,7 +465,61 @@ int cmd_run(const RunArgs &a) {
   Step step(raw_step);
 
   const int64_t local_rows = a.batch * a.micro_batches;
-  Batches batches(*src, seq, local_rows, rank, world, static_cast<uint64_t>(a.data_seed));
+  Loader train_loader = open_loader(a.data, seq, static_cast<uint64_t>(a.data_seed));
+  Batches batches(train_loader.get(), seq, local_rows, rank, world);
+  // The loader's position goes into checkpoints with the step.
+  check(ctr_step_attach_loader(step.get(), train_loader.get()));
+
+  int64_t first_step = 1;
+  if (!a.resume.empty()) {
+    std::vector<std::string> candidates;
+    if (a.resume == "latest") {
+      std::ifstream f(a.save_dir + "/latest");
+      std::string name;
+      if (f) std::getline(f, name);
+      std::vector<std::string> all = list_checkpoints(a.save_dir);
+      if (!name.empty()) candidates.push_back(a.save_dir + "/" + name);
+      // Older complete checkpoints are fallbacks when the newest is damaged.
+      for (auto it = all.rbegin(); it != all.rend(); ++it)
+        if (*it != name && (name.empty() || *it < name)) candidates.push_back(a.save_dir + "/" + *it);
+      if (candidates.empty())
+        throw ctr::Error(CTR_STATUS_CHECKPOINT_ERROR,
+                         ctr::strformat("--resume latest: no checkpoint in '%s'", a.save_dir.c_str()));
+    } else {
+      candidates.push_back(a.resume);
+    }
+    bool loaded = false;
+    for (size_t c = 0; c < candidates.size() && !loaded; ++c) {
+      ctr_status st = ctr_step_load(step.get(), candidates[c].c_str());
+      if (st == CTR_STATUS_OK) {
+        loaded = true;
+        if (lead) std::printf("resumed from %s at step %" PRId64 "\n", candidates[c].c_str(), ctr_step_count(step.get()));
+      } else if (st == CTR_STATUS_CHECKPOINT_ERROR && c + 1 < candidates.size()) {
+        if (lead)
+          std::fprintf(stderr, "ctr: warning: %s is unusable (%s); trying %s\n", candidates[c].c_str(),
+                       ctr_last_error(), candidates[c + 1].c_str());
+      } else {
+        throw ctr::Error(st, ctr_last_error());
+      }
+    }
+    first_step = ctr_step_count(step.get()) + 1;
+  }
+  auto save = [&](int64_t at) {
+    const std::string name = step_dir_name(at);
+    if (lead) std::filesystem::create_directories(a.save_dir);
+    const std::string path = a.save_dir + "/" + name;
+    const auto t0 = Clock::now();
+    check(ctr_step_save(step.get(), path.c_str()));
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (lead) {
+      write_latest(a.save_dir, name);
+      std::vector<std::string> all = list_checkpoints(a.save_dir);
+      for (size_t k = 0; k + static_cast<size_t>(a.keep) < all.size(); ++k)
+        std::filesystem::remove_all(a.save_dir + "/" + all[k]);
+      std::printf("saved %s (%.0f ms)\n", path.c_str(), ms);
+      std::fflush(stdout);
+    }
+  };
 
   // Evaluation batches are the same every time, so successive eval losses are
   // comparable: a fresh loader with a fixed seed over held-out text.
@@ -452,7 +556,8 @@ int cmd_run(const RunArgs &a) {
   }
 
   auto evaluate = [&](int64_t at) -> double {
-    Batches eval(eval_data, seq, local_rows, rank, world, /*seed=*/0);
+    Loader eval_loader = eval_src ? open_loader("", seq, 0, kEvalCorpusBytes) : open_loader(a.data, seq, 0);
+    Batches eval(eval_loader.get(), seq, local_rows, rank, world);
     double sum = 0;
     for (int64_t i = 0; i < a.eval_batches; ++i) {
       eval.next();
@@ -480,7 +585,7 @@ int cmd_run(const RunArgs &a) {
   int64_t window_steps = 0;
   const auto run_start = Clock::now();
 
-  for (int64_t i = 1; i <= a.steps; ++i) {
+  for (int64_t i = first_step; i <= a.steps; ++i) {
     const auto t0 = Clock::now();
     batches.next();
     set_inputs(step.get(), batches, *src);
@@ -538,6 +643,13 @@ int cmd_run(const RunArgs &a) {
         throw ctr::Error(CTR_STATUS_IO_ERROR,
                          ctr::strformat("cannot write metrics file '%s'", a.metrics.c_str()));
     }
+    const bool stopping = a.stop_after > 0 && i - first_step + 1 >= a.stop_after;
+    if (a.save_every > 0 && (i % a.save_every == 0 || i == a.steps || stopping)) save(i);
+    if (stopping) break;
+  }
+  if (!a.export_safetensors.empty()) {
+    check(ctr_step_export_safetensors(step.get(), a.export_safetensors.c_str()));
+    if (lead) std::printf("wrote %s\n", a.export_safetensors.c_str());
   }
 
   if (lead) {
@@ -687,6 +799,19 @@ int run_main(int argc, char **argv) {
                         ->check(kPositive);
   run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default) or cuda");
   run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4");
+  run_cmd->add_option("--save-every", run.save_every, "Save a checkpoint every N steps (and at the end)")
+      ->check(kNonNegative);
+  run_cmd->add_option("--save-dir", run.save_dir, "Directory of checkpoints")->capture_default_str();
+  run_cmd->add_option("--keep", run.keep, "Checkpoints to keep")->capture_default_str()->check(kPositive);
+  run_cmd->add_option("--resume", run.resume,
+                      "Resume from a checkpoint directory, or 'latest' in --save-dir (falling back "
+                      "to older ones if the newest is damaged)");
+  run_cmd->add_option("--stop-after", run.stop_after,
+                      "Stop after this many steps of this invocation (the schedule still spans "
+                      "--steps; resume later with --resume)")
+      ->check(kNonNegative);
+  run_cmd->add_option("--export-safetensors", run.export_safetensors,
+                      "Write the trained parameters as a safetensors file at the end");
 
   // launch ----------------------------------------------------------------------------------
   ctr_tool::LaunchOptions launch;

@@ -1,0 +1,400 @@
+// Distributed checkpoints: save on one mesh, load on any other.
+//
+// A checkpoint is a directory:
+//   meta.json          format, step, the graph's parameters (full shapes), mesh,
+//                      options, loader state, and for every tensor (param, Adam m,
+//                      Adam v) which rows each shard file holds at which offset,
+//                      with an xxh3 checksum per block of rows
+//   rank00000.bin ...  one file per writing rank: its rows of every tensor
+//
+// Only the first replica of each shard writes (dp index 0), so HSDP does not
+// write dp copies. Checksums cover blocks of about 1 MiB of rows, so a rank that
+// loads a different slice (another fsdp degree) reads only the blocks it
+// overlaps and still verifies everything it reads.
+//
+// Saving goes to DIR.tmp; every file is fsynced; rank 0 writes meta.json last,
+// then swaps DIR.tmp into place with renames and fsyncs the parent. A crash at
+// any point leaves either the old DIR or the new one, never a partial one.
+// Loading reads and verifies everything into staging buffers first and commits
+// only when every rank succeeded, so a failed load changes nothing.
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/status.h"
+#include "data/data.h"
+#include "runtime/step.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace ctr {
+namespace {
+
+constexpr int kCheckpointVersion = 1;
+constexpr int64_t kBlockBytes = 1 << 20;
+const char *kKinds[3] = {"param", "adam_m", "adam_v"};
+
+[[noreturn]] void ckpt_fail(const std::string &msg) { fail(CTR_STATUS_CHECKPOINT_ERROR, msg); }
+
+void fsync_path(const std::string &path, bool dir) {
+  int fd = ::open(path.c_str(), (dir ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) fail(CTR_STATUS_IO_ERROR, strformat("%s: cannot open to sync: %s", path.c_str(), std::strerror(errno)));
+  int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) fail(CTR_STATUS_IO_ERROR, strformat("%s: fsync failed: %s", path.c_str(), std::strerror(errno)));
+}
+
+void write_all(int fd, const void *data, size_t n, const std::string &path) {
+  const char *p = static_cast<const char *>(data);
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      fail(CTR_STATUS_IO_ERROR, strformat("%s: write failed: %s", path.c_str(), std::strerror(errno)));
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+void write_file(const std::string &path, const std::string &text) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail(CTR_STATUS_IO_ERROR, strformat("%s: cannot create: %s", path.c_str(), std::strerror(errno)));
+  write_all(fd, text.data(), text.size(), path);
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    fail(CTR_STATUS_IO_ERROR, strformat("%s: fsync failed: %s", path.c_str(), std::strerror(errno)));
+  }
+  ::close(fd);
+}
+
+std::string hex64(uint64_t v) { return strformat("%016llx", static_cast<unsigned long long>(v)); }
+
+std::string rank_file(int rank) { return strformat("rank%05d.bin", rank); }
+
+// A fingerprint of what a checkpoint must match: parameter names and full shapes.
+json graph_params(const Graph &g, const std::vector<std::pair<int, std::vector<int64_t>>> &params) {
+  json out = json::array();
+  for (const auto &[t, shape] : params) out.push_back({{"name", g.tensors[t].name}, {"shape", shape}});
+  return out;
+}
+
+}  // namespace
+
+Step::Placement Step::placement(const ParamSlot &s) const {
+  const Tensor &t = g_.tensors[s.tensor];
+  Placement p;
+  p.rows = t.shape.empty() ? 1 : t.shape[0];
+  p.row_elems = p.rows > 0 ? s.n / p.rows : 0;
+  p.first_row = t.full_rows > 0 ? t.shard_index * p.rows : 0;
+  p.full_rows = t.full_rows > 0 ? t.full_rows : p.rows;
+  p.valid_rows = std::max<int64_t>(0, std::min(p.rows, p.full_rows - p.first_row));
+  return p;
+}
+
+bool Step::any_rank(bool flag) {
+  if (mesh_.world <= 1) return flag;
+  int32_t v = flag ? 1 : 0;
+  const Comm &wc = mesh_.world_comm;
+  comm_wait(wc, wc.iface->all_reduce(wc.ctx, &v, &v, 1, CTR_DTYPE_I32, ReduceOp::Max), mesh_.timeout_ms);
+  return v != 0;
+}
+
+void Step::world_barrier() {
+  if (mesh_.world <= 1) return;
+  const Comm &wc = mesh_.world_comm;
+  comm_wait(wc, wc.iface->barrier(wc.ctx), mesh_.timeout_ms);
+}
+
+// ---------------------------------------------------------------------------
+// Save
+
+void Step::save(const std::string &dir_in) {
+  CTR_REQUIRE(!dir_in.empty(), CTR_STATUS_INVALID_ARGUMENT, "ctr_step_save: empty directory name");
+  std::string dir = dir_in;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  const std::string tmp = dir + ".tmp";
+  const bool writer = copt_.dp_index == 0;
+  const int rank = mesh_.rank;
+
+  // Phase 1: rank 0 prepares the temporary directory.
+  std::string err;
+  if (rank == 0) {
+    try {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      fs::path parent = fs::path(dir).parent_path();
+      if (!parent.empty()) fs::create_directories(parent, ec);
+      if (!fs::create_directory(tmp, ec))
+        fail(CTR_STATUS_IO_ERROR, strformat("%s: cannot create checkpoint directory: %s", tmp.c_str(),
+                                            ec.message().c_str()));
+    } catch (const Error &e) {
+      err = e.message();
+    }
+  }
+  if (any_rank(!err.empty()))
+    fail(CTR_STATUS_IO_ERROR, err.empty() ? "ctr_step_save: rank 0 could not create " + tmp : err);
+
+  // Phase 2: every writer writes its rows of every tensor and an index.
+  json index = json::array();
+  if (writer) {
+    try {
+      std::string path = tmp + "/" + rank_file(rank);
+      int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      if (fd < 0)
+        fail(CTR_STATUS_IO_ERROR, strformat("%s: cannot create: %s", path.c_str(), std::strerror(errno)));
+      int64_t offset = 0;
+      for (const ParamSlot &s : slots_) {
+        Placement pl = placement(s);
+        if (pl.valid_rows <= 0) continue;
+        const float *bufs[3] = {param_ptr(s.tensor), s.m, s.v};
+        const int64_t row_bytes = pl.row_elems * 4;
+        const int64_t block_rows = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(row_bytes, 1));
+        for (int k = 0; k < 3; ++k) {
+          const auto *data = reinterpret_cast<const uint8_t *>(bufs[k]);
+          int64_t bytes = pl.valid_rows * row_bytes;
+          json hashes = json::array();
+          for (int64_t r = 0; r < pl.valid_rows; r += block_rows) {
+            int64_t n = std::min(block_rows, pl.valid_rows - r) * row_bytes;
+            hashes.push_back(hex64(XXH3_64bits(data + r * row_bytes, static_cast<size_t>(n))));
+          }
+          write_all(fd, data, static_cast<size_t>(bytes), path);
+          index.push_back({{"tensor", g_.tensors[s.tensor].name},
+                           {"kind", kKinds[k]},
+                           {"file", rank_file(rank)},
+                           {"offset", offset},
+                           {"rows", {pl.first_row, pl.first_row + pl.valid_rows}},
+                           {"block_rows", block_rows},
+                           {"xxh3", hashes}});
+          offset += bytes;
+        }
+      }
+      if (::fsync(fd) != 0) {
+        ::close(fd);
+        fail(CTR_STATUS_IO_ERROR, strformat("%s: fsync failed: %s", path.c_str(), std::strerror(errno)));
+      }
+      ::close(fd);
+      write_file(tmp + "/" + strformat("rank%05d.json", rank), index.dump());
+    } catch (const Error &e) {
+      err = e.message();
+    }
+  }
+  if (any_rank(!err.empty()))
+    fail(CTR_STATUS_IO_ERROR, err.empty() ? strformat("ctr_step_save: another rank failed writing %s", tmp.c_str()) : err);
+
+  // Phase 3: rank 0 merges the indexes into meta.json and swaps the directory in.
+  if (rank == 0) {
+    try {
+      json meta;
+      meta["format"] = "ctr-checkpoint";
+      meta["version"] = kCheckpointVersion;
+      meta["step"] = step_;
+      meta["graph"] = g_.name;
+      std::vector<std::pair<int, std::vector<int64_t>>> params;
+      for (const ParamSlot &s : slots_) {
+        std::vector<int64_t> shape = g_.tensors[s.tensor].shape;
+        if (g_.tensors[s.tensor].full_rows > 0) shape[0] = g_.tensors[s.tensor].full_rows;
+        params.emplace_back(s.tensor, shape);
+      }
+      meta["params"] = graph_params(g_, params);
+      json mesh = json::array();
+      for (const auto &a : mesh_.axes) mesh.push_back({a.first, a.second});
+      meta["mesh"] = {{"world", mesh_.world}, {"axes", mesh}};
+      meta["options"] = json::parse(options_json_.empty() ? "{}" : options_json_);
+      if (loader_) {
+        data::LoaderState st = loader_->loader->state();
+        meta["loader"] = {{"seed", st.seed}, {"epoch", st.epoch}, {"position", st.position},
+                          {"seq", loader_->seq}, {"source", loader_->source->name()}};
+      }
+      json shards = json::array();
+      for (int r = 0; r < mesh_.world; ++r) {
+        std::string ip = tmp + "/" + strformat("rank%05d.json", r);
+        if (!fs::exists(ip)) continue;  // a dp replica that did not write
+        std::ifstream f(ip);
+        json part = json::parse(f);
+        for (auto &e : part) shards.push_back(e);
+        fs::remove(ip);
+      }
+      meta["shards"] = shards;
+      write_file(tmp + "/meta.json", meta.dump(1));
+      fsync_path(tmp, true);
+      std::error_code ec;
+      const std::string old = dir + ".old";
+      fs::remove_all(old, ec);
+      if (fs::exists(dir)) fs::rename(dir, old);
+      fs::rename(tmp, dir);
+      fs::path parent = fs::path(dir).parent_path();
+      fsync_path(parent.empty() ? "." : parent.string(), true);
+      fs::remove_all(old, ec);
+    } catch (const Error &e) {
+      err = e.message();
+    } catch (const std::exception &e) {
+      err = strformat("ctr_step_save: %s: %s", dir.c_str(), e.what());
+    }
+  }
+  if (any_rank(!err.empty()))
+    fail(CTR_STATUS_IO_ERROR, err.empty() ? strformat("ctr_step_save: rank 0 failed to finish %s", dir.c_str()) : err);
+}
+
+// ---------------------------------------------------------------------------
+// Load
+
+void Step::load(const std::string &dir_in) {
+  std::string dir = dir_in;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  std::string err;
+  // Staging: per slot, param/m/v of this rank's placement; committed at the end.
+  std::vector<std::array<std::vector<float>, 3>> stage(slots_.size());
+  int64_t step = 0;
+  json loader_state;
+  data::LoaderState old_loader;
+  bool restored_loader = false;
+  try {
+    const std::string meta_path = dir + "/meta.json";
+    std::ifstream f(meta_path);
+    if (!f) ckpt_fail(strformat("%s: missing or unreadable checkpoint metadata", meta_path.c_str()));
+    json meta;
+    try {
+      meta = json::parse(f);
+    } catch (const std::exception &e) {
+      ckpt_fail(strformat("%s: corrupt metadata: %s", meta_path.c_str(), e.what()));
+    }
+    try {
+      if (meta.value("format", "") != "ctr-checkpoint")
+        ckpt_fail(strformat("%s: not a libctr checkpoint", meta_path.c_str()));
+      if (meta.value("version", 0) != kCheckpointVersion)
+        ckpt_fail(strformat("%s: unsupported checkpoint version %d", meta_path.c_str(), meta.value("version", 0)));
+      step = meta.at("step").get<int64_t>();
+      // The graph must match: same parameters with the same full shapes.
+      std::map<std::string, std::vector<int64_t>> saved;
+      for (const auto &p : meta.at("params")) saved[p.at("name").get<std::string>()] = p.at("shape").get<std::vector<int64_t>>();
+      for (const ParamSlot &s : slots_) {
+        const Tensor &t = g_.tensors[s.tensor];
+        std::vector<int64_t> shape = t.shape;
+        if (t.full_rows > 0) shape[0] = t.full_rows;
+        auto it = saved.find(t.name);
+        if (it == saved.end())
+          ckpt_fail(strformat("%s: mismatched graph: the checkpoint has no parameter '%s'", dir.c_str(), t.name.c_str()));
+        if (it->second != shape)
+          ckpt_fail(strformat("%s: mismatched graph: parameter '%s' is %s in the checkpoint, %s in the graph",
+                              dir.c_str(), t.name.c_str(), shape_string(it->second).c_str(), shape_string(shape).c_str()));
+        saved.erase(it);
+      }
+      if (!saved.empty())
+        ckpt_fail(strformat("%s: mismatched graph: the checkpoint has parameter '%s' that the graph lacks",
+                            dir.c_str(), saved.begin()->first.c_str()));
+      if (meta.contains("loader")) loader_state = meta["loader"];
+
+      // Index the shard entries by (tensor, kind).
+      std::map<std::pair<std::string, std::string>, std::vector<const json *>> entries;
+      for (const auto &e : meta.at("shards")) entries[{e.at("tensor").get<std::string>(), e.at("kind").get<std::string>()}].push_back(&e);
+
+      std::map<std::string, int> fds;
+      struct Closer {
+        std::map<std::string, int> &m;
+        ~Closer() {
+          for (auto &kv : m) ::close(kv.second);
+        }
+      } closer{fds};
+      for (size_t si = 0; si < slots_.size(); ++si) {
+        const ParamSlot &s = slots_[si];
+        const std::string &name = g_.tensors[s.tensor].name;
+        Placement pl = placement(s);
+        const int64_t row_bytes = pl.row_elems * 4;
+        for (int k = 0; k < 3; ++k) {
+          std::vector<float> &buf = stage[si][k];
+          buf.assign(static_cast<size_t>(s.n), 0.0f);
+          int64_t want_lo = pl.first_row, want_hi = pl.first_row + pl.valid_rows;
+          int64_t covered = 0;
+          for (const json *ep : entries[{name, kKinds[k]}]) {
+            const json &e = *ep;
+            int64_t lo = e.at("rows")[0].get<int64_t>(), hi = e.at("rows")[1].get<int64_t>();
+            int64_t a = std::max(lo, want_lo), b = std::min(hi, want_hi);
+            if (a >= b) continue;
+            const std::string file = e.at("file").get<std::string>();
+            if (file.find('/') != std::string::npos || file.empty())
+              ckpt_fail(strformat("%s: corrupt metadata: bad shard file name '%s'", dir.c_str(), file.c_str()));
+            const std::string path = dir + "/" + file;
+            if (!fds.count(path)) {
+              int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+              if (fd < 0) ckpt_fail(strformat("%s: missing shard file (tensor '%s'): %s", path.c_str(), name.c_str(), std::strerror(errno)));
+              fds[path] = fd;
+            }
+            int fd = fds[path];
+            const int64_t block_rows = e.at("block_rows").get<int64_t>();
+            const auto &hashes = e.at("xxh3");
+            const int64_t offset = e.at("offset").get<int64_t>();
+            if (block_rows < 1 || lo < 0 || hi <= lo || offset < 0)
+              ckpt_fail(strformat("%s: corrupt metadata for tensor '%s'", dir.c_str(), name.c_str()));
+            // Read the checksum blocks that overlap [a, b), verify, copy rows.
+            int64_t b0 = (a - lo) / block_rows, b1 = (b - lo + block_rows - 1) / block_rows;
+            std::vector<uint8_t> block;
+            for (int64_t bi = b0; bi < b1; ++bi) {
+              int64_t r0 = lo + bi * block_rows, r1 = std::min(hi, r0 + block_rows);
+              int64_t n = (r1 - r0) * row_bytes;
+              block.resize(static_cast<size_t>(n));
+              int64_t at = offset + (r0 - lo) * row_bytes;
+              ssize_t got = ::pread(fd, block.data(), static_cast<size_t>(n), at);
+              if (got != n)
+                ckpt_fail(strformat("%s: truncated shard file: tensor '%s' (%s) rows %lld..%lld end past the file",
+                                    path.c_str(), name.c_str(), kKinds[k], static_cast<long long>(r0), static_cast<long long>(r1)));
+              if (static_cast<size_t>(bi) >= hashes.size() ||
+                  hashes[static_cast<size_t>(bi)].get<std::string>() != hex64(XXH3_64bits(block.data(), block.size())))
+                ckpt_fail(strformat("%s: checksum mismatch in tensor '%s' (%s), rows %lld..%lld: the file is corrupt",
+                                    path.c_str(), name.c_str(), kKinds[k], static_cast<long long>(r0), static_cast<long long>(r1)));
+              int64_t c0 = std::max(r0, a), c1 = std::min(r1, b);
+              std::memcpy(buf.data() + (c0 - pl.first_row) * pl.row_elems, block.data() + (c0 - r0) * row_bytes,
+                          static_cast<size_t>((c1 - c0) * row_bytes));
+            }
+            covered += b - a;
+          }
+          if (covered != want_hi - want_lo)
+            ckpt_fail(strformat("%s: incomplete checkpoint: rows %lld..%lld of tensor '%s' (%s) are in no shard file",
+                                dir.c_str(), static_cast<long long>(want_lo), static_cast<long long>(want_hi), name.c_str(), kKinds[k]));
+        }
+      }
+      if (loader_ && !loader_state.is_null()) {
+        if (loader_state.value("seq", int64_t{0}) != loader_->seq)
+          ckpt_fail(strformat("%s: the checkpoint's data loader used seq %lld, this one uses %lld", dir.c_str(),
+                              static_cast<long long>(loader_state.value("seq", int64_t{0})),
+                              static_cast<long long>(loader_->seq)));
+        data::LoaderState st;
+        st.seed = loader_state.at("seed").get<uint64_t>();
+        st.epoch = loader_state.at("epoch").get<uint64_t>();
+        st.position = loader_state.at("position").get<uint64_t>();
+        old_loader = loader_->loader->state();
+        restored_loader = true;
+        loader_->loader->restore(st);
+      }
+    } catch (const json::exception &e) {
+      ckpt_fail(strformat("%s: corrupt metadata: %s", (dir + "/meta.json").c_str(), e.what()));
+    }
+  } catch (const Error &e) {
+    err = e.message();
+  }
+  if (any_rank(!err.empty())) {
+    if (restored_loader) loader_->loader->restore(old_loader);
+    fail(CTR_STATUS_CHECKPOINT_ERROR,
+         err.empty() ? strformat("%s: another rank failed to load this checkpoint (see its error)", dir.c_str()) : err);
+  }
+
+  // Commit.
+  for (size_t si = 0; si < slots_.size(); ++si) {
+    const ParamSlot &s = slots_[si];
+    float *dst[3] = {param_ptr(s.tensor), s.m, s.v};
+    for (int k = 0; k < 3; ++k) std::memcpy(dst[k], stage[si][k].data(), static_cast<size_t>(s.n) * 4);
+  }
+  step_ = step;
+}
+
+}  // namespace ctr
