@@ -231,6 +231,7 @@ typedef struct ctr_step ctr_step;
  *                            them again for backward (1); 0 keeps them
  *   "keep" string            comma-separated forward tensors to keep readable with
  *                            ctr_step_get_output (e.g. "logits")
+ *   "async_save" int         ctr_step_save writes in the background (0)
  */
 CTR_API ctr_status ctr_step_create(const ctr_mesh *mesh, const ctr_graph *graph,
                                    const ctr_options *options, ctr_step **out);
@@ -260,6 +261,7 @@ typedef struct ctr_step_metrics {
   double tokens_per_s;     /* tokens of this step / step time */
   int64_t tokens;          /* tokens in this step */
   int64_t peak_bytes;      /* planned activation arena + parameter state */
+  double save_wait_ms;     /* time this step waited to publish a background save */
 } ctr_step_metrics;
 
 /* Runs forward, backward and the optimizer update on the inputs last set (all
@@ -305,8 +307,16 @@ CTR_API int64_t ctr_step_count(const ctr_step *step);
  * mesh and options, with a checksum per tensor. Written to "dir.tmp", fsynced and
  * renamed, so a crash never leaves a partial checkpoint under dir. Collective:
  * every rank of the mesh calls it with the same dir (each rank writes its own
- * shard file). An existing dir is replaced. */
+ * shard file). An existing dir is replaced. With the step option "async_save"
+ * set, the call only snapshots the state to host memory and a background thread
+ * writes it while training continues; the checkpoint is published by the next
+ * ctr_step_run / ctr_step_save / ctr_step_load or ctr_step_wait_save, which
+ * report any write error. A step freed before that publishes nothing. */
 CTR_API ctr_status ctr_step_save(ctr_step *step, const char *dir);
+
+/* Waits for a background save and publishes it (no-op without one).
+ * Collective. */
+CTR_API ctr_status ctr_step_wait_save(ctr_step *step);
 
 /* Restores a checkpoint written by ctr_step_save for the same graph, on any mesh
  * (parameters and optimizer state are resharded). Verifies every checksum; a

@@ -504,7 +504,14 @@ extern "C" ctr_status ctr_step_save(ctr_step *step, const char *dir) {
   CTR_API_BEGIN
   STEP_ARG("ctr_step_save");
   REQUIRE_ARG(dir != nullptr, "ctr_step_save: dir is NULL");
-  step->impl->save(dir);
+  step->impl->save(dir, step->impl->async_save());
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_wait_save(ctr_step *step) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_wait_save");
+  step->impl->finish_save();
   CTR_API_END
 }
 

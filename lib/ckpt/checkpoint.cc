@@ -29,9 +29,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "core/status.h"
 #include "data/data.h"
+#include "ckpt/pending_save.h"
 #include "runtime/step.h"
 
 namespace fs = std::filesystem;
@@ -119,137 +121,182 @@ void Step::world_barrier() {
 // ---------------------------------------------------------------------------
 // Save
 
-void Step::save(const std::string &dir_in) {
+namespace {
+
+// Writes this rank's shard file and index into the temporary directory.
+void write_shard(PendingSave &p, int rank) {
+  try {
+    std::string path = p.tmp + "/" + rank_file(rank);
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) fail(CTR_STATUS_IO_ERROR, strformat("%s: cannot create: %s", path.c_str(), std::strerror(errno)));
+    json index = json::array();
+    for (const auto &e : p.entries) {
+      json hashes = json::array();
+      for (int64_t r = 0; r < e.row1 - e.row0; r += e.block_rows) {
+        int64_t n = std::min(e.block_rows, e.row1 - e.row0 - r) * e.row_bytes;
+        hashes.push_back(hex64(XXH3_64bits(p.bytes.data() + e.offset + r * e.row_bytes, static_cast<size_t>(n))));
+      }
+      index.push_back({{"tensor", e.tensor}, {"kind", e.kind}, {"file", rank_file(rank)}, {"offset", e.offset},
+                       {"rows", {e.row0, e.row1}}, {"block_rows", e.block_rows}, {"xxh3", hashes}});
+    }
+    try {
+      write_all(fd, p.bytes.data(), p.bytes.size(), path);
+      if (::fsync(fd) != 0) fail(CTR_STATUS_IO_ERROR, strformat("%s: fsync failed: %s", path.c_str(), std::strerror(errno)));
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    ::close(fd);
+    write_file(p.tmp + "/" + strformat("rank%05d.json", rank), index.dump());
+    // Fault injection for the crash-safety test: die after the shard files are
+    // written but before the checkpoint is published.
+    if (const char *f = std::getenv("CTR_FAULT_INJECT"); f && std::strcmp(f, "save_before_publish") == 0) _exit(86);
+  } catch (const Error &e) {
+    p.err = e.message();
+  } catch (const std::exception &e) {
+    p.err = strformat("%s: %s", p.tmp.c_str(), e.what());
+  }
+}
+
+}  // namespace
+
+void Step::save(const std::string &dir_in, bool async) {
   CTR_REQUIRE(!dir_in.empty(), CTR_STATUS_INVALID_ARGUMENT, "ctr_step_save: empty directory name");
+  finish_save();
   std::string dir = dir_in;
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  const std::string tmp = dir + ".tmp";
-  const bool writer = copt_.dp_index == 0;
+  auto p = std::make_unique<PendingSave>();
+  p->dir = dir;
+  p->tmp = dir + ".tmp";
+  p->writer = copt_.dp_index == 0;
   const int rank = mesh_.rank;
 
-  // Phase 1: rank 0 prepares the temporary directory.
+  // Rank 0 prepares the temporary directory.
   std::string err;
   if (rank == 0) {
     try {
       std::error_code ec;
-      fs::remove_all(tmp, ec);
+      fs::remove_all(p->tmp, ec);
       fs::path parent = fs::path(dir).parent_path();
       if (!parent.empty()) fs::create_directories(parent, ec);
-      if (!fs::create_directory(tmp, ec))
-        fail(CTR_STATUS_IO_ERROR, strformat("%s: cannot create checkpoint directory: %s", tmp.c_str(),
+      if (!fs::create_directory(p->tmp, ec))
+        fail(CTR_STATUS_IO_ERROR, strformat("%s: cannot create checkpoint directory: %s", p->tmp.c_str(),
                                             ec.message().c_str()));
     } catch (const Error &e) {
       err = e.message();
     }
   }
   if (any_rank(!err.empty()))
-    fail(CTR_STATUS_IO_ERROR, err.empty() ? "ctr_step_save: rank 0 could not create " + tmp : err);
+    fail(CTR_STATUS_IO_ERROR, err.empty() ? "ctr_step_save: rank 0 could not create " + p->tmp : err);
 
-  // Phase 2: every writer writes its rows of every tensor and an index.
-  json index = json::array();
-  if (writer) {
-    try {
-      std::string path = tmp + "/" + rank_file(rank);
-      int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-      if (fd < 0)
-        fail(CTR_STATUS_IO_ERROR, strformat("%s: cannot create: %s", path.c_str(), std::strerror(errno)));
-      int64_t offset = 0;
-      for (const ParamSlot &s : slots_) {
-        Placement pl = placement(s);
-        if (pl.valid_rows <= 0) continue;
-        const float *bufs[3] = {param_ptr(s.tensor), s.m, s.v};
-        const int64_t row_bytes = pl.row_elems * 4;
-        const int64_t block_rows = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(row_bytes, 1));
-        for (int k = 0; k < 3; ++k) {
-          const auto *data = reinterpret_cast<const uint8_t *>(bufs[k]);
-          int64_t bytes = pl.valid_rows * row_bytes;
-          json hashes = json::array();
-          for (int64_t r = 0; r < pl.valid_rows; r += block_rows) {
-            int64_t n = std::min(block_rows, pl.valid_rows - r) * row_bytes;
-            hashes.push_back(hex64(XXH3_64bits(data + r * row_bytes, static_cast<size_t>(n))));
-          }
-          write_all(fd, data, static_cast<size_t>(bytes), path);
-          index.push_back({{"tensor", g_.tensors[s.tensor].name},
-                           {"kind", kKinds[k]},
-                           {"file", rank_file(rank)},
-                           {"offset", offset},
-                           {"rows", {pl.first_row, pl.first_row + pl.valid_rows}},
-                           {"block_rows", block_rows},
-                           {"xxh3", hashes}});
-          offset += bytes;
-        }
+  // Snapshot: this rank's rows of params and optimizer state, and the metadata.
+  if (p->writer) {
+    int64_t total = 0;
+    for (const ParamSlot &s : slots_) total += 3 * placement(s).valid_rows * placement(s).row_elems * 4;
+    p->bytes.resize(static_cast<size_t>(total));
+    int64_t offset = 0;
+    for (const ParamSlot &s : slots_) {
+      Placement pl = placement(s);
+      if (pl.valid_rows <= 0) continue;
+      const float *bufs[3] = {param_ptr(s.tensor), s.m, s.v};
+      const int64_t row_bytes = pl.row_elems * 4;
+      const int64_t bytes = pl.valid_rows * row_bytes;
+      for (int k = 0; k < 3; ++k) {
+        be_.iface->copy_d2h(be_.ctx, p->bytes.data() + offset, bufs[k], static_cast<size_t>(bytes), 0);
+        p->entries.push_back({g_.tensors[s.tensor].name, kKinds[k], offset, bytes, pl.first_row,
+                              pl.first_row + pl.valid_rows,
+                              std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(row_bytes, 1)), row_bytes});
+        offset += bytes;
       }
-      if (::fsync(fd) != 0) {
-        ::close(fd);
-        fail(CTR_STATUS_IO_ERROR, strformat("%s: fsync failed: %s", path.c_str(), std::strerror(errno)));
-      }
-      ::close(fd);
-      write_file(tmp + "/" + strformat("rank%05d.json", rank), index.dump());
-    } catch (const Error &e) {
-      err = e.message();
     }
   }
-  if (any_rank(!err.empty()))
-    fail(CTR_STATUS_IO_ERROR, err.empty() ? strformat("ctr_step_save: another rank failed writing %s", tmp.c_str()) : err);
-
-  // Phase 3: rank 0 merges the indexes into meta.json and swaps the directory in.
   if (rank == 0) {
+    json &meta = p->meta;
+    meta["format"] = "ctr-checkpoint";
+    meta["version"] = kCheckpointVersion;
+    meta["step"] = step_;
+    meta["graph"] = g_.name;
+    std::vector<std::pair<int, std::vector<int64_t>>> params;
+    for (const ParamSlot &s : slots_) {
+      std::vector<int64_t> shape = g_.tensors[s.tensor].shape;
+      if (g_.tensors[s.tensor].full_rows > 0) shape[0] = g_.tensors[s.tensor].full_rows;
+      params.emplace_back(s.tensor, shape);
+    }
+    meta["params"] = graph_params(g_, params);
+    json mesh = json::array();
+    for (const auto &a : mesh_.axes) mesh.push_back({a.first, a.second});
+    meta["mesh"] = {{"world", mesh_.world}, {"axes", mesh}};
+    meta["options"] = json::parse(options_json_.empty() ? "{}" : options_json_);
+    if (loader_) {
+      data::LoaderState st = loader_->loader->state();
+      meta["loader"] = {{"seed", st.seed}, {"epoch", st.epoch}, {"position", st.position},
+                        {"seq", loader_->seq}, {"source", loader_->source->name()}};
+    }
+  }
+  PendingSave *raw = p.get();
+  pending_save_ = std::move(p);
+  if (async) {
+    if (raw->writer) raw->thread = std::thread([raw, rank] { write_shard(*raw, rank); });
+    return;
+  }
+  if (raw->writer) write_shard(*raw, rank);
+  finish_save();
+}
+
+void Step::finish_save() {
+  if (!pending_save_) return;
+  std::unique_ptr<PendingSave> p = std::move(pending_save_);
+  if (p->thread.joinable()) p->thread.join();
+  std::string err = p->err;
+  if (any_rank(!err.empty()))
+    fail(CTR_STATUS_IO_ERROR,
+         err.empty() ? strformat("ctr_step_save: another rank failed writing %s", p->tmp.c_str()) : err);
+  // Rank 0 merges the indexes into meta.json and swaps the directory in.
+  if (mesh_.rank == 0) {
     try {
-      json meta;
-      meta["format"] = "ctr-checkpoint";
-      meta["version"] = kCheckpointVersion;
-      meta["step"] = step_;
-      meta["graph"] = g_.name;
-      std::vector<std::pair<int, std::vector<int64_t>>> params;
-      for (const ParamSlot &s : slots_) {
-        std::vector<int64_t> shape = g_.tensors[s.tensor].shape;
-        if (g_.tensors[s.tensor].full_rows > 0) shape[0] = g_.tensors[s.tensor].full_rows;
-        params.emplace_back(s.tensor, shape);
-      }
-      meta["params"] = graph_params(g_, params);
-      json mesh = json::array();
-      for (const auto &a : mesh_.axes) mesh.push_back({a.first, a.second});
-      meta["mesh"] = {{"world", mesh_.world}, {"axes", mesh}};
-      meta["options"] = json::parse(options_json_.empty() ? "{}" : options_json_);
-      if (loader_) {
-        data::LoaderState st = loader_->loader->state();
-        meta["loader"] = {{"seed", st.seed}, {"epoch", st.epoch}, {"position", st.position},
-                          {"seq", loader_->seq}, {"source", loader_->source->name()}};
-      }
       json shards = json::array();
       for (int r = 0; r < mesh_.world; ++r) {
-        std::string ip = tmp + "/" + strformat("rank%05d.json", r);
+        std::string ip = p->tmp + "/" + strformat("rank%05d.json", r);
         if (!fs::exists(ip)) continue;  // a dp replica that did not write
         std::ifstream f(ip);
         json part = json::parse(f);
         for (auto &e : part) shards.push_back(e);
         fs::remove(ip);
       }
-      meta["shards"] = shards;
-      write_file(tmp + "/meta.json", meta.dump(1));
-      fsync_path(tmp, true);
+      p->meta["shards"] = shards;
+      write_file(p->tmp + "/meta.json", p->meta.dump(1));
+      fsync_path(p->tmp, true);
       std::error_code ec;
-      const std::string old = dir + ".old";
+      const std::string old = p->dir + ".old";
       fs::remove_all(old, ec);
-      if (fs::exists(dir)) fs::rename(dir, old);
-      fs::rename(tmp, dir);
-      fs::path parent = fs::path(dir).parent_path();
+      if (fs::exists(p->dir)) fs::rename(p->dir, old);
+      fs::rename(p->tmp, p->dir);
+      fs::path parent = fs::path(p->dir).parent_path();
       fsync_path(parent.empty() ? "." : parent.string(), true);
       fs::remove_all(old, ec);
     } catch (const Error &e) {
       err = e.message();
     } catch (const std::exception &e) {
-      err = strformat("ctr_step_save: %s: %s", dir.c_str(), e.what());
+      err = strformat("ctr_step_save: %s: %s", p->dir.c_str(), e.what());
     }
   }
   if (any_rank(!err.empty()))
-    fail(CTR_STATUS_IO_ERROR, err.empty() ? strformat("ctr_step_save: rank 0 failed to finish %s", dir.c_str()) : err);
+    fail(CTR_STATUS_IO_ERROR,
+         err.empty() ? strformat("ctr_step_save: rank 0 failed to finish %s", p->dir.c_str()) : err);
+}
+
+void Step::abandon_save() {
+  // The step is going away: let a write in flight end, publish nothing. The
+  // previous checkpoint stays the newest complete one.
+  if (pending_save_ && pending_save_->thread.joinable()) pending_save_->thread.join();
+  pending_save_.reset();
 }
 
 // ---------------------------------------------------------------------------
 // Load
 
 void Step::load(const std::string &dir_in) {
+  finish_save();
   std::string dir = dir_in;
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   std::string err;

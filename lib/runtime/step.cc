@@ -13,6 +13,8 @@
 
 #include "runtime/step.h"
 
+#include "ckpt/pending_save.h"
+
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -74,6 +76,7 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
   oc_.check_finite = r.get_int("check_finite", 1, 0, 1) != 0;
   copt_.reshard_after_forward = r.get_int("reshard_after_forward", 1, 0, 1) != 0;
   std::string keep = r.get_string("keep", "");
+  async_save_ = r.get_int("async_save", 0, 0, 1) != 0;
   r.finish();
   if (options) {
     // Recorded in checkpoints, for the record.
@@ -198,6 +201,7 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
 }
 
 Step::~Step() {
+  abandon_save();
   be_.iface->free(be_.ctx, arena_);
   be_.iface->free(be_.ctx, params_);
   be_.iface->free(be_.ctx, inputs_);
@@ -344,6 +348,12 @@ int64_t Step::full_numel(int t) const {
 
 void Step::run(ctr_step_metrics *metrics) {
   check_inputs_set("ctr_step_run");
+  {
+    // A background save is published here, at the same point on every rank.
+    auto ts = Clock::now();
+    finish_save();
+    save_wait_ms_ = ms_since(ts);
+  }
   if (metrics)
     CTR_REQUIRE(metrics->size >= sizeof(size_t) && metrics->size <= (1 << 16), CTR_STATUS_INVALID_ARGUMENT,
                 "ctr_step_run: metrics->size must be set to sizeof(ctr_step_metrics)");
@@ -430,6 +440,7 @@ void Step::run(ctr_step_metrics *metrics) {
     m.tokens = tokens_per_micro_ * k * mesh_.world;
     m.tokens_per_s = total_ms > 0 ? static_cast<double>(m.tokens) * 1000.0 / total_ms : 0;
     m.peak_bytes = peak_bytes();
+    m.save_wait_ms = save_wait_ms_;
     std::memcpy(metrics, &m, std::min(sizeof m, metrics->size));
   }
 }

@@ -12,6 +12,8 @@
 
 namespace ctr {
 
+struct PendingSave;
+
 struct OptimizerConfig {
   double lr = 3e-4, min_lr = 0;
   int64_t warmup_steps = 0, decay_steps = 0;
@@ -45,7 +47,12 @@ class Step {
   int64_t peak_bytes() const;
 
   // Checkpoints (lib/ckpt/checkpoint.cc) and safetensors (lib/ckpt/safetensors.cc).
-  void save(const std::string &dir);
+  // async: snapshot now, write in the background; the save is published (a
+  // collective) by finish_save(), which the next run/save/load calls.
+  void save(const std::string &dir, bool async = false);
+  void finish_save();
+  void abandon_save();
+  bool async_save() const { return async_save_; }
   void load(const std::string &dir);
   void export_safetensors(const std::string &path);
   void import_safetensors(const std::string &path, bool allow_extra);
@@ -102,6 +109,9 @@ class Step {
   int64_t tokens_per_micro_ = 0;
   ctr_loader *loader_ = nullptr;
   bool ran_forward_ = false;
+  std::unique_ptr<PendingSave> pending_save_;
+  double save_wait_ms_ = 0;
+  bool async_save_ = false;
   std::string options_json_;  // the options the step was created with, for checkpoints
   std::vector<int> kept_;     // tensors named in option "keep"
 

@@ -291,6 +291,7 @@ struct RunArgs {
   std::string graph, data, schedule = "cosine", metrics, device, mesh;
   std::string save_dir = "checkpoints", resume, export_safetensors;
   int64_t save_every = 0, keep = 3, stop_after = 0;
+  bool async_save = false;
   int64_t steps = 0, batch = 0, seq = 0, micro_batches = 1, warmup = 0, seed = 0, data_seed = 0;
   int64_t log_every = 10, eval_every = 0, eval_batches = 4, threads = 0;
   double lr = 3e-4, min_lr = 0, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0;
@@ -460,6 +461,7 @@ int cmd_run(const RunArgs &a) {
   if (a.beta1_opt->count() > 0) set_float(step_opts.get(), "beta1", a.beta1);
   if (a.beta2_opt->count() > 0) set_float(step_opts.get(), "beta2", a.beta2);
   set_float(step_opts.get(), "grad_clip", a.grad_clip);
+  if (a.async_save) set_int(step_opts.get(), "async_save", 1);
   ctr_step *raw_step = nullptr;
   check(ctr_step_create(mesh.get(), graph.get(), step_opts.get(), &raw_step));
   Step step(raw_step);
@@ -504,6 +506,17 @@ int cmd_run(const RunArgs &a) {
     }
     first_step = ctr_step_count(step.get()) + 1;
   }
+  std::string pending_save;
+  auto publish = [&]() {
+    if (pending_save.empty()) return;
+    if (lead) {
+      write_latest(a.save_dir, pending_save);
+      std::vector<std::string> all = list_checkpoints(a.save_dir);
+      for (size_t k = 0; k + static_cast<size_t>(a.keep) < all.size(); ++k)
+        std::filesystem::remove_all(a.save_dir + "/" + all[k]);
+    }
+    pending_save.clear();
+  };
   auto save = [&](int64_t at) {
     const std::string name = step_dir_name(at);
     if (lead) std::filesystem::create_directories(a.save_dir);
@@ -511,6 +524,15 @@ int cmd_run(const RunArgs &a) {
     const auto t0 = Clock::now();
     check(ctr_step_save(step.get(), path.c_str()));
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (a.async_save) {
+      // Published by the next step (or the wait at the end); `latest` moves then.
+      pending_save = name;
+      if (lead) {
+        std::printf("saving %s in the background (stall %.1f ms)\n", path.c_str(), ms);
+        std::fflush(stdout);
+      }
+      return;
+    }
     if (lead) {
       write_latest(a.save_dir, name);
       std::vector<std::string> all = list_checkpoints(a.save_dir);
@@ -593,6 +615,15 @@ int cmd_run(const RunArgs &a) {
     std::memset(&m, 0, sizeof m);
     m.size = sizeof m;
     check(ctr_step_run(step.get(), &m));
+    if (!pending_save.empty()) {
+      // The run published the background save.
+      if (lead) {
+        std::printf("saved %s/%s (the step waited %.1f ms for the writer)\n", a.save_dir.c_str(),
+                    pending_save.c_str(), m.save_wait_ms);
+        std::fflush(stdout);
+      }
+      publish();
+    }
     const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
 
     last_loss = m.loss;
@@ -646,6 +677,14 @@ int cmd_run(const RunArgs &a) {
     const bool stopping = a.stop_after > 0 && i - first_step + 1 >= a.stop_after;
     if (a.save_every > 0 && (i % a.save_every == 0 || i == a.steps || stopping)) save(i);
     if (stopping) break;
+  }
+  if (!pending_save.empty()) {
+    const auto tw = Clock::now();
+    check(ctr_step_wait_save(step.get()));
+    if (lead)
+      std::printf("saved %s/%s (waited %.0f ms at the end)\n", a.save_dir.c_str(), pending_save.c_str(),
+                  std::chrono::duration<double, std::milli>(Clock::now() - tw).count());
+    publish();
   }
   if (!a.export_safetensors.empty()) {
     check(ctr_step_export_safetensors(step.get(), a.export_safetensors.c_str()));
@@ -806,6 +845,8 @@ int run_main(int argc, char **argv) {
   run_cmd->add_option("--resume", run.resume,
                       "Resume from a checkpoint directory, or 'latest' in --save-dir (falling back "
                       "to older ones if the newest is damaged)");
+  run_cmd->add_flag("--async-save", run.async_save,
+                    "Snapshot checkpoints to memory and write them while training continues");
   run_cmd->add_option("--stop-after", run.stop_after,
                       "Stop after this many steps of this invocation (the schedule still spans "
                       "--steps; resume later with --resume)")

@@ -17,35 +17,35 @@ from . import _abi
 from . import _api
 from ._lib import CtrError, DType, Status, load as _load
 
-_lib = _load()
-_api._set_lib(_lib)
+_LIB = _load()
+_api._set_lib(_LIB)
 
 from ._api import Graph, Loader, Mesh, Step, TensorInfo  # noqa: E402  (needs the library)
 
 ABI_VERSION = _abi.ABI_VERSION
 #: Path or name of the loaded libctr.
-library_path = _lib.path
+library_path = _LIB.path
 
 
 def version():
     """"MAJOR.MINOR.PATCH" of the loaded library."""
-    return _lib.version().decode()
+    return _LIB.version().decode()
 
 
 def abi_version():
     """ABI version of the loaded library (equal to ABI_VERSION, or the import would have
     failed)."""
-    return _lib.abi_version()
+    return _LIB.abi_version()
 
 
 def status_string(status):
     """libctr's name of a status code, e.g. "invalid option"."""
-    return _lib.status_string(status)
+    return _LIB.status_string(status)
 
 
 def dtype_size(dtype):
     """Bytes per element of a DType; 0 for an unknown value."""
-    return _lib.dtype_size(int(dtype))
+    return _LIB.dtype_size(int(dtype))
 
 
 __all__ = ["ABI_VERSION", "CtrError", "DType", "Graph", "Loader", "Mesh", "Status", "Step",

@@ -312,7 +312,11 @@ class Graph(_Handle):
         return self._names(_L.graph_num_params, _L.graph_param_name)
 
     def tensor_info(self, name):
-        p = self._p()
+        """TensorInfo(dtype, shape) of the named tensor; -1 marks a symbolic dim."""
+        return self._tensor_info(self._p(), name)
+
+    @staticmethod
+    def _tensor_info(p, name):
         dtype = ctypes.c_int()
         ndim = ctypes.c_size_t()
         _L.graph_tensor_info(p, _enc(name), ctypes.byref(dtype), None, 0, ctypes.byref(ndim))
@@ -412,6 +416,11 @@ class Step(_Handle):
         self._micro = int(options.get("micro_batches", 1))
         self._seq = int(options["seq"]) if options.get("seq") else None
 
+    def _info(self, name):
+        # Through the graph's pointer, not its public API: the user may have closed the Graph
+        # object, whose C graph lives on for as long as this step does.
+        return Graph._tensor_info(self.graph._ptr, name)
+
     def _release(self):
         super()._release()
         # Only now may what the C step borrowed go.
@@ -424,7 +433,7 @@ class Step(_Handle):
     def set_input(self, name, data):
         """Copies host data into the named input for the next run (micro_batches times the
         input's element count; int32 token ids for token inputs)."""
-        info = self.graph.tensor_info(name)
+        info = self._info(name)
         addr, nbytes, keep = _in_buffer(data, info.dtype)
         _L.step_set_input(self._p(), _enc(name), addr, nbytes)
         del keep  # referenced until here: the call borrows the buffer
@@ -445,8 +454,7 @@ class Step(_Handle):
         return loss.value
 
     def _param_shape(self, name):
-        info = self.graph.tensor_info(name)
-        return info.shape
+        return self._info(name).shape
 
     def get_param(self, name):
         """A copy of the named parameter, shaped as in the graph (fp32)."""
@@ -469,7 +477,7 @@ class Step(_Handle):
         bound (seq from the option, else from the tokens last set); pass it explicitly for a
         tensor the graph file declares without a shape."""
         if shape is None:
-            info = self.graph.tensor_info(name)
+            info = self._info(name)
             if not info.shape:
                 raise ValueError(f"the graph declares no shape for {name!r}: "
                                  f"pass get_output({name!r}, shape=...)")

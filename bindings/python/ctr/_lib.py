@@ -165,8 +165,7 @@ _STATUS = None
 _FUNCTIONS = {
     "ctr_version": (c_char_p, []),
     "ctr_abi_version": (c_int, []),
-    "ctr_status_string": (c_char_p, [c_int]),
-    "ctr_last_error": (c_char_p, []),
+    # ctr_status_string and ctr_last_error are bound by Lib itself (they serve errcheck).
     "ctr_dtype_size": (c_size_t, [c_int]),
     "ctr_options_create": (_STATUS, [P(c_void_p)]),
     "ctr_options_free": ("void", [c_void_p]),

@@ -50,7 +50,6 @@ pub use mesh::Mesh;
 pub use options::{OptionValue, Options};
 pub use step::{Element, Memory, Metrics, Step};
 
-use error::check;
 
 /// The ABI version this crate was written against.
 pub const ABI_VERSION: i32 = sys::CTR_ABI_VERSION;

@@ -1,0 +1,3 @@
+module libctr.org/ctr
+
+go 1.19

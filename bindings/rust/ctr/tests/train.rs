@@ -1,0 +1,318 @@
+//! End-to-end tests of the safe binding against the real libctr: training
+//! lowers the loss, a checkpoint restores the exact trajectory, errors carry
+//! the library's status and message, and handles can be dropped in any order.
+//!
+//! Needs libctr at link and run time (CTR_LIB_DIR or pkg-config, and
+//! LD_LIBRARY_PATH); tests/bindings/run_rust.sh sets both.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use ctr::{Graph, Loader, Mesh, Options, Status, Step};
+
+const SEQ: usize = 64;
+const BATCH: usize = 4;
+
+fn graph() -> Graph {
+    let opts = Options::new()
+        .int("layers", 2)
+        .int("dim", 64)
+        .int("heads", 4)
+        .int("vocab", 256)
+        .int("seq", SEQ as i64);
+    Graph::preset("gpt", &opts).expect("gpt preset")
+}
+
+fn step_options() -> Options {
+    Options::new()
+        .int("batch", BATCH as i64)
+        .int("seed", 1)
+        .float("lr", 3e-3)
+        .int("warmup_steps", 2)
+        .int("decay_steps", 20)
+}
+
+fn loader() -> Loader {
+    Loader::builtin(&Options::new().int("seq", SEQ as i64).int("seed", 0)).expect("loader")
+}
+
+/// A fresh directory under the system temp dir, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "ctr_rust_{tag}_{}_{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn abi_and_version() {
+    ctr::check_abi().expect("the loaded libctr speaks this binding's ABI");
+    assert_eq!(ctr::abi_version(), ctr::ABI_VERSION);
+    assert_eq!(ctr::version().split('.').count(), 3, "version {}", ctr::version());
+    assert_eq!(Status::INVALID_GRAPH.name(), "invalid graph");
+    assert_eq!(ctr::DType::F32.size(), 4);
+}
+
+#[test]
+fn graph_and_mesh_introspection() {
+    let g = graph();
+    assert_eq!(g.input_names().unwrap(), vec!["tokens".to_string(), "targets".to_string()]);
+    let params = g.param_names().unwrap();
+    assert!(!params.is_empty());
+    let total: usize = params.iter().map(|p| g.tensor_info(p).unwrap().numel().unwrap()).sum();
+    assert_eq!(total as i64, g.param_count().unwrap());
+    assert!(g.flops_per_token(0).unwrap() > 0.0);
+    let info = g.tensor_info("tokens").unwrap();
+    assert_eq!(info.dtype, ctr::DType::I32);
+
+    let mesh = Mesh::new(&Options::new()).unwrap();
+    assert_eq!((mesh.rank(), mesh.world_size()), (0, 1));
+    assert_eq!(mesh.device(), "cpu");
+    assert_eq!(mesh.axis_size("dp"), 1);
+
+    // A graph survives a save/load round trip through a file and a buffer.
+    let dir = TempDir::new("graph");
+    let path = dir.0.join("g.ctrg");
+    g.save_file(&path).unwrap();
+    let again = Graph::load_file(&path).unwrap();
+    assert_eq!(again.param_names().unwrap(), params);
+    let bytes = std::fs::read(&path).unwrap();
+    assert_eq!(Graph::load_buffer(&bytes).unwrap().param_count().unwrap(), g.param_count().unwrap());
+}
+
+#[test]
+fn ten_steps_lower_the_loss() {
+    let mesh = Mesh::new(&Options::new()).unwrap();
+    let mut step = Step::new(&mesh, &graph(), &step_options()).unwrap();
+    let mem = step.memory().unwrap();
+    assert!(mem.arena_bytes > 0 && mem.param_bytes > 0 && mem.optimizer_bytes > 0);
+    step.attach_loader(loader()).unwrap();
+    let mut losses = Vec::new();
+    for i in 1..=10 {
+        step.feed_from_loader(BATCH).unwrap();
+        let m = step.run().unwrap();
+        assert_eq!(m.step, i);
+        assert_eq!(m.tokens, (BATCH * SEQ) as i64);
+        assert!(m.loss.is_finite());
+        losses.push(m.loss);
+    }
+    assert_eq!(step.count(), 10);
+    // Near ln(256) at the start; the built-in corpus is learnable.
+    assert!((losses[0] - (256f64).ln()).abs() < 0.5, "first loss {}", losses[0]);
+    assert!(losses[9] < losses[0] - 0.1, "loss did not fall: {losses:?}");
+    // evaluate does not step.
+    let before = step.count();
+    assert!(step.evaluate().unwrap().is_finite());
+    assert_eq!(step.count(), before);
+}
+
+#[test]
+fn checkpoint_restores_the_trajectory() {
+    let mesh = Mesh::new(&Options::new()).unwrap();
+    let g = graph();
+    let dir = TempDir::new("ckpt");
+    let ckpt = dir.0.join("step3");
+
+    // Train 3 steps, save, train 3 more and remember those losses and weights.
+    let mut a = Step::new(&mesh, &g, &step_options()).unwrap();
+    a.attach_loader(loader()).unwrap();
+    for _ in 0..3 {
+        a.feed_from_loader(BATCH).unwrap();
+        a.run().unwrap();
+    }
+    a.save(&ckpt).unwrap();
+    let first_param = g.param_names().unwrap()[0].clone();
+    let saved_weights = a.param(&first_param).unwrap();
+    let mut expected = Vec::new();
+    for _ in 0..3 {
+        a.feed_from_loader(BATCH).unwrap();
+        expected.push(a.run().unwrap().loss);
+    }
+
+    // A step with other initial weights and a fresh loader, restored from the
+    // checkpoint, continues exactly where the first one was: weights, optimizer
+    // state, schedule and data position.
+    let mut b = Step::new(&mesh, &g, &step_options().int("seed", 99)).unwrap();
+    b.attach_loader(loader()).unwrap();
+    assert_ne!(b.param(&first_param).unwrap(), saved_weights);
+    b.load(&ckpt).unwrap();
+    assert_eq!(b.count(), 3);
+    assert_eq!(b.param(&first_param).unwrap(), saved_weights);
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        b.feed_from_loader(BATCH).unwrap();
+        got.push(b.run().unwrap().loss);
+    }
+    assert_eq!(got, expected, "resumed losses differ");
+
+    // A missing checkpoint fails and leaves the step as it was.
+    let err = b.load(dir.0.join("missing")).unwrap_err();
+    assert!(
+        err.status() == Status::CHECKPOINT_ERROR || err.status() == Status::IO_ERROR,
+        "{err}"
+    );
+    assert!(err.message().contains("missing"), "{err}");
+    assert_eq!(b.count(), 6);
+
+    let loader = b.detach_loader().unwrap().expect("attached loader comes back");
+    assert_eq!(loader.seq(), SEQ);
+    assert!(b.detach_loader().unwrap().is_none());
+}
+
+#[test]
+fn safetensors_round_trip() {
+    let mesh = Mesh::new(&Options::new()).unwrap();
+    let g = graph();
+    let dir = TempDir::new("st");
+    let path = dir.0.join("w.safetensors");
+    let mut a = Step::new(&mesh, &g, &step_options()).unwrap();
+    a.export_safetensors(&path).unwrap();
+    let mut b = Step::new(&mesh, &g, &step_options().int("seed", 7)).unwrap();
+    b.import_safetensors(&path, &Options::new()).unwrap();
+    for name in g.param_names().unwrap() {
+        assert_eq!(a.param(&name).unwrap(), b.param(&name).unwrap(), "{name}");
+    }
+}
+
+#[test]
+fn params_and_outputs() {
+    let mesh = Mesh::new(&Options::new()).unwrap();
+    let g = graph();
+    let mut step = Step::new(&mesh, &g, &step_options().string("keep", "logits")).unwrap();
+    let name = g.param_names().unwrap()[0].clone();
+    let mut w = step.param(&name).unwrap();
+    w.iter_mut().for_each(|x| *x = 0.25);
+    step.set_param(&name, &w).unwrap();
+    assert!(step.param(&name).unwrap().iter().all(|&x| x == 0.25));
+
+    let (tokens, targets) = loader().next_batch(BATCH).unwrap();
+    step.set_input("tokens", &tokens).unwrap();
+    step.set_input("targets", &targets).unwrap();
+    step.run().unwrap();
+    let mut logits = vec![f32::NAN; BATCH * SEQ * 256];
+    step.get_output("logits", &mut logits).unwrap();
+    assert!(logits.iter().all(|x| x.is_finite()));
+    step.set_lr(1e-4).unwrap();
+    assert!((step.run().unwrap().lr - 1e-4).abs() < 1e-12);
+}
+
+#[test]
+fn errors_carry_status_and_message() {
+    // A file that does not exist.
+    let err = Graph::load_file("/nonexistent/dir/model.ctrg").unwrap_err();
+    assert_eq!(err.status(), Status::IO_ERROR, "{err}");
+    assert_eq!(err.name(), "i/o error");
+    assert!(err.message().contains("/nonexistent/dir/model.ctrg"), "{err}");
+
+    // A file that is not a graph.
+    let dir = TempDir::new("err");
+    let junk = dir.0.join("junk.ctrg");
+    std::fs::write(&junk, b"definitely not a flatbuffer").unwrap();
+    let err = Graph::load_file(&junk).unwrap_err();
+    assert_eq!(err.status(), Status::INVALID_GRAPH, "{err}");
+    assert!(!err.message().is_empty());
+
+    // An unknown option key is named in the message.
+    let mesh = Mesh::new(&Options::new()).unwrap();
+    let g = graph();
+    let err = Step::new(&mesh, &g, &step_options().int("bacth", 4)).unwrap_err();
+    assert_eq!(err.status(), Status::INVALID_OPTION, "{err}");
+    assert!(err.message().contains("bacth"), "{err}");
+    assert_eq!(err.to_string(), format!("invalid option: {}", err.message()));
+
+    // Wrong value type and missing required key.
+    assert_eq!(
+        Step::new(&mesh, &g, &step_options().string("lr", "fast")).unwrap_err().status(),
+        Status::INVALID_OPTION
+    );
+    assert_eq!(Step::new(&mesh, &g, &Options::new()).unwrap_err().status(), Status::INVALID_OPTION);
+    let err = Graph::preset("resnet", &Options::new()).unwrap_err();
+    assert!(err.message().contains("resnet"), "{err}");
+
+    // Caught by the binding before the library: a NUL inside a key.
+    let err = Mesh::new(&Options::new().int("ra\0nk", 0)).unwrap_err();
+    assert_eq!(err.status(), Status::INVALID_ARGUMENT);
+
+    // Order and data errors from a live step.
+    let mut step = Step::new(&mesh, &g, &step_options()).unwrap();
+    assert_eq!(step.run().unwrap_err().status(), Status::INVALID_STATE);
+    let err = step.set_input("tokens", &[0i32; 3]).unwrap_err();
+    assert_eq!(err.status(), Status::INVALID_ARGUMENT, "{err}");
+    let mut bad = vec![0i32; BATCH * SEQ];
+    bad[5] = 256;
+    let err = step.set_input("tokens", &bad).unwrap_err();
+    assert_eq!(err.status(), Status::DATA_ERROR, "{err}");
+    assert!(err.message().contains("tokens"), "{err}");
+    assert_eq!(step.set_input("nope", &bad).unwrap_err().status(), Status::NOT_FOUND);
+    assert_eq!(step.feed_from_loader(BATCH).unwrap_err().status(), Status::INVALID_STATE);
+
+    // The loader's buffers are checked by the binding (the header gives no
+    // way to ask for seq), and "seq" is required by the library.
+    let mut l = loader();
+    let err = l.next(2, &mut [0; 10], &mut [0; 10]).unwrap_err();
+    assert_eq!(err.status(), Status::INVALID_ARGUMENT);
+    assert_eq!(Loader::builtin(&Options::new()).unwrap_err().status(), Status::INVALID_OPTION);
+
+    // A corrupt checkpoint.
+    let ckpt = dir.0.join("ckpt");
+    step.save(&ckpt).unwrap();
+    for entry in std::fs::read_dir(&ckpt).unwrap() {
+        let path = entry.unwrap().path();
+        let mut bytes = std::fs::read(&path).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0xff;
+        std::fs::write(&path, bytes).unwrap();
+    }
+    let err = step.load(&ckpt).unwrap_err();
+    assert_eq!(err.status(), Status::CHECKPOINT_ERROR, "{err}");
+}
+
+#[test]
+fn handles_drop_in_any_order_and_move_between_threads() {
+    // The step keeps its mesh and graph alive after the caller's handles go.
+    let mut step = {
+        let mesh = Mesh::new(&Options::new()).unwrap();
+        let g = graph();
+        Step::new(&mesh, &g, &step_options()).unwrap()
+    };
+    step.attach_loader(loader()).unwrap();
+    // A step may move to another thread (used by one thread at a time).
+    let handle = std::thread::spawn(move || {
+        step.feed_from_loader(BATCH).unwrap();
+        let loss = step.run().unwrap().loss;
+        (step, loss)
+    });
+    let (mut step, loss) = handle.join().unwrap();
+    assert!(loss.is_finite());
+    step.feed_from_loader(BATCH).unwrap();
+    step.run().unwrap();
+    assert_eq!(step.count(), 2);
+
+    // Meshes and graphs are shared between threads.
+    let g = graph();
+    let mesh = Mesh::new(&Options::new()).unwrap();
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            let (g, mesh) = (g.clone(), mesh.clone());
+            std::thread::spawn(move || Step::new(&mesh, &g, &step_options()).map(|s| s.count()))
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap().unwrap(), 0);
+    }
+    drop(step);
+}

@@ -1,0 +1,28 @@
+// A checkpoint between its snapshot and its publication (see checkpoint.cc).
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ctr {
+
+// Work of one save between its snapshot and its finalisation.
+struct PendingSave {
+  std::string dir, tmp;
+  bool writer = false;
+  std::vector<uint8_t> bytes;  // this rank's rows of every tensor, as written
+  struct Entry {
+    std::string tensor;
+    const char *kind;
+    int64_t offset, bytes, row0, row1, block_rows, row_bytes;
+  };
+  std::vector<Entry> entries;
+  nlohmann::json meta;  // everything but the shard list, as of the snapshot
+  std::thread thread;
+  std::string err;
+};
+
+}  // namespace ctr
