@@ -419,6 +419,7 @@ class Step(_Handle):
     def _info(self, name):
         # Through the graph's pointer, not its public API: the user may have closed the Graph
         # object, whose C graph lives on for as long as this step does.
+        self._p()
         return Graph._tensor_info(self.graph._ptr, name)
 
     def _release(self):
