@@ -171,6 +171,12 @@ func (g *Graph) TensorInfo(name string) (TensorInfo, error) {
 		return TensorInfo{}, err
 	}
 	defer g.ref.release()
+	return tensorInfo(h, name)
+}
+
+// tensorInfo works on a C graph the caller keeps alive (a step holds a
+// reference on its graph even after the owner's Close).
+func tensorInfo(h *C.ctr_graph, name string) (TensorInfo, error) {
 	n, err := cstring("tensor name", name)
 	if err != nil {
 		return TensorInfo{}, err

@@ -248,7 +248,9 @@ func (s *Step) GetParam(name string, out []float32) error {
 
 // Param returns the named parameter in a new slice sized from the graph.
 func (s *Step) Param(name string) ([]float32, error) {
-	info, err := s.graph.TensorInfo(name)
+	// The step's own reference keeps the graph's C handle valid even if the
+	// owner has closed it.
+	info, err := tensorInfo(s.graph.ptr, name)
 	if err != nil {
 		return nil, err
 	}

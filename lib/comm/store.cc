@@ -151,7 +151,10 @@ void set_nodelay(int fd) {
 
 class Writer {
  public:
-  explicit Writer(uint8_t head) { buf_.assign(4, '\0'), u8(head); }
+  explicit Writer(uint8_t head) {
+    buf_.assign(4, '\0');  // the length, patched in by take()
+    u8(head);
+  }
   Writer &u8(uint8_t v) {
     buf_.push_back(static_cast<char>(v));
     return *this;
@@ -278,12 +281,15 @@ class StoreServer {
     std::string err;
     Resolved local;
     bool specific = resolve(cfg.addr, cfg.port, true, &local, &err);
-    listen_fd_ = Fd(::socket(specific ? local.addr.ss_family : AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    listen_fd_ =
+        Fd(::socket(specific ? local.addr.ss_family : AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
     CTR_REQUIRE(listen_fd_.get() >= 0, CTR_STATUS_COMM_ERROR, "rendezvous: socket: %s",
                 errno_text(errno).c_str());
     int one = 1;
     ::setsockopt(listen_fd_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    int rc = specific ? ::bind(listen_fd_.get(), reinterpret_cast<sockaddr *>(&local.addr), local.len) : -1;
+    int rc = specific
+                 ? ::bind(listen_fd_.get(), reinterpret_cast<sockaddr *>(&local.addr), local.len)
+                 : -1;
     if (rc != 0 && (!specific || errno == EADDRNOTAVAIL)) {
       // cfg.addr is how the other ranks reach rank 0, which need not be an
       // address of this host (NAT, a load balancer, a hostname resolving
@@ -302,7 +308,8 @@ class StoreServer {
     CTR_REQUIRE(rc == 0, CTR_STATUS_COMM_ERROR, "rendezvous: rank 0 cannot listen on %s:%d: %s",
                 specific ? cfg.addr.c_str() : "0.0.0.0", cfg.port, errno_text(errno).c_str());
     CTR_REQUIRE(::listen(listen_fd_.get(), 1024) == 0, CTR_STATUS_COMM_ERROR,
-                "rendezvous: rank 0 cannot listen on port %d: %s", cfg.port, errno_text(errno).c_str());
+                "rendezvous: rank 0 cannot listen on port %d: %s", cfg.port,
+                errno_text(errno).c_str());
     set_nonblocking(listen_fd_.get());
     connect_host_ = specific ? cfg.addr : "127.0.0.1";
     wake_fd_ = Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
@@ -374,7 +381,8 @@ class StoreServer {
       }
       int n = ::poll(fds.data(), fds.size(), poll_timeout(next));
       if (n < 0 && errno != EINTR) {
-        std::fprintf(stderr, "ctr: rendezvous: server poll failed: %s\n", errno_text(errno).c_str());
+        std::fprintf(stderr, "ctr: rendezvous: server poll failed: %s\n",
+                     errno_text(errno).c_str());
         break;
       }
       if (n > 0) {
@@ -456,7 +464,8 @@ class StoreServer {
 
   void flush(Conn &c) {
     while (c.out_off < c.out.size()) {
-      ssize_t n = ::send(c.fd.get(), c.out.data() + c.out_off, c.out.size() - c.out_off, MSG_NOSIGNAL);
+      ssize_t n =
+          ::send(c.fd.get(), c.out.data() + c.out_off, c.out.size() - c.out_off, MSG_NOSIGNAL);
       if (n > 0) {
         c.out_off += static_cast<size_t>(n);
         continue;
@@ -574,9 +583,10 @@ class StoreServer {
           const std::string &s = it->second;
           auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
           if (ec != std::errc() || ptr != s.data() + s.size()) {
-            send(c, error_reply(CTR_STATUS_INVALID_ARGUMENT,
-                                strformat("rendezvous: add to key '%s', which holds a non-integer value",
-                                          key.c_str())));
+            send(c, error_reply(
+                        CTR_STATUS_INVALID_ARGUMENT,
+                        strformat("rendezvous: add to key '%s', which holds a non-integer value",
+                                  key.c_str())));
             return;
           }
         }
@@ -679,11 +689,12 @@ class StoreServer {
           if (!b.arrived[i]) missing.push_back(i);
         auto c = conns_.find(w.conn);
         if (c != conns_.end() && c->second.rank >= 0) b.arrived[c->second.rank] = 0;
-        reply(w.conn, error_reply(CTR_STATUS_TIMEOUT,
-                                  strformat("rendezvous: store barrier '%s': %s of %d did not arrive "
-                                            "within %s",
-                                            it->first.c_str(), rank_list(missing).c_str(),
-                                            cfg_.world, seconds(w.timeout_ms).c_str())));
+        reply(w.conn,
+              error_reply(CTR_STATUS_TIMEOUT,
+                          strformat("rendezvous: store barrier '%s': %s of %d did not arrive "
+                                    "within %s",
+                                    it->first.c_str(), rank_list(missing).c_str(), cfg_.world,
+                                    seconds(w.timeout_ms).c_str())));
       }
       b.waiters = std::move(keep);
       it = b.waiters.empty() ? barriers_.erase(it) : std::next(it);
@@ -735,8 +746,8 @@ class TcpStore final : public Store {
                 .i64(cfg_.rank)
                 .i64(cfg_.world)
                 .take(),
-            Clock::now() + std::chrono::milliseconds(std::max<int64_t>(ms_until(deadline), 0) +
-                                                     kReplyGraceMs),
+            Clock::now() +
+                std::chrono::milliseconds(std::max<int64_t>(ms_until(deadline), 0) + kReplyGraceMs),
             "HELLO");
     int64_t left = ms_until(deadline);
     request(Writer(static_cast<uint8_t>(Req::Join)).i64(left).take(),
@@ -853,7 +864,8 @@ class TcpStore final : public Store {
     if (status != CTR_STATUS_OK) {
       Reader r(body.data() + 1, body.size() - 1);
       std::string msg = r.str();
-      if (!r.ok()) msg = strformat("rendezvous: %s failed (status %d)", what, static_cast<int>(status));
+      if (!r.ok())
+        msg = strformat("rendezvous: %s failed (status %d)", what, static_cast<int>(status));
       fail(status, msg);
     }
     return body.substr(1);
@@ -881,8 +893,7 @@ class TcpStore final : public Store {
       if (n > 0) return;  // ready, or an error the next send/recv reports
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) lost(what, errno_text(errno));
-      fail(CTR_STATUS_TIMEOUT, strformat("rendezvous: %s: the store at %s (rank 0) did not answer in "
-                                         "time",
+      fail(CTR_STATUS_TIMEOUT, strformat("rendezvous: %s: the store at %s (rank 0) did not answer",
                                          what, where_.c_str()));
     }
   }

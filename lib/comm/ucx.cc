@@ -30,16 +30,26 @@
 // share a member never share an id.
 //
 // Failure. Endpoints use UCP_ERR_HANDLING_MODE_PEER; the error callback marks
-// the peer failed, and every in-flight collective of a group containing it fails
-// with CTR_STATUS_COMM_ERROR naming it (such a collective can never complete).
-// wait() has a deadline; on timeout the collective is failed with a message
-// naming the peer it still waits for. A failed collective's requests are
-// cancelled; a request that cannot be cancelled (a send the peer never takes) is
-// given a short grace and then its endpoint is closed by force, so that no UCP
+// the peer failed. Peers on the same host are also watched through pidfds,
+// because UCP's keepalive over shared memory checks a pid, which an exited but
+// unreaped process still has. A collective of a group with a failed member
+// fails with CTR_STATUS_COMM_ERROR naming it, at once when a receive from it
+// fails, otherwise unless it completes within a short grace (the member may
+// have done its part before it went). wait() has a deadline; on timeout the collective fails
+// with a message naming the peer it still waits for. A failed collective's
+// requests are cancelled; one that cannot be (a send the peer never takes) gets
+// a short grace and then its endpoint is closed by force, so that no UCP
 // operation touches the caller's buffers once wait() has returned.
+//
+// Transport. UCX_TLS defaults to self,sm,tcp, with TCP kept on loopback when
+// all ranks share one host; every default yields to the user's UCX_* variables.
+// In UCX 1.13 an endpoint with peer error handling and wakeup cannot use CMA
+// (single-copy) for large messages, so those go through the shared-memory FIFO
+// in two copies; that is the price of failure detection.
 
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/syscall.h>
 #include <ucp/api/ucp.h>
 #include <ucs/config/global_opts.h>
 #include <unistd.h>
@@ -51,6 +61,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -89,6 +100,9 @@ constexpr int64_t kCloseTimeoutMs = 3000;
 // that UCP's keepalive (which runs inside ucp_worker_progress) still checks
 // peers on an idle worker.
 constexpr int kIdlePollMs = 100;
+// How often a busy progress thread looks at the local peers' pidfds (an idle
+// one watches them in its poll()).
+constexpr int64_t kWatchIntervalMs = 10;
 // While collectives are in flight the progress thread keeps polling this long
 // after the last event before it sleeps: the next message usually follows
 // within microseconds, and a sleep plus wakeup costs more than that.
@@ -250,14 +264,14 @@ struct Op {
   enum State : uint8_t { kWaiting, kPosted, kDone, kSkipped };
   Kind kind;
   State state = kWaiting;
-  int peer = -1;             // group index (send, recv)
-  int dep[2] = {-1, -1};     // operations that must be done first
-  void *dst = nullptr;       // recv buffer, copy/reduce destination
-  const void *src = nullptr; // send buffer, copy source, reduce's first operand
-  const void *src2 = nullptr;// reduce's second operand
-  size_t bytes = 0;          // send/recv/copy bytes; reduce element count
-  int64_t divisor = 0;       // reduce: divide the result (Avg on the last step)
-  void *req = nullptr;       // UCP request while posted
+  int peer = -1;               // group index (send, recv)
+  int dep[2] = {-1, -1};       // operations that must be done first
+  void *dst = nullptr;         // recv buffer, copy/reduce destination
+  const void *src = nullptr;   // send buffer, copy source, reduce's first operand
+  const void *src2 = nullptr;  // reduce's second operand
+  size_t bytes = 0;            // send/recv/copy bytes; reduce element count
+  int64_t divisor = 0;         // reduce: divide the result (Avg on the last step)
+  void *req = nullptr;         // UCP request while posted
   Coll *coll = nullptr;
 };
 
@@ -274,20 +288,24 @@ struct Coll {
   std::vector<Op> ops;
   std::shared_ptr<ScratchPool> pool;
   ScratchPool::Buf scratch;
-  bool network = false;  // has sends or receives
+  bool network = false;     // has sends or receives
+  bool global_src = false;  // tags carry world ranks, not group indices (split agreement)
+  bool tolerant = false;    // operations with failed peers are skipped, not fatal (destroy)
 
   // Progress thread only.
   size_t scan_from = 0;     // first operation that may still be waiting
   size_t first_undone = 0;  // every operation before it is done
-  size_t n_done = 0;
   int n_posted = 0;
   bool failing = false;
   bool dirty = false;
+  int lost = -1;  // a member found failed while this was in flight (world rank)
+  TimePoint lost_at{};
   bool retired = false;  // finished; the progress thread lets go at the end of its pass
   ctr_status pending_code = CTR_STATUS_OK;  // a failure seen in a UCP callback, acted on later
   std::string pending_error;
   TimePoint fail_at{};
-  std::vector<uint8_t> blocked;  // scratch for advance(): channels that must keep order
+  std::vector<uint8_t> blocked;  // advance(): channels that must keep their order, by peer
+  std::vector<size_t> touched;   // advance(): which of them are set
 
   // The outcome, published under mu.
   std::mutex mu;
@@ -359,7 +377,9 @@ class Builder {
   Coll &c_;
 };
 
-size_t n_segments(size_t bytes) { return bytes == 0 ? 1 : (bytes + kSegmentBytes - 1) / kSegmentBytes; }
+size_t n_segments(size_t bytes) {
+  return bytes == 0 ? 1 : (bytes + kSegmentBytes - 1) / kSegmentBytes;
+}
 size_t segment_len(size_t bytes, size_t k) {
   size_t start = k * kSegmentBytes;
   return start >= bytes ? 0 : std::min(kSegmentBytes, bytes - start);
@@ -393,9 +413,11 @@ void build_ring_all_gather(Builder &b, const Group &g, char *out, const std::vec
   for (int s = 0; s < n - 1; ++s) {
     int blk = (r - s + n) % n;
     const char *base = s == 0 ? own : out + off[blk];
-    for (size_t k = 0; k < n_segments(len[blk]); ++k)
-      b.send(right, base + k * kSegmentBytes, segment_len(len[blk], k),
-             s > 0 ? recvd[s - 1][k] : own_ready ? (*own_ready)[k] : -1);
+    for (size_t k = 0; k < n_segments(len[blk]); ++k) {
+      int dep = s > 0 ? recvd[s - 1][k] : -1;
+      if (s == 0 && own_ready) dep = (*own_ready)[k];
+      b.send(right, base + k * kSegmentBytes, segment_len(len[blk], k), dep);
+    }
   }
 }
 
@@ -482,10 +504,11 @@ void build_barrier(Builder &b, const Group &g, bool announce_only = false) {
 
 struct Peer {
   ucp_ep_h ep = nullptr;
-  ucs_status_t failed = UCS_OK;  // set once, by the error callback or a forced close
+  ucs_status_t failed = UCS_OK;  // set once: error callback, process exit, forced close
   std::string why;
   Transport *t = nullptr;
   int rank = -1;
+  int pidfd = -1;  // a peer on this host: readable once its process has exited
 };
 
 class Transport {
@@ -519,7 +542,9 @@ class Transport {
   void fail(Coll *c, ctr_status code, const std::string &msg);
   void finish(Coll *c);
   void handle_failed_peers();
-  void enforce_grace(TimePoint now);
+  void member_lost(Coll *c, int g);
+  void watch_peers(int timeout_ms);
+  void enforce_deadlines(TimePoint now);
   void mark_dirty(Coll *c) {
     if (!c->dirty && !c->retired) {
       c->dirty = true;
@@ -575,8 +600,12 @@ void configure(ucp_config_t *cfg, bool single_host) {
   };
   def("TLS", "self,sm,tcp");
   // Shared-memory transports support UCP_ERR_HANDLING_MODE_PEER only when asked;
-  // without it UCP would move every local message over TCP.
-  if (!std::getenv("UCX_POSIX_ERROR_HANDLING") && !std::getenv("UCX_SYSV_ERROR_HANDLING"))
+  // without it UCP would move every local message over TCP. (Only when they may
+  // be used: UCX warns about settings no transport takes.)
+  const char *tls = std::getenv("UCX_TLS");
+  const bool shm = !tls || std::strstr(tls, "all") || std::strstr(tls, "sm") ||
+                   std::strstr(tls, "mm") || std::strstr(tls, "posix") || std::strstr(tls, "sysv");
+  if (shm && !std::getenv("UCX_POSIX_ERROR_HANDLING") && !std::getenv("UCX_SYSV_ERROR_HANDLING"))
     ucp_config_modify(cfg, "MM_ERROR_HANDLING", "y");
   def("KEEPALIVE_INTERVAL", "1s");
   if (single_host) def("NET_DEVICES", "lo");
@@ -594,6 +623,46 @@ std::string host_identity() {
   return id;
 }
 
+// A process's start time in clock ticks since boot (field 22 of /proc/PID/stat),
+// or 0. With the pid it names one process, even after the pid is reused.
+unsigned long long process_start(long pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  size_t p = stat.rfind(')');  // the command name may contain spaces and parentheses
+  if (p == std::string::npos) return 0;
+  std::vector<std::string> fields;
+  std::string cur;
+  for (size_t i = p + 2; i < stat.size(); ++i) {
+    if (stat[i] == ' ') {
+      fields.push_back(cur);
+      cur.clear();
+    } else {
+      cur += stat[i];
+    }
+  }
+  // fields[0] is field 3 (state); the start time is field 22.
+  return fields.size() > 19 ? std::strtoull(fields[19].c_str(), nullptr, 10) : 0;
+}
+
+// Opens a descriptor that becomes readable when the process exits (as a
+// zombie already, before anyone reaps it), or returns -1.
+int watch_process(long pid, unsigned long long start) {
+#ifdef SYS_pidfd_open
+  if (start == 0 || process_start(pid) != start) return -1;  // not the peer: another pid namespace
+  int fd = static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+  // Checked again after opening: the peer may have exited and its pid been reused.
+  if (fd >= 0 && process_start(pid) != start) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+#else
+  (void)pid;
+  (void)start;
+  return -1;
+#endif
+}
+
 std::string ucs_text(ucs_status_t st) { return ucs_status_string(st); }
 
 void Transport::init(Store &store) {
@@ -604,11 +673,29 @@ void Transport::init(Store &store) {
   static std::atomic<int> generation{0};
   const std::string ns = strformat("ucx/%d/", generation.fetch_add(1));
 
-  store.set(ns + "host/" + std::to_string(rank_), host_identity());
-  bool single_host = true;
+  // Which peers share this host, and their processes. UCP's keepalive over
+  // shared memory tells a dead peer only by its pid, which an exited but not
+  // yet reaped process keeps, and not at all while a send to it is stuck; so
+  // local peers are watched through pidfds as well (remote ones through UCP's
+  // TCP or RDMA endpoints, which see a connection drop).
   const std::string me = host_identity();
-  for (int i = 0; i < world_; ++i)
-    if (i != rank_ && store.get(ns + "host/" + std::to_string(i)) != me) single_host = false;
+  const long pid = ::getpid();
+  store.set(ns + "host/" + std::to_string(rank_),
+            strformat("%s\n%ld\n%llu", me.c_str(), pid, process_start(pid)));
+  bool single_host = true;
+  for (int i = 0; i < world_; ++i) {
+    peers_[i].t = this;
+    peers_[i].rank = i;
+    if (i == rank_) continue;
+    std::string rec = store.get(ns + "host/" + std::to_string(i));
+    size_t a = rec.find('\n'), b = rec.find('\n', a == std::string::npos ? a : a + 1);
+    if (a == std::string::npos || b == std::string::npos || rec.substr(0, a) != me) {
+      single_host = false;
+      continue;
+    }
+    peers_[i].pidfd = watch_process(std::strtol(rec.c_str() + a + 1, nullptr, 10),
+                                    std::strtoull(rec.c_str() + b + 1, nullptr, 10));
+  }
 
   if (!std::getenv("UCX_LOG_LEVEL")) ucs_global_opts_set_value("LOG_LEVEL", "error");
   ucp_config_t *cfg = nullptr;
@@ -628,9 +715,11 @@ void Transport::init(Store &store) {
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
   st = ucp_worker_create(context_, &wp, &worker_);
-  CTR_REQUIRE(st == UCS_OK, CTR_STATUS_COMM_ERROR, "ucx: ucp_worker_create: %s", ucs_text(st).c_str());
+  CTR_REQUIRE(st == UCS_OK, CTR_STATUS_COMM_ERROR, "ucx: ucp_worker_create: %s",
+              ucs_text(st).c_str());
   st = ucp_worker_get_efd(worker_, &worker_fd_);
-  CTR_REQUIRE(st == UCS_OK, CTR_STATUS_COMM_ERROR, "ucx: ucp_worker_get_efd: %s", ucs_text(st).c_str());
+  CTR_REQUIRE(st == UCS_OK, CTR_STATUS_COMM_ERROR, "ucx: ucp_worker_get_efd: %s",
+              ucs_text(st).c_str());
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   CTR_REQUIRE(wake_fd_ >= 0, CTR_STATUS_COMM_ERROR, "ucx: eventfd: %s", std::strerror(errno));
 
@@ -645,8 +734,6 @@ void Transport::init(Store &store) {
 
   for (int i = 0; i < world_; ++i) {
     Peer &p = peers_[i];
-    p.t = this;
-    p.rank = i;
     if (i == rank_) continue;
     std::string remote = store.get(ns + "addr/" + std::to_string(i));
     ucp_ep_params_t ep{};
@@ -658,8 +745,8 @@ void Transport::init(Store &store) {
     ep.err_handler.arg = &p;
     st = ucp_ep_create(worker_, &ep, &p.ep);
     CTR_REQUIRE(st == UCS_OK, CTR_STATUS_COMM_ERROR,
-                "ucx: cannot create an endpoint to rank %d: %s (check UCX_TLS / UCX_NET_DEVICES)", i,
-                ucs_text(st).c_str());
+                "ucx: cannot create an endpoint to rank %d: %s (check UCX_TLS / UCX_NET_DEVICES)",
+                i, ucs_text(st).c_str());
   }
   thread_ = std::thread([this] { run(); });
 }
@@ -699,10 +786,14 @@ CommWork *Transport::issue(Coll *c) {
 void Transport::wait(Coll *c, int64_t timeout_ms) {
   if (timeout_ms < 0) timeout_ms = timeout_ms_;
   std::unique_lock<std::mutex> lock(c->mu);
-  bool done = c->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), [c] { return c->finished; });
+  bool done =
+      c->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), [c] { return c->finished; });
   if (!done) {
     lock.unlock();
     {
+      // The queue holds a reference: the collective may finish, and this
+      // thread let go of it, before the progress thread gets to the entry.
+      c->refs.fetch_add(1, std::memory_order_relaxed);
       std::lock_guard<std::mutex> g(mu_);
       abandoned_.emplace_back(c, timeout_ms);
     }
@@ -758,10 +849,12 @@ void Transport::complete(Op &op, ucs_status_t st, size_t recv_len) {
   Coll *c = op.coll;
   op.state = Op::kDone;
   --c->n_posted;
-  if (!c->failing && c->pending_code == CTR_STATUS_OK) {
+  if (!c->failing && !c->tolerant && c->pending_code == CTR_STATUS_OK) {
     const int g = c->group->members[op.peer];
     const bool is_send = op.kind == Op::kSend;
-    if (st != UCS_OK) {
+    if (st != UCS_OK && is_send && peers_[g].failed != UCS_OK) {
+      // A send to a peer found failed meanwhile (its endpoint was closed): dropped.
+    } else if (st != UCS_OK) {
       c->pending_code = CTR_STATUS_COMM_ERROR;
       c->pending_error =
           peers_[g].failed != UCS_OK
@@ -780,7 +873,7 @@ void Transport::complete(Op &op, ucs_status_t st, size_t recv_len) {
 }
 
 void Transport::run() {
-  TimePoint last_event = Clock::now();
+  TimePoint last_event = Clock::now(), next_watch = last_event;
   for (;;) {
     std::vector<Coll *> in;
     std::vector<std::pair<Coll *, int64_t>> timeouts;
@@ -793,7 +886,10 @@ void Transport::run() {
     }
     bool worked = !in.empty() || !timeouts.empty();
     for (Coll *c : in) start(c);
-    for (auto &[c, ms] : timeouts) timed_out(c, ms);
+    for (auto &[c, ms] : timeouts) {
+      timed_out(c, ms);
+      release(c);
+    }
     while (ucp_worker_progress(worker_) != 0) worked = true;
     handle_failed_peers();
     while (!dirty_.empty()) {
@@ -806,7 +902,7 @@ void Transport::run() {
       handle_failed_peers();
     }
     TimePoint now = Clock::now();
-    enforce_grace(now);
+    enforce_deadlines(now);
     for (Coll *c : retired_) {
       {
         std::lock_guard<std::mutex> lock(c->mu);
@@ -824,6 +920,10 @@ void Transport::run() {
       if (active_.empty()) break;
     }
 
+    if (now >= next_watch) {
+      watch_peers(0);
+      next_watch = now + std::chrono::milliseconds(kWatchIntervalMs);
+    }
     if (worked) {
       last_event = now;
       continue;
@@ -834,30 +934,61 @@ void Transport::run() {
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     int timeout = kIdlePollMs;
     for (Coll *c : active_) {
-      if (!c->failing) continue;
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                      c->fail_at + std::chrono::milliseconds(kFailGraceMs) - now)
-                      .count();
+      if (!c->failing && c->lost < 0) continue;
+      TimePoint due =
+          (c->failing ? c->fail_at : c->lost_at) + std::chrono::milliseconds(kFailGraceMs);
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(due - now).count();
       timeout = static_cast<int>(std::clamp<int64_t>(left + 1, 0, timeout));
     }
-    pollfd fds[2] = {{worker_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    ::poll(fds, 2, timeout);
-    if (fds[1].revents) {
-      uint64_t v;
-      [[maybe_unused]] ssize_t n = ::read(wake_fd_, &v, sizeof v);
-    }
+    watch_peers(timeout);
     last_event = Clock::now();
+  }
+}
+
+// Polls the worker's and the wakeup event fds and the local peers' pidfds for
+// up to timeout_ms (0: just look); a peer whose process exited is failed.
+void Transport::watch_peers(int timeout_ms) {
+  std::vector<pollfd> fds = {{worker_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  std::vector<int> ranks;
+  for (const Peer &p : peers_) {
+    if (p.pidfd < 0) continue;
+    fds.push_back({p.pidfd, POLLIN, 0});
+    ranks.push_back(p.rank);
+  }
+  if (::poll(fds.data(), fds.size(), timeout_ms) <= 0) return;
+  if (fds[1].revents) {
+    uint64_t v;
+    [[maybe_unused]] ssize_t n = ::read(wake_fd_, &v, sizeof v);
+  }
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (!fds[i + 2].revents) continue;
+    Peer &p = peers_[ranks[i]];
+    ::close(p.pidfd);
+    p.pidfd = -1;
+    if (p.failed != UCS_OK) continue;
+    p.failed = UCS_ERR_CONNECTION_RESET;
+    p.why = "its process exited";
+    newly_failed_.push_back(p.rank);
   }
 }
 
 void Transport::start(Coll *c) {
   active_.push_back(c);
-  for (int g : c->group->members) {
-    if (peers_[g].failed != UCS_OK) {
-      fail(c, CTR_STATUS_COMM_ERROR, c->label() + ": " + peer_reason(g));
-      break;
-    }
-  }
+  for (int g : c->group->members)
+    if (peers_[g].failed != UCS_OK) member_lost(c, g);
+  mark_dirty(c);
+}
+
+// A member of c's group has failed. c cannot complete if it still needs data
+// that member has not sent, directly or through another member; but the
+// member may have done its part before it went (a rank that finished a barrier
+// and exited), and messages it sent may be waiting here. So c gets
+// kFailGraceMs to complete, and then fails naming the member. A receive from
+// it that fails outright fails c at once (complete()).
+void Transport::member_lost(Coll *c, int g) {
+  if (c->failing || c->tolerant || c->lost >= 0) return;
+  c->lost = g;
+  c->lost_at = Clock::now();
   mark_dirty(c);
 }
 
@@ -865,19 +996,20 @@ void Transport::start(Coll *c) {
 // happened.
 bool Transport::advance(Coll *c) {
   bool any = false;
-  if (!c->failing && c->pending_code != CTR_STATUS_OK)
-    fail(c, c->pending_code, c->pending_error);
+  if (!c->failing && c->pending_code != CTR_STATUS_OK) fail(c, c->pending_code, c->pending_error);
   std::vector<Op> &ops = c->ops;
   const size_t n = c->group->members.size();
   while (!c->failing) {
-    while (c->first_undone < ops.size() && ops[c->first_undone].state == Op::kDone) ++c->first_undone;
+    while (c->first_undone < ops.size() && ops[c->first_undone].state == Op::kDone)
+      ++c->first_undone;
     if (c->first_undone == ops.size()) {
       finish(c);
       return true;
     }
     // Sends to one peer, and receives from one peer, are posted in list order:
     // once one of them must wait, the later ones on its channel wait too.
-    c->blocked.assign(2 * n, 0);
+    if (c->blocked.size() != 2 * n) c->blocked.assign(2 * n, 0);
+    std::vector<size_t> &touched = c->touched;
     bool again = false;
     size_t first_waiting = ops.size();
     for (size_t i = c->scan_from; i < ops.size() && !c->failing; ++i) {
@@ -888,7 +1020,10 @@ bool Transport::advance(Coll *c) {
       bool ready = !(net && c->blocked[ch]);
       for (int d : op.dep) ready = ready && (d < 0 || ops[d].state == Op::kDone);
       if (!ready) {
-        if (net) c->blocked[ch] = 1;
+        if (net && !c->blocked[ch]) {
+          c->blocked[ch] = 1;
+          touched.push_back(ch);
+        }
         first_waiting = std::min(first_waiting, i);
         continue;
       }
@@ -909,6 +1044,8 @@ bool Transport::advance(Coll *c) {
       if (op.state == Op::kWaiting) first_waiting = std::min(first_waiting, i);
       again = any = true;
     }
+    for (size_t ch : touched) c->blocked[ch] = 0;
+    touched.clear();
     c->scan_from = first_waiting;
     if (!c->failing && c->pending_code != CTR_STATUS_OK) fail(c, c->pending_code, c->pending_error);
     if (!again) break;
@@ -920,8 +1057,11 @@ bool Transport::advance(Coll *c) {
 void Transport::post(Coll *c, Op &op) {
   const int g = c->group->members[op.peer];
   Peer &p = peers_[g];
-  if (p.failed != UCS_OK || !p.ep) {
-    fail(c, CTR_STATUS_COMM_ERROR, c->label() + ": " + peer_reason(g));
+  if (op.kind == Op::kSend && (p.failed != UCS_OK || !p.ep)) {
+    // This rank's result never depends on its sends, and a failed peer needs
+    // nothing any more: drop it. Whether the collective can still complete
+    // is decided by its receives and member_lost().
+    op.state = Op::kDone;
     return;
   }
   // A zero-length message still needs a valid address.
@@ -937,16 +1077,18 @@ void Transport::post(Coll *c, Op &op) {
   ucs_status_ptr_t r;
   if (op.kind == Op::kSend) {
     prm.cb.send = &Transport::on_send;
+    const int me = c->global_src ? c->group->members[c->group->me] : c->group->me;
     r = ucp_tag_send_nbx(p.ep, op.bytes ? op.src : &empty, op.bytes,
-                         c->tag | static_cast<uint64_t>(c->group->me), &prm);
+                         c->tag | static_cast<uint64_t>(me), &prm);
   } else {
     // Receives always complete through the callback: UCX 1.13 does not fill
     // in recv_info when a receive completes in place, and the length must be
     // checked against what this rank expects.
     prm.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     prm.cb.recv = &Transport::on_recv;
+    const int from = c->global_src ? g : op.peer;
     r = ucp_tag_recv_nbx(worker_, op.bytes ? op.dst : &empty, op.bytes,
-                         c->tag | static_cast<uint64_t>(op.peer), ~ucp_tag_t{0}, &prm);
+                         c->tag | static_cast<uint64_t>(from), ~ucp_tag_t{0}, &prm);
   }
   if (UCS_PTR_IS_ERR(r)) {
     op.state = Op::kDone;
@@ -978,8 +1120,10 @@ void Transport::timed_out(Coll *c, int64_t timeout_ms) {
     }
     if (owed >= 0) break;
   }
-  std::string msg = strformat("%s: timed out after %s", c->label().c_str(), seconds(timeout_ms).c_str());
+  std::string msg =
+      strformat("%s: timed out after %s", c->label().c_str(), seconds(timeout_ms).c_str());
   if (owed >= 0) msg += strformat(" waiting for rank %d", owed);
+  if (c->lost >= 0) msg += " (" + peer_reason(c->lost) + ")";
   fail(c, CTR_STATUS_TIMEOUT, msg);
 }
 
@@ -997,9 +1141,10 @@ void Transport::fail(Coll *c, ctr_status code, const std::string &msg) {
     if (op.state == Op::kWaiting) op.state = Op::kSkipped;
   }
   // Cancelling completes unmatched receives (their callbacks may run right
-  // here); sends cannot be cancelled and either finish or meet enforce_grace().
+  // here); sends cannot be cancelled and either finish or meet enforce_deadlines().
   for (Op &op : c->ops) {
-    if (op.state == Op::kPosted && op.req && op.kind == Op::kRecv) ucp_request_cancel(worker_, op.req);
+    if (op.state == Op::kPosted && op.req && op.kind == Op::kRecv)
+      ucp_request_cancel(worker_, op.req);
   }
   mark_dirty(c);
 }
@@ -1017,21 +1162,26 @@ void Transport::handle_failed_peers() {
     for (int g : failed) {
       close_ep(g, true);
       for (Coll *c : active_) {
-        if (c->failing) continue;
         const auto &m = c->group->members;
-        if (std::find(m.begin(), m.end(), g) != m.end())
-          fail(c, CTR_STATUS_COMM_ERROR, c->label() + ": " + peer_reason(g));
+        if (std::find(m.begin(), m.end(), g) != m.end()) member_lost(c, g);
       }
     }
   }
 }
 
-// A failed collective whose sends are still pending after the grace period:
-// close those peers' endpoints by force, which completes the sends, so that the
-// caller's buffers are free when wait() returns.
-void Transport::enforce_grace(TimePoint now) {
+// Fails the collectives that lost a member and did not complete within the
+// grace period. Then, for a failed collective whose sends are still pending
+// after the grace period, closes those peers' endpoints by force, which
+// completes the sends, so that the caller's buffers are free when wait()
+// returns.
+void Transport::enforce_deadlines(TimePoint now) {
   for (Coll *c : active_) {
-    if (!c->failing || c->n_posted == 0 || now < c->fail_at + std::chrono::milliseconds(kFailGraceMs))
+    if (!c->failing && c->lost >= 0 && now >= c->lost_at + std::chrono::milliseconds(kFailGraceMs))
+      fail(c, CTR_STATUS_COMM_ERROR, c->label() + ": " + peer_reason(c->lost));
+  }
+  for (Coll *c : active_) {
+    if (!c->failing || c->n_posted == 0 ||
+        now < c->fail_at + std::chrono::milliseconds(kFailGraceMs))
       continue;
     for (Op &op : c->ops) {
       if (op.state != Op::kPosted) continue;
@@ -1075,6 +1225,7 @@ void Transport::shutdown() {
       c->what = "destroy";
       c->group = g;
       c->tag = uint64_t{kTeardownCommId} << 40;
+      c->tolerant = announce_only;
       Builder b(*c);
       build_barrier(b, *g, announce_only);
       try {
@@ -1108,6 +1259,10 @@ void Transport::shutdown() {
     // Whatever did not close in time is released with the worker.
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
+  }
+  for (Peer &p : peers_) {
+    if (p.pidfd >= 0) ::close(p.pidfd);
+    p.pidfd = -1;
   }
   if (context_) ucp_cleanup(context_);
   context_ = nullptr;
@@ -1181,8 +1336,8 @@ CommWork *c_reduce_scatter(void *ctx, const void *send, void *recv, size_t count
   std::vector<size_t> off(g.size()), cnt(g.size(), count);
   for (int i = 0; i < g.size(); ++i) off[i] = i * count;
   Builder b(*c);
-  build_ring_reduce_scatter(b, *c, g, static_cast<const char *>(send), static_cast<char *>(recv), off,
-                            cnt, dtype_bytes(dtype), op == ReduceOp::Avg ? g.size() : 0);
+  build_ring_reduce_scatter(b, *c, g, static_cast<const char *>(send), static_cast<char *>(recv),
+                            off, cnt, dtype_bytes(dtype), op == ReduceOp::Avg ? g.size() : 0);
   return cc->t->issue(c.release());
 }
 
@@ -1203,8 +1358,8 @@ CommWork *c_all_reduce(void *ctx, const void *send, void *recv, size_t count, ct
   Builder b(*c);
   std::vector<int> done;
   OpTable readers;
-  build_ring_reduce_scatter(b, *c, g, static_cast<const char *>(send), out + off[g.me] * esz, off, cnt,
-                            esz, op == ReduceOp::Avg ? g.size() : 0, &done, &readers);
+  build_ring_reduce_scatter(b, *c, g, static_cast<const char *>(send), out + off[g.me] * esz, off,
+                            cnt, esz, op == ReduceOp::Avg ? g.size() : 0, &done, &readers);
   if (g.size() > 1) {
     // Each segment of this rank's result goes round as soon as it is reduced;
     // a gathered segment may land only once the reduction has read that part
@@ -1235,8 +1390,9 @@ CommWork *c_all_to_all_v(void *ctx, const void *send, const size_t *send_counts,
   const char *s = static_cast<const char *>(send);
   char *d = static_cast<char *>(recv);
   Builder b(*c);
-  if (send_counts[r]) b.copy(d + recv_displs[r] * elem_size, s + send_displs[r] * elem_size,
-                             send_counts[r] * elem_size);
+  if (send_counts[r])
+    b.copy(d + recv_displs[r] * elem_size, s + send_displs[r] * elem_size,
+           send_counts[r] * elem_size);
   // Step k pairs this rank with r + k and r - k, so at every step each rank
   // sends to one peer and receives from another; UCP runs all steps at once.
   for (int k = 1; k < n; ++k) {
@@ -1252,7 +1408,8 @@ CommWork *c_broadcast(void *ctx, void *buf, size_t bytes, int root) {
   const Group &g = *cc->g;
   const int n = g.size(), r = g.me;
   CTR_REQUIRE(root >= 0 && root < n, CTR_STATUS_INVALID_ARGUMENT,
-              "ucx: broadcast: root %d is out of range for %s of %d ranks", root, g.name.c_str(), n);
+              "ucx: broadcast: root %d is out of range for %s of %d ranks", root, g.name.c_str(),
+              n);
   CTR_REQUIRE(bytes == 0 || buf, CTR_STATUS_INVALID_ARGUMENT, "ucx: broadcast: null buffer");
   auto c = new_coll(cc, "broadcast");
   Builder b(*c);
@@ -1307,9 +1464,9 @@ uint64_t hash_members(const std::vector<int> &m) {
 Comm c_split(void *ctx, const std::vector<int> &members);
 
 const CommIface kIface = {
-    "ucx",        c_rank,    c_size,       c_global_rank, c_all_gather, c_reduce_scatter,
-    c_all_reduce, c_all_to_all_v, c_broadcast, c_barrier, c_wait, c_test, c_split,
-    c_destroy,
+    "ucx",        c_rank,         c_size,      c_global_rank, c_all_gather, c_reduce_scatter,
+    c_all_reduce, c_all_to_all_v, c_broadcast, c_barrier,     c_wait,       c_test,
+    c_split,      c_destroy,
 };
 
 Comm c_split(void *ctx, const std::vector<int> &members) {
@@ -1355,8 +1512,13 @@ Comm c_split(void *ctx, const std::vector<int> &members) {
     c->t = &t;
     c->what = "split";
     c->group = tmp;
-    // The parent's id in the sequence field keeps agreements on different parents apart.
-    c->tag = (uint64_t{kSplitCommId} << 40) | (uint64_t{parent.id & kSeqMask} << 16);
+    // Members of one split may be in other splits with other lists at the same
+    // time, where their group indices mean other ranks: so the agreement's tags
+    // name senders by world rank, and the parent and the list select the
+    // sequence field.
+    c->global_src = true;
+    const uint64_t seq = (mine.hash ^ (uint64_t{parent.id} * 0x9e3779b97f4a7c15ull)) >> 40;
+    c->tag = (uint64_t{kSplitCommId} << 40) | ((seq & kSeqMask) << 16);
     std::vector<size_t> off(g->size()), len(g->size(), sizeof(Offer));
     for (int i = 0; i < g->size(); ++i) off[i] = i * sizeof(Offer);
     Builder b(*c);

@@ -97,6 +97,8 @@ struct Graph {
 
   // Forward nodes are nodes[0, num_forward) once autodiff has run.
   int num_forward = -1;
+  // The Const tensor holding d(loss)/d(loss), made by autodiff.
+  int loss_seed = -1;
 
   int find_tensor(const std::string &name) const;  // -1 if absent
   int add_tensor(Tensor t);

@@ -189,6 +189,8 @@ Graph build_preset(const std::string &preset, const PresetConfig &c) {
     head_w = tied ? emb : b.param("output.weight", {V, C}, InitKind::Normal, std);
   }
   int logits = b.op("linear", {x, head_w}, "logits");
+  // Declared so that hosts can size a buffer for it (ctr_step_get_output).
+  b.g.tensors[logits].dims = {Dim{0, "batch"}, Dim{0, "seq"}, Dim{V, ""}};
   b.g.loss = b.op("cross_entropy", {logits, targets}, "loss");
   auto &m = b.g.metadata;
   m.emplace_back("preset", preset);

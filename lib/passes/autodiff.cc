@@ -94,7 +94,10 @@ void pass_autodiff(Graph &g) {
   seed.init.kind = InitKind::Data;
   float one = 1.0f;
   seed.data.assign(reinterpret_cast<uint8_t *>(&one), reinterpret_cast<uint8_t *>(&one) + 4);
+  // Named for dumps only; the step finds it by index, so a file tensor that
+  // happens to have the same name cannot be mistaken for it.
   int seed_id = g.add_tensor(std::move(seed));
+  g.loss_seed = seed_id;
 
   Builder b(g);
   b.seed(g.loss, seed_id);

@@ -113,8 +113,8 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
   prog_ = pass_lower(g_, be_.iface->ops(be_.ctx));
 
   // Seed of the backward pass: averaged over micro-batches.
-  int seed_t = g_.find_tensor("loss.grad");
-  CTR_CHECK(seed_t >= 0);
+  int seed_t = g_.loss_seed;
+  CTR_CHECK(seed_t >= 0 && g_.tensors[seed_t].data.size() == 4);
   float inv = 1.0f / static_cast<float>(copt_.micro_batches);
   std::memcpy(g_.tensors[seed_t].data.data(), &inv, 4);
 

@@ -21,6 +21,8 @@
 // CTR_MASTER_PORT, CTR_JOB_TOKEN and CTR_TIMEOUT_MS. Exit status 0 means every
 // check passed (for the failure modes: the expected failure was seen).
 
+#include "comm/comm.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,7 +37,6 @@
 #include <string>
 #include <vector>
 
-#include "comm/comm.h"
 #include "core/status.h"
 
 namespace {
@@ -57,8 +58,8 @@ int g_rank = -1;
   std::_Exit(1);
 }
 
-#define CHECK(cond, ...)      \
-  do {                        \
+#define CHECK(cond, ...)           \
+  do {                             \
     if (!(cond)) die(__VA_ARGS__); \
   } while (0)
 
@@ -101,7 +102,8 @@ double elapsed_s(std::chrono::steady_clock::time_point t0) {
 // Runs fn, which must throw ctr::Error with `code` and a message containing
 // every one of `needles`; returns the message.
 template <typename F>
-std::string expect_error(const char *what, ctr_status code, std::vector<std::string> needles, F fn) {
+std::string expect_error(const char *what, ctr_status code, std::vector<std::string> needles,
+                         F fn) {
   try {
     fn();
   } catch (const ctr::Error &e) {
@@ -138,7 +140,8 @@ T input(int rank, size_t i, uint32_t salt) {
 }
 
 uint8_t byte_at(int rank, size_t i, uint32_t salt) {
-  return static_cast<uint8_t>(mix((uint64_t{static_cast<uint32_t>(rank)} << 40) ^ (uint64_t{salt} << 32) ^ i));
+  return static_cast<uint8_t>(
+      mix((uint64_t{static_cast<uint32_t>(rank)} << 40) ^ (uint64_t{salt} << 32) ^ i));
 }
 
 template <typename T>
@@ -179,13 +182,21 @@ const char *op_name(ReduceOp op) {
 template <typename T>
 const char *type_name();
 template <>
-const char *type_name<float>() { return "f32"; }
+const char *type_name<float>() {
+  return "f32";
+}
 template <>
-const char *type_name<double>() { return "f64"; }
+const char *type_name<double>() {
+  return "f64";
+}
 template <>
-const char *type_name<int32_t>() { return "i32"; }
+const char *type_name<int32_t>() {
+  return "i32";
+}
 template <>
-const char *type_name<int64_t>() { return "i64"; }
+const char *type_name<int64_t>() {
+  return "i64";
+}
 
 const size_t kCounts[] = {0, 1, 7, 1000, 100003};
 const ReduceOp kOps[] = {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min};
@@ -226,7 +237,8 @@ void check_reductions(const Comm &c, ctr_dtype dt) {
       // reduce_scatter: block b of every rank's send reduces into rank b's recv.
       std::vector<T> rs_send(count * n), rs_recv(count, T(-7));
       for (size_t i = 0; i < rs_send.size(); ++i) rs_send[i] = input<T>(gme, i, salt);
-      ctr::comm_wait(c, c.iface->reduce_scatter(c.ctx, rs_send.data(), rs_recv.data(), count, dt, op));
+      ctr::comm_wait(c,
+                     c.iface->reduce_scatter(c.ctx, rs_send.data(), rs_recv.data(), count, dt, op));
       for (size_t i = 0; i < count; ++i) {
         T want = reference<T>(op, ranks, me * count + i, salt);
         CHECK(std::memcmp(&rs_recv[i], &want, sizeof(T)) == 0,
@@ -255,7 +267,8 @@ void check_all_gather(const Comm &c) {
       // In place: this rank's block already sits in recv.
       std::vector<uint8_t> inplace(bytes * n, 0xee);
       std::copy(send.begin(), send.end(), inplace.begin() + me * bytes);
-      ctr::comm_wait(c, c.iface->all_gather(c.ctx, inplace.data() + me * bytes, inplace.data(), bytes));
+      ctr::comm_wait(
+          c, c.iface->all_gather(c.ctx, inplace.data() + me * bytes, inplace.data(), bytes));
       CHECK(inplace == recv, "in-place all_gather of %zu bytes differs", bytes);
     }
   }
@@ -273,15 +286,16 @@ void check_broadcast(const Comm &c) {
         for (size_t i = 0; i < bytes; ++i) buf[i] = byte_at(ranks[root], i, salt);
       ctr::comm_wait(c, c.iface->broadcast(c.ctx, buf.data(), bytes, root));
       for (size_t i = 0; i < bytes; ++i)
-        CHECK(buf[i] == byte_at(ranks[root], i, salt), "broadcast of %zu bytes from %d: byte %zu wrong",
-              bytes, root, i);
+        CHECK(buf[i] == byte_at(ranks[root], i, salt),
+              "broadcast of %zu bytes from %d: byte %zu wrong", bytes, root, i);
     }
   }
 }
 
 // Element counts from member i to member j; many are zero.
 size_t a2a_count(int i, int j, size_t scale, uint32_t salt) {
-  uint64_t h = mix((uint64_t{static_cast<uint32_t>(i)} << 32) ^ (uint64_t{static_cast<uint32_t>(j)} << 16) ^ salt);
+  uint64_t h = mix((uint64_t{static_cast<uint32_t>(i)} << 32) ^
+                   (uint64_t{static_cast<uint32_t>(j)} << 16) ^ salt);
   return h % 3 == 0 ? 0 : static_cast<size_t>(h % (scale + 1));
 }
 
@@ -310,14 +324,16 @@ void check_all_to_all(const Comm &c) {
     // Element k to member j carries (sender, j, k) in one integer.
     for (int j = 0; j < n; ++j)
       for (size_t k = 0; k < sc[j]; ++k)
-        send[sd[j] + k] = (int64_t{ranks[me]} << 48) | (int64_t{ranks[j]} << 32) | static_cast<int64_t>(k);
+        send[sd[j] + k] =
+            (int64_t{ranks[me]} << 48) | (int64_t{ranks[j]} << 32) | static_cast<int64_t>(k);
     ctr::comm_wait(c, c.iface->all_to_all_v(c.ctx, send.data(), sc.data(), sd.data(), recv.data(),
-                                           rc.data(), rd.data(), esz));
+                                            rc.data(), rd.data(), esz));
     for (int j = 0; j < n; ++j)
       for (size_t k = 0; k < rc[j]; ++k) {
-        int64_t want = (int64_t{ranks[j]} << 48) | (int64_t{ranks[me]} << 32) | static_cast<int64_t>(k);
-        CHECK(recv[rd[j] + k] == want, "all_to_all_v scale %zu: element %zu from member %d is wrong",
-              scale, k, j);
+        int64_t want =
+            (int64_t{ranks[j]} << 48) | (int64_t{ranks[me]} << 32) | static_cast<int64_t>(k);
+        CHECK(recv[rd[j] + k] == want,
+              "all_to_all_v scale %zu: element %zu from member %d is wrong", scale, k, j);
       }
   }
 }
@@ -329,24 +345,25 @@ void check_identical(const Comm &c) {
   const std::vector<int> ranks = members_of(c);
   for (size_t count : {size_t{7}, size_t{100003}, size_t{1} << 20 | 3}) {
     auto value = [](int r, size_t i) {
-      return static_cast<float>(static_cast<double>(mix((uint64_t(r) << 40) ^ i) >> 11) * 0x1p-53 * 2.0 - 1.0);
+      return static_cast<float>(
+          static_cast<double>(mix((uint64_t(r) << 40) ^ i) >> 11) * 0x1p-53 * 2.0 - 1.0);
     };
     std::vector<float> send(count), recv(count);
     for (size_t i = 0; i < count; ++i) send[i] = value(ranks[me], i);
     ctr::comm_wait(c, c.iface->all_reduce(c.ctx, send.data(), recv.data(), count, CTR_DTYPE_F32,
-                                         ReduceOp::Sum));
+                                          ReduceOp::Sum));
     for (size_t i = 0; i < count; ++i) {
       double want = 0;
       for (int r : ranks) want += value(r, i);
-      CHECK(std::fabs(recv[i] - want) <= 1e-5 * n, "float all_reduce count %zu: element %zu is %.9g, want %.9g",
-            count, i, recv[i], want);
+      CHECK(std::fabs(recv[i] - want) <= 1e-5 * n,
+            "float all_reduce count %zu: element %zu is %.9g, want %.9g", count, i, recv[i], want);
     }
     uint64_t h = fnv1a(recv.data(), count * sizeof(float));
     std::vector<uint64_t> all(n);
     ctr::comm_wait(c, c.iface->all_gather(c.ctx, &h, all.data(), sizeof h));
     for (int r = 0; r < n; ++r)
-      CHECK(all[r] == h, "all_reduce of %zu floats: member %d got different bits than member %d", count,
-            r, me);
+      CHECK(all[r] == h, "all_reduce of %zu floats: member %d got different bits than member %d",
+            count, r, me);
   }
 }
 
@@ -374,14 +391,15 @@ void check_many_small(const Comm &c) {
   for (int k = 0; k < kN; ++k) {
     int64_t want = 0;
     for (int r : ranks) want += r * 1000 + k;
-    CHECK(out[k] == want, "small all_reduce %d: got %lld, want %lld", k, static_cast<long long>(out[k]),
-          static_cast<long long>(want));
+    CHECK(out[k] == want, "small all_reduce %d: got %lld, want %lld", k,
+          static_cast<long long>(out[k]), static_cast<long long>(want));
   }
   // And strictly one after another.
   for (int k = 0; k < 200; ++k) {
     int64_t v = ranks[me] + k, r = 0;
     ctr::comm_wait(c, c.iface->all_reduce(c.ctx, &v, &r, 1, CTR_DTYPE_I64, ReduceOp::Max));
-    CHECK(r == *std::max_element(ranks.begin(), ranks.end()) + k, "back-to-back all_reduce %d wrong", k);
+    CHECK(r == *std::max_element(ranks.begin(), ranks.end()) + k,
+          "back-to-back all_reduce %d wrong", k);
   }
 }
 
@@ -427,8 +445,8 @@ void check_splits(const Comm &world) {
       ps[k][i] = input<double>(me, i, 900 + k);
       ws[k][i] = input<double>(me, i, 950 + k);
     }
-    works.push_back(sub.iface->all_reduce(sub.ctx, ps[k].data(), pr[k].data(), kCount, CTR_DTYPE_F64,
-                                          ReduceOp::Sum));
+    works.push_back(sub.iface->all_reduce(sub.ctx, ps[k].data(), pr[k].data(), kCount,
+                                          CTR_DTYPE_F64, ReduceOp::Sum));
     works.push_back(world.iface->all_reduce(world.ctx, ws[k].data(), wr[k].data(), kCount,
                                             CTR_DTYPE_F64, ReduceOp::Sum));
   }
@@ -443,11 +461,14 @@ void check_splits(const Comm &world) {
   for (int i = 0; i < n; ++i) all[i] = i;
   for (int k = 0; k < kRounds; ++k)
     for (size_t i = 0; i < kCount; ++i) {
-      CHECK(pr[k][i] == reference<double>(ReduceOp::Sum, pair, i, 900 + k), "pair all_reduce %d wrong at %zu", k, i);
-      CHECK(wr[k][i] == reference<double>(ReduceOp::Sum, all, i, 950 + k), "world all_reduce %d wrong at %zu", k, i);
+      CHECK(pr[k][i] == reference<double>(ReduceOp::Sum, pair, i, 900 + k),
+            "pair all_reduce %d wrong at %zu", k, i);
+      CHECK(wr[k][i] == reference<double>(ReduceOp::Sum, all, i, 950 + k),
+            "world all_reduce %d wrong at %zu", k, i);
     }
   for (int i = 0; i < n; ++i)
-    CHECK(gathered[i] == static_cast<uint64_t>(n - 1 - i) * 77 + 5, "reversed all_gather slot %d wrong", i);
+    CHECK(gathered[i] == static_cast<uint64_t>(n - 1 - i) * 77 + 5,
+          "reversed all_gather slot %d wrong", i);
 
   // The sub-communicators run the full suite too (a pair of the same two
   // ranks as part of the world).
@@ -468,12 +489,14 @@ void check_store(ctr::Store &store, const Env &e) {
   std::string binary("a\0b\xff", 4);
   if (e.rank == 0) store.set("test/binary", binary);
   for (int r = 0; r < e.world; ++r)
-    CHECK(store.get("test/key/" + std::to_string(r)) == "value of " + std::to_string(r), "store get wrong");
+    CHECK(store.get("test/key/" + std::to_string(r)) == "value of " + std::to_string(r),
+          "store get wrong");
   CHECK(store.get("test/binary") == binary, "binary value mangled");
   int64_t v = store.add("test/counter", e.rank + 1);
   CHECK(v >= e.rank + 1, "store add returned %lld", static_cast<long long>(v));
   store.barrier("test/after-add");
-  CHECK(store.add("test/counter", 0) == int64_t{e.world} * (e.world + 1) / 2, "store add total wrong");
+  CHECK(store.add("test/counter", 0) == int64_t{e.world} * (e.world + 1) / 2,
+        "store add total wrong");
   store.barrier("test/after-add");  // a name can be reused once a barrier completed
   expect_error("get of a missing key", CTR_STATUS_TIMEOUT, {"test/never", "0.2 s"},
                [&] { store.get("test/never", 200); });
@@ -509,11 +532,13 @@ int run_token(Env e) {
   const int bad = e.world - 1;
   if (e.rank == bad) {
     e.token += "-wrong";
-    std::string msg = expect_error("join with a wrong token", CTR_STATUS_COMM_ERROR,
-                                   {"job token mismatch from"}, [&] { ctr::store_join(rendezvous(e)); });
+    std::string msg =
+        expect_error("join with a wrong token", CTR_STATUS_COMM_ERROR, {"job token mismatch from"},
+                     [&] { ctr::store_join(rendezvous(e)); });
     std::fprintf(stderr, "comm_test: rank %d: refused as expected: %s\n", e.rank, msg.c_str());
   } else {
-    std::string who = "rank " + std::to_string(bad) + " of " + std::to_string(e.world) + " did not join";
+    std::string who =
+        "rank " + std::to_string(bad) + " of " + std::to_string(e.world) + " did not join";
     std::string msg = expect_error("join while a rank is refused", CTR_STATUS_TIMEOUT, {who},
                                    [&] { ctr::store_join(rendezvous(e)); });
     std::fprintf(stderr, "comm_test: rank %d: timed out as expected: %s\n", e.rank, msg.c_str());
@@ -525,9 +550,9 @@ int run_token(Env e) {
 // Started as world 3 with only ranks 0 and 1.
 int run_missing(const Env &e) {
   auto t0 = std::chrono::steady_clock::now();
-  std::string msg = expect_error("join with a rank missing", CTR_STATUS_TIMEOUT,
-                                 {"rank 2 of 3 did not join within"},
-                                 [&] { ctr::store_join(rendezvous(e)); });
+  std::string msg =
+      expect_error("join with a rank missing", CTR_STATUS_TIMEOUT,
+                   {"rank 2 of 3 did not join within"}, [&] { ctr::store_join(rendezvous(e)); });
   double took = elapsed_s(t0);
   CHECK(took < e.timeout_ms / 1000.0 + 3.0, "the failed join took %.1f s", took);
   std::fprintf(stderr, "comm_test: rank %d: timed out as expected after %.1f s: %s\n", e.rank, took,
@@ -587,14 +612,15 @@ int run_hang(const Env &e) {
   } else {
     auto t0 = std::chrono::steady_clock::now();
     const int64_t wait_ms = 2000;
-    std::string msg = expect_error("barrier with a hung rank", CTR_STATUS_TIMEOUT,
-                                   {"barrier (world, " + std::to_string(e.world) + " ranks)",
-                                    "timed out after 2.0 s waiting for rank " + std::to_string(hung)},
-                                   [&] { ctr::comm_wait(world, world.iface->barrier(world.ctx), wait_ms); });
+    std::string msg =
+        expect_error("barrier with a hung rank", CTR_STATUS_TIMEOUT,
+                     {"barrier (world, " + std::to_string(e.world) + " ranks)",
+                      "timed out after 2.0 s waiting for rank " + std::to_string(hung)},
+                     [&] { ctr::comm_wait(world, world.iface->barrier(world.ctx), wait_ms); });
     double took = elapsed_s(t0);
     CHECK(took >= 1.9 && took < 2.0 + 3.0, "the timeout took %.1f s", took);
-    std::fprintf(stderr, "comm_test: rank %d: timed out as expected after %.2f s: %s\n", e.rank, took,
-                 msg.c_str());
+    std::fprintf(stderr, "comm_test: rank %d: timed out as expected after %.2f s: %s\n", e.rank,
+                 took, msg.c_str());
     if (e.rank == 0) store->set("hang/release", "1");
   }
   auto t1 = std::chrono::steady_clock::now();

@@ -28,7 +28,7 @@ def free_port():
 
 class Case:
     def __init__(self, name, world, mode="all", started=None, timeout_ms=30000,
-                 late_rank0=False, expect=None, max_s=None):
+                 late_rank0=False, expect=None, max_s=None, leaver=None):
         self.name = name
         self.world = world
         self.mode = mode
@@ -37,6 +37,7 @@ class Case:
         self.late_rank0 = late_rank0
         self.expect = expect or {}  # rank -> substrings its stderr must contain
         self.max_s = max_s          # the whole case must end within this
+        self.leaver = leaver        # a rank that exits on purpose, reporting no PASS
 
 
 def run(exe, case):
@@ -75,7 +76,10 @@ def run(exe, case):
         out, err = outs[r]
         if p.returncode != 0:
             problems.append(f"rank {r} exited with {p.returncode}")
-        if "PASS" not in out:
+        if r == case.leaver:
+            if "exiting without a word" not in out:
+                problems.append(f"rank {r} did not leave as planned")
+        elif "PASS" not in out:
             problems.append(f"rank {r} did not report PASS")
         for want in case.expect.get(r, []):
             if want not in err:
@@ -106,7 +110,7 @@ def main():
                       expect={0: ["rank 2 of 3 did not join within 3.0 s"],
                               1: ["rank 2 of 3 did not join within 3.0 s"]}))
     for n in (2, 3, 4):
-        cases.append(Case(f"dead rank, {n} ranks", n, "dead", timeout_ms=5000, max_s=20,
+        cases.append(Case(f"dead rank, {n} ranks", n, "dead", timeout_ms=5000, max_s=20, leaver=n - 1,
                           expect={r: [f"rank {n - 1}", "failed as expected"] for r in range(n - 1)}))
     for n in (2, 3):
         cases.append(Case(f"hung rank, {n} ranks", n, "hang", timeout_ms=10000, max_s=25,

@@ -99,8 +99,8 @@ int main() {
         double algbw = static_cast<double>(bytes) / us / 1e3;
         double busbw = algbw * (ar ? 2 * (n - 1) / n : (n - 1) / n);
         if (rank == 0)
-          std::printf("coll %s %zu iters %d us %.1f algbw_gbs %.3f busbw_gbs %.3f\n", op, bytes, iters,
-                      us, algbw, busbw);
+          std::printf("coll %s %zu iters %d us %.1f algbw_gbs %.3f busbw_gbs %.3f\n", op, bytes,
+                      iters, us, algbw, busbw);
       }
     }
     if (rank == 0)
@@ -112,7 +112,8 @@ int main() {
     double cpu0 = cpu_seconds();
     auto t0 = Clock::now();
     std::this_thread::sleep_for(std::chrono::seconds(3));
-    double pct = 100.0 * (cpu_seconds() - cpu0) / std::chrono::duration<double>(Clock::now() - t0).count();
+    double pct =
+        100.0 * (cpu_seconds() - cpu0) / std::chrono::duration<double>(Clock::now() - t0).count();
     std::vector<double> all(world);
     ctr::comm_wait(c, c.iface->all_gather(c.ctx, &pct, all.data(), sizeof pct));
     if (rank == 0)

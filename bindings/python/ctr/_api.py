@@ -103,6 +103,9 @@ def _in_buffer(data, dtype):
     conversion was needed."""
     if _np is not None and not isinstance(data, array.array):
         want = _np.dtype(_NP_DTYPES[dtype])
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            # Raw bytes are taken as the tensor's own little-endian encoding.
+            data = _np.frombuffer(data, dtype=want.newbyteorder("<"))
         arr = data if isinstance(data, _np.ndarray) else _np.asarray(data)
         if arr.dtype != want or not arr.flags.c_contiguous:
             if arr.dtype.kind == "f" and want.kind in "iu":

@@ -106,8 +106,11 @@ extern "C" {
     // Options
     pub fn ctr_options_create(out: *mut *mut ctr_options) -> ctr_status;
     pub fn ctr_options_free(options: *mut ctr_options);
-    pub fn ctr_options_set_int(options: *mut ctr_options, key: *const c_char, value: i64)
-        -> ctr_status;
+    pub fn ctr_options_set_int(
+        options: *mut ctr_options,
+        key: *const c_char,
+        value: i64,
+    ) -> ctr_status;
     pub fn ctr_options_set_float(
         options: *mut ctr_options,
         key: *const c_char,

@@ -107,7 +107,11 @@ impl Graph {
     fn name_at(
         &self,
         i: usize,
-        f: unsafe extern "C" fn(*const sys::ctr_graph, usize, *mut *const std::ffi::c_char) -> sys::ctr_status,
+        f: unsafe extern "C" fn(
+            *const sys::ctr_graph,
+            usize,
+            *mut *const std::ffi::c_char,
+        ) -> sys::ctr_status,
     ) -> Result<String> {
         let mut name = ptr::null();
         // SAFETY: live handle, local out-pointer; the string is owned by the

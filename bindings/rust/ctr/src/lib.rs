@@ -50,7 +50,6 @@ pub use mesh::Mesh;
 pub use options::{OptionValue, Options};
 pub use step::{Element, Memory, Metrics, Step};
 
-
 /// The ABI version this crate was written against.
 pub const ABI_VERSION: i32 = sys::CTR_ABI_VERSION;
 
@@ -120,7 +119,10 @@ impl DType {
 /// reported the way the library reports any bad argument.
 pub(crate) fn cstring(what: &str, s: &str) -> Result<CString> {
     CString::new(s).map_err(|_| {
-        Error::new(Status::INVALID_ARGUMENT, format!("{what} '{}' contains a NUL byte", s.escape_debug()))
+        Error::new(
+            Status::INVALID_ARGUMENT,
+            format!("{what} '{}' contains a NUL byte", s.escape_debug()),
+        )
     })
 }
 

@@ -65,7 +65,7 @@ impl Loader {
     /// Fills the next `rows` windows; both slices must hold exactly
     /// `rows * seq` ids.
     pub fn next(&mut self, rows: usize, tokens: &mut [i32], targets: &mut [i32]) -> Result<()> {
-        let need = rows.checked_mul(self.seq).unwrap_or(usize::MAX);
+        let need = rows.saturating_mul(self.seq);
         if tokens.len() != need || targets.len() != need {
             return Err(Error::new(
                 Status::INVALID_ARGUMENT,
@@ -80,7 +80,12 @@ impl Loader {
         }
         // SAFETY: both buffers hold rows * seq int32 as the call writes.
         check(unsafe {
-            sys::ctr_loader_next(self.as_ptr(), rows as i64, tokens.as_mut_ptr(), targets.as_mut_ptr())
+            sys::ctr_loader_next(
+                self.as_ptr(),
+                rows as i64,
+                tokens.as_mut_ptr(),
+                targets.as_mut_ptr(),
+            )
         })
     }
 

@@ -122,7 +122,9 @@ impl Options {
             let status = unsafe {
                 match value {
                     OptionValue::Int(v) => sys::ctr_options_set_int(raw.0.as_ptr(), k.as_ptr(), *v),
-                    OptionValue::Float(v) => sys::ctr_options_set_float(raw.0.as_ptr(), k.as_ptr(), *v),
+                    OptionValue::Float(v) => {
+                        sys::ctr_options_set_float(raw.0.as_ptr(), k.as_ptr(), *v)
+                    }
                     OptionValue::Str(v) => {
                         let v = cstring("option value", v)?;
                         sys::ctr_options_set_string(raw.0.as_ptr(), k.as_ptr(), v.as_ptr())

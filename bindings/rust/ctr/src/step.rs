@@ -70,7 +70,9 @@ impl Step {
         let raw = options.to_raw()?;
         let mut out = ptr::null_mut();
         // SAFETY: mesh, graph and raw are live for the call; out is a local.
-        check(unsafe { sys::ctr_step_create(mesh.as_ptr(), graph.as_ptr(), raw.as_ptr(), &mut out) })?;
+        check(unsafe {
+            sys::ctr_step_create(mesh.as_ptr(), graph.as_ptr(), raw.as_ptr(), &mut out)
+        })?;
         let ptr = NonNull::new(out).expect("ctr_step_create returned OK and NULL");
         Ok(Step { ptr, mesh: mesh.clone(), graph: graph.clone(), loader: None })
     }
@@ -93,13 +95,21 @@ impl Step {
         let n = cstring("input name", name)?;
         // SAFETY: data is borrowed for the call; Element types have no padding.
         check(unsafe {
-            sys::ctr_step_set_input(self.as_ptr(), n.as_ptr(), data.as_ptr().cast(), std::mem::size_of_val(data))
+            sys::ctr_step_set_input(
+                self.as_ptr(),
+                n.as_ptr(),
+                data.as_ptr().cast(),
+                std::mem::size_of_val(data),
+            )
         })
     }
 
     /// Forward, backward and the optimizer update on the inputs last set.
     pub fn run(&mut self) -> Result<Metrics> {
-        let mut m = sys::ctr_step_metrics { size: std::mem::size_of::<sys::ctr_step_metrics>(), ..Default::default() };
+        let mut m = sys::ctr_step_metrics {
+            size: std::mem::size_of::<sys::ctr_step_metrics>(),
+            ..Default::default()
+        };
         // SAFETY: m is a local whose size field says how much may be written.
         check(unsafe { sys::ctr_step_run(self.as_ptr(), &mut m) })?;
         Ok(Metrics {
@@ -129,7 +139,9 @@ impl Step {
     pub fn get_param(&mut self, name: &str, out: &mut [f32]) -> Result<()> {
         let n = cstring("parameter name", name)?;
         // SAFETY: out holds out.len() floats, the count passed.
-        check(unsafe { sys::ctr_step_get_param(self.as_ptr(), n.as_ptr(), out.as_mut_ptr(), out.len()) })
+        check(unsafe {
+            sys::ctr_step_get_param(self.as_ptr(), n.as_ptr(), out.as_mut_ptr(), out.len())
+        })
     }
 
     /// The named parameter as a new vector, sized from the graph.
@@ -147,7 +159,9 @@ impl Step {
     pub fn set_param(&mut self, name: &str, data: &[f32]) -> Result<()> {
         let n = cstring("parameter name", name)?;
         // SAFETY: data is borrowed for the call; its length is the count.
-        check(unsafe { sys::ctr_step_set_param(self.as_ptr(), n.as_ptr(), data.as_ptr(), data.len()) })
+        check(unsafe {
+            sys::ctr_step_set_param(self.as_ptr(), n.as_ptr(), data.as_ptr(), data.len())
+        })
     }
 
     /// Copies a forward activation named in the step option "keep" into `out`
@@ -155,7 +169,9 @@ impl Step {
     pub fn get_output(&mut self, name: &str, out: &mut [f32]) -> Result<()> {
         let n = cstring("output name", name)?;
         // SAFETY: out holds out.len() floats, the count passed.
-        check(unsafe { sys::ctr_step_get_output(self.as_ptr(), n.as_ptr(), out.as_mut_ptr(), out.len()) })
+        check(unsafe {
+            sys::ctr_step_get_output(self.as_ptr(), n.as_ptr(), out.as_mut_ptr(), out.len())
+        })
     }
 
     /// Replaces the schedule by a constant learning rate from the next run on.
@@ -169,7 +185,12 @@ impl Step {
         let mut m = Memory::default();
         // SAFETY: live handle, out-pointers into a local.
         check(unsafe {
-            sys::ctr_step_memory(self.as_ptr(), &mut m.arena_bytes, &mut m.param_bytes, &mut m.optimizer_bytes)
+            sys::ctr_step_memory(
+                self.as_ptr(),
+                &mut m.arena_bytes,
+                &mut m.param_bytes,
+                &mut m.optimizer_bytes,
+            )
         })?;
         Ok(m)
     }

@@ -1,0 +1,480 @@
+// Tests of the Go binding against the real libctr: training lowers the loss,
+// a checkpoint restores the exact trajectory, errors carry the library's
+// status and message, and handles close in any order without leaks.
+//
+// Needs libctr to build and run (pkg-config or -tags ctr_nopkgconfig with
+// CGO_CFLAGS/CGO_LDFLAGS, and LD_LIBRARY_PATH); tests/bindings/run_go.sh sets
+// all of it.
+
+package ctr
+
+import (
+	"errors"
+	"math"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+)
+
+const (
+	testSeq   = 64
+	testBatch = 4
+)
+
+func testGraph(t *testing.T) *Graph {
+	t.Helper()
+	g, err := NewPresetGraph("gpt", NewOptions().
+		SetInt("layers", 2).SetInt("dim", 64).SetInt("heads", 4).
+		SetInt("vocab", 256).SetInt("seq", testSeq))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { g.Close() })
+	return g
+}
+
+func testMesh(t *testing.T) *Mesh {
+	t.Helper()
+	m, err := NewMesh(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	return m
+}
+
+func stepOptions() *Options {
+	return NewOptions().SetInt("batch", testBatch).SetInt("seed", 1).
+		SetFloat("lr", 3e-3).SetInt("warmup_steps", 2).SetInt("decay_steps", 20)
+}
+
+func testLoader(t *testing.T) *Loader {
+	t.Helper()
+	l, err := NewBuiltinLoader(NewOptions().SetInt("seq", testSeq).SetInt("seed", 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l
+}
+
+func newStep(t *testing.T, m *Mesh, g *Graph, o *Options) *Step {
+	t.Helper()
+	s, err := NewStep(m, g, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s
+}
+
+// wantStatus fails unless err is an *Error with the given status.
+func wantStatus(t *testing.T, err error, want Status) *Error {
+	t.Helper()
+	var e *Error
+	if !errors.As(err, &e) {
+		t.Fatalf("want a *ctr.Error with status %q, got %v", want, err)
+	}
+	if e.Status != want {
+		t.Fatalf("want status %q, got %q: %s", want, e.Status, e.Message)
+	}
+	if e.Name != want.String() || e.Message == "" {
+		t.Fatalf("error lacks its name or message: %#v", e)
+	}
+	return e
+}
+
+func TestABIAndVersion(t *testing.T) {
+	if err := CheckABI(); err != nil {
+		t.Fatal(err)
+	}
+	if ABIVersionLoaded() != ABIVersion {
+		t.Fatalf("ABI %d, want %d", ABIVersionLoaded(), ABIVersion)
+	}
+	if len(strings.Split(Version(), ".")) != 3 {
+		t.Fatalf("version %q", Version())
+	}
+	if StatusInvalidGraph.String() != "invalid graph" || DTypeF32.Size() != 4 {
+		t.Fatal("status names or dtype sizes do not match the library")
+	}
+}
+
+func TestGraphAndMesh(t *testing.T) {
+	g := testGraph(t)
+	inputs, err := g.InputNames()
+	if err != nil || strings.Join(inputs, ",") != "tokens,targets" {
+		t.Fatalf("inputs %v, %v", inputs, err)
+	}
+	params, err := g.ParamNames()
+	if err != nil || len(params) == 0 {
+		t.Fatalf("params %v, %v", params, err)
+	}
+	var total int64
+	for _, p := range params {
+		info, err := g.TensorInfo(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		total += info.NumElements()
+	}
+	if count, err := g.ParamCount(); err != nil || count != total {
+		t.Fatalf("param count %d (%v), sum of shapes %d", count, err, total)
+	}
+	if info, err := g.TensorInfo("tokens"); err != nil || info.DType != DTypeI32 {
+		t.Fatalf("tokens: %+v, %v", info, err)
+	}
+	if f, err := g.FlopsPerToken(0); err != nil || f <= 0 {
+		t.Fatalf("flops %v, %v", f, err)
+	}
+
+	path := filepath.Join(t.TempDir(), "g.ctrg")
+	if err := g.SaveFile(path); err != nil {
+		t.Fatal(err)
+	}
+	g2, err := LoadGraphFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g2.Close()
+	data, _ := os.ReadFile(path)
+	g3, err := LoadGraphBuffer(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g3.Close()
+	if c2, _ := g3.ParamCount(); c2 != total {
+		t.Fatalf("reloaded graph has %d params, want %d", c2, total)
+	}
+
+	m := testMesh(t)
+	if m.Rank() != 0 || m.WorldSize() != 1 || m.Device() != "cpu" || m.AxisSize("dp") != 1 {
+		t.Fatalf("mesh rank %d world %d device %q", m.Rank(), m.WorldSize(), m.Device())
+	}
+}
+
+func TestTenStepsLowerTheLoss(t *testing.T) {
+	s := newStep(t, testMesh(t), testGraph(t), stepOptions())
+	mem, err := s.Memory()
+	if err != nil || mem.ArenaBytes <= 0 || mem.ParamBytes <= 0 || mem.OptimizerBytes <= 0 {
+		t.Fatalf("memory %+v, %v", mem, err)
+	}
+	if err := s.AttachLoader(testLoader(t)); err != nil {
+		t.Fatal(err)
+	}
+	var losses []float64
+	for i := 1; i <= 10; i++ {
+		if err := s.FeedFromLoader(testBatch); err != nil {
+			t.Fatal(err)
+		}
+		m, err := s.Run()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Step != int64(i) || m.Tokens != testBatch*testSeq || math.IsNaN(m.Loss) || math.IsInf(m.Loss, 0) {
+			t.Fatalf("step %d: %+v", i, m)
+		}
+		losses = append(losses, m.Loss)
+	}
+	if math.Abs(losses[0]-math.Log(256)) > 0.5 || !(losses[9] < losses[0]-0.1) {
+		t.Fatalf("loss did not fall from ln(256): %v", losses)
+	}
+	if s.Count() != 10 {
+		t.Fatalf("count %d", s.Count())
+	}
+	if l, err := s.Evaluate(); err != nil || math.IsNaN(l) || s.Count() != 10 {
+		t.Fatalf("evaluate %v, %v, count %d", l, err, s.Count())
+	}
+}
+
+func TestCheckpointRestoresTheTrajectory(t *testing.T) {
+	m, g := testMesh(t), testGraph(t)
+	dir := t.TempDir()
+	ckpt := filepath.Join(dir, "step3")
+	params, _ := g.ParamNames()
+
+	a := newStep(t, m, g, stepOptions())
+	if err := a.AttachLoader(testLoader(t)); err != nil {
+		t.Fatal(err)
+	}
+	train := func(s *Step, n int) []float64 {
+		var out []float64
+		for i := 0; i < n; i++ {
+			if err := s.FeedFromLoader(testBatch); err != nil {
+				t.Fatal(err)
+			}
+			r, err := s.Run()
+			if err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, r.Loss)
+		}
+		return out
+	}
+	train(a, 3)
+	if err := a.Save(ckpt); err != nil {
+		t.Fatal(err)
+	}
+	saved, err := a.Param(params[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := train(a, 3)
+
+	// Other initial weights and a fresh loader; the checkpoint brings back
+	// weights, optimizer state, schedule and data position.
+	b := newStep(t, m, g, stepOptions().SetInt("seed", 99))
+	if err := b.AttachLoader(testLoader(t)); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Load(ckpt); err != nil {
+		t.Fatal(err)
+	}
+	if b.Count() != 3 {
+		t.Fatalf("count after load %d", b.Count())
+	}
+	got, _ := b.Param(params[0])
+	for i := range saved {
+		if got[i] != saved[i] {
+			t.Fatalf("%s[%d] = %v after load, saved %v", params[0], i, got[i], saved[i])
+		}
+	}
+	if resumed := train(b, 3); !equal(resumed, want) {
+		t.Fatalf("resumed losses %v, want %v", resumed, want)
+	}
+
+	e := wantStatus(t, b.Load(filepath.Join(dir, "missing")), StatusCheckpointError)
+	if !strings.Contains(e.Message, "missing") {
+		t.Fatalf("message does not name the directory: %s", e.Message)
+	}
+	if b.Count() != 6 {
+		t.Fatalf("a failed load changed the step: count %d", b.Count())
+	}
+	if err := b.AttachLoader(nil); err != nil || b.Loader() != nil {
+		t.Fatalf("detach: %v", err)
+	}
+}
+
+func equal(a, b []float64) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func TestSafetensorsRoundTrip(t *testing.T) {
+	m, g := testMesh(t), testGraph(t)
+	path := filepath.Join(t.TempDir(), "w.safetensors")
+	a := newStep(t, m, g, stepOptions())
+	if err := a.ExportSafetensors(path); err != nil {
+		t.Fatal(err)
+	}
+	b := newStep(t, m, g, stepOptions().SetInt("seed", 7))
+	if err := b.ImportSafetensors(path, nil); err != nil {
+		t.Fatal(err)
+	}
+	params, _ := g.ParamNames()
+	for _, p := range params {
+		x, _ := a.Param(p)
+		y, _ := b.Param(p)
+		for i := range x {
+			if x[i] != y[i] {
+				t.Fatalf("%s differs after import", p)
+			}
+		}
+	}
+}
+
+func TestParamsAndOutputs(t *testing.T) {
+	g := testGraph(t)
+	s := newStep(t, testMesh(t), g, stepOptions().SetString("keep", "logits"))
+	params, _ := g.ParamNames()
+	w, err := s.Param(params[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range w {
+		w[i] = 0.25
+	}
+	if err := s.SetParam(params[0], w); err != nil {
+		t.Fatal(err)
+	}
+	if back, _ := s.Param(params[0]); back[0] != 0.25 || back[len(back)-1] != 0.25 {
+		t.Fatal("SetParam did not stick")
+	}
+	tokens, targets, err := testLoader(t).NextBatch(testBatch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.SetInput("tokens", tokens); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.SetInput("targets", targets); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Run(); err != nil {
+		t.Fatal(err)
+	}
+	logits := make([]float32, testBatch*testSeq*256)
+	for i := range logits {
+		logits[i] = float32(math.NaN())
+	}
+	if err := s.GetOutput("logits", logits); err != nil {
+		t.Fatal(err)
+	}
+	for _, x := range logits {
+		if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
+			t.Fatal("logits not written")
+		}
+	}
+	if err := s.SetLR(1e-4); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := s.Run(); err != nil || math.Abs(r.LR-1e-4) > 1e-12 {
+		t.Fatalf("lr %v, %v", r.LR, err)
+	}
+}
+
+func TestErrorsCarryStatusAndMessage(t *testing.T) {
+	_, err := LoadGraphFile("/nonexistent/dir/model.ctrg")
+	e := wantStatus(t, err, StatusIOError)
+	if !strings.Contains(e.Message, "/nonexistent/dir/model.ctrg") || e.Error() != "ctr: i/o error: "+e.Message {
+		t.Fatalf("message %q", e.Error())
+	}
+	if !errors.Is(err, &Error{Status: StatusIOError}) {
+		t.Fatal("errors.Is does not match on status")
+	}
+
+	junk := filepath.Join(t.TempDir(), "junk.ctrg")
+	os.WriteFile(junk, []byte("definitely not a flatbuffer"), 0o644)
+	_, err = LoadGraphFile(junk)
+	wantStatus(t, err, StatusInvalidGraph)
+
+	m, g := testMesh(t), testGraph(t)
+	_, err = NewStep(m, g, stepOptions().SetInt("bacth", 4))
+	if e := wantStatus(t, err, StatusInvalidOption); !strings.Contains(e.Message, "bacth") {
+		t.Fatalf("message does not name the key: %s", e.Message)
+	}
+	_, err = NewStep(m, g, stepOptions().SetString("lr", "fast"))
+	wantStatus(t, err, StatusInvalidOption)
+	_, err = NewStep(m, g, nil)
+	wantStatus(t, err, StatusInvalidOption)
+	_, err = NewMesh(NewOptions().SetInt("ra\x00nk", 0))
+	wantStatus(t, err, StatusInvalidArgument)
+	if _, err := NewPresetGraph("resnet", nil); err == nil || !strings.Contains(err.Error(), "resnet") {
+		t.Fatalf("unknown preset: %v", err)
+	}
+
+	s := newStep(t, m, g, stepOptions())
+	_, err = s.Run()
+	wantStatus(t, err, StatusInvalidState)
+	wantStatus(t, s.SetInput("tokens", make([]int32, 3)), StatusInvalidArgument)
+	bad := make([]int32, testBatch*testSeq)
+	bad[5] = 256
+	if e := wantStatus(t, s.SetInput("tokens", bad), StatusDataError); !strings.Contains(e.Message, "tokens") {
+		t.Fatalf("message does not name the input: %s", e.Message)
+	}
+	wantStatus(t, s.SetInput("nope", bad), StatusNotFound)
+	wantStatus(t, s.SetInput("tokens", []string{"a"}), StatusInvalidArgument)
+	wantStatus(t, s.FeedFromLoader(testBatch), StatusInvalidState)
+
+	l := testLoader(t)
+	wantStatus(t, l.Next(2, make([]int32, 10), make([]int32, 10)), StatusInvalidArgument)
+	_, err = NewBuiltinLoader(nil)
+	wantStatus(t, err, StatusInvalidOption)
+
+	ckpt := filepath.Join(t.TempDir(), "ckpt")
+	if err := s.Save(ckpt); err != nil {
+		t.Fatal(err)
+	}
+	entries, _ := os.ReadDir(ckpt)
+	for _, en := range entries {
+		p := filepath.Join(ckpt, en.Name())
+		b, _ := os.ReadFile(p)
+		b[len(b)/2] ^= 0xff
+		os.WriteFile(p, b, 0o644)
+	}
+	wantStatus(t, s.Load(ckpt), StatusCheckpointError)
+}
+
+// The error message is thread-local in C; failures on many goroutines at once
+// must each get their own message (the binding pins the OS thread per call).
+func TestErrorsFromManyGoroutines(t *testing.T) {
+	var wg sync.WaitGroup
+	for i := 0; i < 8; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			for j := 0; j < 50; j++ {
+				path := filepath.Join("/nonexistent", strings.Repeat("x", i+1)+".ctrg")
+				_, err := LoadGraphFile(path)
+				if e, ok := err.(*Error); !ok || !strings.Contains(e.Message, path) {
+					t.Errorf("goroutine %d: %v", i, err)
+					return
+				}
+				runtime.Gosched()
+			}
+		}(i)
+	}
+	wg.Wait()
+}
+
+func TestCloseInAnyOrder(t *testing.T) {
+	m, _ := NewMesh(nil)
+	g, _ := NewPresetGraph("gpt", NewOptions().SetInt("layers", 1).SetInt("dim", 32).
+		SetInt("heads", 2).SetInt("vocab", 256).SetInt("seq", testSeq))
+	s, err := NewStep(m, g, stepOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, _ := NewBuiltinLoader(NewOptions().SetInt("seq", testSeq))
+	if err := s.AttachLoader(l); err != nil {
+		t.Fatal(err)
+	}
+	params, _ := g.ParamNames()
+	// Closing what the step depends on only marks it closed; the step still runs.
+	m.Close()
+	g.Close()
+	l.Close()
+	if _, err := NewStep(m, g, stepOptions()); err == nil {
+		t.Fatal("NewStep accepted a closed mesh")
+	}
+	if _, err := g.ParamCount(); StatusOf(err) != StatusInvalidState {
+		t.Fatalf("closed graph: %v", err)
+	}
+	if err := s.FeedFromLoader(testBatch); StatusOf(err) != StatusInvalidState {
+		t.Fatalf("closed loader: %v", err)
+	}
+	if w, err := s.Param(params[0]); err != nil || len(w) == 0 {
+		t.Fatalf("Param through a step whose graph the owner closed: %v", err)
+	}
+	tokens := make([]int32, testBatch*testSeq)
+	s.SetInput("tokens", tokens)
+	s.SetInput("targets", tokens)
+	if _, err := s.Run(); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	s.Close()
+	if _, err := s.Run(); StatusOf(err) != StatusInvalidState {
+		t.Fatalf("closed step: %v", err)
+	}
+	if s.Count() != -1 {
+		t.Fatal("Count on a closed step")
+	}
+
+	// Handles dropped without Close are freed by their finalizers.
+	for i := 0; i < 3; i++ {
+		m, _ := NewMesh(nil)
+		NewStep(m, testGraph(t), stepOptions())
+	}
+	runtime.GC()
+	runtime.GC()
+}
