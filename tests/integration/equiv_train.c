@@ -117,6 +117,12 @@ int main(int argc, char **argv) {
     if (out) fprintf(out, "param %.9g\n", sum);
     free(w);
   }
+  {
+    /* Per-rank bytes of parameters and optimizer state: ~1/N under fsdp=N. */
+    int64_t arena = 0, pbytes = 0, obytes = 0;
+    CHECK(ctr_step_memory(step, &arena, &pbytes, &obytes));
+    if (out) fprintf(out, "memory %lld %lld\n", (long long)pbytes, (long long)obytes);
+  }
   if (out) fclose(out);
   free(tok);
   free(tgt);

@@ -29,14 +29,16 @@ def run(preset, nprocs, mesh, out, reshard=1, micro=1):
 
 
 def read(path):
-    losses, param = [], None
+    losses, param, memory = [], None, None
     for line in open(path):
         parts = line.split()
         if parts[0] == "param":
             param = float(parts[1])
+        elif parts[0] == "memory":
+            memory = int(parts[1]) + int(parts[2])
         else:
             losses.append(float(parts[0]))
-    return losses, param
+    return losses, param, memory
 
 
 def main():
@@ -48,7 +50,7 @@ def main():
         if err:
             failures.append(err)
             continue
-        ref, ref_param = read(ref_path)
+        ref, ref_param, ref_mem = read(ref_path)
         if len(ref) != STEPS or not ref[-1] < ref[0]:
             failures.append(f"{preset}: reference run did not train: {ref}")
         cases = [(2, "fsdp=2", 1, 1), (4, "fsdp=4", 1, 1), (4, "dp=2,fsdp=2", 1, 1),
@@ -60,7 +62,15 @@ def main():
             if err:
                 failures.append(f"{label}: {err}")
                 continue
-            got, param = read(path)
+            got, param, mem = read(path)
+            fsdp = int(mesh.split("fsdp=")[1]) if "fsdp=" in mesh else 1
+            # Parameters + optimizer state per rank shrink ~1/fsdp (padding and
+            # 64-byte alignment of each shard add a little).
+            # (With micro-batches a gradient accumulator joins Adam's m and v.)
+            extra = 4 / 3 if micro > 1 else 1.0
+            if mem is None or not mem <= ref_mem * extra / fsdp * 1.15:
+                failures.append(f"{label}: rank 0 holds {mem} bytes of params+optimizer, "
+                                f"one rank holds {ref_mem}; expected about 1/{fsdp}")
             worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref)) if got else 1.0
             if len(got) != STEPS or worst > 1e-5:
                 failures.append(f"{label}: losses differ from 1 rank by {worst:.2e} relative\n"
@@ -68,7 +78,7 @@ def main():
             if param is None or abs(param - ref_param) > 1e-4 * abs(ref_param):
                 failures.append(f"{label}: final weights differ: {param} vs {ref_param}")
             print(f"{label}: max relative loss difference {worst:.2e}, "
-                  f"weights {param:.9g} vs {ref_param:.9g}")
+                  f"weights {param:.9g} vs {ref_param:.9g}, params+optimizer {mem} of {ref_mem} bytes")
     if failures:
         print(f"{len(failures)} failure(s):")
         for f in failures:

@@ -1,0 +1,88 @@
+#!/usr/bin/python3
+"""`ctr launch`: rank environment, prefixed output, the job ending with the first
+failing rank's status, and signal forwarding. Every run has a hard time limit.
+
+usage: test_launch.py CTR
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+CTR = os.path.abspath(sys.argv[1])
+failures = []
+
+
+def check(cond, msg):
+    if not cond:
+        failures.append(msg)
+
+
+def launch(n, script, timeout=60):
+    t0 = time.monotonic()
+    p = subprocess.run([CTR, "launch", "-n", str(n), "--grace-ms", "2000", "--", "sh", "-c", script],
+                       capture_output=True, text=True, timeout=timeout)
+    return p, time.monotonic() - t0
+
+
+def main():
+    # Environment and prefixes.
+    p, _ = launch(3, 'echo "rank=$CTR_RANK world=$CTR_WORLD_SIZE port=$CTR_MASTER_PORT token=${#CTR_JOB_TOKEN}"; echo err >&2')
+    check(p.returncode == 0, f"clean job exited {p.returncode}: {p.stderr}")
+    for r in range(3):
+        check(any(line.startswith(f"[{r}] rank={r} world=3 port=") and line.endswith("token=32")
+                  for line in p.stdout.splitlines()), f"rank {r} line missing: {p.stdout}")
+        check(f"[{r}] err" in p.stderr, f"rank {r} stderr not prefixed: {p.stderr}")
+    ports = {line.split("port=")[1].split()[0] for line in p.stdout.splitlines() if "port=" in line}
+    check(len(ports) == 1, f"ranks disagree on the port: {ports}")
+
+    # One rank fails: the others (blocked reading a pipe nobody writes) are
+    # stopped and the launcher returns the failing rank's status.
+    p, elapsed = launch(3, 'if [ "$CTR_RANK" = 1 ]; then exit 7; fi; exec cat')
+    check(p.returncode == 7, f"expected the failing rank's status 7, got {p.returncode}")
+    check("rank 1 exited with status 7" in p.stderr, f"no failure note: {p.stderr}")
+    check(elapsed < 30, f"stopping the job took {elapsed:.1f} s")
+
+    # A command that cannot start.
+    p = subprocess.run([CTR, "launch", "-n", "2", "--", "/nonexistent/program"],
+                       capture_output=True, text=True, timeout=60)
+    check(p.returncode == 127 and "cannot run '/nonexistent/program'" in p.stderr,
+          f"missing program: {p.returncode} {p.stderr}")
+
+    # SIGTERM to the launcher is forwarded; ranks that trap it report and exit.
+    proc = subprocess.Popen(
+        [CTR, "launch", "-n", "2", "--", "sh", "-c",
+         'trap "echo got-term; exit 0" TERM; echo ready; while :; do :; done'],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready = 0
+    while ready < 2:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        ready += "ready" in line
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        failures.append("launcher did not stop after SIGTERM")
+    check(out.count("got-term") == 2, f"SIGTERM not forwarded to both ranks: {out} {err}")
+    check(proc.returncode == 128 + signal.SIGTERM, f"launcher exit after SIGTERM: {proc.returncode}")
+
+    # Usage errors.
+    p = subprocess.run([CTR, "launch", "-n", "0", "--", "true"], capture_output=True, text=True, timeout=30)
+    check(p.returncode == 2, f"-n 0 exited {p.returncode}")
+
+    if failures:
+        print(f"{len(failures)} failure(s):")
+        for f in failures:
+            print(" -", f)
+        return 1
+    print("launch: all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
