@@ -928,10 +928,22 @@ void Transport::run() {
       last_event = now;
       continue;
     }
-    if (!active_.empty() && now - last_event < std::chrono::microseconds(kSpinUs)) continue;
+    // Unproductive passes yield the core: with more busy threads than cores
+    // (ranks, their progress threads, compute) a spinning thread would
+    // otherwise hold the core for a whole time slice while the peer that would
+    // drain its FIFO waits for it.
+    if (!active_.empty() && now - last_event < std::chrono::microseconds(kSpinUs)) {
+      std::this_thread::yield();
+      continue;
+    }
     // Sleep until UCP has an event, another thread hands over work, or the
     // timer lets keepalive and failure deadlines run.
-    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) {
+      // UCP cannot sleep: a send waits for room at a peer, and only polling
+      // notices when there is some.
+      std::this_thread::yield();
+      continue;
+    }
     int timeout = kIdlePollMs;
     for (Coll *c : active_) {
       if (!c->failing && c->lost < 0) continue;
@@ -945,23 +957,27 @@ void Transport::run() {
   }
 }
 
-// Polls the worker's and the wakeup event fds and the local peers' pidfds for
-// up to timeout_ms (0: just look); a peer whose process exited is failed.
+// Waits up to timeout_ms for the worker's event fd, the wakeup eventfd or a
+// local peer's pidfd; with timeout_ms 0 (a busy thread's periodic check) looks
+// at the pidfds only, so that a wakeup for work queued meanwhile is not
+// consumed. A peer whose process exited is failed.
 void Transport::watch_peers(int timeout_ms) {
-  std::vector<pollfd> fds = {{worker_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  std::vector<pollfd> fds;
+  if (timeout_ms != 0) fds = {{worker_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  const size_t first = fds.size();
   std::vector<int> ranks;
   for (const Peer &p : peers_) {
     if (p.pidfd < 0) continue;
     fds.push_back({p.pidfd, POLLIN, 0});
     ranks.push_back(p.rank);
   }
-  if (::poll(fds.data(), fds.size(), timeout_ms) <= 0) return;
-  if (fds[1].revents) {
+  if (fds.empty() || ::poll(fds.data(), fds.size(), timeout_ms) <= 0) return;
+  if (first && fds[1].revents) {
     uint64_t v;
     [[maybe_unused]] ssize_t n = ::read(wake_fd_, &v, sizeof v);
   }
   for (size_t i = 0; i < ranks.size(); ++i) {
-    if (!fds[i + 2].revents) continue;
+    if (!fds[first + i].revents) continue;
     Peer &p = peers_[ranks[i]];
     ::close(p.pidfd);
     p.pidfd = -1;

@@ -181,6 +181,21 @@ def main():
         end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
         check(len(raw) == 8 + n + end, "safetensors data size does not match its header")
 
+    # 6. ctr export from a checkpoint; the file round-trips through --init-safetensors.
+    st2 = os.path.join(tmp, "from_ckpt.safetensors")
+    run(["export", graph, "--checkpoint", os.path.join(tmp, "same1", "step_00000010"), "--safetensors", st2])
+    m1, m2 = os.path.join(tmp, "i1.jsonl"), os.path.join(tmp, "i2.jsonl")
+    run(["run", graph, "--steps", "3", "--batch", "2", "--log-every", "0", "--init-safetensors", st2,
+         "--metrics", m1, "--schedule", "constant", "--lr", "0"])
+    run(["run", graph, "--steps", "3", "--batch", "2", "--log-every", "0", "--metrics", m2,
+         "--schedule", "constant", "--lr", "0"])
+    l1, l2 = losses(m1), losses(m2)
+    check(len(l1) == 3 and len(l2) == 3 and l1[0] < l2[0] - 0.05,
+          f"parameters from the safetensors file should give a trained model's loss: {l1} vs {l2}")
+    p = run(["run", graph, "--steps", "1", "--batch", "2", "--init-safetensors", graph], expect=1)
+    if p is not None:
+        check("ctr: error:" in p.stderr and graph in p.stderr, f"bad safetensors message: {p.stderr}")
+
     if failures:
         print(f"{len(failures)} failure(s):")
         for f in failures:

@@ -289,7 +289,7 @@ int cmd_graph_inspect(const InspectArgs &a) {
 
 struct RunArgs {
   std::string graph, data, schedule = "cosine", metrics, device, mesh;
-  std::string save_dir = "checkpoints", resume, export_safetensors;
+  std::string save_dir = "checkpoints", resume, export_safetensors, init_safetensors;
   int64_t save_every = 0, keep = 3, stop_after = 0;
   bool async_save = false;
   int64_t steps = 0, batch = 0, seq = 0, micro_batches = 1, warmup = 0, seed = 0, data_seed = 0;
@@ -472,6 +472,10 @@ int cmd_run(const RunArgs &a) {
   // The loader's position goes into checkpoints with the step.
   check(ctr_step_attach_loader(step.get(), train_loader.get()));
 
+  if (!a.init_safetensors.empty()) {
+    check(ctr_step_import_safetensors(step.get(), a.init_safetensors.c_str(), nullptr));
+    if (lead) std::printf("parameters from %s\n", a.init_safetensors.c_str());
+  }
   int64_t first_step = 1;
   if (!a.resume.empty()) {
     std::vector<std::string> candidates;
@@ -701,6 +705,34 @@ int cmd_run(const RunArgs &a) {
 }
 
 // ------------------------------------------------------------------------------------------
+// ctr export: a checkpoint's parameters as safetensors, under the graph's names.
+
+struct ExportArgs {
+  std::string graph, checkpoint, safetensors;
+};
+
+int cmd_export(const ExportArgs &a) {
+  Graph graph = load_graph(a.graph);
+  Options mesh_opts = new_options();
+  ctr_mesh *raw_mesh = nullptr;
+  check(ctr_mesh_create_from_env(mesh_opts.get(), &raw_mesh));
+  Mesh mesh(raw_mesh);
+  Options step_opts = new_options();
+  set_int(step_opts.get(), "batch", 1);
+  set_int(step_opts.get(), "seq", 1);
+  ctr_step *raw_step = nullptr;
+  check(ctr_step_create(mesh.get(), graph.get(), step_opts.get(), &raw_step));
+  Step step(raw_step);
+  if (!a.checkpoint.empty()) check(ctr_step_load(step.get(), a.checkpoint.c_str()));
+  check(ctr_step_export_safetensors(step.get(), a.safetensors.c_str()));
+  if (ctr_mesh_rank(mesh.get()) == 0)
+    std::printf("wrote %s (%s at step %" PRId64 ")\n", a.safetensors.c_str(),
+                a.checkpoint.empty() ? "initial parameters" : a.checkpoint.c_str(),
+                ctr_step_count(step.get()));
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------
 // ctr version
 
 int cmd_version() {
@@ -851,6 +883,8 @@ int run_main(int argc, char **argv) {
                       "Stop after this many steps of this invocation (the schedule still spans "
                       "--steps; resume later with --resume)")
       ->check(kNonNegative);
+  run_cmd->add_option("--init-safetensors", run.init_safetensors,
+                      "Start from the parameters in this safetensors file (names as in the graph)");
   run_cmd->add_option("--export-safetensors", run.export_safetensors,
                       "Write the trained parameters as a safetensors file at the end");
 
@@ -869,6 +903,15 @@ int run_main(int argc, char **argv) {
       ->required();
   launch_cmd->positionals_at_end(true);
 
+  ExportArgs exp;
+  CLI::App *export_cmd = app.add_subcommand(
+      "export", "Write a graph's parameters (from a checkpoint) as a safetensors file");
+  export_cmd->add_option("graph", exp.graph, "Graph file")->required();
+  export_cmd->add_option("--checkpoint", exp.checkpoint,
+                         "Checkpoint directory to read the parameters from (default: the "
+                         "graph's initial parameters)");
+  export_cmd->add_option("--safetensors", exp.safetensors, "Output file")->required();
+
   CLI::App *version_cmd = app.add_subcommand("version", "Print the library and ABI version");
 
   try {
@@ -885,6 +928,7 @@ int run_main(int argc, char **argv) {
   if (run_cmd->parsed()) return cmd_run(run);
   if (version_cmd->parsed()) return cmd_version();
   if (launch_cmd->parsed()) return ctr_tool::launch(launch);
+  if (export_cmd->parsed()) return cmd_export(exp);
   return 2;
 }
 
