@@ -25,64 +25,21 @@
 #include "common/math.h"
 #include "core/thread_pool.h"
 #include "cpu/kernels.h"
+#include "cpu/rows.h"
 
 namespace ctr::cpu {
 namespace {
+
+using rows::row_max;
+using rows::exp_sum;
+using rows::row_dot;
 
 // Rows per causal block: small enough to skip most of the masked triangle, large
 // enough that each sgemm call still runs near full speed.
 constexpr int64_t kBlock = 64;
 
-typedef float v16 __attribute__((vector_size(64)));
 
-// GCC vectorises a float max reduction only under -ffinite-math-only, so the
-// lanes are spelled out with the vector extension (GCC and Clang).
-float row_max(const float *x, int64_t n) {
-  v16 acc;
-  for (int k = 0; k < 16; ++k) acc[k] = x[0];
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    v16 v;
-    std::memcpy(&v, x + i, sizeof v);
-    acc = v > acc ? v : acc;
-  }
-  float m = acc[0];
-  for (int k = 1; k < 16; ++k) m = acc[k] > m ? acc[k] : m;
-  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
-}
 
-// y[j] = exp(x[j] - m), returning their sum; sixteen independent partial sums
-// vectorise without reassociating. y may be x.
-float exp_sum(const float *x, float *y, float m, int64_t n) {
-  float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int k = 0; k < 16; ++k) {
-      const float e = math::exp_fast(x[i + k] - m);
-      y[i + k] = e;
-      acc[k] += e;
-    }
-  float s = 0.0f;
-  for (; i < n; ++i) {
-    const float e = math::exp_fast(x[i] - m);
-    y[i] = e;
-    s += e;
-  }
-  for (int k = 0; k < 16; ++k) s += acc[k];
-  return s;
-}
-
-float row_dot(const float *x, const float *y, int64_t n) {
-  float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int k = 0; k < 16; ++k) acc[k] += x[i + k] * y[i + k];
-  float s = 0.0f;
-  for (; i < n; ++i) s += x[i] * y[i];
-  for (int k = 0; k < 16; ++k) s += acc[k];
-  return s;
-}
 
 // In-place softmax of the first n entries of a row; entries n .. end are zeroed.
 void softmax_prefix(float *p, int64_t n, int64_t end) {

@@ -15,31 +15,16 @@
 #include "common/math.h"
 #include "core/thread_pool.h"
 #include "cpu/kernels.h"
+#include "cpu/rows.h"
 
 namespace ctr::cpu {
 namespace {
 
+using rows::row_max;
+
 // Elements per chunk below which a loop stays on the calling thread (one exp each).
 constexpr int64_t kGrain = 1 << 12;
 
-typedef float v16 __attribute__((vector_size(64)));
-
-// GCC vectorises a float max reduction only under -ffinite-math-only, so the
-// lanes are spelled out with the vector extension (GCC and Clang).
-float row_max(const float *x, int64_t n) {
-  v16 acc;
-  for (int k = 0; k < 16; ++k) acc[k] = x[0];
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    v16 v;
-    std::memcpy(&v, x + i, sizeof v);
-    acc = v > acc ? v : acc;
-  }
-  float m = acc[0];
-  for (int k = 1; k < 16; ++k) m = acc[k] > m ? acc[k] : m;
-  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
-}
 
 // log(sum(exp(x))) of one row, shifted by its maximum; sixteen independent
 // partial sums vectorise without reassociating.

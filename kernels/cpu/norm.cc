@@ -16,24 +16,17 @@
 
 #include "core/thread_pool.h"
 #include "cpu/kernels.h"
+#include "cpu/rows.h"
 
 namespace ctr::cpu {
 namespace {
+
+using rows::row_sum;
 
 // Elements per chunk below which a loop stays on the calling thread.
 constexpr int64_t kGrain = 1 << 14;
 constexpr int64_t kCols = 256;
 
-float row_sum(const float *x, int64_t n) {
-  float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int k = 0; k < 16; ++k) acc[k] += x[i + k];
-  float s = 0.0f;
-  for (; i < n; ++i) s += x[i];
-  for (int k = 0; k < 16; ++k) s += acc[k];
-  return s;
-}
 
 // sum of (x - c)^2
 float row_sq_dev(const float *x, float c, int64_t n) {

@@ -16,6 +16,8 @@
 //                        of the others fails naming it, within the timeout
 //   comm_test hang       the last rank lives but skips a barrier: the others
 //                        time out naming it; everyone then shuts down promptly
+//   comm_test server-dead  rank 0 (the store) exits after the join: the others'
+//                        store requests fail at once instead of waiting
 //
 // Configuration comes from CTR_RANK, CTR_WORLD_SIZE, CTR_MASTER_ADDR,
 // CTR_MASTER_PORT, CTR_JOB_TOKEN and CTR_TIMEOUT_MS. Exit status 0 means every
@@ -631,6 +633,29 @@ int run_hang(const Env &e) {
   return 0;
 }
 
+// Rank 0, which serves the store, exits right after the join; the others'
+// next store request fails with CTR_STATUS_COMM_ERROR instead of waiting.
+int run_server_dead(const Env &e) {
+  auto store = ctr::store_join(rendezvous(e));
+  if (e.rank == 0) {
+    std::printf("comm_test: rank 0 of %d: exiting without a word\n", e.world);
+    std::fflush(stdout);
+    std::_Exit(0);
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  std::string msg = expect_error("get after the store died", CTR_STATUS_COMM_ERROR,
+                                 {"lost the connection to the store"},
+                                 [&] { store->get("server-dead/never", 4 * e.timeout_ms); });
+  double took = elapsed_s(t0);
+  CHECK(took < 5.0, "noticing the dead store took %.1f s", took);
+  expect_error("set after the store died", CTR_STATUS_COMM_ERROR, {"rendezvous"},
+               [&] { store->set("server-dead/key", "v"); });
+  std::fprintf(stderr, "comm_test: rank %d: failed as expected after %.2f s: %s\n", e.rank, took,
+               msg.c_str());
+  std::printf("comm_test: rank %d of %d: PASS server-dead\n", e.rank, e.world);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -643,6 +668,7 @@ int main(int argc, char **argv) {
     if (mode == "missing") return run_missing(e);
     if (mode == "dead") return run_dead(e);
     if (mode == "hang") return run_hang(e);
+    if (mode == "server-dead") return run_server_dead(e);
   } catch (const ctr::Error &err) {
     die("unexpected error (status %d): %s", err.code(), err.what());
   }

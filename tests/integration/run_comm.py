@@ -116,6 +116,9 @@ def main():
         cases.append(Case(f"hung rank, {n} ranks", n, "hang", timeout_ms=10000, max_s=25,
                           expect={r: [f"waiting for rank {n - 1}"] for r in range(n - 1)}))
 
+    cases.append(Case("store server dies", 3, "server-dead", timeout_ms=10000, max_s=15, leaver=0,
+                      expect={r: ["lost the connection to the store"] for r in (1, 2)}))
+
     failed = 0
     for case in cases:
         elapsed, problems, outs = run(exe, case)
