@@ -269,6 +269,45 @@ func equal(a, b []float64) bool {
 	return true
 }
 
+// Two "ranks" reading halves of each global batch see exactly the rows a
+// single reader of the whole batch sees, and stay in step with it.
+func TestLoaderSlicesMatchTheGlobalBatch(t *testing.T) {
+	whole, r0, r1 := testLoader(t), testLoader(t), testLoader(t)
+	half := 2 * testSeq
+	for i := 0; i < 3; i++ {
+		tokens, targets, err := whole.NextBatch(4)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t0, g0 := make([]int32, half), make([]int32, half)
+		t1, g1 := make([]int32, half), make([]int32, half)
+		if err := r0.NextSlice(4, 0, t0, g0); err != nil {
+			t.Fatal(err)
+		}
+		if err := r1.NextSlice(4, 2, t1, g1); err != nil {
+			t.Fatal(err)
+		}
+		for j := 0; j < half; j++ {
+			if t0[j] != tokens[j] || t1[j] != tokens[half+j] || g0[j] != targets[j] || g1[j] != targets[half+j] {
+				t.Fatalf("batch %d: slices differ from the global batch at %d", i, j)
+			}
+		}
+	}
+	// A rank that reads no rows still advances with the others.
+	if err := r0.NextSlice(4, 4, nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	whole.NextBatch(4)
+	a, _, _ := r0.NextBatch(1)
+	b, _, _ := whole.NextBatch(1)
+	for j := range a {
+		if a[j] != b[j] {
+			t.Fatal("a rank that read no rows fell out of step")
+		}
+	}
+	wantStatus(t, r1.NextSlice(4, 3, make([]int32, half), make([]int32, half)), StatusInvalidArgument)
+}
+
 func TestSafetensorsRoundTrip(t *testing.T) {
 	m, g := testMesh(t), testGraph(t)
 	path := filepath.Join(t.TempDir(), "w.safetensors")

@@ -91,6 +91,34 @@ func (l *Loader) Next(rows int, tokens, targets []int32) error {
 	})
 }
 
+// NextSlice is one rank's share of the next global batch: it advances the
+// loader by globalRows samples, exactly as Next(globalRows, ...) would, but
+// reads only the len(tokens)/Seq() rows starting at firstRow. Every rank calls
+// it with the same globalRows, so the loader's state stays the same on all
+// ranks however the batch is split.
+func (l *Loader) NextSlice(globalRows, firstRow int, tokens, targets []int32) error {
+	if l == nil || !l.ref.acquire() {
+		return newError(StatusInvalidState, "the loader is closed")
+	}
+	defer l.ref.release()
+	if l.seq <= 0 || int64(len(tokens))%l.seq != 0 || len(targets) != len(tokens) {
+		return newError(StatusInvalidArgument,
+			"ctr_loader_next_slice: buffers must hold whole rows of seq %d, got %d tokens and %d targets",
+			l.seq, len(tokens), len(targets))
+	}
+	rows := int64(len(tokens)) / l.seq
+	// The header allows NULL buffers for zero rows.
+	var tp, gp *C.int32_t
+	if rows > 0 {
+		tp, gp = (*C.int32_t)(unsafe.Pointer(&tokens[0])), (*C.int32_t)(unsafe.Pointer(&targets[0]))
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return call(func() C.ctr_status {
+		return C.ctr_loader_next_slice(l.ptr, C.int64_t(globalRows), C.int64_t(firstRow), C.int64_t(rows), tp, gp)
+	})
+}
+
 // NextBatch returns the next rows windows as new slices.
 func (l *Loader) NextBatch(rows int) (tokens, targets []int32, err error) {
 	n := int64(rows) * l.seq

@@ -135,9 +135,16 @@ typedef struct ctr_mesh ctr_mesh;
  *   "world"   int     number of ranks (default 1)
  *   "mesh"    string  axes as "dp=2,fsdp=4"; product must equal world
  *                     (default "fsdp=<world>")
- *   "threads" int     CPU worker threads (default: CTR_NUM_THREADS or all cores)
- * This build runs meshes of one rank on the CPU; other requests fail with
- * CTR_STATUS_UNSUPPORTED naming what is missing. */
+ *   "threads" int     CPU worker threads of the process (a process-wide setting;
+ *                     default: CTR_NUM_THREADS or all cores)
+ *   "master_addr" string, "master_port" int   rank 0's rendezvous address
+ *                     (default 127.0.0.1:29500, or the environment, see below)
+ *   "job_token" string  must be the same on every rank (default CTR_JOB_TOKEN)
+ *   "timeout" float   seconds to wait for the rendezvous and for any collective
+ *                     before failing with CTR_STATUS_TIMEOUT naming the rank (60)
+ * With more than one rank, creation joins the rendezvous served by rank 0 and
+ * connects the communicator; it is collective. The "cuda" device needs a build
+ * with the CUDA backend and otherwise fails with CTR_STATUS_UNSUPPORTED. */
 CTR_API ctr_status ctr_mesh_create(const ctr_options *options, ctr_mesh **out);
 
 /* As ctr_mesh_create, with rank and world read from the environment (CTR_RANK and
@@ -168,7 +175,8 @@ CTR_API ctr_status ctr_graph_load_file(const char *path, ctr_graph **out);
 /* As ctr_graph_load_file from bytes in memory; data is copied. */
 CTR_API ctr_status ctr_graph_load_buffer(const void *data, size_t size, ctr_graph **out);
 
-/* Builds a model preset: preset is "gpt" or "llama". options may be NULL. Keys:
+/* Builds a model preset: preset is "gpt" or "llama" (another name fails with
+ * CTR_STATUS_INVALID_OPTION). options may be NULL. Keys:
  *   "layers", "dim", "heads", "kv_heads", "vocab", "seq" (max positions),
  *   "ffn_dim" (0 = preset default), "tied" (int 0/1), "rope_theta" (float),
  *   "norm_eps" (float), "init_std" (float). */
@@ -188,10 +196,10 @@ CTR_API size_t ctr_graph_num_params(const ctr_graph *graph);
 CTR_API ctr_status ctr_graph_input_name(const ctr_graph *graph, size_t i, const char **name);
 CTR_API ctr_status ctr_graph_param_name(const ctr_graph *graph, size_t i, const char **name);
 
-/* dtype and shape of the named tensor. dims (capacity max_dims, may be NULL when
- * max_dims is 0) receives the sizes, -1 for a symbolic dim; *ndim the rank. Fails
- * with CTR_STATUS_INVALID_ARGUMENT, leaving dims untouched, if max_dims is too
- * small. */
+/* dtype and shape of the named tensor. dims (capacity max_dims) receives the
+ * sizes, -1 for a symbolic dim; *ndim the rank. Pass dims NULL and max_dims 0 to
+ * ask only for dtype and rank. Fails with CTR_STATUS_INVALID_ARGUMENT, leaving
+ * dims untouched, if max_dims is non-zero and too small. */
 CTR_API ctr_status ctr_graph_tensor_info(const ctr_graph *graph, const char *name,
                                          ctr_dtype *dtype, int64_t *dims, size_t max_dims,
                                          size_t *ndim);
@@ -282,7 +290,9 @@ CTR_API ctr_status ctr_step_set_param(ctr_step *step, const char *name, const fl
 
 /* Copies out a forward activation named in the step option "keep" (for example
  * the logits), as computed by the last ctr_step_run or ctr_step_evaluate (the
- * last micro-batch). count is its element count for one micro-batch. */
+ * last micro-batch). count is its element count for one micro-batch: the
+ * tensor's declared shape (ctr_graph_tensor_info) with "batch" and "seq" bound
+ * to the step's values; the presets declare "logits" as [batch, seq, vocab]. */
 CTR_API ctr_status ctr_step_get_output(ctr_step *step, const char *name, float *out,
                                        size_t count);
 
@@ -342,12 +352,37 @@ CTR_API ctr_status ctr_step_import_safetensors(ctr_step *step, const char *path,
 
 typedef struct ctr_loader ctr_loader;
 
-/* Opens a token source and a loader over it. path: an llm.c token file (uint16
- * or uint32), any other file read as bytes, or NULL for the built-in synthetic
- * corpus. Keys of options: "seq" (int, required), "seed" (int, data order, 0),
- * "corpus_bytes" (int, size of the built-in corpus). The order is a seeded
- * permutation of non-overlapping windows per epoch; the loader's state is a few
- * integers, saved by ctr_step_save when the loader is attached to the step. */
+/* Opens token sources and a loader over them. path (copied; the files are
+ * mapped until ctr_loader_free) is one of:
+ * - a token file: an llm.c .bin file (uint16 or uint32, with its header), a
+ *   1-D .npy array (little-endian uint16, uint32 or int32), raw uint16/uint32
+ *   tokens (with "format"), or any other file read as bytes;
+ * - a manifest, a .json file of weighted sub-datasets, each one or more files
+ *   read as one sequence (relative paths are relative to the manifest):
+ *     {"datasets": [{"files": ["a.bin", "b.bin"], "weight": 0.7},
+ *                   {"files": ["c.npy"], "weight": 0.3}],
+ *      "format": "auto", "mode": "windows", "eot": 50256}
+ *   (a dataset may also give its own "format" and a "name"; weights default
+ *   to 1 and only their ratios matter);
+ * - NULL for the built-in synthetic corpus.
+ * Keys of options:
+ *   "seq" int (required)     tokens per sample
+ *   "seed" int               data order (0)
+ *   "format" string          "auto" (default: llm.c and .npy by their header,
+ *                            a .json name is a manifest, else bytes), "llmc",
+ *                            "npy", "u16", "u32" or "bytes"
+ *   "mode" string            "windows" (default): fixed windows of seq + 1
+ *                            tokens; "documents": windows that never cross an
+ *                            end-of-text token, a document's last sample padded
+ *                            with token eot and target -1
+ *   "eot" int                the end-of-text token id (required by documents)
+ *   "corpus_bytes" int       size of the built-in corpus
+ * "mode" and "eot" override the manifest's. Each sub-dataset's order is a
+ * seeded permutation of its samples per epoch, and sub-datasets are
+ * interleaved by a deterministic schedule that follows the weights; the
+ * loader's state is a few integers per sub-dataset, saved by ctr_step_save when
+ * the loader is attached to the step and valid for any number of ranks. A bad
+ * file or manifest fails with CTR_STATUS_DATA_ERROR naming it and the fault. */
 CTR_API ctr_status ctr_loader_create(const char *path, const ctr_options *options,
                                      ctr_loader **out);
 CTR_API void ctr_loader_free(ctr_loader *loader);
@@ -358,13 +393,28 @@ CTR_API void ctr_loader_free(ctr_loader *loader);
 CTR_API ctr_status ctr_loader_next(ctr_loader *loader, int64_t rows, int32_t *tokens,
                                    int32_t *targets);
 
-/* Tokens in the source and the largest token id (any pointer may be NULL). */
+/* Tokens in the source (all sub-datasets of a manifest) and the largest token id
+ * (any pointer may be NULL). */
 CTR_API ctr_status ctr_loader_info(const ctr_loader *loader, int64_t *tokens,
                                    int64_t *max_token);
 
 /* Makes ctr_step_save / ctr_step_load include this loader's position. The
  * loader must outlive the step or be detached with loader NULL. */
 CTR_API ctr_status ctr_step_attach_loader(ctr_step *step, ctr_loader *loader);
+
+/* One rank's share of a global batch: advances the loader by global_rows samples,
+ * exactly as ctr_loader_next(loader, global_rows, ...) would, but reads only the
+ * rows samples starting at row first_row of that batch (the others touch no
+ * token data) into tokens and targets, [rows, seq] int32 each (caller-owned, may
+ * be NULL when rows is 0). Every rank calls it with the same global_rows and
+ * its own first_row, so the loader state stays identical on all ranks and
+ * independent of how the batch is split: a job restored with another world size
+ * continues the same sequence of samples. Requires 0 <= first_row and
+ * first_row + rows <= global_rows (else CTR_STATUS_INVALID_ARGUMENT, loader
+ * unchanged). One thread at a time per loader. */
+CTR_API ctr_status ctr_loader_next_slice(ctr_loader *loader, int64_t global_rows,
+                                         int64_t first_row, int64_t rows, int32_t *tokens,
+                                         int32_t *targets);
 
 #ifdef __cplusplus
 } /* extern "C" */

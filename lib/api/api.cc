@@ -562,16 +562,27 @@ ctr_loader::~ctr_loader() = default;
 extern "C" ctr_status ctr_loader_create(const char *path, const ctr_options *options, ctr_loader **out) {
   CTR_API_BEGIN
   REQUIRE_ARG(out != nullptr, "ctr_loader_create: out is NULL");
+  REQUIRE_ARG(path == nullptr || path[0] != '\0',
+              "ctr_loader_create: path is empty (NULL selects the built-in corpus)");
   ctr::OptionReader r(options, "ctr_loader_create");
   CTR_REQUIRE(r.has("seq"), CTR_STATUS_INVALID_OPTION, "ctr_loader_create: option 'seq' is required");
-  int64_t seq = r.get_int("seq", 0, 1, 1 << 24);
-  uint64_t seed = static_cast<uint64_t>(r.get_int("seed", 0, 0));
-  int64_t bytes = r.get_int("corpus_bytes", ctr::data::kSyntheticDefaultBytes, 1, int64_t{1} << 34);
+  ctr::data::OpenOptions o;
+  o.seq = r.get_int("seq", 0, 1, 1 << 24);
+  o.seed = static_cast<uint64_t>(r.get_int("seed", 0, 0));
+  o.corpus_bytes = r.get_int("corpus_bytes", ctr::data::kSyntheticDefaultBytes, 1, int64_t{1} << 34);
+  if (r.has("format"))
+    o.format = ctr::data::format_from_name(
+        r.get_string("format", "auto", {"auto", "llmc", "npy", "u16", "u32", "bytes"}));
+  if (r.has("mode"))
+    o.mode = r.get_string("mode", "windows", {"windows", "documents"}) == "documents"
+                 ? ctr::data::Mode::Documents
+                 : ctr::data::Mode::Windows;
+  if (r.has("eot")) o.eot = r.get_int("eot", 0, 0, UINT32_MAX);
   r.finish();
   auto l = std::make_unique<ctr_loader>();
-  l->seq = seq;
-  l->source = path ? ctr::data::TokenSource::open(path) : ctr::data::TokenSource::synthetic(0, bytes);
-  l->loader = std::make_unique<ctr::data::Loader>(*l->source, seq, 1, seed);
+  l->seq = o.seq;
+  // The loader owns its sources (one file, a manifest's files, or the corpus).
+  l->loader = ctr::data::open_loader(path ? path : "", o);
   *out = l.release();
   CTR_API_END
 }
@@ -583,15 +594,34 @@ extern "C" ctr_status ctr_loader_next(ctr_loader *loader, int64_t rows, int32_t 
   REQUIRE_ARG(loader != nullptr, "ctr_loader_next: loader is NULL");
   REQUIRE_ARG(rows >= 0, "ctr_loader_next: rows must be >= 0");
   REQUIRE_ARG(tokens != nullptr && targets != nullptr, "ctr_loader_next: tokens or targets is NULL");
-  for (int64_t r = 0; r < rows; ++r) loader->loader->next(tokens + r * loader->seq, targets + r * loader->seq);
+  loader->loader->next_slice(rows, 0, rows, tokens, targets);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_loader_next_slice(ctr_loader *loader, int64_t global_rows, int64_t first_row,
+                                            int64_t rows, int32_t *tokens, int32_t *targets) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(loader != nullptr, "ctr_loader_next_slice: loader is NULL");
+  REQUIRE_ARG(global_rows >= 0, "ctr_loader_next_slice: global_rows must be >= 0, got %lld",
+              static_cast<long long>(global_rows));
+  REQUIRE_ARG(first_row >= 0 && rows >= 0 && first_row <= global_rows - rows,
+              "ctr_loader_next_slice: rows [%lld, %lld + %lld) are not inside the global batch of "
+              "%lld rows",
+              static_cast<long long>(first_row), static_cast<long long>(first_row),
+              static_cast<long long>(rows), static_cast<long long>(global_rows));
+  REQUIRE_ARG(rows == 0 || (tokens != nullptr && targets != nullptr),
+              "ctr_loader_next_slice: tokens or targets is NULL");
+  loader->loader->next_slice(global_rows, first_row, rows, tokens, targets);
   CTR_API_END
 }
 
 extern "C" ctr_status ctr_loader_info(const ctr_loader *loader, int64_t *tokens, int64_t *max_token) {
   CTR_API_BEGIN
   REQUIRE_ARG(loader != nullptr, "ctr_loader_info: loader is NULL");
-  if (tokens) *tokens = loader->source->size();
-  if (max_token) *max_token = loader->source->max_token();
+  const int64_t n = loader->loader->tokens();
+  const int64_t m = loader->loader->max_token();
+  if (tokens) *tokens = n;
+  if (max_token) *max_token = m;
   CTR_API_END
 }
 

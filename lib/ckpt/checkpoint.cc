@@ -227,11 +227,9 @@ void Step::save(const std::string &dir_in, bool async) {
     for (const auto &a : mesh_.axes) mesh.push_back({a.first, a.second});
     meta["mesh"] = {{"world", mesh_.world}, {"axes", mesh}};
     meta["options"] = json::parse(options_json_.empty() ? "{}" : options_json_);
-    if (loader_) {
-      data::LoaderState st = loader_->loader->state();
-      meta["loader"] = {{"seed", st.seed}, {"epoch", st.epoch}, {"position", st.position},
-                        {"seq", loader_->seq}, {"source", loader_->source->name()}};
-    }
+    // The loader's own JSON: a few integers per sub-dataset plus what it must
+    // match (seq, sub-dataset sizes and weights) to be restored.
+    if (loader_) meta["loader"] = loader_->loader->state_json();
   }
   PendingSave *raw = p.get();
   pending_save_ = std::move(p);
@@ -304,7 +302,7 @@ void Step::load(const std::string &dir_in) {
   std::vector<std::array<std::vector<float>, 3>> stage(slots_.size());
   int64_t step = 0;
   json loader_state;
-  data::LoaderState old_loader;
+  json old_loader;
   bool restored_loader = false;
   try {
     const std::string meta_path = dir + "/meta.json";
@@ -415,13 +413,13 @@ void Step::load(const std::string &dir_in) {
           ckpt_fail(strformat("%s: the checkpoint's data loader used seq %lld, this one uses %lld", dir.c_str(),
                               static_cast<long long>(loader_state.value("seq", int64_t{0})),
                               static_cast<long long>(loader_->seq)));
-        data::LoaderState st;
-        st.seed = loader_state.at("seed").get<uint64_t>();
-        st.epoch = loader_state.at("epoch").get<uint64_t>();
-        st.position = loader_state.at("position").get<uint64_t>();
-        old_loader = loader_->loader->state();
+        old_loader = loader_->loader->state_json();
         restored_loader = true;
-        loader_->loader->restore(st);
+        try {
+          loader_->loader->restore_json(loader_state);
+        } catch (const Error &e) {
+          ckpt_fail(strformat("%s: %s", dir.c_str(), e.message().c_str()));
+        }
       }
     } catch (const json::exception &e) {
       ckpt_fail(strformat("%s: corrupt metadata: %s", (dir + "/meta.json").c_str(), e.what()));
@@ -430,7 +428,7 @@ void Step::load(const std::string &dir_in) {
     err = e.message();
   }
   if (any_rank(!err.empty())) {
-    if (restored_loader) loader_->loader->restore(old_loader);
+    if (restored_loader) loader_->loader->restore_json(old_loader);
     fail(CTR_STATUS_CHECKPOINT_ERROR,
          err.empty() ? strformat("%s: another rank failed to load this checkpoint (see its error)", dir.c_str()) : err);
   }

@@ -64,6 +64,10 @@ constexpr int64_t kServerLingerMs = 5000;
 // A peer that has not passed HELLO cannot make the server buffer more than this.
 constexpr uint32_t kMaxFrameBeforeHello = 64 * 1024;
 constexpr uint32_t kMaxFrame = 256u << 20;
+// Longer timeouts mean "forever"; capped so that now + timeout cannot overflow.
+constexpr int64_t kMaxTimeoutMs = int64_t{1} << 40;
+
+int64_t capped(int64_t ms) { return std::clamp<int64_t>(ms, 0, kMaxTimeoutMs); }
 
 enum class Req : uint8_t { Hello = 1, Join = 2, Set = 3, Get = 4, Add = 5, Barrier = 6 };
 
@@ -454,12 +458,15 @@ class StoreServer {
     c.in.erase(0, off);
   }
 
+  // Queues a frame and writes what the socket takes now, so that a requester
+  // gets its reply before the waiters its request wakes get theirs.
   void send(Conn &c, const std::string &frame) {
     if (c.out_off == c.out.size()) {
       c.out.clear();
       c.out_off = 0;
     }
     c.out += frame;
+    flush(c);
   }
 
   void flush(Conn &c) {
@@ -482,13 +489,12 @@ class StoreServer {
     auto it = conns_.find(id);
     if (it == conns_.end() || it->second.dead) return;
     send(it->second, frame);
-    flush(it->second);
   }
 
   void refuse(Conn &c, const std::string &reason) {
     std::fprintf(stderr, "ctr: rendezvous: refused connection: %s\n", reason.c_str());
+    c.closing = true;  // dropped as soon as the reply is out
     send(c, error_reply(CTR_STATUS_COMM_ERROR, "rendezvous: rank 0 refused this rank: " + reason));
-    c.closing = true;
   }
 
   // Forgets a connection and anything it was waiting for. Its rank stays
@@ -628,9 +634,7 @@ class StoreServer {
     return false;
   }
 
-  TimePoint deadline_in(int64_t ms) {
-    return Clock::now() + std::chrono::milliseconds(std::max<int64_t>(ms, 0));
-  }
+  TimePoint deadline_in(int64_t ms) { return Clock::now() + std::chrono::milliseconds(capped(ms)); }
 
   void wake_getters(const std::string &key) {
     auto it = get_waiters_.find(key);
@@ -726,7 +730,9 @@ class StoreServer {
 class TcpStore final : public Store {
  public:
   TcpStore(const RendezvousConfig &cfg, std::unique_ptr<StoreServer> server)
-      : cfg_(cfg), server_(std::move(server)) {}
+      : cfg_(cfg), server_(std::move(server)) {
+    cfg_.timeout_ms = capped(cfg_.timeout_ms);
+  }
 
   ~TcpStore() override {
     // Our own connection closes first, so rank 0's server waits only for the
@@ -761,7 +767,7 @@ class TcpStore final : public Store {
   }
 
   std::string get(const std::string &key, int64_t timeout_ms) override {
-    if (timeout_ms < 0) timeout_ms = cfg_.timeout_ms;
+    timeout_ms = timeout_ms < 0 ? cfg_.timeout_ms : capped(timeout_ms);
     std::lock_guard<std::mutex> lock(mu_);
     std::string body =
         request(Writer(static_cast<uint8_t>(Req::Get)).str(key).i64(timeout_ms).take(),
@@ -783,7 +789,7 @@ class TcpStore final : public Store {
   }
 
   void barrier(const std::string &name, int64_t timeout_ms) override {
-    if (timeout_ms < 0) timeout_ms = cfg_.timeout_ms;
+    timeout_ms = timeout_ms < 0 ? cfg_.timeout_ms : capped(timeout_ms);
     std::lock_guard<std::mutex> lock(mu_);
     request(Writer(static_cast<uint8_t>(Req::Barrier)).str(name).i64(timeout_ms).take(),
             Clock::now() + std::chrono::milliseconds(timeout_ms + kReplyGraceMs), "barrier");

@@ -21,9 +21,9 @@
 // dissemination algorithm (log2 n rounds).
 //
 // Tags. UCP matches a receive by tag only, so a tag names the communicator (24
-// bits), the collective's sequence number on it (24 bits) and the sender's index
-// (16 bits). Between two endpoints UCP delivers messages with the same tag in
-// order, and the progress thread posts the sends to a peer, and the receives
+// bits), the collective's sequence number on it (24 bits) and the sender's
+// index (16 bits). Between two endpoints UCP delivers messages with the same tag
+// in order, and the progress thread posts the sends to a peer, and the receives
 // from a peer, in list order, so the k-th message of a collective on a channel
 // always lands in the k-th receive. Communicator ids are agreed by the members
 // when splitting (the largest of their next free ids), so two communicators that
@@ -33,13 +33,15 @@
 // the peer failed. Peers on the same host are also watched through pidfds,
 // because UCP's keepalive over shared memory checks a pid, which an exited but
 // unreaped process still has. A collective of a group with a failed member
-// fails with CTR_STATUS_COMM_ERROR naming it, at once when a receive from it
+// fails with CTR_STATUS_COMM_ERROR naming it: at once when a receive from it
 // fails, otherwise unless it completes within a short grace (the member may
-// have done its part before it went). wait() has a deadline; on timeout the collective fails
-// with a message naming the peer it still waits for. A failed collective's
-// requests are cancelled; one that cannot be (a send the peer never takes) gets
-// a short grace and then its endpoint is closed by force, so that no UCP
-// operation touches the caller's buffers once wait() has returned.
+// have done its part before it went). wait() has a deadline; on timeout the
+// collective fails with a message naming the peer it still waits for. A failed
+// collective's requests are cancelled; one that cannot be (a send the peer
+// never takes) gets a short grace and then its endpoint is closed by force, so
+// that no UCP operation touches the caller's buffers once wait() has returned.
+// destroy() ends with a barrier, so that no rank closes its endpoints while
+// another still receives from it.
 //
 // Transport. UCX_TLS defaults to self,sm,tcp, with TCP kept on loopback when
 // all ranks share one host; every default yields to the user's UCX_* variables.
@@ -107,6 +109,8 @@ constexpr int64_t kWatchIntervalMs = 10;
 // after the last event before it sleeps: the next message usually follows
 // within microseconds, and a sleep plus wakeup costs more than that.
 constexpr int64_t kSpinUs = 50;
+// Longer timeouts mean "forever"; capped so that now + timeout cannot overflow.
+constexpr int64_t kMaxTimeoutMs = int64_t{1} << 40;
 
 std::string seconds(int64_t ms) { return strformat("%.1f s", static_cast<double>(ms) / 1000.0); }
 
@@ -534,6 +538,7 @@ class Transport {
  private:
   void shutdown();
   void run();
+  void loop();
   void start(Coll *c);
   bool advance(Coll *c);
   void post(Coll *c, Op &op);
@@ -580,6 +585,7 @@ class Transport {
   std::vector<Coll *> incoming_;
   std::vector<std::pair<Coll *, int64_t>> abandoned_;  // timed out in wait(), with the timeout
   bool stop_ = false;
+  bool broken_ = false;  // the progress thread died
   std::atomic<bool> any_failure_{false};
 
   // Progress thread only.
@@ -772,10 +778,13 @@ CommWork *Transport::issue(Coll *c) {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stop_) {
+    if (stop_ || broken_) {
       std::string what = c->what;
       delete c;
-      ctr::fail(CTR_STATUS_INVALID_STATE, "ucx: " + what + " issued on a destroyed communicator");
+      ctr::fail(broken_ ? CTR_STATUS_INTERNAL : CTR_STATUS_INVALID_STATE,
+                "ucx: " + what +
+                    (broken_ ? " issued after the progress thread failed"
+                             : " issued on a destroyed communicator"));
     }
     incoming_.push_back(c);
   }
@@ -784,7 +793,7 @@ CommWork *Transport::issue(Coll *c) {
 }
 
 void Transport::wait(Coll *c, int64_t timeout_ms) {
-  if (timeout_ms < 0) timeout_ms = timeout_ms_;
+  timeout_ms = std::min(timeout_ms < 0 ? timeout_ms_ : timeout_ms, kMaxTimeoutMs);
   std::unique_lock<std::mutex> lock(c->mu);
   bool done =
       c->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), [c] { return c->finished; });
@@ -872,7 +881,36 @@ void Transport::complete(Op &op, ucs_status_t st, size_t recv_len) {
   mark_dirty(c);
 }
 
+// The progress thread. An exception here (out of memory) cannot reach any
+// caller, so it ends the thread and every waiter gets the error instead.
 void Transport::run() {
+  try {
+    loop();
+  } catch (const std::exception &e) {
+    std::string msg = std::string("ucx: the progress thread failed: ") + e.what();
+    std::vector<Coll *> all = active_;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      all.insert(all.end(), incoming_.begin(), incoming_.end());
+      incoming_.clear();
+      broken_ = true;
+    }
+    for (Coll *c : all) {
+      {
+        std::lock_guard<std::mutex> lock(c->mu);
+        if (c->code == CTR_STATUS_OK) {
+          c->code = CTR_STATUS_INTERNAL;
+          c->error = msg;
+        }
+        c->finished = true;
+      }
+      c->cv.notify_all();
+      // Not released: UCP may still hold requests that point into it.
+    }
+  }
+}
+
+void Transport::loop() {
   TimePoint last_event = Clock::now(), next_watch = last_event;
   for (;;) {
     std::vector<Coll *> in;
@@ -1530,11 +1568,11 @@ Comm c_split(void *ctx, const std::vector<int> &members) {
     c->group = tmp;
     // Members of one split may be in other splits with other lists at the same
     // time, where their group indices mean other ranks: so the agreement's tags
-    // name senders by world rank, and the parent and the list select the
-    // sequence field.
+    // name senders by world rank, and the parent's id takes the sequence field.
+    // Two ranks in two splits together take them in the same order, so their
+    // messages pair up in order; if they do not, the hashes below differ.
     c->global_src = true;
-    const uint64_t seq = (mine.hash ^ (uint64_t{parent.id} * 0x9e3779b97f4a7c15ull)) >> 40;
-    c->tag = (uint64_t{kSplitCommId} << 40) | ((seq & kSeqMask) << 16);
+    c->tag = (uint64_t{kSplitCommId} << 40) | (uint64_t{parent.id & kSeqMask} << 16);
     std::vector<size_t> off(g->size()), len(g->size(), sizeof(Offer));
     for (int i = 0; i < g->size(); ++i) off[i] = i * sizeof(Offer);
     Builder b(*c);

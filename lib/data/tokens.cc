@@ -1,8 +1,12 @@
-// Token sources (mapped files and the built-in corpus) and the permuted loader.
+// Token sources (mapped files in several formats, shard lists, the built-in
+// corpus) and the writer of token files.
 //
-// Files are mapped, not read: the loader touches seq + 1 tokens per window at
+// Files are mapped, not read: the loader touches seq + 1 tokens per sample at
 // random offsets, so letting the page cache fetch exactly those pages keeps
-// start-up constant and memory flat however large the corpus is.
+// start-up constant and memory flat however large the corpus is. Every format is
+// checked when it is opened (header, dtype, size against the token count), so a
+// bad file fails at once with its name and the fault rather than as garbage
+// tokens mid-run.
 //
 // The built-in corpus exists so that `ctr run` and the tests can train without
 // any download. It is English-like text from a small probabilistic grammar: a few
@@ -22,7 +26,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -35,16 +41,61 @@
 namespace ctr::data {
 
 // ------------------------------------------------------------------------------------------
-// Files
+// Format names
 
 namespace {
 
-// The header is little-endian on disk whatever the host is.
-int32_t load_le32(const uint8_t *p) {
-  return static_cast<int32_t>(static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
-                              static_cast<uint32_t>(p[2]) << 16 |
-                              static_cast<uint32_t>(p[3]) << 24);
+struct FormatName {
+  Format format;
+  const char *name;
+};
+constexpr FormatName kFormatNames[] = {{Format::Auto, "auto"}, {Format::Llmc, "llmc"},
+                                       {Format::Npy, "npy"},   {Format::U16, "u16"},
+                                       {Format::U32, "u32"},   {Format::Bytes, "bytes"}};
+
+}  // namespace
+
+const char *format_name(Format format) {
+  for (const auto &f : kFormatNames)
+    if (f.format == format) return f.name;
+  return "?";
 }
+
+std::optional<Format> format_from_name(const std::string &name) {
+  for (const auto &f : kFormatNames)
+    if (name == f.name) return f.format;
+  return std::nullopt;
+}
+
+std::string format_names() {
+  std::string list;
+  for (const auto &f : kFormatNames) list += (list.empty() ? "" : ", ") + std::string(f.name);
+  return list;
+}
+
+// ------------------------------------------------------------------------------------------
+// Files
+
+struct TokenSource::Memory {
+  void *map = nullptr;
+  size_t map_bytes = 0;
+  std::vector<uint8_t> owned;  // the synthetic corpus
+  Memory() = default;
+  Memory(const Memory &) = delete;
+  Memory &operator=(const Memory &) = delete;
+  ~Memory() {
+    if (map != nullptr) ::munmap(map, map_bytes);
+  }
+};
+
+namespace {
+
+// Headers are little-endian on disk whatever the host is.
+uint32_t load_le32(const uint8_t *p) {
+  return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
+         static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
+}
+uint16_t load_le16(const uint8_t *p) { return static_cast<uint16_t>(p[0] | p[1] << 8); }
 
 class FdCloser {
  public:
@@ -57,12 +108,283 @@ class FdCloser {
   int fd_;
 };
 
+bool ends_with(const std::string &s, std::string_view tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+constexpr char kNpyMagic[] = "\x93NUMPY";
+constexpr size_t kNpyMagicBytes = 6;
+
+bool has_llmc_magic(const uint8_t *bytes, int64_t n) {
+  if (n < 4) return false;
+  const auto magic = static_cast<int32_t>(load_le32(bytes));
+  return magic == kLlmcMagicU16 || magic == kLlmcMagicU32;
+}
+
+bool has_npy_magic(const uint8_t *bytes, int64_t n) {
+  return n >= static_cast<int64_t>(kNpyMagicBytes) &&
+         std::memcmp(bytes, kNpyMagic, kNpyMagicBytes) == 0;
+}
+
+// Where the tokens of a file are and how wide they are.
+struct Layout {
+  int64_t header_bytes = 0;
+  int64_t count = 0;
+  int width = 1;
+  std::string kind;
+};
+
+Layout llmc_layout(const std::string &path, const uint8_t *bytes, int64_t file_bytes) {
+  CTR_REQUIRE(has_llmc_magic(bytes, file_bytes), CTR_STATUS_DATA_ERROR,
+              "data file '%s': not an llm.c token file: it does not start with magic %d or %d",
+              path.c_str(), kLlmcMagicU16, kLlmcMagicU32);
+  const auto magic = static_cast<int32_t>(load_le32(bytes));
+  const bool u16 = magic == kLlmcMagicU16;
+  const int32_t want_version = u16 ? kLlmcVersionU16 : kLlmcVersionU32;
+  const int width = u16 ? 2 : 4;
+  CTR_REQUIRE(file_bytes >= kLlmcHeaderBytes, CTR_STATUS_DATA_ERROR,
+              "data file '%s': truncated llm.c header: the file has %lld bytes, the header "
+              "alone needs %lld",
+              path.c_str(), static_cast<long long>(file_bytes),
+              static_cast<long long>(kLlmcHeaderBytes));
+  const auto version = static_cast<int32_t>(load_le32(bytes + 4));
+  CTR_REQUIRE(version == want_version, CTR_STATUS_DATA_ERROR,
+              "data file '%s': bad llm.c header version %d (magic %d needs version %d)",
+              path.c_str(), version, magic, want_version);
+  const int64_t count = static_cast<int32_t>(load_le32(bytes + 8));
+  CTR_REQUIRE(count >= 0, CTR_STATUS_DATA_ERROR,
+              "data file '%s': bad llm.c header: negative token count %lld", path.c_str(),
+              static_cast<long long>(count));
+  const int64_t payload = file_bytes - kLlmcHeaderBytes;
+  CTR_REQUIRE(payload >= count * width, CTR_STATUS_DATA_ERROR,
+              "data file '%s': truncated: the header says %lld tokens (%lld bytes) but only "
+              "%lld bytes follow it",
+              path.c_str(), static_cast<long long>(count), static_cast<long long>(count * width),
+              static_cast<long long>(payload));
+  CTR_REQUIRE(payload == count * width, CTR_STATUS_DATA_ERROR,
+              "data file '%s': token count mismatch: the header says %lld tokens but %lld "
+              "bytes follow it (%lld tokens of %d bytes)",
+              path.c_str(), static_cast<long long>(count), static_cast<long long>(payload),
+              static_cast<long long>(payload / width), width);
+  return {kLlmcHeaderBytes, count, width, u16 ? "llm.c uint16" : "llm.c uint32"};
+}
+
+// The header of a .npy file is a Python dict literal, e.g.
+//   {'descr': '<u2', 'fortran_order': False, 'shape': (1000,), }
+// This reads exactly the literals NumPy writes there: strings, True/False and
+// tuples of integers, nothing that would need a Python evaluator.
+class NpyHeader {
+ public:
+  struct Value {
+    enum Kind { String, Bool, Tuple } kind = String;
+    std::string s;
+    bool b = false;
+    std::vector<int64_t> t;
+  };
+
+  NpyHeader(const std::string &path, std::string_view text) : path_(path), s_(text) {}
+
+  std::map<std::string, Value> parse() {
+    std::map<std::string, Value> out;
+    space();
+    expect('{');
+    for (;;) {
+      space();
+      if (eat('}')) break;
+      const std::string key = string_literal();
+      space();
+      expect(':');
+      space();
+      Value v = value();
+      if (!out.emplace(key, std::move(v)).second) bad("key '" + key + "' appears twice");
+      space();
+      if (eat(',')) continue;
+      space();
+      expect('}');
+      break;
+    }
+    space();
+    if (i_ != s_.size()) bad("text after the closing '}'");
+    return out;
+  }
+
+  [[noreturn]] void bad(const std::string &what) const {
+    fail(CTR_STATUS_DATA_ERROR,
+         strformat("data file '%s': bad .npy header: %s", path_.c_str(), what.c_str()));
+  }
+
+ private:
+  void space() {
+    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r'))
+      ++i_;
+  }
+  bool eat(char c) {
+    if (i_ < s_.size() && s_[i_] == c) {
+      ++i_;
+      return true;
+    }
+    return false;
+  }
+  void expect(char c) {
+    if (!eat(c))
+      bad(i_ < s_.size() ? strformat("expected '%c' at offset %zu, found '%c'", c, i_, s_[i_])
+                         : strformat("expected '%c' at offset %zu, found the end", c, i_));
+  }
+  std::string string_literal() {
+    if (i_ >= s_.size() || (s_[i_] != '\'' && s_[i_] != '"'))
+      bad(strformat("expected a quoted string at offset %zu", i_));
+    const char q = s_[i_++];
+    const size_t end = s_.find(q, i_);
+    if (end == std::string_view::npos) bad("unterminated string");
+    std::string out(s_.substr(i_, end - i_));
+    i_ = end + 1;
+    return out;
+  }
+  int64_t integer() {
+    const size_t start = i_;
+    int64_t v = 0;
+    while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') {
+      if (v > (INT64_MAX - 9) / 10) bad("a dimension is too large");
+      v = v * 10 + (s_[i_++] - '0');
+    }
+    if (i_ == start) bad(strformat("expected a non-negative integer at offset %zu", start));
+    eat('L');  // Python 2 long suffix, written by old NumPy versions
+    return v;
+  }
+  Value value() {
+    Value v;
+    if (i_ < s_.size() && (s_[i_] == '\'' || s_[i_] == '"')) {
+      v.kind = Value::String;
+      v.s = string_literal();
+    } else if (s_.substr(i_, 4) == "True") {
+      v.kind = Value::Bool;
+      v.b = true;
+      i_ += 4;
+    } else if (s_.substr(i_, 5) == "False") {
+      v.kind = Value::Bool;
+      i_ += 5;
+    } else if (eat('(')) {
+      v.kind = Value::Tuple;
+      for (;;) {
+        space();
+        if (eat(')')) break;
+        v.t.push_back(integer());
+        space();
+        if (eat(',')) continue;
+        expect(')');
+        break;
+      }
+    } else {
+      bad(
+          strformat("unsupported value at offset %zu (only strings, True, False and tuples "
+                    "of integers are read)",
+                    i_));
+    }
+    return v;
+  }
+
+  const std::string &path_;
+  std::string_view s_;
+  size_t i_ = 0;
+};
+
+// NPY format versions 1.0 (2-byte header length), 2.0 and 3.0 (4-byte length;
+// 3.0 allows UTF-8 in the header, which only field names of structured dtypes
+// use). Accepted: 1-D arrays of little-endian uint16, uint32 or int32 — the
+// dtypes token ids are stored in. Anything else is refused by name rather than
+// reinterpreted.
+Layout npy_layout(const std::string &path, const uint8_t *bytes, int64_t file_bytes) {
+  CTR_REQUIRE(has_npy_magic(bytes, file_bytes), CTR_STATUS_DATA_ERROR,
+              "data file '%s': not a .npy file: it does not start with \"\\x93NUMPY\"",
+              path.c_str());
+  CTR_REQUIRE(file_bytes >= 10, CTR_STATUS_DATA_ERROR,
+              "data file '%s': truncated .npy header: the file has only %lld bytes", path.c_str(),
+              static_cast<long long>(file_bytes));
+  const int major = bytes[6], minor = bytes[7];
+  CTR_REQUIRE((major >= 1 && major <= 3) && minor == 0, CTR_STATUS_DATA_ERROR,
+              "data file '%s': unsupported .npy format version %d.%d (supported: 1.0, 2.0, 3.0)",
+              path.c_str(), major, minor);
+  const int64_t prefix = major == 1 ? 10 : 12;
+  CTR_REQUIRE(file_bytes >= prefix, CTR_STATUS_DATA_ERROR,
+              "data file '%s': truncated .npy header: the file has only %lld bytes", path.c_str(),
+              static_cast<long long>(file_bytes));
+  const int64_t header_len = major == 1 ? load_le16(bytes + 8) : load_le32(bytes + 8);
+  CTR_REQUIRE(prefix + header_len <= file_bytes, CTR_STATUS_DATA_ERROR,
+              "data file '%s': truncated .npy header: it declares %lld header bytes, the file "
+              "has %lld after the prefix",
+              path.c_str(), static_cast<long long>(header_len),
+              static_cast<long long>(file_bytes - prefix));
+  const std::string_view text(reinterpret_cast<const char *>(bytes + prefix),
+                              static_cast<size_t>(header_len));
+  NpyHeader header(path, text);
+  if (text.empty() || text.back() != '\n') header.bad("it does not end with a newline");
+  auto fields = header.parse();
+
+  for (const auto &[key, v] : fields)
+    if (key != "descr" && key != "fortran_order" && key != "shape")
+      header.bad("unexpected key '" + key + "' (a .npy header has descr, fortran_order, shape)");
+  for (const char *key : {"descr", "fortran_order", "shape"})
+    if (!fields.count(key)) header.bad(strformat("missing key '%s'", key));
+  const auto &descr = fields["descr"];
+  const auto &order = fields["fortran_order"];
+  const auto &shape = fields["shape"];
+  if (descr.kind != NpyHeader::Value::String)
+    header.bad("'descr' is not a string (structured dtypes are not token arrays)");
+  if (order.kind != NpyHeader::Value::Bool) header.bad("'fortran_order' is not True or False");
+  if (shape.kind != NpyHeader::Value::Tuple) header.bad("'shape' is not a tuple");
+
+  Layout out;
+  if (descr.s == "<u2") {
+    out.width = 2;
+    out.kind = "npy uint16";
+  } else if (descr.s == "<u4") {
+    out.width = 4;
+    out.kind = "npy uint32";
+  } else if (descr.s == "<i4") {
+    out.width = 4;
+    out.kind = "npy int32";
+  } else {
+    const bool big = !descr.s.empty() && descr.s[0] == '>';
+    fail(CTR_STATUS_DATA_ERROR,
+         strformat("data file '%s': unsupported .npy dtype '%s'%s: token arrays must be "
+                   "little-endian uint16, uint32 or int32 ('<u2', '<u4', '<i4')",
+                   path.c_str(), descr.s.c_str(), big ? " (big-endian)" : ""));
+  }
+  // A 1-D array has the same bytes in C and Fortran order, so fortran_order is
+  // irrelevant once the shape is known to be 1-D.
+  if (shape.t.size() != 1) {
+    std::string dims;
+    for (int64_t d : shape.t) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+    fail(CTR_STATUS_DATA_ERROR,
+         strformat("data file '%s': the .npy array has shape (%s), %zu-D: token arrays must be "
+                   "1-D",
+                   path.c_str(), dims.c_str(), shape.t.size()));
+  }
+  out.header_bytes = prefix + header_len;
+  out.count = shape.t[0];
+  const int64_t payload = file_bytes - out.header_bytes;
+  CTR_REQUIRE(out.count <= payload / out.width, CTR_STATUS_DATA_ERROR,
+              "data file '%s': truncated: the .npy header says %lld tokens (%lld bytes) but "
+              "only %lld bytes follow it",
+              path.c_str(), static_cast<long long>(out.count),
+              static_cast<long long>(out.count * out.width), static_cast<long long>(payload));
+  CTR_REQUIRE(payload == out.count * out.width, CTR_STATUS_DATA_ERROR,
+              "data file '%s': token count mismatch: the .npy header says %lld tokens but %lld "
+              "bytes follow it",
+              path.c_str(), static_cast<long long>(out.count), static_cast<long long>(payload));
+  return out;
+}
+
+Layout raw_layout(const std::string &path, int64_t file_bytes, int width) {
+  CTR_REQUIRE(file_bytes % width == 0, CTR_STATUS_DATA_ERROR,
+              "data file '%s': %lld bytes is not a whole number of %d-byte tokens (raw uint%d)",
+              path.c_str(), static_cast<long long>(file_bytes), width, width * 8);
+  return {0, file_bytes / width, width, width == 2 ? "uint16" : width == 4 ? "uint32" : "bytes"};
+}
+
 }  // namespace
 
-std::unique_ptr<TokenSource> TokenSource::open(const std::string &path) {
-  std::unique_ptr<TokenSource> src(new TokenSource());
-  src->name_ = path;
-
+TokenSource::Shard TokenSource::open_shard(const std::string &path, Format format) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   CTR_REQUIRE(fd >= 0, CTR_STATUS_IO_ERROR, "cannot open data file '%s': %s", path.c_str(),
               std::strerror(errno));
@@ -74,78 +396,254 @@ std::unique_ptr<TokenSource> TokenSource::open(const std::string &path) {
               path.c_str());
   const auto file_bytes = static_cast<int64_t>(st.st_size);
 
-  // mmap rejects length 0; an empty file is simply a source of no tokens, and
-  // the loader reports it as too short with the file's name.
+  // mmap rejects length 0; an empty file is simply a source of no tokens (when
+  // its format allows that), and the loader reports it as too short by name.
+  auto memory = std::make_shared<Memory>();
   const uint8_t *bytes = nullptr;
   if (file_bytes > 0) {
     void *map = ::mmap(nullptr, static_cast<size_t>(file_bytes), PROT_READ, MAP_PRIVATE, fd, 0);
     CTR_REQUIRE(map != MAP_FAILED, CTR_STATUS_IO_ERROR, "cannot map data file '%s': %s",
                 path.c_str(), std::strerror(errno));
-    src->map_ = map;
-    src->map_bytes_ = static_cast<size_t>(file_bytes);
+    memory->map = map;
+    memory->map_bytes = static_cast<size_t>(file_bytes);
     bytes = static_cast<const uint8_t *>(map);
   }
 
-  const int32_t magic = file_bytes >= 4 ? load_le32(bytes) : 0;
-  if (magic != kLlmcMagicU16 && magic != kLlmcMagicU32) {
-    src->kind_ = "bytes";
-    src->tokens_ = bytes;
-    src->size_ = file_bytes;
-    src->width_ = 1;
-    return src;
+  if (format == Format::Auto) {
+    if (has_llmc_magic(bytes, file_bytes))
+      format = Format::Llmc;
+    else if (has_npy_magic(bytes, file_bytes) || ends_with(path, ".npy"))
+      format = Format::Npy;
+    else
+      format = Format::Bytes;
+  }
+  Layout layout;
+  switch (format) {
+    case Format::Llmc: layout = llmc_layout(path, bytes, file_bytes); break;
+    case Format::Npy: layout = npy_layout(path, bytes, file_bytes); break;
+    case Format::U16: layout = raw_layout(path, file_bytes, 2); break;
+    case Format::U32: layout = raw_layout(path, file_bytes, 4); break;
+    default: layout = raw_layout(path, file_bytes, 1); break;
   }
 
-  const bool u16 = magic == kLlmcMagicU16;
-  const int32_t want_version = u16 ? kLlmcVersionU16 : kLlmcVersionU32;
-  const int width = u16 ? 2 : 4;
-  CTR_REQUIRE(file_bytes >= kLlmcHeaderBytes, CTR_STATUS_DATA_ERROR,
-              "data file '%s': truncated llm.c header: the file has %lld bytes, the header "
-              "alone needs %lld",
-              path.c_str(), static_cast<long long>(file_bytes),
-              static_cast<long long>(kLlmcHeaderBytes));
-  const int32_t version = load_le32(bytes + 4);
-  CTR_REQUIRE(version == want_version, CTR_STATUS_DATA_ERROR,
-              "data file '%s': bad llm.c header version %d (magic %d needs version %d)",
-              path.c_str(), version, magic, want_version);
-  const int64_t count = load_le32(bytes + 8);
-  CTR_REQUIRE(count >= 0, CTR_STATUS_DATA_ERROR,
-              "data file '%s': bad llm.c header: negative token count %lld", path.c_str(),
-              static_cast<long long>(count));
-  const int64_t payload = file_bytes - kLlmcHeaderBytes;
-  CTR_REQUIRE(payload >= count * width, CTR_STATUS_DATA_ERROR,
-              "data file '%s': truncated: the header says %lld tokens (%lld bytes) but only "
-              "%lld bytes follow it",
-              path.c_str(), static_cast<long long>(count),
-              static_cast<long long>(count * width), static_cast<long long>(payload));
-  CTR_REQUIRE(payload == count * width, CTR_STATUS_DATA_ERROR,
-              "data file '%s': token count mismatch: the header says %lld tokens but %lld "
-              "bytes follow it (%lld tokens of %d bytes)",
-              path.c_str(), static_cast<long long>(count), static_cast<long long>(payload),
-              static_cast<long long>(payload / width), width);
+  Shard s;
+  s.memory = std::move(memory);
+  s.tokens = bytes == nullptr ? nullptr : bytes + layout.header_bytes;
+  s.size = layout.count;
+  s.width = layout.width;
+  s.file = {path, layout.kind, layout.count, layout.width, layout.header_bytes};
+  return s;
+}
 
-  src->kind_ = u16 ? "llm.c uint16" : "llm.c uint32";
-  src->tokens_ = bytes + kLlmcHeaderBytes;
-  src->size_ = count;
-  src->width_ = width;
+std::unique_ptr<TokenSource> TokenSource::from_shards(std::vector<Shard> shards) {
+  CTR_CHECK(!shards.empty());
+  std::unique_ptr<TokenSource> src(new TokenSource());
+  int64_t at = 0;
+  bool same_kind = true;
+  for (auto &s : shards) {
+    s.begin = at;
+    at += s.size;
+    same_kind = same_kind && s.file.kind == shards[0].file.kind;
+    src->name_ += (src->name_.empty() ? "" : ", ") + s.file.path;
+  }
+  src->size_ = at;
+  src->kind_ =
+      shards.size() == 1
+          ? shards[0].file.kind
+          : strformat("%s, %zu files", same_kind ? shards[0].file.kind.c_str() : "mixed formats",
+                      shards.size());
+  src->shards_ = std::move(shards);
   return src;
 }
 
-TokenSource::~TokenSource() {
-  if (map_ != nullptr) ::munmap(map_, map_bytes_);
+std::unique_ptr<TokenSource> TokenSource::open(const std::string &path, Format format) {
+  std::vector<Shard> shards;
+  shards.push_back(open_shard(path, format));
+  return from_shards(std::move(shards));
+}
+
+std::unique_ptr<TokenSource> TokenSource::open(const std::vector<std::string> &paths,
+                                               Format format) {
+  CTR_REQUIRE(!paths.empty(), CTR_STATUS_INVALID_ARGUMENT,
+              "a token source needs at least one file");
+  std::vector<Shard> shards;
+  shards.reserve(paths.size());
+  for (const auto &p : paths) shards.push_back(open_shard(p, format));
+  return from_shards(std::move(shards));
+}
+
+std::unique_ptr<TokenSource> TokenSource::open_spec(const std::string &path) {
+  if (!is_manifest(path)) return open(path);
+  const Manifest m = read_manifest(path);
+  std::vector<Shard> shards;
+  for (const auto &d : m.datasets)
+    for (const auto &f : d.files) shards.push_back(open_shard(f, d.format));
+  auto src = from_shards(std::move(shards));
+  src->name_ = path;
+  src->kind_ =
+      strformat("manifest of %zu datasets in %zu files", m.datasets.size(), src->shards_.size());
+  return src;
+}
+
+TokenSource::~TokenSource() = default;
+
+const TokenSource::Shard &TokenSource::shard_of(int64_t i) const {
+  // The last shard whose begin is <= i; empty shards are passed over because a
+  // later shard with the same begin wins.
+  auto it = std::upper_bound(shards_.begin(), shards_.end(), i,
+                             [](int64_t v, const Shard &s) { return v < s.begin; });
+  return *(it - 1);
+}
+
+void TokenSource::read(int64_t start, int64_t count, uint32_t *out) const {
+  while (count > 0) {
+    const Shard &s = shards_.size() == 1 ? shards_[0] : shard_of(start);
+    const int64_t off = start - s.begin;
+    const int64_t n = std::min(count, s.size - off);
+    const uint8_t *p = s.tokens + static_cast<size_t>(off) * static_cast<size_t>(s.width);
+    if (s.width == 1) {
+      for (int64_t k = 0; k < n; ++k) out[k] = p[k];
+    } else if (s.width == 2) {
+      for (int64_t k = 0; k < n; ++k)
+        out[k] = static_cast<uint32_t>(p[2 * k]) | static_cast<uint32_t>(p[2 * k + 1]) << 8;
+    } else {
+      for (int64_t k = 0; k < n; ++k) out[k] = load_le32(p + 4 * k);
+    }
+    out += n;
+    start += n;
+    count -= n;
+  }
 }
 
 uint32_t TokenSource::max_token() const {
   std::call_once(max_once_, [this] {
     uint32_t m = 0;
-    if (width_ == 1) {
-      // The common raw-text case: a plain byte loop the compiler vectorises.
-      for (int64_t i = 0; i < size_; ++i) m = std::max<uint32_t>(m, tokens_[i]);
-    } else {
-      for (int64_t i = 0; i < size_; ++i) m = std::max(m, token(i));
+    for (const Shard &s : shards_) {
+      if (s.width == 1) {
+        // The common raw-text case: a plain byte loop the compiler vectorises.
+        for (int64_t i = 0; i < s.size; ++i) m = std::max<uint32_t>(m, s.tokens[i]);
+      } else {
+        for (int64_t i = 0; i < s.size; ++i) m = std::max(m, load(s, i));
+      }
     }
     max_token_ = m;
   });
   return max_token_;
+}
+
+std::vector<TokenSource::File> TokenSource::files() const {
+  std::vector<File> out;
+  for (const Shard &s : shards_) out.push_back(s.file);
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------
+// Writing
+
+TokenWriter::TokenWriter(const std::string &path, Format format, int width, int64_t count)
+    : path_(path), tmp_(path + ".tmp"), width_(width), count_(count) {
+  if (format == Format::U16) width_ = 2;
+  if (format == Format::U32) width_ = 4;
+  CTR_REQUIRE(format == Format::Llmc || format == Format::Npy || format == Format::U16 ||
+                  format == Format::U32,
+              CTR_STATUS_INVALID_ARGUMENT,
+              "cannot write '%s' as format '%s' (writable: llmc, npy, u16, u32)", path.c_str(),
+              format_name(format));
+  CTR_REQUIRE(width_ == 2 || width_ == 4, CTR_STATUS_INVALID_ARGUMENT,
+              "cannot write '%s' with %d-byte tokens (2 or 4)", path.c_str(), width_);
+  CTR_REQUIRE(count >= 0, CTR_STATUS_INVALID_ARGUMENT, "cannot write '%s': negative count",
+              path.c_str());
+  // The llm.c header stores the count as an int32.
+  CTR_REQUIRE(format != Format::Llmc || count <= INT32_MAX, CTR_STATUS_DATA_ERROR,
+              "cannot write '%s' as an llm.c token file: %lld tokens do not fit its int32 "
+              "count (at most %d; use npy or raw u16/u32)",
+              path.c_str(), static_cast<long long>(count), INT32_MAX);
+
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  CTR_REQUIRE(fd_ >= 0, CTR_STATUS_IO_ERROR, "cannot create '%s': %s", tmp_.c_str(),
+              std::strerror(errno));
+  buf_.reserve(1 << 20);
+
+  if (format == Format::Llmc) {
+    std::vector<uint8_t> header(static_cast<size_t>(kLlmcHeaderBytes), 0);
+    const auto put32 = [&](size_t at, uint32_t v) {
+      for (int i = 0; i < 4; ++i) header[at + i] = static_cast<uint8_t>(v >> (8 * i));
+    };
+    put32(0, static_cast<uint32_t>(width_ == 2 ? kLlmcMagicU16 : kLlmcMagicU32));
+    put32(4, static_cast<uint32_t>(width_ == 2 ? kLlmcVersionU16 : kLlmcVersionU32));
+    put32(8, static_cast<uint32_t>(count));
+    put(header.data(), header.size());
+  } else if (format == Format::Npy) {
+    // Version 1.0, padded with spaces to a multiple of 64 bytes and ended by a
+    // newline, as numpy.save writes it.
+    std::string dict = strformat("{'descr': '%s', 'fortran_order': False, 'shape': (%lld,), }",
+                                 width_ == 2 ? "<u2" : "<u4", static_cast<long long>(count));
+    const size_t total = (10 + dict.size() + 1 + 63) / 64 * 64;
+    dict.append(total - 10 - dict.size() - 1, ' ');
+    dict += '\n';
+    std::string prefix(kNpyMagic, kNpyMagicBytes);
+    prefix += '\x01';
+    prefix += '\x00';
+    prefix += static_cast<char>(dict.size() & 0xff);
+    prefix += static_cast<char>(dict.size() >> 8);
+    put(prefix.data(), prefix.size());
+    put(dict.data(), dict.size());
+  }
+}
+
+TokenWriter::~TokenWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!done_) ::unlink(tmp_.c_str());
+}
+
+void TokenWriter::put(const void *data, size_t n) {
+  const auto *p = static_cast<const uint8_t *>(data);
+  buf_.insert(buf_.end(), p, p + n);
+  if (buf_.size() >= (1 << 20)) flush();
+}
+
+void TokenWriter::flush() {
+  size_t at = 0;
+  while (at < buf_.size()) {
+    const ssize_t w = ::write(fd_, buf_.data() + at, buf_.size() - at);
+    if (w < 0 && errno == EINTR) continue;
+    CTR_REQUIRE(w > 0, CTR_STATUS_IO_ERROR, "cannot write '%s': %s", tmp_.c_str(),
+                std::strerror(errno));
+    at += static_cast<size_t>(w);
+  }
+  buf_.clear();
+}
+
+void TokenWriter::write(const uint32_t *tokens, int64_t n) {
+  CTR_REQUIRE(n >= 0 && written_ + n <= count_, CTR_STATUS_DATA_ERROR,
+              "writing '%s': more than the %lld tokens announced", path_.c_str(),
+              static_cast<long long>(count_));
+  const uint32_t limit = max_id(width_);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t t = tokens[i];
+    CTR_REQUIRE(t <= limit, CTR_STATUS_DATA_ERROR,
+                "writing '%s': token id %u at position %lld does not fit in %d bits (at most %u)",
+                path_.c_str(), t, static_cast<long long>(written_ + i), width_ * 8, limit);
+    for (int b = 0; b < width_; ++b) buf_.push_back(static_cast<uint8_t>(t >> (8 * b)));
+    if (buf_.size() >= (1 << 20)) flush();
+  }
+  written_ += n;
+}
+
+void TokenWriter::finish() {
+  CTR_REQUIRE(written_ == count_, CTR_STATUS_DATA_ERROR,
+              "writing '%s': %lld tokens written, %lld announced", path_.c_str(),
+              static_cast<long long>(written_), static_cast<long long>(count_));
+  flush();
+  CTR_REQUIRE(::fsync(fd_) == 0, CTR_STATUS_IO_ERROR, "cannot sync '%s': %s", tmp_.c_str(),
+              std::strerror(errno));
+  const int rc = ::close(fd_);
+  fd_ = -1;
+  CTR_REQUIRE(rc == 0, CTR_STATUS_IO_ERROR, "cannot close '%s': %s", tmp_.c_str(),
+              std::strerror(errno));
+  CTR_REQUIRE(::rename(tmp_.c_str(), path_.c_str()) == 0, CTR_STATUS_IO_ERROR,
+              "cannot rename '%s' to '%s': %s", tmp_.c_str(), path_.c_str(), std::strerror(errno));
+  done_ = true;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -439,118 +937,26 @@ std::unique_ptr<TokenSource> TokenSource::synthetic(uint64_t seed, int64_t bytes
   CTR_REQUIRE(bytes >= 1, CTR_STATUS_INVALID_ARGUMENT,
               "synthetic corpus: size must be at least 1 byte, got %lld",
               static_cast<long long>(bytes));
-  std::unique_ptr<TokenSource> src(new TokenSource());
-  src->name_ = strformat("synthetic corpus (seed %llu)", static_cast<unsigned long long>(seed));
-  src->kind_ = "synthetic";
-
   std::string text;
   text.reserve(static_cast<size_t>(bytes) + 4096);
   Grammar grammar(seed);
   while (static_cast<int64_t>(text.size()) < bytes) grammar.paragraph(text);
   text.resize(static_cast<size_t>(bytes));
 
-  src->owned_.assign(text.begin(), text.end());
-  src->tokens_ = src->owned_.data();
+  auto memory = std::make_shared<Memory>();
+  memory->owned.assign(text.begin(), text.end());
+  std::unique_ptr<TokenSource> src(new TokenSource());
+  src->name_ = strformat("synthetic corpus (seed %llu)", static_cast<unsigned long long>(seed));
+  src->kind_ = "synthetic";
   src->size_ = bytes;
-  src->width_ = 1;
+  Shard s;
+  s.tokens = memory->owned.data();
+  s.memory = std::move(memory);
+  s.size = bytes;
+  s.width = 1;
+  s.file = {src->name_, "synthetic", bytes, 1, 0};
+  src->shards_.push_back(std::move(s));
   return src;
-}
-
-// ------------------------------------------------------------------------------------------
-// Loader
-
-Loader::Loader(const TokenSource &src, int64_t seq, int64_t rows, uint64_t seed)
-    : src_(src), seq_(seq), rows_(rows), seed_(seed) {
-  CTR_REQUIRE(seq >= 1, CTR_STATUS_INVALID_ARGUMENT, "data loader: seq must be >= 1, got %lld",
-              static_cast<long long>(seq));
-  CTR_REQUIRE(rows >= 1, CTR_STATUS_INVALID_ARGUMENT,
-              "data loader: rows must be >= 1, got %lld", static_cast<long long>(rows));
-  CTR_REQUIRE(src.size() >= seq + 1, CTR_STATUS_DATA_ERROR,
-              "data source '%s' holds %lld tokens, fewer than seq + 1 = %lld: not one "
-              "training window fits",
-              src.name().c_str(), static_cast<long long>(src.size()),
-              static_cast<long long>(seq + 1));
-  n_ = static_cast<uint64_t>((src.size() - 1) / seq);
-  bits_ = 0;
-  while ((uint64_t{1} << bits_) < n_) ++bits_;
-  mask_ = (uint64_t{1} << bits_) - 1;
-  shift_ = std::max(1, bits_ / 2);
-  begin_epoch();
-}
-
-void Loader::begin_epoch() {
-  // Eight counters per epoch, five used: the LCG's multiplier (made = 1 mod 4)
-  // and increment (made odd) satisfy Hull-Dobell for a power-of-two modulus, so
-  // the generator walks all m residues before repeating.
-  const uint64_t stream = rng::hash_name("ctr.data.loader");
-  const uint64_t base = epoch_ * 8;
-  mul_ = (rng::bits(seed_, stream, base) & ~uint64_t{3}) | 1;
-  inc_ = rng::bits(seed_, stream, base + 1) | 1;
-  x_ = rng::bits(seed_, stream, base + 2) & mask_;
-  mix1_ = rng::bits(seed_, stream, base + 3) | 1;
-  mix2_ = rng::bits(seed_, stream, base + 4) | 1;
-  position_ = 0;
-}
-
-// A bijection of [0, m): odd multiplies and xor-shifts are each invertible
-// modulo 2^bits. It moves the high bits of the LCG (its good ones) into the low
-// bits, which a bare power-of-two LCG would leave strictly periodic.
-uint64_t Loader::mix(uint64_t x) const {
-  if (bits_ == 0) return 0;
-  x = (x * mix1_) & mask_;
-  x ^= x >> shift_;
-  x = (x * mix2_) & mask_;
-  x ^= x >> shift_;
-  return x;
-}
-
-uint64_t Loader::next_window() {
-  for (;;) {
-    x_ = (mul_ * x_ + inc_) & mask_;
-    const uint64_t w = mix(x_);
-    // m < 2n, so fewer than half the draws are skipped.
-    if (w >= n_) continue;
-    // Roll over as soon as the epoch is used up, so that state() always reads
-    // "epoch = completed passes, position < n".
-    if (++position_ == n_) {
-      ++epoch_;
-      begin_epoch();
-    }
-    return w;
-  }
-}
-
-void Loader::next(int32_t *tokens, int32_t *targets) {
-  for (int64_t r = 0; r < rows_; ++r) {
-    const auto start = static_cast<int64_t>(next_window()) * seq_;
-    int32_t *tok = tokens + r * seq_;
-    int32_t *tgt = targets + r * seq_;
-    // Ids above INT32_MAX (possible only in uint32 files) turn negative here and
-    // are rejected, with their position, by the step's input check.
-    auto prev = static_cast<int32_t>(src_.token(start));
-    for (int64_t t = 0; t < seq_; ++t) {
-      const auto cur = static_cast<int32_t>(src_.token(start + t + 1));
-      tok[t] = prev;
-      tgt[t] = cur;
-      prev = cur;
-    }
-  }
-}
-
-LoaderState Loader::state() const { return LoaderState{seed_, epoch_, position_}; }
-
-void Loader::restore(const LoaderState &state) {
-  CTR_REQUIRE(state.position <= n_, CTR_STATUS_DATA_ERROR,
-              "data loader state is at window %llu of an epoch, but '%s' at seq %lld has only "
-              "%llu windows: the state was saved for another data file or sequence length",
-              static_cast<unsigned long long>(state.position), src_.name().c_str(),
-              static_cast<long long>(seq_), static_cast<unsigned long long>(n_));
-  seed_ = state.seed;
-  // A state at the very end of an epoch is the start of the next one.
-  epoch_ = state.position == n_ ? state.epoch + 1 : state.epoch;
-  begin_epoch();
-  const uint64_t target = state.position == n_ ? 0 : state.position;
-  while (position_ < target) next_window();
 }
 
 }  // namespace ctr::data

@@ -16,8 +16,12 @@ BUILD_TIME_LIMIT = 600  # seconds for one cargo or go build; a hang fails instea
 
 
 def find_tool(env_var, name, fallbacks):
-    """The tool's path from $env_var, PATH, or a known install location; None if absent."""
-    for cand in [os.environ.get(env_var), shutil.which(name)] + list(fallbacks):
+    """The tool's path from $env_var, PATH, or a known install location; None if absent.
+    An explicit $env_var is the only candidate, as in run_rust.sh and run_go.sh."""
+    if os.environ.get(env_var):
+        cand = os.environ[env_var]
+        return cand if os.path.isfile(cand) and os.access(cand, os.X_OK) else None
+    for cand in [shutil.which(name)] + list(fallbacks):
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
     return None

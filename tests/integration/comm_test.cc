@@ -371,6 +371,7 @@ void check_identical(const Comm &c) {
 
 void check_barrier_and_test(const Comm &c) {
   for (int i = 0; i < 5; ++i) ctr::comm_wait(c, c.iface->barrier(c.ctx));
+  ctr::comm_wait(c, c.iface->barrier(c.ctx), INT64_MAX);  // "forever" must not overflow
   CommWork *w = c.iface->barrier(c.ctx);
   // test() may say either before the wait; after it the handle is gone, so
   // only check it does not crash on a live handle.
@@ -494,6 +495,7 @@ void check_store(ctr::Store &store, const Env &e) {
     CHECK(store.get("test/key/" + std::to_string(r)) == "value of " + std::to_string(r),
           "store get wrong");
   CHECK(store.get("test/binary") == binary, "binary value mangled");
+  CHECK(store.get("test/binary", INT64_MAX) == binary, "get with an endless timeout failed");
   int64_t v = store.add("test/counter", e.rank + 1);
   CHECK(v >= e.rank + 1, "store add returned %lld", static_cast<long long>(v));
   store.barrier("test/after-add");
@@ -637,7 +639,10 @@ int run_hang(const Env &e) {
 // next store request fails with CTR_STATUS_COMM_ERROR instead of waiting.
 int run_server_dead(const Env &e) {
   auto store = ctr::store_join(rendezvous(e));
+  // Rank 0 leaves once every other rank has shown it is past the join.
+  if (e.rank != 0) store->set("server-dead/ready/" + std::to_string(e.rank), "1");
   if (e.rank == 0) {
+    for (int r = 1; r < e.world; ++r) store->get("server-dead/ready/" + std::to_string(r));
     std::printf("comm_test: rank 0 of %d: exiting without a word\n", e.world);
     std::fflush(stdout);
     std::_Exit(0);

@@ -3,6 +3,7 @@
 //   ctr graph build --preset gpt --layers 4 --dim 256 -o tiny.ctrg
 //   ctr graph inspect tiny.ctrg --after autodiff
 //   ctr run tiny.ctrg --data corpus.bin --steps 1000 --batch 8
+//   ctr data tokenize notes.txt -o corpus.bin
 //   ctr version
 //
 // Training goes through the public C ABI only, exactly as any host program
@@ -32,6 +33,7 @@
 #include "core/status.h"
 #include "ctr/ctr.h"
 #include "data/data.h"
+#include "data_cmd.h"
 #include "launch.h"
 
 namespace {
@@ -325,30 +327,31 @@ int64_t default_seq(const ctr_graph *g) {
 }
 
 // The ranks of a data-parallel mesh each train on their own share of one
-// global batch. Every rank runs the same loader (same seed, same state) and
-// keeps rows [rank * local, (rank + 1) * local), so the data order and the
-// loader state do not depend on the number of ranks.
+// global batch. Every rank runs the same loader (same seed, same state),
+// advances it by the whole global batch and reads only rows
+// [rank * local, (rank + 1) * local), so the data order and the loader state do
+// not depend on the number of ranks, and no rank touches another's data.
 class Batches {
  public:
-  // The loader hands out the global order; this rank keeps rows
-  // [rank * local_rows, (rank + 1) * local_rows) of each global batch.
   Batches(ctr_loader *loader, int64_t seq, int64_t local_rows, int rank, int world)
       : loader_(loader),
         global_rows_(local_rows * world),
-        offset_(static_cast<size_t>(rank * local_rows * seq)),
-        count_(static_cast<size_t>(local_rows * seq)),
-        tokens_(static_cast<size_t>(local_rows * world * seq)),
+        first_row_(rank * local_rows),
+        rows_(local_rows),
+        tokens_(static_cast<size_t>(local_rows * seq)),
         targets_(tokens_.size()) {}
 
-  void next() { check(ctr_loader_next(loader_, global_rows_, tokens_.data(), targets_.data())); }
-  const int32_t *tokens() const { return tokens_.data() + offset_; }
-  const int32_t *targets() const { return targets_.data() + offset_; }
-  size_t bytes() const { return count_ * sizeof(int32_t); }
+  void next() {
+    check(ctr_loader_next_slice(loader_, global_rows_, first_row_, rows_, tokens_.data(),
+                                targets_.data()));
+  }
+  const int32_t *tokens() const { return tokens_.data(); }
+  const int32_t *targets() const { return targets_.data(); }
+  size_t bytes() const { return tokens_.size() * sizeof(int32_t); }
 
  private:
   ctr_loader *loader_;
-  int64_t global_rows_;
-  size_t offset_, count_;
+  int64_t global_rows_, first_row_, rows_;
   std::vector<int32_t> tokens_, targets_;
 };
 
@@ -423,7 +426,7 @@ int cmd_run(const RunArgs &a) {
 
   std::unique_ptr<ctr::data::TokenSource> src =
       a.data.empty() ? ctr::data::TokenSource::synthetic(kCorpusSeed)
-                     : ctr::data::TokenSource::open(a.data);
+                     : ctr::data::TokenSource::open_spec(a.data);
 
   Options mesh_opts = new_options();
   if (a.threads_opt->count() > 0) set_int(mesh_opts.get(), "threads", a.threads);
@@ -829,8 +832,9 @@ int run_main(int argc, char **argv) {
   CLI::App *run_cmd = app.add_subcommand("run", "Train a graph");
   run_cmd->add_option("graph", run.graph, "Graph file")->required();
   run_cmd->add_option("--data", run.data,
-                      "Token file (llm.c .bin) or any file read as bytes "
-                      "(default: the built-in synthetic English corpus)");
+                      "Token file (llm.c .bin, .npy) or any file read as bytes, or a manifest "
+                      "of weighted datasets (.json) (default: the built-in synthetic English "
+                      "corpus)");
   run_cmd->add_option("--steps", run.steps, "Optimizer steps")
       ->required()
       ->check(kPositive);
@@ -912,6 +916,9 @@ int run_main(int argc, char **argv) {
                          "graph's initial parameters)");
   export_cmd->add_option("--safetensors", exp.safetensors, "Output file")->required();
 
+  // data ------------------------------------------------------------------------------------
+  ctr_tool::DataCommand data_cmd(app);
+
   CLI::App *version_cmd = app.add_subcommand("version", "Print the library and ABI version");
 
   try {
@@ -928,6 +935,7 @@ int run_main(int argc, char **argv) {
   if (run_cmd->parsed()) return cmd_run(run);
   if (version_cmd->parsed()) return cmd_version();
   if (launch_cmd->parsed()) return ctr_tool::launch(launch);
+  if (data_cmd.parsed()) return data_cmd.run();
   if (export_cmd->parsed()) return cmd_export(exp);
   return 2;
 }

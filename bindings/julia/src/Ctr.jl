@@ -24,7 +24,7 @@ export CtrError, Options, Mesh, Graph, Step, Loader, Metrics, TensorInfo,
        preset_graph, input_names, param_names, tensor_info, param_count, flops_per_token, save_file,
        set_input!, run!, evaluate!, get_param!, param, set_param!, get_output!, set_lr!,
        memory, step_count, save, load!, export_safetensors, import_safetensors!,
-       attach_loader!, detach_loader!, next!, next_batch, loader_info
+       attach_loader!, detach_loader!, next!, next_slice!, next_batch, loader_info
 
 # The ABI version this module was written for.
 const ABI_VERSION = 1
@@ -430,6 +430,31 @@ function next!(l::Loader, rows::Integer, tokens::Vector{Int32}, targets::Vector{
     end
     check(ccall((:ctr_loader_next, libctr), Cint, (Ptr{Cvoid}, Int64, Ptr{Int32}, Ptr{Int32}),
                 live(l, "loader"), rows, tokens, targets))
+    return nothing
+end
+
+"""
+    next_slice!(loader, global_rows, first_row, tokens, targets)
+
+One rank's share of the next global batch: advances the loader by
+`global_rows` samples, exactly as `next!(loader, global_rows, ...)` would, but
+reads only the `length(tokens) ÷ seq` rows starting at `first_row` (0-based,
+as in the C call). Every rank calls it with the same `global_rows`, so the
+loader's state stays the same on all ranks however the batch is split.
+"""
+function next_slice!(l::Loader, global_rows::Integer, first_row::Integer,
+                     tokens::Vector{Int32}, targets::Vector{Int32})
+    if l.seq <= 0 || length(tokens) % l.seq != 0 || length(targets) != length(tokens)
+        throw(CtrError(Status.INVALID_ARGUMENT,
+                       "ctr_loader_next_slice: buffers must hold whole rows of seq $(l.seq), " *
+                       "got $(length(tokens)) tokens and $(length(targets)) targets"))
+    end
+    rows = length(tokens) ÷ l.seq
+    # An empty Julia vector still has a valid (unused) data pointer, which the
+    # header allows as well as NULL when rows is 0.
+    check(ccall((:ctr_loader_next_slice, libctr), Cint,
+                (Ptr{Cvoid}, Int64, Int64, Int64, Ptr{Int32}, Ptr{Int32}),
+                live(l, "loader"), global_rows, first_row, rows, tokens, targets))
     return nothing
 end
 

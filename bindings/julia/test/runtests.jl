@@ -121,6 +121,23 @@ end
         close(a); close(b)
     end
 
+    @testset "loader slices match the global batch" begin
+        whole, r0, r1 = builtin_loader(), builtin_loader(), builtin_loader()
+        half = 2 * SEQ
+        for _ in 1:3
+            tokens, targets = next_batch(whole, 4)
+            t0, g0, t1, g1 = (zeros(Int32, half) for _ in 1:4)
+            next_slice!(r0, 4, 0, t0, g0)
+            next_slice!(r1, 4, 2, t1, g1)
+            @test vcat(t0, t1) == tokens && vcat(g0, g1) == targets
+        end
+        next_slice!(r0, 4, 4, Int32[], Int32[])   # reads no rows, still advances
+        next_batch(whole, 4)
+        @test next_batch(r0, 1) == next_batch(whole, 1)
+        e = ctr_error(() -> next_slice!(r1, 4, 3, zeros(Int32, half), zeros(Int32, half)))
+        @test e.status == Ctr.Status.INVALID_ARGUMENT
+    end
+
     @testset "safetensors round trip" begin
         mesh, g = Mesh(), small_graph()
         path = joinpath(mktempdir(), "w.safetensors")

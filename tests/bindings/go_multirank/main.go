@@ -4,10 +4,11 @@
 //
 // The mesh comes from the environment that `ctr launch` sets (rank, world,
 // rendezvous address) through NewMeshFromEnv, with the axes from MESH (e.g.
-// "fsdp=2"). Every rank draws the same global batch from the built-in corpus
-// and feeds its own contiguous slice of rows, so any world size trains on the
-// same data and tests/bindings/run_go_multirank.py can compare the losses of
-// two ranks with those of one. Rank 0 prints `step <i> loss <%.9g>`; with
+// "fsdp=2"). Every rank advances the built-in corpus loader by the same
+// global batch and reads and feeds only its own contiguous rows of it
+// (ctr_loader_next_slice), so any world size trains on the same data and
+// tests/bindings/run_go_multirank.py can compare the losses of two ranks with
+// those of one. Rank 0 prints `step <i> loss <%.9g>`; with
 // CKPT_DIR every rank takes part in a collective checkpoint save at the end.
 package main
 
@@ -65,16 +66,17 @@ func run() error {
 		return err
 	}
 
-	tokens, targets := make([]int32, globalBatch*seq), make([]int32, globalBatch*seq)
-	lo, hi := rank*local*seq, (rank+1)*local*seq
+	// Each rank reads only its own rows of the global batch; the loader still
+	// advances by the whole batch, so its state is the same on every rank.
+	tokens, targets := make([]int32, local*seq), make([]int32, local*seq)
 	for i := 1; i <= steps; i++ {
-		if err := loader.Next(globalBatch, tokens, targets); err != nil {
+		if err := loader.NextSlice(globalBatch, rank*local, tokens, targets); err != nil {
 			return err
 		}
-		if err := step.SetInput("tokens", tokens[lo:hi]); err != nil {
+		if err := step.SetInput("tokens", tokens); err != nil {
 			return err
 		}
-		if err := step.SetInput("targets", targets[lo:hi]); err != nil {
+		if err := step.SetInput("targets", targets); err != nil {
 			return err
 		}
 		m, err := step.Run()

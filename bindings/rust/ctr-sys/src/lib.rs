@@ -247,6 +247,14 @@ extern "C" {
         max_token: *mut i64,
     ) -> ctr_status;
     pub fn ctr_step_attach_loader(step: *mut ctr_step, loader: *mut ctr_loader) -> ctr_status;
+    pub fn ctr_loader_next_slice(
+        loader: *mut ctr_loader,
+        global_rows: i64,
+        first_row: i64,
+        rows: i64,
+        tokens: *mut i32,
+        targets: *mut i32,
+    ) -> ctr_status;
 }
 
 #[cfg(test)]

@@ -89,6 +89,51 @@ impl Loader {
         })
     }
 
+    /// One rank's share of the next global batch: advances the loader by
+    /// `global_rows` samples, exactly as `next(global_rows, ..)` would, but
+    /// reads only the `tokens.len() / seq` rows starting at `first_row`. Every
+    /// rank calls it with the same `global_rows`, so the loader's state stays
+    /// the same on all ranks whatever the split.
+    pub fn next_slice(
+        &mut self,
+        global_rows: usize,
+        first_row: usize,
+        tokens: &mut [i32],
+        targets: &mut [i32],
+    ) -> Result<()> {
+        if self.seq == 0 || tokens.len() % self.seq != 0 || targets.len() != tokens.len() {
+            return Err(Error::new(
+                Status::INVALID_ARGUMENT,
+                format!(
+                    "ctr_loader_next_slice: buffers must hold whole rows of seq {}, got {} \
+                     tokens and {} targets",
+                    self.seq,
+                    tokens.len(),
+                    targets.len()
+                ),
+            ));
+        }
+        let rows = tokens.len() / self.seq;
+        // The header allows NULL buffers for zero rows.
+        let (tp, gp) = if rows == 0 {
+            (ptr::null_mut(), ptr::null_mut())
+        } else {
+            (tokens.as_mut_ptr(), targets.as_mut_ptr())
+        };
+        // SAFETY: both buffers hold rows * seq int32 as the call writes; the
+        // library checks first_row + rows <= global_rows.
+        check(unsafe {
+            sys::ctr_loader_next_slice(
+                self.as_ptr(),
+                global_rows as i64,
+                first_row as i64,
+                rows as i64,
+                tp,
+                gp,
+            )
+        })
+    }
+
     /// The next `rows` windows as freshly allocated (tokens, targets).
     pub fn next_batch(&mut self, rows: usize) -> Result<(Vec<i32>, Vec<i32>)> {
         let n = rows * self.seq;

@@ -174,6 +174,30 @@ fn checkpoint_restores_the_trajectory() {
 }
 
 #[test]
+fn loader_slices_match_the_global_batch() {
+    // Two "ranks" reading halves of each global batch see exactly the rows a
+    // single reader of the whole batch sees, and stay in step with it.
+    let (mut whole, mut r0, mut r1) = (loader(), loader(), loader());
+    let half = 2 * SEQ;
+    for _ in 0..3 {
+        let (tokens, targets) = whole.next_batch(4).unwrap();
+        let (mut t0, mut g0) = (vec![0; half], vec![0; half]);
+        let (mut t1, mut g1) = (vec![0; half], vec![0; half]);
+        r0.next_slice(4, 0, &mut t0, &mut g0).unwrap();
+        r1.next_slice(4, 2, &mut t1, &mut g1).unwrap();
+        assert_eq!([t0, t1].concat(), tokens);
+        assert_eq!([g0, g1].concat(), targets);
+    }
+    // A rank that reads no rows still advances with the others.
+    r0.next_slice(4, 4, &mut [], &mut []).unwrap();
+    whole.next_batch(4).unwrap();
+    assert_eq!(r0.next_batch(1).unwrap(), whole.next_batch(1).unwrap());
+    // Rows past the global batch are refused.
+    let err = r1.next_slice(4, 3, &mut vec![0; half], &mut vec![0; half]).unwrap_err();
+    assert_eq!(err.status(), Status::INVALID_ARGUMENT, "{err}");
+}
+
+#[test]
 fn safetensors_round_trip() {
     let mesh = Mesh::new(&Options::new()).unwrap();
     let g = graph();
