@@ -67,14 +67,12 @@ struct ctr_graph {
 namespace ctr {
 class Step;
 namespace data {
-class TokenSource;
 class Loader;
 }  // namespace data
 }  // namespace ctr
 
 struct ctr_loader {
-  std::unique_ptr<ctr::data::TokenSource> source;
-  std::unique_ptr<ctr::data::Loader> loader;
+  std::unique_ptr<ctr::data::Loader> loader;  // owns its token sources
   int64_t seq = 0;
   ~ctr_loader();
 };
