@@ -240,6 +240,7 @@ typedef struct ctr_step ctr_step;
  *   "keep" string            comma-separated forward tensors to keep readable with
  *                            ctr_step_get_output (e.g. "logits")
  *   "async_save" int         ctr_step_save writes in the background (0)
+ *   "async_save_lag" int     runs after which a background save is published (2)
  */
 CTR_API ctr_status ctr_step_create(const ctr_mesh *mesh, const ctr_graph *graph,
                                    const ctr_options *options, ctr_step **out);
@@ -319,9 +320,10 @@ CTR_API int64_t ctr_step_count(const ctr_step *step);
  * every rank of the mesh calls it with the same dir (each rank writes its own
  * shard file). An existing dir is replaced. With the step option "async_save"
  * set, the call only snapshots the state to host memory and a background thread
- * writes it while training continues; the checkpoint is published by the next
- * ctr_step_run / ctr_step_save / ctr_step_load or ctr_step_wait_save, which
- * report any write error. A step freed before that publishes nothing. */
+ * writes it while training continues; the checkpoint is published (a collective)
+ * by the ctr_step_run that comes "async_save_lag" runs later, or by the next
+ * ctr_step_save / ctr_step_load / ctr_step_wait_save, whichever is first; that
+ * call reports any write error. A step freed before that publishes nothing. */
 CTR_API ctr_status ctr_step_save(ctr_step *step, const char *dir);
 
 /* Waits for a background save and publishes it (no-op without one).

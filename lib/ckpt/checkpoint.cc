@@ -232,6 +232,7 @@ void Step::save(const std::string &dir_in, bool async) {
     if (loader_) meta["loader"] = loader_->loader->state_json();
   }
   PendingSave *raw = p.get();
+  raw->runs_left = async_save_lag_;
   pending_save_ = std::move(p);
   if (async) {
     if (raw->writer) raw->thread = std::thread([raw, rank] { write_shard(*raw, rank); });

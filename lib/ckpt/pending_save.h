@@ -23,6 +23,7 @@ struct PendingSave {
   nlohmann::json meta;  // everything but the shard list, as of the snapshot
   std::thread thread;
   std::string err;
+  int64_t runs_left = 0;  // ctr_step_run calls before the save is published
 };
 
 }  // namespace ctr

@@ -77,6 +77,7 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
   copt_.reshard_after_forward = r.get_int("reshard_after_forward", 1, 0, 1) != 0;
   std::string keep = r.get_string("keep", "");
   async_save_ = r.get_int("async_save", 0, 0, 1) != 0;
+  async_save_lag_ = r.get_int("async_save_lag", 2, 1, 1 << 20);
   r.finish();
   if (options) {
     // Recorded in checkpoints, for the record.
@@ -349,9 +350,10 @@ int64_t Step::full_numel(int t) const {
 void Step::run(ctr_step_metrics *metrics) {
   check_inputs_set("ctr_step_run");
   {
-    // A background save is published here, at the same point on every rank.
+    // A background save is published here, after the same number of steps on
+    // every rank (a collective), giving the writer that many steps of time.
     auto ts = Clock::now();
-    finish_save();
+    maybe_finish_save();
     save_wait_ms_ = ms_since(ts);
   }
   if (metrics)
@@ -456,6 +458,10 @@ double Step::evaluate() {
     sum += *loss_ptr;
   }
   return sum / static_cast<double>(copt_.micro_batches);
+}
+
+void Step::maybe_finish_save() {
+  if (pending_save_ && --pending_save_->runs_left <= 0) finish_save();
 }
 
 double Step::forward_backward() {

@@ -51,6 +51,7 @@ class Step {
   // collective) by finish_save(), which the next run/save/load calls.
   void save(const std::string &dir, bool async = false);
   void finish_save();
+  void maybe_finish_save();  // publish once the lag has passed (in run)
   void abandon_save();
   bool async_save() const { return async_save_; }
   void load(const std::string &dir);
@@ -112,6 +113,7 @@ class Step {
   std::unique_ptr<PendingSave> pending_save_;
   double save_wait_ms_ = 0;
   bool async_save_ = false;
+  int64_t async_save_lag_ = 2;
   std::string options_json_;  // the options the step was created with, for checkpoints
   std::vector<int> kept_;     // tensors named in option "keep"
 

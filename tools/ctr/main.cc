@@ -305,6 +305,8 @@ struct RunArgs {
 // The seed of the built-in corpus is fixed, so `ctr run` without --data trains
 // on the same text everywhere; --data-seed changes only the order.
 constexpr uint64_t kCorpusSeed = 0;
+// Steps a background checkpoint write gets before the step publishes it.
+constexpr int64_t kAsyncSaveLag = 2;
 // Evaluation without a file of its own reads text the model never trains on.
 constexpr uint64_t kEvalCorpusSeed = 1;
 constexpr int64_t kEvalCorpusBytes = int64_t{1} << 20;
@@ -464,7 +466,10 @@ int cmd_run(const RunArgs &a) {
   if (a.beta1_opt->count() > 0) set_float(step_opts.get(), "beta1", a.beta1);
   if (a.beta2_opt->count() > 0) set_float(step_opts.get(), "beta2", a.beta2);
   set_float(step_opts.get(), "grad_clip", a.grad_clip);
-  if (a.async_save) set_int(step_opts.get(), "async_save", 1);
+  if (a.async_save) {
+    set_int(step_opts.get(), "async_save", 1);
+    set_int(step_opts.get(), "async_save_lag", kAsyncSaveLag);
+  }
   ctr_step *raw_step = nullptr;
   check(ctr_step_create(mesh.get(), graph.get(), step_opts.get(), &raw_step));
   Step step(raw_step);
@@ -514,6 +519,7 @@ int cmd_run(const RunArgs &a) {
     first_step = ctr_step_count(step.get()) + 1;
   }
   std::string pending_save;
+  int64_t pending_runs = 0;
   auto publish = [&]() {
     if (pending_save.empty()) return;
     if (lead) {
@@ -534,6 +540,7 @@ int cmd_run(const RunArgs &a) {
     if (a.async_save) {
       // Published by the next step (or the wait at the end); `latest` moves then.
       pending_save = name;
+      pending_runs = 0;
       if (lead) {
         std::printf("saving %s in the background (stall %.1f ms)\n", path.c_str(), ms);
         std::fflush(stdout);
@@ -622,8 +629,8 @@ int cmd_run(const RunArgs &a) {
     std::memset(&m, 0, sizeof m);
     m.size = sizeof m;
     check(ctr_step_run(step.get(), &m));
-    if (!pending_save.empty()) {
-      // The run published the background save.
+    if (!pending_save.empty() && ++pending_runs >= kAsyncSaveLag) {
+      // This run published the background save (the step option's lag).
       if (lead) {
         std::printf("saved %s/%s (the step waited %.1f ms for the writer)\n", a.save_dir.c_str(),
                     pending_save.c_str(), m.save_wait_ms);
