@@ -44,7 +44,8 @@ struct CommIface {
   // recv[size * bytes] receives every member's `bytes` from send, in rank order.
   CommWork *(*all_gather)(void *ctx, const void *send, void *recv, size_t bytes);
   // send holds size * count elements; this rank receives the reduction of block
-  // `rank` into recv[count]. dtype: F32, F64, I32, I64.
+  // `rank` into recv[count]. dtype: F32, F64, I32, I64. Avg of integers
+  // truncates toward zero (C division).
   CommWork *(*reduce_scatter)(void *ctx, const void *send, void *recv, size_t count,
                               ctr_dtype dtype, ReduceOp op);
   // recv[count] = reduction of every member's send[count]; send == recv allowed.
@@ -52,7 +53,8 @@ struct CommIface {
                           ctr_dtype dtype, ReduceOp op);
   // Personalised exchange: to member j goes send_counts[j] elements of elem_size
   // bytes from send + send_displs[j] elements; from member j arrive
-  // recv_counts[j] elements at recv + recv_displs[j]. Zero counts are allowed.
+  // recv_counts[j] elements at recv + recv_displs[j]. Zero counts are allowed;
+  // send and recv must not overlap.
   CommWork *(*all_to_all_v)(void *ctx, const void *send, const size_t *send_counts,
                             const size_t *send_displs, void *recv, const size_t *recv_counts,
                             const size_t *recv_displs, size_t elem_size);
@@ -62,14 +64,16 @@ struct CommIface {
 
   // Blocks until the work is complete or timeout_ms passes (< 0: the
   // communicator's default timeout). Releases the handle either way; throws
-  // ctr::Error on timeout or failure.
+  // ctr::Error on timeout or failure. After a timeout or a failed peer the
+  // communicator is broken: destroy it, do not issue more work on it.
   void (*wait)(void *ctx, CommWork *work, int64_t timeout_ms);
   // True once the work is complete (it must still be waited on). Optional.
   bool (*test)(void *ctx, CommWork *work);
 
   // A communicator over the members listed (indices into this group, in the new
-  // group's order; must include the caller). Every listed member calls it with
-  // the same list. The new communicator shares this one's transport.
+  // group's order; must include the caller). Blocks until every listed member
+  // has called it with the same list; members not listed take no part. The new
+  // communicator shares this one's transport.
   Comm (*split)(void *ctx, const std::vector<int> &members);
   void (*destroy)(void *ctx);
 };
