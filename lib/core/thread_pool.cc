@@ -155,15 +155,22 @@ void set_num_threads(int n) {
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)> &fn) {
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
-  Pool &p = pool();
-  int threads = p.size();
-  if (t_in_parallel || threads == 1 || n <= grain) {
+  if (n <= grain) {
     fn(0, n);
     return;
   }
+  Pool &p = pool();
+  const int threads = p.size();
   // A few chunks per thread balance uneven rows without much claiming overhead.
-  int64_t chunk = std::max(grain, (n + 4 * threads - 1) / (4 * threads));
-  if (!p.try_run(n, chunk, &fn)) fn(0, n);
+  const int64_t chunk = std::max(grain, (n + 4 * threads - 1) / (4 * threads));
+  // Whether the loop runs on the pool or on this thread alone (nested, single
+  // thread, or the pool busy with another step's loop), it is cut into the same
+  // chunks: a kernel whose chunks are separate library calls (GEMM blocks) then
+  // computes the same bits however busy the pool is.
+  auto serial = [&] {
+    for (int64_t b = 0; b < n; b += chunk) fn(b, std::min(n, b + chunk));
+  };
+  if (t_in_parallel || threads == 1 || !p.try_run(n, chunk, &fn)) serial();
 }
 
 }  // namespace ctr

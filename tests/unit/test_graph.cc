@@ -17,6 +17,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "api/handles.h"
@@ -1274,6 +1275,80 @@ TEST(LoaderAbi, EpochIsExactAcrossRescaleFourThreeTwo) {
   std::sort(sorted.begin(), sorted.end());
   for (int w = 0; w < windows; ++w) EXPECT_EQ(sorted[static_cast<size_t>(w)], w) << "window " << w;
   ctr_graph_free(g);
+}
+
+}  // namespace
+
+namespace {
+
+// Two steps trained at once from two threads share the process thread pool; each
+// must compute the same bits as when it runs alone (kernels cut their work the
+// same way whether or not the pool is free).
+TEST(Determinism, ConcurrentStepsMatchASoloRun) {
+  Opts o;
+  o.i("layers", 2).i("dim", 128).i("heads", 4).i("vocab", 64).i("seq", 32);
+  ctr_graph *g = preset("llama", o);
+  auto solo = train(g, 8, 1, 12, 1e-3, 32, 64);
+  std::vector<double> a, b;
+  std::thread t1([&] { a = train(g, 8, 1, 12, 1e-3, 32, 64); });
+  std::thread t2([&] { b = train(g, 8, 1, 12, 1e-3, 32, 64); });
+  t1.join();
+  t2.join();
+  EXPECT_EQ(a, solo);
+  EXPECT_EQ(b, solo);
+  ctr_graph_free(g);
+}
+
+}  // namespace
+
+#include <condition_variable>
+#include <mutex>
+
+#include "core/thread_pool.h"
+
+namespace {
+
+// parallel_for cuts a loop into the same chunks whether it runs on the pool or,
+// because the pool is busy with another thread's loop, on the caller alone.
+TEST(Determinism, ChunksDoNotDependOnPoolAvailability) {
+  if (ctr::num_threads() < 2) GTEST_SKIP() << "needs a pool of 2 or more threads";
+  auto chunks = [](int64_t n, int64_t grain) {
+    std::mutex mu;
+    std::vector<std::pair<int64_t, int64_t>> out;
+    ctr::parallel_for(n, grain, [&](int64_t b, int64_t e) {
+      std::lock_guard<std::mutex> lk(mu);
+      out.emplace_back(b, e);
+    });
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  const auto free_pool = chunks(100000, 1000);
+  ASSERT_GT(free_pool.size(), 1u);
+
+  // Occupy the pool with a loop that finishes only after the second loop ran.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool started = false, release = false;
+  std::thread holder([&] {
+    ctr::parallel_for(2, 1, [&](int64_t, int64_t) {
+      std::unique_lock<std::mutex> lk(mu);
+      started = true;
+      cv.notify_all();
+      cv.wait(lk, [&] { return release; });
+    });
+  });
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [&] { return started; });
+  }
+  const auto busy_pool = chunks(100000, 1000);
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    release = true;
+  }
+  cv.notify_all();
+  holder.join();
+  EXPECT_EQ(busy_pool, free_pool);
 }
 
 }  // namespace
