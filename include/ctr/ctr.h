@@ -241,6 +241,9 @@ typedef struct ctr_step ctr_step;
  *                            ctr_step_get_output (e.g. "logits")
  *   "async_save" int         ctr_step_save writes in the background (0)
  *   "async_save_lag" int     runs after which a background save is published (2)
+ *   "memory_limit" int       bytes the plan may use; a larger plan fails with
+ *                            CTR_STATUS_OUT_OF_MEMORY before allocating (default:
+ *                            the machine's physical memory)
  */
 CTR_API ctr_status ctr_step_create(const ctr_mesh *mesh, const ctr_graph *graph,
                                    const ctr_options *options, ctr_step **out);

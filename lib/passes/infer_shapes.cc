@@ -16,6 +16,21 @@ void pass_infer_shapes(Graph &g, const CompileOptions &opt) {
     std::string m = g.meta("max_seq");
     if (!m.empty()) seq = std::atoll(m.c_str());
   }
+  // Sizes a fuzzed or hand-edited file can ask for must not overflow int64 byte
+  // counts further down: cap every tensor at 2^40 elements.
+  auto check_size = [&](const Tensor &t, const std::vector<int64_t> &s) {
+    __int128 n = 1;
+    for (int64_t d : s) {
+      if (d < 0)
+        fail(CTR_STATUS_INVALID_GRAPH, strformat("tensor '%s' has a negative dim in %s", t.name.c_str(),
+                                                 shape_string(s).c_str()));
+      n *= d;
+      if (n > (static_cast<__int128>(1) << 40))
+        fail(CTR_STATUS_INVALID_GRAPH,
+             strformat("tensor '%s' of shape %s is too large (more than 2^40 elements)", t.name.c_str(),
+                       shape_string(s).c_str()));
+    }
+  };
   auto bind = [&](const Tensor &t) {
     std::vector<int64_t> s;
     for (const Dim &d : t.dims) {
@@ -42,6 +57,7 @@ void pass_infer_shapes(Graph &g, const CompileOptions &opt) {
     t.has_shape = false;
     if (t.role != Role::Activation) {
       t.shape = bind(t);
+      check_size(t, t.shape);
       t.has_shape = true;
     }
   }
@@ -83,6 +99,7 @@ void pass_infer_shapes(Graph &g, const CompileOptions &opt) {
              strformat("node '%s' (%s): output %s is declared %s but the op computes %s",
                        n.name.c_str(), n.op.c_str(), g.describe_tensor(n.outputs[i]).c_str(),
                        dtype_name(t.dtype), dtype_name(out[i].dtype)));
+      check_size(t, out[i].shape);
       t.dtype = out[i].dtype;
       t.shape = out[i].shape;
       t.has_shape = true;

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include "core/options.h"
@@ -78,6 +79,10 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
   std::string keep = r.get_string("keep", "");
   async_save_ = r.get_int("async_save", 0, 0, 1) != 0;
   async_save_lag_ = r.get_int("async_save_lag", 2, 1, 1 << 20);
+  // Refuse a plan larger than the machine before touching any of it: allocation
+  // may succeed lazily and the first write would then end the process.
+  int64_t phys = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  const int64_t memory_limit = r.get_int("memory_limit", phys > 0 ? phys : (int64_t{1} << 40), 1);
   r.finish();
   if (options) {
     // Recorded in checkpoints, for the record.
@@ -119,6 +124,18 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
   float inv = 1.0f / static_cast<float>(copt_.micro_batches);
   std::memcpy(g_.tensors[seed_t].data.data(), &inv, 4);
 
+  {
+    int64_t params = 0;
+    for (const Tensor &t : g_.tensors)
+      if (t.role == Role::Param) params += t.numel();
+    const int64_t opt = params * 4 * (copt_.micro_batches > 1 ? 3 : 2);
+    const int64_t total = plan_.arena_bytes + plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + opt;
+    CTR_REQUIRE(total <= memory_limit, CTR_STATUS_OUT_OF_MEMORY,
+                "ctr_step_create: the plan needs %.2f GiB (activations %.2f, parameters %.2f, "
+                "optimizer %.2f), more than the memory limit of %.2f GiB (option 'memory_limit')",
+                total / 1073741824.0, plan_.arena_bytes / 1073741824.0, plan_.param_bytes / 1073741824.0,
+                opt / 1073741824.0, memory_limit / 1073741824.0);
+  }
   arena_ = must_alloc(be_, plan_.arena_bytes, "the activation arena");
   params_ = must_alloc(be_, plan_.param_bytes, "parameters");
   inputs_ = must_alloc(be_, plan_.input_bytes, "inputs");

@@ -1352,3 +1352,36 @@ TEST(Determinism, ChunksDoNotDependOnPoolAvailability) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(StepLimits, PlanLargerThanTheMemoryLimitIsRefusedBeforeAllocating) {
+  Opts o;
+  o.i("layers", 1).i("dim", 16).i("heads", 2).i("vocab", 32).i("seq", 8);
+  ctr_graph *g = preset("gpt", o);
+  Mesh m;
+  Opts so;
+  so.i("batch", 4).i("memory_limit", 1000);
+  ctr_step *s = nullptr;
+  EXPECT_EQ(ctr_step_create(m.m, g, so.o, &s), CTR_STATUS_OUT_OF_MEMORY);
+  EXPECT_NE(std::string(ctr_last_error()).find("memory limit"), std::string::npos) << ctr_last_error();
+  EXPECT_EQ(s, nullptr);
+  ctr_graph_free(g);
+  // Logits of 2^23 rows x 4096 classes (128 GiB) fail the same way on the default
+  // limit, the machine's memory, without touching any of it.
+  Opts big;
+  big.i("layers", 1).i("dim", 16).i("heads", 2).i("vocab", 4096).i("seq", 8);
+  g = preset("gpt", big);
+  Opts huge;
+  huge.i("batch", 1 << 20).i("seq", 8);
+  EXPECT_EQ(ctr_step_create(m.m, g, huge.o, &s), CTR_STATUS_OUT_OF_MEMORY) << ctr_last_error();
+  ctr_graph_free(g);
+}
+
+TEST_F(Malformed, AbsurdSizesAreRefused) {
+  int w = g.find_tensor("layers.0.mlp.fc.weight");
+  g.tensors[w].dims[0].size = int64_t{1} << 40;
+  expect_invalid_at_step(g, "too large");
+}
+
+}  // namespace
