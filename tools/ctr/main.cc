@@ -294,7 +294,7 @@ struct RunArgs {
   std::string save_dir = "checkpoints", resume, export_safetensors, init_safetensors;
   int64_t save_every = 0, keep = 3, stop_after = 0;
   bool async_save = false;
-  int64_t steps = 0, batch = 0, seq = 0, micro_batches = 1, warmup = 0, seed = 0, data_seed = 0;
+  int64_t steps = 0, batch = 8, seq = 0, micro_batches = 1, warmup = 0, seed = 0, data_seed = 0;
   int64_t log_every = 10, eval_every = 0, eval_batches = 4, threads = 0;
   double lr = 3e-4, min_lr = 0, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0;
   CLI::Option *seq_opt = nullptr, *min_lr_opt = nullptr, *beta1_opt = nullptr,
@@ -845,8 +845,8 @@ int run_main(int argc, char **argv) {
   run_cmd->add_option("--steps", run.steps, "Optimizer steps")
       ->required()
       ->check(kPositive);
-  run_cmd->add_option("--batch", run.batch, "Sequences per micro-batch")
-      ->required()
+  run_cmd->add_option("--batch", run.batch, "Sequences per micro-batch (per rank)")
+      ->capture_default_str()
       ->check(kPositive);
   run.seq_opt = run_cmd
                     ->add_option("--seq", run.seq,
