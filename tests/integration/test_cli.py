@@ -69,6 +69,10 @@ def main():
         check(rows[-1]["loss"] < 1.0, f"loss did not fall below 1.0: {rows[-1]['loss']}")
         check(rows[0]["lr"] < rows[10]["lr"], "warm-up did not raise the learning rate")
 
+    # The README's quick start relies on defaults: no --batch, no --data.
+    r = run("run", graph, "--steps", "2", "--log-every", "1")
+    check("batch 8 x seq 32" in r.stdout and "synthetic" in r.stdout, f"defaults changed: {r.stdout[:300]}")
+
     # Bad inputs: each is one clear error line and exit status 1.
     junk = os.path.join(tmp, "junk.ctrg")
     with open(junk, "wb") as f:
