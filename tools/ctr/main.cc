@@ -582,11 +582,11 @@ int cmd_run(const RunArgs &a) {
     std::string shape = ctr::strformat("batch %" PRId64 " x seq %" PRId64, a.batch, seq);
     if (a.micro_batches > 1) shape += ctr::strformat(" x %" PRId64 " micro", a.micro_batches);
     if (world > 1) shape += ctr::strformat(" x %d ranks", world);
-    std::printf("%s: %s params | data %s: %s%s tokens | %s | memory %.1f MiB (arena %.1f, "
+    std::printf("%s: %s params | data %s: %s%s tokens | %s | memory%s %.1f MiB (arena %.1f, "
                 "params %.1f, optimizer %.1f)\n",
                 a.graph.c_str(), human(static_cast<double>(params)).c_str(),
                 src->name().c_str(), kind.c_str(), human(static_cast<double>(src->size())).c_str(),
-                shape.c_str(), mib(arena + param_bytes + opt_bytes), mib(arena),
+                shape.c_str(), world > 1 ? " per rank" : "", mib(arena + param_bytes + opt_bytes), mib(arena),
                 mib(param_bytes), mib(opt_bytes));
     std::fflush(stdout);
   }
