@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
@@ -99,6 +100,18 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
   copt_.dp = mesh.axis_size("dp");
   copt_.dp_index = mesh.axis_index("dp");
 
+  // CTR_FAULT_INJECT="exit_at_step:N:rank:R" or "hang_at_step:N:rank:R" makes
+  // rank R exit (or block forever) when it starts step N: the failure tests use
+  // it to check that the other ranks end the job naming that rank.
+  if (const char *f = std::getenv("CTR_FAULT_INJECT")) {
+    long long n = 0, fr = 0;
+    char kind[16] = {0};
+    if (std::sscanf(f, "%15[a-z]_at_step:%lld:rank:%lld", kind, &n, &fr) == 3 && fr == mesh.rank &&
+        (std::strcmp(kind, "exit") == 0 || std::strcmp(kind, "hang") == 0)) {
+      fault_step_ = n;
+      fault_hang_ = std::strcmp(kind, "hang") == 0;
+    }
+  }
   pass_infer_shapes(g_, copt_);
   for (size_t pos = 0; pos < keep.size();) {
     size_t comma = keep.find(',', pos);
@@ -366,6 +379,10 @@ int64_t Step::full_numel(int t) const {
 
 void Step::run(ctr_step_metrics *metrics) {
   check_inputs_set("ctr_step_run");
+  if (fault_step_ == step_ + 1) {
+    if (!fault_hang_) _exit(87);
+    for (;;) pause();
+  }
   {
     // A background save is published here, after the same number of steps on
     // every rank (a collective), giving the writer that many steps of time.

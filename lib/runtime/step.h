@@ -114,6 +114,9 @@ class Step {
   double save_wait_ms_ = 0;
   bool async_save_ = false;
   int64_t async_save_lag_ = 2;
+  // Fault injection for the failure tests (CTR_FAULT_INJECT, see step.cc).
+  int64_t fault_step_ = -1;
+  bool fault_hang_ = false;
   std::string options_json_;  // the options the step was created with, for checkpoints
   std::vector<int> kept_;     // tensors named in option "keep"
 

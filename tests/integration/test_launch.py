@@ -71,6 +71,24 @@ def main():
     check(out.count("got-term") == 2, f"SIGTERM not forwarded to both ranks: {out} {err}")
     check(proc.returncode == 128 + signal.SIGTERM, f"launcher exit after SIGTERM: {proc.returncode}")
 
+    # A training job whose rank 1 hangs at step 5: rank 0 fails within --timeout
+    # naming rank 1, and the launcher ends the job with that failure.
+    import tempfile
+    graph = os.path.join(tempfile.mkdtemp(prefix="ctr_launch_"), "g.ctrg")
+    subprocess.run([CTR, "graph", "build", "--preset", "gpt", "--layers", "1", "--dim", "32",
+                    "--heads", "2", "--seq", "16", "-o", graph], check=True, capture_output=True, timeout=60)
+    for kind, want_status, needle in [("hang", 1, "waiting for rank 1"), ("exit", 87, "rank 1 exited with status 87")]:
+        t0 = time.monotonic()
+        p = subprocess.run([CTR, "launch", "-n", "2", "--grace-ms", "2000", "--", CTR, "run", graph,
+                            "--mesh", "fsdp=2", "--steps", "20", "--batch", "2", "--log-every", "0",
+                            "--timeout", "3"],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "CTR_FAULT_INJECT": f"{kind}_at_step:5:rank:1"})
+        elapsed = time.monotonic() - t0
+        check(p.returncode == want_status, f"{kind}: launcher exited {p.returncode}, expected {want_status}")
+        check(needle in p.stderr, f"{kind}: message lacks '{needle}': {p.stderr[-600:]}")
+        check(elapsed < 60, f"{kind}: the job took {elapsed:.1f} s to end")
+
     # Usage errors.
     p = subprocess.run([CTR, "launch", "-n", "0", "--", "true"], capture_output=True, text=True, timeout=30)
     check(p.returncode == 2, f"-n 0 exited {p.returncode}")

@@ -299,7 +299,8 @@ struct RunArgs {
   double lr = 3e-4, min_lr = 0, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0;
   CLI::Option *seq_opt = nullptr, *min_lr_opt = nullptr, *beta1_opt = nullptr,
               *beta2_opt = nullptr, *threads_opt = nullptr, *device_opt = nullptr,
-              *mesh_opt = nullptr;
+              *mesh_opt = nullptr, *timeout_opt = nullptr;
+  double timeout = 60;
 };
 
 // The seed of the built-in corpus is fixed, so `ctr run` without --data trains
@@ -434,6 +435,7 @@ int cmd_run(const RunArgs &a) {
   if (a.threads_opt->count() > 0) set_int(mesh_opts.get(), "threads", a.threads);
   if (a.device_opt->count() > 0) set_string(mesh_opts.get(), "device", a.device);
   if (a.mesh_opt->count() > 0) set_string(mesh_opts.get(), "mesh", a.mesh);
+  if (a.timeout_opt->count() > 0) set_float(mesh_opts.get(), "timeout", a.timeout);
   ctr_mesh *raw_mesh = nullptr;
   check(ctr_mesh_create_from_env(mesh_opts.get(), &raw_mesh));
   Mesh mesh(raw_mesh);
@@ -881,6 +883,10 @@ int run_main(int argc, char **argv) {
                         ->check(kPositive);
   run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default) or cuda");
   run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4");
+  run.timeout_opt = run_cmd->add_option("--timeout", run.timeout,
+                                        "Seconds a rank waits for its peers before the job "
+                                        "fails naming the missing rank (60)")
+                        ->check(CLI::PositiveNumber);
   run_cmd->add_option("--save-every", run.save_every, "Save a checkpoint every N steps (and at the end)")
       ->check(kNonNegative);
   run_cmd->add_option("--save-dir", run.save_dir, "Directory of checkpoints")->capture_default_str();
