@@ -54,6 +54,16 @@ export RUST_BACKTRACE=1
 echo "run_rust: $("$CARGO_BIN" --version), libctr from $CTR_LIB_DIR"
 "$CARGO_BIN" test --offline --workspace --manifest-path "$SRC/bindings/rust/Cargo.toml"
 
+# Leaks at the boundary: the integration tests again, under LeakSanitizer.
+LSAN=/usr/lib/x86_64-linux-gnu/liblsan.so.0
+if [ -e "$LSAN" ]; then
+  for t in "$CARGO_TARGET_DIR"/debug/deps/train-*; do
+    [ -f "$t" ] && [ -x "$t" ] || continue
+    echo "run_rust: $(basename "$t") under LeakSanitizer"
+    LD_PRELOAD=$LSAN LSAN_OPTIONS=exitcode=23 "$t" --test-threads=1 -q
+  done
+fi
+
 echo "run_rust: examples/rust"
 "$CARGO_BIN" run --offline --release --manifest-path "$SRC/examples/rust/Cargo.toml"
 echo "run_rust: all Rust binding tests and the example passed"
