@@ -74,7 +74,13 @@ extern "C" ctr_status ctr_options_create(ctr_options **out) {
   CTR_API_END
 }
 
-extern "C" void ctr_options_free(ctr_options *options) { delete options; }
+extern "C" void ctr_options_free(ctr_options *options) {
+  // Handles own threads, files and endpoints; nothing may escape to the host.
+  try {
+    delete options;
+  } catch (...) {
+  }
+}
 
 namespace {
 void check_key(ctr_options *o, const char *key, const char *fn) {
@@ -242,7 +248,13 @@ extern "C" ctr_status ctr_mesh_create_from_env(const ctr_options *options, ctr_m
   return mesh_create(options, out, true);
 }
 
-extern "C" void ctr_mesh_free(ctr_mesh *mesh) { delete mesh; }
+extern "C" void ctr_mesh_free(ctr_mesh *mesh) {
+  // Handles own threads, files and endpoints; nothing may escape to the host.
+  try {
+    delete mesh;
+  } catch (...) {
+  }
+}
 extern "C" int ctr_mesh_rank(const ctr_mesh *mesh) { return mesh ? mesh->rank : 0; }
 extern "C" int ctr_mesh_world_size(const ctr_mesh *mesh) { return mesh ? mesh->world : 0; }
 extern "C" int ctr_mesh_axis_size(const ctr_mesh *mesh, const char *axis) {
@@ -325,7 +337,13 @@ extern "C" ctr_status ctr_graph_save_file(const ctr_graph *graph, const char *pa
   CTR_API_END
 }
 
-extern "C" void ctr_graph_free(ctr_graph *graph) { delete graph; }
+extern "C" void ctr_graph_free(ctr_graph *graph) {
+  // Handles own threads, files and endpoints; nothing may escape to the host.
+  try {
+    delete graph;
+  } catch (...) {
+  }
+}
 
 extern "C" size_t ctr_graph_num_inputs(const ctr_graph *graph) {
   return graph ? graph->inputs.size() : 0;
@@ -428,7 +446,13 @@ extern "C" ctr_status ctr_step_create(const ctr_mesh *mesh, const ctr_graph *gra
   CTR_API_END
 }
 
-extern "C" void ctr_step_free(ctr_step *step) { delete step; }
+extern "C" void ctr_step_free(ctr_step *step) {
+  // Handles own threads, files and endpoints; nothing may escape to the host.
+  try {
+    delete step;
+  } catch (...) {
+  }
+}
 
 #define STEP_ARG(fn) REQUIRE_ARG(step != nullptr && step->impl, fn ": step is NULL")
 
@@ -587,7 +611,13 @@ extern "C" ctr_status ctr_loader_create(const char *path, const ctr_options *opt
   CTR_API_END
 }
 
-extern "C" void ctr_loader_free(ctr_loader *loader) { delete loader; }
+extern "C" void ctr_loader_free(ctr_loader *loader) {
+  // Handles own threads, files and endpoints; nothing may escape to the host.
+  try {
+    delete loader;
+  } catch (...) {
+  }
+}
 
 extern "C" ctr_status ctr_loader_next(ctr_loader *loader, int64_t rows, int32_t *tokens, int32_t *targets) {
   CTR_API_BEGIN

@@ -52,9 +52,17 @@ struct ctr_mesh {
     return out;
   }
   ~ctr_mesh() {
-    for (auto &kv : axis_comm)
-      if (kv.second) kv.second.iface->destroy(kv.second.ctx);
-    if (world_comm) world_comm.iface->destroy(world_comm.ctx);
+    // Destructors are noexcept: a failure while tearing a communicator down
+    // (a peer already gone) must not end the host process.
+    auto destroy = [](ctr::Comm &c) {
+      if (!c) return;
+      try {
+        c.iface->destroy(c.ctx);
+      } catch (...) {
+      }
+    };
+    for (auto &kv : axis_comm) destroy(kv.second);
+    destroy(world_comm);
   }
 };
 

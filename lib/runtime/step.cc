@@ -232,7 +232,11 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
 }
 
 Step::~Step() {
-  abandon_save();
+  try {
+    abandon_save();
+  } catch (...) {
+    // noexcept destructor: a failing background write is simply not published
+  }
   be_.iface->free(be_.ctx, arena_);
   be_.iface->free(be_.ctx, params_);
   be_.iface->free(be_.ctx, inputs_);
