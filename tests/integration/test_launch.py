@@ -89,6 +89,39 @@ def main():
         check(needle in p.stderr, f"{kind}: message lacks '{needle}': {p.stderr[-600:]}")
         check(elapsed < 60, f"{kind}: the job took {elapsed:.1f} s to end")
 
+    # Other launchers' environments: torchrun, Slurm (srun) and Open MPI (mpirun)
+    # start the ranks themselves; libctr reads their variables.
+    import socket
+    for style in ("torchrun", "slurm", "ompi"):
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        procs = []
+        for r in range(2):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("CTR_")}
+            if style == "torchrun":
+                env.update(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port))
+            elif style == "slurm":
+                env.update(SLURM_PROCID=str(r), SLURM_NTASKS="2", CTR_MASTER_ADDR="127.0.0.1",
+                           CTR_MASTER_PORT=str(port))
+            else:
+                env.update(OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="2",
+                           CTR_MASTER_ADDR="127.0.0.1", CTR_MASTER_PORT=str(port))
+            procs.append(subprocess.Popen([CTR, "run", graph, "--mesh", "fsdp=2", "--steps", "3", "--batch", "2",
+                                           "--log-every", "1", "--timeout", "20"],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        outs = []
+        for pr in procs:
+            try:
+                outs.append(pr.communicate(timeout=90))
+            except subprocess.TimeoutExpired:
+                pr.kill()
+                outs.append(pr.communicate())
+                failures.append(f"{style}: a rank did not finish")
+        check(all(pr.returncode == 0 for pr in procs), f"{style}: exit codes {[pr.returncode for pr in procs]}: {outs[0][1][-400:]}")
+        check("x 2 ranks" in outs[0][0] and "done: 3 steps" in outs[0][0], f"{style}: rank 0 output: {outs[0][0][-400:]}")
+
     # Usage errors.
     p = subprocess.run([CTR, "launch", "-n", "0", "--", "true"], capture_output=True, text=True, timeout=30)
     check(p.returncode == 2, f"-n 0 exited {p.returncode}")
