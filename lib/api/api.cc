@@ -223,6 +223,10 @@ ctr_status mesh_create(const ctr_options *options, ctr_mesh **out, bool from_env
               "mesh: axis 'ep' (expert parallelism) needs a graph with experts; this build has "
               "no MoE support");
   if (m->world > 1) {
+    CTR_REQUIRE(ctr::ucx_available(), CTR_STATUS_UNSUPPORTED,
+                "mesh: %d ranks need the UCX communicator, and this libctr was built without UCX "
+                "(install libucx-dev and rebuild with -Ducx=enabled)",
+                m->world);
     rc.rank = m->rank;
     rc.world = m->world;
     rc.timeout_ms = m->timeout_ms;

@@ -122,6 +122,9 @@ class Store {
 // duplicate rank) or cannot be reached.
 std::unique_ptr<Store> store_join(const RendezvousConfig &cfg);
 
+// Whether this build has the UCX communicator (libucx at build time).
+bool ucx_available();
+
 // The world communicator over UCX; addresses are exchanged through the store.
 // timeout_ms is the default deadline of every wait.
 Comm ucx_comm_create(Store &store, int rank, int world, int64_t timeout_ms);

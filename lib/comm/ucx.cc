@@ -1620,4 +1620,6 @@ Comm ucx_comm_create(Store &store, int rank, int world, int64_t timeout_ms) {
   return Comm{&kIface, cc};
 }
 
+bool ucx_available() { return true; }
+
 }  // namespace ctr

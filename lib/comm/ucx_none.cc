@@ -6,6 +6,8 @@
 
 namespace ctr {
 
+bool ucx_available() { return false; }
+
 Comm ucx_comm_create(Store &, int, int world, int64_t) {
   fail(CTR_STATUS_UNSUPPORTED,
        strformat("a mesh of %d ranks needs the UCX communicator, and this libctr was built "
