@@ -382,6 +382,8 @@ typedef struct ctr_loader ctr_loader;
  *                            with token eot and target -1
  *   "eot" int                the end-of-text token id (required by documents)
  *   "corpus_bytes" int       size of the built-in corpus
+ *   "corpus_seed" int        which built-in corpus: another seed gives other text
+ *                            (0; e.g. held-out text for evaluation)
  * "mode" and "eot" override the manifest's. Each sub-dataset's order is a
  * seeded permutation of its samples per epoch, and sub-datasets are
  * interleaved by a deterministic schedule that follows the weights; the

@@ -598,6 +598,7 @@ extern "C" ctr_status ctr_loader_create(const char *path, const ctr_options *opt
   o.seq = r.get_int("seq", 0, 1, 1 << 24);
   o.seed = static_cast<uint64_t>(r.get_int("seed", 0, 0));
   o.corpus_bytes = r.get_int("corpus_bytes", ctr::data::kSyntheticDefaultBytes, 1, int64_t{1} << 34);
+  o.corpus_seed = static_cast<uint64_t>(r.get_int("corpus_seed", 0, 0));
   if (r.has("format"))
     o.format = ctr::data::format_from_name(
         r.get_string("format", "auto", {"auto", "llmc", "npy", "u16", "u32", "bytes"}));

@@ -405,6 +405,7 @@ struct OpenOptions {
   std::optional<Mode> mode;
   std::optional<int64_t> eot;
   int64_t corpus_bytes = kSyntheticDefaultBytes;
+  uint64_t corpus_seed = 0;  // which built-in corpus (another seed: other text)
 };
 
 // Opens path (a manifest under Format::Auto when is_manifest(path), else one

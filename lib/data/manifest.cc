@@ -141,7 +141,7 @@ std::unique_ptr<Loader> open_loader(const std::string &path, const OpenOptions &
       !path.empty() && (!options.format || *options.format == Format::Auto) && is_manifest(path);
   if (path.empty()) {
     Part p;
-    p.owned = TokenSource::synthetic(0, options.corpus_bytes);
+    p.owned = TokenSource::synthetic(options.corpus_seed, options.corpus_bytes);
     parts.push_back(std::move(p));
   } else if (manifest) {
     Manifest m = read_manifest(path);

@@ -1385,3 +1385,22 @@ TEST_F(Malformed, AbsurdSizesAreRefused) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(LoaderAbi, CorpusSeedSelectsOtherText) {
+  auto first = [](int64_t corpus_seed) {
+    Opts o;
+    o.i("seq", 32).i("corpus_bytes", 1 << 16).i("corpus_seed", corpus_seed);
+    ctr_loader *l = nullptr;
+    EXPECT_EQ(ctr_loader_create(nullptr, o.o, &l), CTR_STATUS_OK) << ctr_last_error();
+    std::vector<int32_t> tok(32 * 4), tgt(tok.size());
+    EXPECT_EQ(ctr_loader_next(l, 4, tok.data(), tgt.data()), CTR_STATUS_OK);
+    ctr_loader_free(l);
+    return tok;
+  };
+  EXPECT_EQ(first(0), first(0));
+  EXPECT_NE(first(0), first(1));
+}
+
+}  // namespace

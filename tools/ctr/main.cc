@@ -303,9 +303,8 @@ struct RunArgs {
   double timeout = 60;
 };
 
-// The seed of the built-in corpus is fixed, so `ctr run` without --data trains
-// on the same text everywhere; --data-seed changes only the order.
-constexpr uint64_t kCorpusSeed = 0;
+// Without --data, `ctr run` trains on the built-in corpus of seed 0 (the loader's
+// default), the same text everywhere; --data-seed changes only the order.
 // Steps a background checkpoint write gets before the step publishes it.
 constexpr int64_t kAsyncSaveLag = 2;
 // Evaluation without a file of its own reads text the model never trains on.
@@ -363,11 +362,13 @@ struct LoaderDeleter {
 };
 using Loader = std::unique_ptr<ctr_loader, LoaderDeleter>;
 
-Loader open_loader(const std::string &path, int64_t seq, uint64_t seed, int64_t corpus_bytes = 0) {
+Loader open_loader(const std::string &path, int64_t seq, uint64_t seed, int64_t corpus_bytes = 0,
+                   uint64_t corpus_seed = 0) {
   Options o = new_options();
   set_int(o.get(), "seq", seq);
   set_int(o.get(), "seed", static_cast<int64_t>(seed));
   if (corpus_bytes > 0) set_int(o.get(), "corpus_bytes", corpus_bytes);
+  if (corpus_seed > 0) set_int(o.get(), "corpus_seed", static_cast<int64_t>(corpus_seed));
   ctr_loader *l = nullptr;
   check(ctr_loader_create(path.empty() ? nullptr : path.c_str(), o.get(), &l));
   return Loader(l);
@@ -403,21 +404,24 @@ void write_latest(const std::string &dir, const std::string &name) {
 }
 
 // Sets both inputs; an id outside the graph's vocabulary gets a hint that
-// names the data and its largest id, since the library can only name the
-// position of the first bad id.
-void set_inputs(ctr_step *step, const Batches &b, const ctr::data::TokenSource &src) {
+// names the data (`what`) and its largest id, since the library can only name
+// the position of the first bad id.
+void set_inputs(ctr_step *step, const Batches &b, ctr_loader *loader, const std::string &what) {
   for (const auto &[name, data] :
        {std::pair{"tokens", b.tokens()}, std::pair{"targets", b.targets()}}) {
     const ctr_status s = ctr_step_set_input(step, name, data, b.bytes());
     if (s == CTR_STATUS_OK) continue;
     std::string msg = ctr_last_error();
     if (s != CTR_STATUS_DATA_ERROR) throw ctr::Error(s, msg);
+    int64_t max_token = 0;
+    check(ctr_loader_info(loader, nullptr, &max_token));
     throw ToolError(
         s, msg,
-        ctr::strformat("the data (%s, %s) holds token ids up to %u; the graph's vocabulary "
-                       "must be larger than that: build the graph with --vocab %u or more, "
+        ctr::strformat("the data (%s) holds token ids up to %lld; the graph's vocabulary "
+                       "must be larger than that: build the graph with --vocab %lld or more, "
                        "or use data tokenized for this graph",
-                       src.name().c_str(), src.kind(), src.max_token(), src.max_token() + 1));
+                       what.c_str(), static_cast<long long>(max_token),
+                       static_cast<long long>(max_token + 1)));
   }
 }
 
@@ -427,9 +431,15 @@ int cmd_run(const RunArgs &a) {
   Graph graph = load_graph(a.graph);
   const int64_t seq = a.seq_opt->count() > 0 ? a.seq : default_seq(graph.get());
 
-  std::unique_ptr<ctr::data::TokenSource> src =
-      a.data.empty() ? ctr::data::TokenSource::synthetic(kCorpusSeed)
-                     : ctr::data::TokenSource::open_spec(a.data);
+  // What the data is, for messages. The loader below owns the data; a file is
+  // only mapped here to name its format (the built-in corpus is not built twice).
+  std::string data_name = "synthetic corpus (seed 0)", data_kind;
+  if (!a.data.empty()) {
+    std::unique_ptr<ctr::data::TokenSource> src = ctr::data::TokenSource::open_spec(a.data);
+    data_name = src->name();
+    data_kind = src->kind();
+  }
+  const std::string data_what = data_kind.empty() ? data_name : data_name + ", " + data_kind;
 
   Options mesh_opts = new_options();
   if (a.threads_opt->count() > 0) set_int(mesh_opts.get(), "threads", a.threads);
@@ -560,18 +570,10 @@ int cmd_run(const RunArgs &a) {
   };
 
   // Evaluation batches are the same every time, so successive eval losses are
-  // comparable: a fresh loader with a fixed seed over held-out text.
-  std::unique_ptr<ctr::data::TokenSource> eval_src;
-  std::string eval_what;
-  if (a.eval_every > 0) {
-    if (a.data.empty()) {
-      eval_src = ctr::data::TokenSource::synthetic(kEvalCorpusSeed, kEvalCorpusBytes);
-      eval_what = "batches of held-out synthetic text";
-    } else {
-      eval_what = "batches of the training data (no held-out file)";
-    }
-  }
-  const ctr::data::TokenSource &eval_data = eval_src ? *eval_src : *src;
+  // comparable: a fresh loader with a fixed seed over held-out text (the
+  // built-in corpus of another seed) or, for a file, over the training data.
+  const std::string eval_what = a.data.empty() ? "batches of held-out synthetic text"
+                                               : "batches of the training data (no held-out file)";
 
   int64_t arena = 0, param_bytes = 0, opt_bytes = 0;
   check(ctr_step_memory(step.get(), &arena, &param_bytes, &opt_bytes));
@@ -579,27 +581,29 @@ int cmd_run(const RunArgs &a) {
   const double flops = flops_per_token(graph.get(), seq);
 
   if (lead) {
-    const std::string kind =
-        std::strcmp(src->kind(), "synthetic") == 0 ? "" : std::string(src->kind()) + ", ";
+    int64_t data_tokens = 0;
+    check(ctr_loader_info(train_loader.get(), &data_tokens, nullptr));
+    const std::string kind = data_kind.empty() ? "" : data_kind + ", ";
     std::string shape = ctr::strformat("batch %" PRId64 " x seq %" PRId64, a.batch, seq);
     if (a.micro_batches > 1) shape += ctr::strformat(" x %" PRId64 " micro", a.micro_batches);
     if (world > 1) shape += ctr::strformat(" x %d ranks", world);
     std::printf("%s: %s params | data %s: %s%s tokens | %s | memory%s %.1f MiB (arena %.1f, "
                 "params %.1f, optimizer %.1f)\n",
                 a.graph.c_str(), human(static_cast<double>(params)).c_str(),
-                src->name().c_str(), kind.c_str(), human(static_cast<double>(src->size())).c_str(),
+                data_name.c_str(), kind.c_str(), human(static_cast<double>(data_tokens)).c_str(),
                 shape.c_str(), world > 1 ? " per rank" : "", mib(arena + param_bytes + opt_bytes), mib(arena),
                 mib(param_bytes), mib(opt_bytes));
     std::fflush(stdout);
   }
 
   auto evaluate = [&](int64_t at) -> double {
-    Loader eval_loader = eval_src ? open_loader("", seq, 0, kEvalCorpusBytes) : open_loader(a.data, seq, 0);
+    Loader eval_loader = a.data.empty() ? open_loader("", seq, 0, kEvalCorpusBytes, kEvalCorpusSeed)
+                                        : open_loader(a.data, seq, 0);
     Batches eval(eval_loader.get(), seq, local_rows, rank, world);
     double sum = 0;
     for (int64_t i = 0; i < a.eval_batches; ++i) {
       eval.next();
-      set_inputs(step.get(), eval, eval_data);
+      set_inputs(step.get(), eval, eval_loader.get(), data_what);
       double loss = 0;
       check(ctr_step_evaluate(step.get(), &loss));
       sum += loss;
@@ -626,7 +630,7 @@ int cmd_run(const RunArgs &a) {
   for (int64_t i = first_step; i <= a.steps; ++i) {
     const auto t0 = Clock::now();
     batches.next();
-    set_inputs(step.get(), batches, *src);
+    set_inputs(step.get(), batches, train_loader.get(), data_what);
     ctr_step_metrics m;
     std::memset(&m, 0, sizeof m);
     m.size = sizeof m;
