@@ -37,6 +37,31 @@ struct Attr {
   std::string s;
   std::vector<int64_t> ints;
   std::vector<double> floats;
+
+  static Attr of_int(int64_t v) {
+    Attr a;
+    a.type = Int;
+    a.i = v;
+    return a;
+  }
+  static Attr of_float(double v) {
+    Attr a;
+    a.type = Float;
+    a.f = v;
+    return a;
+  }
+  static Attr of_string(std::string v) {
+    Attr a;
+    a.type = String;
+    a.s = std::move(v);
+    return a;
+  }
+  static Attr of_ints(std::vector<int64_t> v) {
+    Attr a;
+    a.type = Ints;
+    a.ints = std::move(v);
+    return a;
+  }
 };
 
 // Where a tensor's bytes live once the memory plan is made.

@@ -417,10 +417,8 @@ void reshape_vjp(VjpBuilder &b, const Node &n) {
   int gy = b.grad(n.outputs[0]);
   if (gy < 0 || !b.needs(n.inputs[0])) return;
   int gx = b.new_grad_tensor(n.inputs[0], "grad");
-  Attr a;
-  a.type = Attr::Ints;
-  a.ints = b.graph().tensors[n.inputs[0]].shape;
-  b.emit("reshape", {gy}, {gx}, {{"shape", a}}, n.block);
+  b.emit("reshape", {gy}, {gx}, {{"shape", Attr::of_ints(b.graph().tensors[n.inputs[0]].shape)}},
+         n.block);
   b.accumulate(n.inputs[0], gx);
 }
 
@@ -446,11 +444,9 @@ void transpose_vjp(VjpBuilder &b, const Node &n) {
   if (gy < 0 || !b.needs(n.inputs[0])) return;
   int gx = b.new_grad_tensor(n.inputs[0], "grad");
   auto perm = n.attr_ints("perm");
-  Attr a;
-  a.type = Attr::Ints;
-  a.ints.resize(perm.size());
-  for (size_t i = 0; i < perm.size(); ++i) a.ints[perm[i]] = static_cast<int64_t>(i);
-  b.emit("transpose", {gy}, {gx}, {{"perm", a}}, n.block);
+  std::vector<int64_t> inverse(perm.size());
+  for (size_t i = 0; i < perm.size(); ++i) inverse[perm[i]] = static_cast<int64_t>(i);
+  b.emit("transpose", {gy}, {gx}, {{"perm", Attr::of_ints(inverse)}}, n.block);
   b.accumulate(n.inputs[0], gx);
 }
 

@@ -56,19 +56,6 @@ class Builder {
   }
 };
 
-Attr ai(int64_t v) {
-  Attr a;
-  a.type = Attr::Int;
-  a.i = v;
-  return a;
-}
-Attr af(double v) {
-  Attr a;
-  a.type = Attr::Float;
-  a.f = v;
-  return a;
-}
-
 void check(bool ok, const std::string &msg) {
   if (!ok) fail(CTR_STATUS_INVALID_OPTION, msg);
 }
@@ -100,7 +87,7 @@ Graph build_preset(const std::string &preset, const PresetConfig &c) {
   b.g.name = preset;
   int tokens = b.input("tokens");
   int targets = b.input("targets");
-  Attr eps = af(c.norm_eps);
+  Attr eps = Attr::of_float(c.norm_eps);
   int x;
   int head_w;
   if (!llama) {
@@ -109,7 +96,7 @@ Graph build_preset(const std::string &preset, const PresetConfig &c) {
     int wte = b.param("wte", {V, C}, InitKind::Normal, std);
     int wpe = b.param("wpe", {c.seq, C}, InitKind::Normal, std);
     int tok = b.op("embedding", {wte, tokens}, "tok_emb");
-    int pos = b.op("take_rows", {wpe, tokens}, "pos_emb", -1, {{"axis", ai(1)}});
+    int pos = b.op("take_rows", {wpe, tokens}, "pos_emb", -1, {{"axis", Attr::of_int(1)}});
     x = b.op("add", {tok, pos}, "emb");
     for (int64_t l = 0; l < L; ++l) {
       int bl = static_cast<int>(l);
@@ -127,7 +114,7 @@ Graph build_preset(const std::string &preset, const PresetConfig &c) {
       int k = b.op("linear", {h, kw, kb}, p + "attn.k", bl);
       int v = b.op("linear", {h, vw, vb}, p + "attn.v", bl);
       int a = b.op("attention", {q, k, v}, p + "attn.out", bl,
-                   {{"heads", ai(H)}, {"kv_heads", ai(H)}, {"causal", ai(1)}});
+                   {{"heads", Attr::of_int(H)}, {"kv_heads", Attr::of_int(H)}, {"causal", Attr::of_int(1)}});
       int ow = b.param(p + "attn.wo.weight", {C, C}, InitKind::Normal, proj_std);
       int ob = b.param(p + "attn.wo.bias", {C}, InitKind::Zeros);
       int o = b.op("linear", {a, ow, ob}, p + "attn.proj", bl);
@@ -154,7 +141,7 @@ Graph build_preset(const std::string &preset, const PresetConfig &c) {
     int64_t F = c.ffn_dim > 0 ? c.ffn_dim : 256 * ((8 * C + 3 * 256 - 1) / (3 * 256));
     int emb = b.param("tok_embeddings.weight", {V, C}, InitKind::Normal, std);
     x = b.op("embedding", {emb, tokens}, "tok_emb");
-    Attr theta = af(c.rope_theta);
+    Attr theta = Attr::of_float(c.rope_theta);
     for (int64_t l = 0; l < L; ++l) {
       int bl = static_cast<int>(l);
       std::string p = "layers." + std::to_string(l) + ".";
@@ -166,10 +153,10 @@ Graph build_preset(const std::string &preset, const PresetConfig &c) {
       int q = b.op("linear", {h, qw}, p + "attention.q", bl);
       int k = b.op("linear", {h, kw}, p + "attention.k", bl);
       int v = b.op("linear", {h, vw}, p + "attention.v", bl);
-      q = b.op("rope", {q}, p + "attention.q_rot", bl, {{"heads", ai(H)}, {"theta", theta}});
-      k = b.op("rope", {k}, p + "attention.k_rot", bl, {{"heads", ai(kv)}, {"theta", theta}});
+      q = b.op("rope", {q}, p + "attention.q_rot", bl, {{"heads", Attr::of_int(H)}, {"theta", theta}});
+      k = b.op("rope", {k}, p + "attention.k_rot", bl, {{"heads", Attr::of_int(kv)}, {"theta", theta}});
       int a = b.op("attention", {q, k, v}, p + "attention.out", bl,
-                   {{"heads", ai(H)}, {"kv_heads", ai(kv)}, {"causal", ai(1)}});
+                   {{"heads", Attr::of_int(H)}, {"kv_heads", Attr::of_int(kv)}, {"causal", Attr::of_int(1)}});
       int ow = b.param(p + "attention.wo.weight", {C, H * D}, InitKind::Normal, proj_std);
       int o = b.op("linear", {a, ow}, p + "attention.proj", bl);
       x = b.op("add", {x, o}, p + "resid1", bl);

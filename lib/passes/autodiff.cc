@@ -126,10 +126,7 @@ void pass_autodiff(Graph &g) {
     // owns its gradient buffer.
     if (g.tensors[gt].grad_of >= 0 || g.tensors[gt].role != Role::Activation) {
       int c = b.new_grad_tensor(static_cast<int>(i), "grad_copy");
-      Attr a;
-      a.type = Attr::Ints;
-      a.ints = g.tensors[i].shape;
-      b.emit("reshape", {gt}, {c}, {{"shape", a}}, -1);
+      b.emit("reshape", {gt}, {c}, {{"shape", Attr::of_ints(g.tensors[i].shape)}}, -1);
       gt = c;
     }
     g.tensors[gt].grad_of = static_cast<int>(i);

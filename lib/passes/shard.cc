@@ -19,23 +19,6 @@ bool is_collective(const std::string &op) {
   return op == "all_gather" || op == "reduce_scatter" || op == "all_reduce";
 }
 
-namespace {
-
-Attr str_attr(const std::string &s) {
-  Attr a;
-  a.type = Attr::String;
-  a.s = s;
-  return a;
-}
-
-Attr int_attr(int64_t v) {
-  Attr a;
-  a.type = Attr::Int;
-  a.i = v;
-  return a;
-}
-
-}  // namespace
 
 void pass_shard(Graph &g, const CompileOptions &opt) {
   CTR_CHECK(g.num_forward >= 0);
@@ -94,7 +77,7 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
         n.name = g.tensors[full].name;
         n.inputs = {p};
         n.outputs = {full};
-        n.attrs = {{"axis", str_attr("fsdp")}, {"rows", int_attr(N0)}};
+        n.attrs = {{"axis", Attr::of_string("fsdp")}, {"rows", Attr::of_int(N0)}};
         n.block = g.nodes[at].block;
         n.backward = at >= nf;
         before[at].push_back(std::move(n));
@@ -122,44 +105,33 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
       for (int o : g.nodes[ni].outputs)
         if (o == grad) producer = ni;
     CTR_CHECK(producer >= 0);
+    // Collectives that turn the full gradient into this rank's reduced shard,
+    // inserted right after the node that completes the gradient.
+    auto reduce = [&](int in, const char *op, const char *suffix, std::map<std::string, Attr> attrs) {
+      Tensor t;
+      t.name = name + suffix;
+      t.dtype = CTR_DTYPE_F32;
+      t.shape = g.tensors[p].shape;
+      t.has_shape = true;
+      int out = g.add_tensor(std::move(t));
+      Node n;
+      n.op = op;
+      n.name = name + "." + op;
+      n.inputs = {in};
+      n.outputs = {out};
+      n.attrs = std::move(attrs);
+      n.block = g.nodes[producer].block;
+      n.backward = true;
+      after[producer].push_back(std::move(n));
+      return out;
+    };
     int cur = grad;
     if (F > 1) {
       g.tensors[grad].alloc_bytes = padded_bytes;
-      Tensor t;
-      t.name = name + ".grad_shard";
-      t.dtype = CTR_DTYPE_F32;
-      t.shape = g.tensors[p].shape;
-      t.has_shape = true;
-      int gs = g.add_tensor(std::move(t));
-      Node n;
-      n.op = "reduce_scatter";
-      n.name = name + ".reduce_scatter";
-      n.inputs = {cur};
-      n.outputs = {gs};
-      n.attrs = {{"axis", str_attr("fsdp")}, {"rows", int_attr(N0)}};
-      n.block = g.nodes[producer].block;
-      n.backward = true;
-      after[producer].push_back(std::move(n));
-      cur = gs;
+      cur = reduce(cur, "reduce_scatter", ".grad_shard",
+                   {{"axis", Attr::of_string("fsdp")}, {"rows", Attr::of_int(N0)}});
     }
-    if (opt.dp > 1) {
-      Tensor t;
-      t.name = name + ".grad_dp";
-      t.dtype = CTR_DTYPE_F32;
-      t.shape = g.tensors[p].shape;
-      t.has_shape = true;
-      int gd = g.add_tensor(std::move(t));
-      Node n;
-      n.op = "all_reduce";
-      n.name = name + ".all_reduce";
-      n.inputs = {cur};
-      n.outputs = {gd};
-      n.attrs = {{"axis", str_attr("dp")}};
-      n.block = g.nodes[producer].block;
-      n.backward = true;
-      after[producer].push_back(std::move(n));
-      cur = gd;
-    }
+    if (opt.dp > 1) cur = reduce(cur, "all_reduce", ".grad_dp", {{"axis", Attr::of_string("dp")}});
     g.tensors[grad].grad_of = -1;
     g.tensors[cur].grad_of = p;
   }

@@ -689,10 +689,7 @@ struct OpGraph {
     if (rows.empty()) rows = {1};
     int targets = add_ids("targets", rows);
     if (out_shape.size() == 1) {
-      ctr::Attr a;
-      a.type = ctr::Attr::Ints;
-      a.ints = {1, out_shape[0]};
-      out = add_op("reshape", {out}, {{"shape", a}});
+      out = add_op("reshape", {out}, {{"shape", ctr::Attr::of_ints({1, out_shape[0]})}});
     }
     g.loss = add_op("cross_entropy", {out, targets});
     classes = out_shape.back();
@@ -700,18 +697,8 @@ struct OpGraph {
   int64_t classes = 0;
 };
 
-ctr::Attr ai(int64_t v) {
-  ctr::Attr a;
-  a.type = ctr::Attr::Int;
-  a.i = v;
-  return a;
-}
-ctr::Attr aints(std::vector<int64_t> v) {
-  ctr::Attr a;
-  a.type = ctr::Attr::Ints;
-  a.ints = v;
-  return a;
-}
+ctr::Attr ai(int64_t v) { return ctr::Attr::of_int(v); }
+ctr::Attr aints(std::vector<int64_t> v) { return ctr::Attr::of_ints(std::move(v)); }
 
 // Compares every parameter's analytic gradient with central differences.
 // Per element: |fd - an| <= 2e-3 + 3e-2 |an|. Along a random direction over all
