@@ -130,6 +130,10 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
   plan_ = pass_plan_memory(g_, copt_);
   be_ = cpu_backend();
   prog_ = pass_lower(g_, be_.iface->ops(be_.ctx));
+  // Resolve every node's kernel once; a step then only indexes this table.
+  kernels_.assign(g_.nodes.size(), nullptr);
+  for (size_t ni = 0; ni < g_.nodes.size(); ++ni)
+    if (!is_collective(g_.nodes[ni].op)) kernels_[ni] = be_.iface->kernel(be_.ctx, g_.nodes[ni].op);
 
   // Seed of the backward pass: averaged over micro-batches.
   int seed_t = g_.loss_seed;
@@ -341,7 +345,7 @@ void Step::run_list(const std::vector<Instr> &list) {
       continue;
     }
     kc.node = &n;
-    KernelFn fn = iface->kernel(be_.ctx, n.op);
+    KernelFn fn = kernels_[static_cast<size_t>(in.node)];
     iface->launch(be_.ctx, fn, kc, in.stream);
   }
 }

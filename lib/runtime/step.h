@@ -104,6 +104,7 @@ class Step {
   float *state_ = nullptr;  // m, v and gradient accumulators, one allocation
   int64_t opt_bytes_ = 0;
   std::vector<void *> ptr_;
+  std::vector<KernelFn> kernels_;  // per node; null for collectives
   std::vector<ParamSlot> slots_;
   std::vector<InputSlot> inputs_slots_;
   int64_t step_ = 0;
