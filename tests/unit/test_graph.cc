@@ -1093,22 +1093,26 @@ TEST(Training, SetLrZeroFreezesWeightsAndEvaluateDoesNotStep) {
 
 namespace {
 
+// An llm.c token file holding 0, 1, 2, ...: window w (of seq tokens) starts with
+// token w * seq, so a window is known by its first token.
+void write_counting_tokens(const std::string &path, int64_t count) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = 20240520;
+  header[1] = 1;
+  header[2] = static_cast<int32_t>(count);
+  std::vector<uint16_t> toks(static_cast<size_t>(count));
+  for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint16_t>(i);
+  FILE *f = fopen(path.c_str(), "wb");
+  ASSERT_NE(f, nullptr) << path;
+  fwrite(header.data(), 4, header.size(), f);
+  fwrite(toks.data(), 2, toks.size(), f);
+  fclose(f);
+}
+
 TEST(LoaderAbi, ResumeWithAnotherBatchSizeKeepsTheEpochExact) {
   const int64_t seq = 8, windows = 64;
   std::string path = testing::TempDir() + "/loader_tokens.bin";
-  {
-    // An llm.c token file whose window w starts with token w * seq.
-    std::vector<int32_t> header(256, 0);
-    header[0] = 20240520;
-    header[1] = 1;
-    header[2] = static_cast<int32_t>(windows * seq + 1);
-    std::vector<uint16_t> toks(static_cast<size_t>(windows * seq + 1));
-    for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint16_t>(i);
-    FILE *f = fopen(path.c_str(), "wb");
-    fwrite(header.data(), 4, header.size(), f);
-    fwrite(toks.data(), 2, toks.size(), f);
-    fclose(f);
-  }
+  write_counting_tokens(path, windows * seq + 1);
   Opts lo;
   lo.i("seq", seq).i("seed", 9);
   ctr_loader *a = nullptr;
@@ -1196,18 +1200,7 @@ namespace {
 TEST(LoaderAbi, EpochIsExactAcrossRescaleFourThreeTwo) {
   const int64_t seq = 4, windows = 97;
   std::string path = testing::TempDir() + "/rescale_tokens.bin";
-  {
-    std::vector<int32_t> header(256, 0);
-    header[0] = 20240520;
-    header[1] = 1;
-    header[2] = static_cast<int32_t>(windows * seq + 1);
-    std::vector<uint16_t> toks(static_cast<size_t>(windows * seq + 1));
-    for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint16_t>(i);
-    FILE *f = fopen(path.c_str(), "wb");
-    fwrite(header.data(), 4, header.size(), f);
-    fwrite(toks.data(), 2, toks.size(), f);
-    fclose(f);
-  }
+  write_counting_tokens(path, windows * seq + 1);
   Opts go;
   go.i("layers", 1).i("dim", 8).i("heads", 2).i("vocab", 16).i("seq", seq);
   ctr_graph *g = preset("gpt", go);
