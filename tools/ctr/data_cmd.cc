@@ -29,6 +29,7 @@
 
 #include "core/status.h"
 #include "data/data.h"
+#include "text.h"
 
 namespace ctr_tool {
 
@@ -41,18 +42,9 @@ namespace {
 // vanish, small enough to stay in cache.
 constexpr int64_t kBlock = int64_t{1} << 16;
 
-[[noreturn]] void fail(ctr_status code, const std::string &msg) { throw ctr::Error(code, msg); }
+using ctr::fail;
 
-// 12345678 -> "12,345,678".
-std::string grouped(int64_t v) {
-  std::string digits = std::to_string(v < 0 ? -v : v);
-  std::string out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return v < 0 ? "-" + out : out;
-}
+using ctr_tool::grouped;
 
 // A byte as it would be written in a C string: printable ASCII as is.
 std::string escaped(uint32_t t) {

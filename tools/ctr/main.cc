@@ -33,6 +33,7 @@
 #include "core/status.h"
 #include "ctr/ctr.h"
 #include "data/data.h"
+#include "text.h"
 #include "data_cmd.h"
 #include "launch.h"
 
@@ -111,16 +112,7 @@ std::string human(double v) {
   return ctr::strformat(fmt, v, kSuffix[i]);
 }
 
-// 12345678 -> "12,345,678".
-std::string grouped(int64_t v) {
-  std::string digits = std::to_string(v < 0 ? -v : v);
-  std::string out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return v < 0 ? "-" + out : out;
-}
+using ctr_tool::grouped;
 
 // Seconds -> "m:ss" or "h:mm:ss".
 std::string clock_time(double seconds) {
