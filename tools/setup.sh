@@ -30,11 +30,18 @@ if [ -n "$missing" ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends $missing
 fi
 
+# The test suites need GoogleTest, which only --tests installs: a build made for
+# the quick start leaves them out, and --tests turns them on.
+if [ "${1:-}" = "--tests" ]; then tests=true; else tests=false; fi
 if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   # shellcheck disable=SC2086
-  meson setup "$BUILD_DIR" ${MESON_ARGS:-}
-elif [ -n "${MESON_ARGS:-}" ]; then
+  meson setup "$BUILD_DIR" -Dtests=$tests ${MESON_ARGS:-}
+else
+  # Packages installed just now (UCX, GoogleTest, ...) are found only by a
+  # fresh configuration.
+  if [ -n "$missing" ]; then meson setup --reconfigure "$BUILD_DIR"; fi
+  if [ "$tests" = true ]; then meson configure "$BUILD_DIR" -Dtests=true; fi
   # shellcheck disable=SC2086
-  meson configure "$BUILD_DIR" ${MESON_ARGS}
+  if [ -n "${MESON_ARGS:-}" ]; then meson configure "$BUILD_DIR" ${MESON_ARGS}; fi
 fi
 ninja -C "$BUILD_DIR"
