@@ -158,4 +158,12 @@ void adamw_update(float *param, const float *grad, float *m, float *v, int64_t n
                   float beta1, float beta2, float eps, float weight_decay, int64_t t,
                   float grad_scale);
 
+// The same update over segments of flat buffers in one pass: segment k covers
+// elements [offsets[k], offsets[k] + counts[k]) with weight decay weight_decay[k];
+// elements outside every segment are left alone. Per element it computes
+// exactly what adamw_update does.
+void adamw_flat(float *param, const float *grad, float *m, float *v, const int64_t *offsets,
+                const int64_t *counts, const float *weight_decay, int64_t nseg, float lr, float beta1,
+                float beta2, float eps, int64_t t, float grad_scale);
+
 }  // namespace ctr::cpu

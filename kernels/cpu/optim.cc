@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "core/thread_pool.h"
 #include "cpu/kernels.h"
@@ -75,6 +76,41 @@ void adamw_update(float *param, const float *grad, float *m, float *v, int64_t n
       v[i] = vi;
       const float denom = std::sqrt(vi) * inv_sqrt_bc2 + eps;
       param[i] = param[i] * decay - step * mi / denom;
+    }
+  });
+}
+
+void adamw_flat(float *param, const float *grad, float *m, float *v, const int64_t *offsets,
+                const int64_t *counts, const float *weight_decay, int64_t nseg, float lr, float beta1,
+                float beta2, float eps, int64_t t, float grad_scale) {
+  if (nseg <= 0) return;
+  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(t));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(t));
+  const float step = static_cast<float>(static_cast<double>(lr) / bc1);
+  const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  const float b1 = beta1, b2 = beta2, c1 = 1.0f - beta1, c2 = 1.0f - beta2;
+  // Chunks run over the concatenation of the segments; start[k] is where
+  // segment k begins in it.
+  std::vector<int64_t> start(static_cast<size_t>(nseg) + 1, 0);
+  for (int64_t k = 0; k < nseg; ++k) start[k + 1] = start[k] + counts[k];
+  ctr::parallel_for(start[nseg], 1 << 14, [&](int64_t j0, int64_t j1) {
+    int64_t k = std::upper_bound(start.begin(), start.end(), j0) - start.begin() - 1;
+    while (j0 < j1) {
+      const int64_t e = std::min(j1, start[k + 1]);
+      const int64_t base = offsets[k] - start[k];
+      const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay[k]);
+      for (int64_t j = j0; j < e; ++j) {
+        const int64_t i = base + j;
+        const float g = grad[i] * grad_scale;
+        const float mi = b1 * m[i] + c1 * g;
+        const float vi = b2 * v[i] + c2 * (g * g);
+        m[i] = mi;
+        v[i] = vi;
+        const float denom = std::sqrt(vi) * inv_sqrt_bc2 + eps;
+        param[i] = param[i] * decay - step * mi / denom;
+      }
+      j0 = e;
+      ++k;
     }
   });
 }

@@ -10,6 +10,7 @@
 
 #include "api/handles.h"
 #include "api/internal.h"
+#include "backend/backend.h"
 #include "core/options.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
@@ -138,9 +139,9 @@ std::vector<std::pair<std::string, int>> parse_axes(const std::string &spec, int
       fail(CTR_STATUS_INVALID_OPTION,
            strformat("mesh option 'mesh': '%s' is not of the form axis=size", part.c_str()));
     std::string name = part.substr(0, eq);
-    if (name != "dp" && name != "fsdp" && name != "ep")
+    if (name != "dp" && name != "fsdp" && name != "ep" && name != "tp" && name != "pp")
       fail(CTR_STATUS_INVALID_OPTION,
-           strformat("mesh option 'mesh': unknown axis '%s' (known: dp, fsdp, ep)", name.c_str()));
+           strformat("mesh option 'mesh': unknown axis '%s' (known: dp, fsdp, ep, tp, pp)", name.c_str()));
     for (auto &a : axes)
       if (a.first == name)
         fail(CTR_STATUS_INVALID_OPTION, strformat("mesh option 'mesh': axis '%s' given twice", name.c_str()));
@@ -191,7 +192,6 @@ ctr_status mesh_create(const ctr_options *options, ctr_mesh **out, bool from_env
   }
   ctr::OptionReader r(options, from_env ? "ctr_mesh_create_from_env" : "ctr_mesh_create");
   auto m = std::make_unique<ctr_mesh>();
-  m->device = r.get_string("device", "cpu", {"cpu", "cuda"});
   m->world = static_cast<int>(r.get_int("world", env_world, 1, 1 << 20));
   m->rank = static_cast<int>(r.get_int("rank", env_rank, 0, m->world - 1));
   m->axes = parse_axes(r.get_string("mesh", ""), m->world);
@@ -203,6 +203,8 @@ ctr_status mesh_create(const ctr_options *options, ctr_mesh **out, bool from_env
     return std::string(def);
   };
   ctr::RendezvousConfig rc;
+  m->device = r.get_string("device", env_str({"CTR_DEVICE"}, "cpu"));
+  m->transport = r.get_string("transport", "ucx");
   rc.addr = r.get_string("master_addr", env_str({"CTR_MASTER_ADDR", "MASTER_ADDR"}, "127.0.0.1"));
   std::string port_env = env_str({"CTR_MASTER_PORT", "MASTER_PORT"}, "29500");
   char *end = nullptr;
@@ -217,25 +219,14 @@ ctr_status mesh_create(const ctr_options *options, ctr_mesh **out, bool from_env
   m->timeout_ms = static_cast<int64_t>(timeout_s * 1000.0);
   CTR_REQUIRE(m->rank < m->world, CTR_STATUS_INVALID_OPTION, "mesh: rank %d is not below world %d",
               m->rank, m->world);
-  CTR_REQUIRE(m->device == "cpu", CTR_STATUS_UNSUPPORTED,
-              "mesh: device 'cuda' needs libctr-cuda.so, which this build does not include");
-  CTR_REQUIRE(m->axis_size("ep") == 1, CTR_STATUS_UNSUPPORTED,
-              "mesh: axis 'ep' (expert parallelism) needs a graph with experts; this build has "
-              "no MoE support");
+  // The device's backend is checked first: a missing plugin fails before any
+  // rendezvous. Each step makes its own instance.
+  ctr::create_backend(m->device);
   if (m->world > 1) {
-    CTR_REQUIRE(ctr::ucx_available(), CTR_STATUS_UNSUPPORTED,
-                "mesh: %d ranks need the UCX communicator, and this libctr was built without UCX "
-                "(install libucx-dev and rebuild with -Ducx=enabled)",
-                m->world);
     rc.rank = m->rank;
     rc.world = m->world;
     rc.timeout_ms = m->timeout_ms;
-    m->store = ctr::store_join(rc);
-    m->world_comm = ctr::ucx_comm_create(*m->store, m->rank, m->world, m->timeout_ms);
-    for (const char *axis : {"fsdp", "dp"}) {
-      std::vector<int> members = m->axis_group(axis);
-      m->axis_comm[axis] = m->world_comm.iface->split(m->world_comm.ctx, members);
-    }
+    m->connect(rc);
   }
   if (threads > 0) ctr::set_num_threads(static_cast<int>(threads));
   *out = m.release();
@@ -429,7 +420,8 @@ extern "C" ctr_status ctr_graph_flops_per_token(const ctr_graph *graph, int64_t 
       if (t.role == ctr::Role::Input) tokens = std::max(tokens, t.numel());
   CTR_REQUIRE(tokens > 0, CTR_STATUS_INVALID_GRAPH, "ctr_graph_flops_per_token: graph has no inputs");
   double f = 0;
-  for (const auto &n : g.nodes) f += ctr::find_op(n.op)->flops(g, n);
+  for (const auto &n : g.nodes)
+    if (const ctr::OpDef *d = ctr::find_op(n.op); d->flops) f += d->flops(g, n);
   // Backward costs twice the forward (input and weight gradients).
   *flops = 3.0 * f / static_cast<double>(tokens);
   CTR_API_END
@@ -445,7 +437,7 @@ extern "C" ctr_status ctr_step_create(const ctr_mesh *mesh, const ctr_graph *gra
   check_graph(graph, "ctr_step_create");
   REQUIRE_ARG(out != nullptr, "ctr_step_create: out is NULL");
   auto s = std::make_unique<ctr_step>();
-  s->impl = std::make_unique<ctr::Step>(*mesh, *graph, options);
+  s->impl = std::make_unique<ctr::Step>(*mesh, graph->graph, options);
   *out = s.release();
   CTR_API_END
 }
@@ -574,7 +566,7 @@ extern "C" ctr_status ctr_step_import_safetensors(ctr_step *step, const char *pa
 extern "C" ctr_status ctr_step_attach_loader(ctr_step *step, ctr_loader *loader) {
   CTR_API_BEGIN
   STEP_ARG("ctr_step_attach_loader");
-  step->impl->attach_loader(loader);
+  step->impl->attach_loader(loader ? loader->loader.get() : nullptr, loader ? loader->seq : 0);
   CTR_API_END
 }
 
@@ -665,53 +657,28 @@ extern "C" ctr_status ctr_loader_info(const ctr_loader *loader, int64_t *tokens,
 
 namespace ctr {
 
-std::vector<std::string> pass_names() {
-  return {"load", "verify", "infer_shapes", "autodiff", "shard", "plan_memory", "lower"};
-}
-
 std::string inspect_graph(const ctr_graph *graph, const ctr_options *options, const std::string &after) {
   REQUIRE_ARG(graph != nullptr, "inspect: graph is NULL");
-  auto names = pass_names();
-  int idx = -1;
-  for (size_t i = 0; i < names.size(); ++i)
-    if (names[i] == after) idx = static_cast<int>(i);
-  if (idx < 0) {
-    std::string list;
-    for (auto &n : names) list += (list.empty() ? "" : ", ") + n;
-    fail(CTR_STATUS_INVALID_ARGUMENT, strformat("unknown pass '%s' (passes: %s)", after.c_str(), list.c_str()));
-  }
+  const PassDef &until = find_pass(after);
   OptionReader r(options, "graph inspect");
-  CompileOptions o;
-  o.batch = r.get_int("batch", 1, 1, 1 << 20);
-  o.seq = r.get_int("seq", 0, 0, 1 << 24);
-  o.micro_batches = r.get_int("micro_batches", 1, 1, 1 << 16);
+  CompileOptions o = read_compile_options(r);
   // The placement of one rank of a mesh, to see what the shard pass makes of it.
-  o.fsdp = r.get_int("fsdp", 1, 1, 1 << 20);
-  o.dp = r.get_int("dp", 1, 1, 1 << 20);
-  int64_t rank = r.get_int("rank", 0, 0, o.fsdp * o.dp - 1);
-  o.fsdp_index = rank % o.fsdp;
-  o.dp_index = rank / o.fsdp;
-  o.reshard_after_forward = r.get_int("reshard_after_forward", 1, 0, 1) != 0;
+  const int64_t fsdp = r.get_int("fsdp", 1, 1, 1 << 20);
+  const int64_t dp = r.get_int("dp", 1, 1, 1 << 20);
+  const int64_t rank = r.get_int("rank", 0, 0, fsdp * dp - 1);
   r.finish();
+  o.mesh.axes = {{"dp", dp, rank / fsdp}, {"fsdp", fsdp, rank % fsdp}};
   Graph g = graph->graph;  // loaded and verified
-  if (idx <= 1) return dump_graph(g);
-  pass_infer_shapes(g, o);
-  if (idx == 2) return dump_graph(g);
-  pass_autodiff(g);
-  if (idx == 3) return dump_graph(g);
-  pass_shard(g, o);
-  if (idx == 4) return dump_graph(g);
-  MemoryPlan plan = pass_plan_memory(g, o);
-  std::string head = strformat(
-      "memory plan: arena %lld bytes (%.2f MiB; %.2f MiB without reuse), params %lld bytes, "
-      "inputs %lld bytes\n",
-      static_cast<long long>(plan.arena_bytes), plan.arena_bytes / 1048576.0,
-      plan.naive_bytes / 1048576.0, static_cast<long long>(plan.param_bytes),
-      static_cast<long long>(plan.input_bytes));
-  if (idx == 5) return head + dump_graph(g);
-  Backend be = cpu_backend();
-  Program p = pass_lower(g, be.iface->ops(be.ctx));
-  return head + dump_program(g, p);
+  if (until.at_load) return dump_graph(g);
+  Backend be = cpu_backend_create(false);
+  std::shared_ptr<Backend> owner(new Backend(be), [](Backend *b) {
+    b->iface->destroy(b->ctx);
+    delete b;
+  });
+  PassContext ctx{g, o, [&](OpId op) { return be.iface->kernel(be.ctx, op, op_by_id(op)->name.c_str()) != nullptr; },
+                  {}, {}, {}};
+  run_passes(ctx, after);
+  return until.dump ? until.dump(ctx) : dump_graph(g);
 }
 
 }  // namespace ctr

@@ -1,76 +1,45 @@
-// The device interface every backend implements.
+// Backends as the runtime sees them: a {iface, ctx} pair over the C boundary of
+// backend/plugin.h, created by a factory keyed by device name.
 //
-// A backend is {iface, ctx}: a table of functions with named slots and an opaque
-// context (the ggml-backend / NCCL transport pattern). The executor only talks to
-// this table, so the CPU backend built in here and a CUDA backend loaded from
-// libctr-cuda.so with dlopen plug into the same step.
-//
-// Streams are ordered queues of work; events order work across streams. The CPU
-// backend has one stream that executes synchronously, so its events are always
-// complete; the slots exist so the comm stream and device backends need no
-// change in the executor.
+// "cpu" is built in (fp32, OpenBLAS, the process thread pool): stream 0 runs
+// work on the calling thread as it is launched, every further stream is a
+// worker thread with a queue, so a collective queued on the comm stream is
+// progressed while the caller computes. Any other device is a plugin,
+// libctr-DEVICE.so, found with dlopen on the library search path.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include "graph/ir.h"
+#include "backend/plugin.h"
 
 namespace ctr {
 
-// What a kernel sees: the graph (shapes, attributes), its node and the address of
-// every tensor (indexed by tensor id) for the current micro-batch.
-struct KernelCtx {
-  const Graph *graph;
-  const Node *node;
-  void *const *ptr;
-  template <typename T>
-  T *in(int i) const { return static_cast<T *>(ptr[node->inputs[i]]); }
-  template <typename T>
-  T *out(int i) const { return static_cast<T *>(ptr[node->outputs[i]]); }
-  const std::vector<int64_t> &in_shape(int i) const { return graph->tensors[node->inputs[i]].shape; }
-  const std::vector<int64_t> &out_shape(int i) const { return graph->tensors[node->outputs[i]].shape; }
-};
-
-using KernelFn = void (*)(const KernelCtx &);
-
-struct BackendIface {
-  const char *name;
-
-  // Memory. alloc returns zeroed, 64-byte aligned memory or nullptr.
-  void *(*alloc)(void *ctx, size_t bytes);
-  void (*free)(void *ctx, void *p);
-  void (*copy_h2d)(void *ctx, void *dst, const void *src, size_t bytes, int stream);
-  void (*copy_d2h)(void *ctx, void *dst, const void *src, size_t bytes, int stream);
-  void (*copy_d2d)(void *ctx, void *dst, const void *src, size_t bytes, int stream);
-
-  // Streams and events (optional: null when the backend is synchronous).
-  int (*create_stream)(void *ctx);
-  void (*record_event)(void *ctx, int event, int stream);
-  void (*wait_event)(void *ctx, int event, int stream);
-  void (*synchronize)(void *ctx, int stream);
-
-  // Kernels of the op set: the kernel for op, or null when the backend lacks it.
-  KernelFn (*kernel)(void *ctx, const std::string &op);
-  void (*launch)(void *ctx, KernelFn fn, const KernelCtx &kc, int stream);
-  std::vector<std::string> (*ops)(void *ctx);
-
-  // Optimizer-side primitives on device buffers.
-  double (*sum_squares)(void *ctx, const float *x, int64_t n);
-  void (*add_into)(void *ctx, float *acc, const float *x, int64_t n);  // acc += x
-  void (*adamw)(void *ctx, float *param, const float *grad, float *m, float *v, int64_t n,
-                float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t,
-                float grad_scale);
-};
+using KernelFn = ctr_kernel_fn;
 
 struct Backend {
-  const BackendIface *iface = nullptr;
+  const ctr_backend_iface *iface = nullptr;
   void *ctx = nullptr;
+  explicit operator bool() const { return iface != nullptr; }
 };
 
-// The built-in CPU backend (fp32, OpenBLAS, the process thread pool).
-Backend cpu_backend();
+// Owns a backend instance and destroys it with the last reference.
+using BackendHandle = std::shared_ptr<Backend>;
+
+// The backend for `device` ("cpu", or a plugin's name such as "cuda"). Fails with
+// CTR_STATUS_UNSUPPORTED naming the device and the library it needs.
+BackendHandle create_backend(const std::string &device);
+
+// Registers the CPU kernel of an op by name (a library op, or a host's own op
+// registered with register_op). Thread-safe; replaces an earlier registration.
+void register_cpu_kernel(const std::string &op, KernelFn fn);
+
+// The built-in CPU backend. fenced: device memory is mapped inaccessible to the
+// host outside backend calls, so a host dereference of step memory faults (a
+// test backend: environment variable CTR_FENCE_MEMORY=1 selects it for "cpu").
+Backend cpu_backend_create(bool fenced);
 
 }  // namespace ctr

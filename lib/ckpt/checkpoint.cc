@@ -34,6 +34,7 @@
 #include "core/status.h"
 #include "data/data.h"
 #include "ckpt/pending_save.h"
+#include "runtime/mesh.h"
 #include "runtime/step.h"
 
 namespace fs = std::filesystem;
@@ -168,7 +169,7 @@ void Step::save(const std::string &dir_in, bool async) {
   auto p = std::make_unique<PendingSave>();
   p->dir = dir;
   p->tmp = dir + ".tmp";
-  p->writer = copt_.dp_index == 0;
+  p->writer = copt_.mesh.index("dp") == 0;
   const int rank = mesh_.rank;
 
   // Rank 0 prepares the temporary directory.
@@ -229,7 +230,7 @@ void Step::save(const std::string &dir_in, bool async) {
     meta["options"] = json::parse(options_json_.empty() ? "{}" : options_json_);
     // The loader's own JSON: a few integers per sub-dataset plus what it must
     // match (seq, sub-dataset sizes and weights) to be restored.
-    if (loader_) meta["loader"] = loader_->loader->state_json();
+    if (loader_) meta["loader"] = loader_->state_json();
   }
   PendingSave *raw = p.get();
   raw->runs_left = async_save_lag_;
@@ -410,14 +411,14 @@ void Step::load(const std::string &dir_in) {
         }
       }
       if (loader_ && !loader_state.is_null()) {
-        if (loader_state.value("seq", int64_t{0}) != loader_->seq)
+        if (loader_state.value("seq", int64_t{0}) != loader_seq_)
           ckpt_fail(strformat("%s: the checkpoint's data loader used seq %lld, this one uses %lld", dir.c_str(),
                               static_cast<long long>(loader_state.value("seq", int64_t{0})),
-                              static_cast<long long>(loader_->seq)));
-        old_loader = loader_->loader->state_json();
+                              static_cast<long long>(loader_seq_)));
+        old_loader = loader_->state_json();
         restored_loader = true;
         try {
-          loader_->loader->restore_json(loader_state);
+          loader_->restore_json(loader_state);
         } catch (const Error &e) {
           ckpt_fail(strformat("%s: %s", dir.c_str(), e.message().c_str()));
         }
@@ -429,7 +430,7 @@ void Step::load(const std::string &dir_in) {
     err = e.message();
   }
   if (any_rank(!err.empty())) {
-    if (restored_loader) loader_->loader->restore_json(old_loader);
+    if (restored_loader) loader_->restore_json(old_loader);
     fail(CTR_STATUS_CHECKPOINT_ERROR,
          err.empty() ? strformat("%s: another rank failed to load this checkpoint (see its error)", dir.c_str()) : err);
   }
@@ -438,7 +439,8 @@ void Step::load(const std::string &dir_in) {
   for (size_t si = 0; si < slots_.size(); ++si) {
     const ParamSlot &s = slots_[si];
     float *dst[3] = {param_ptr(s.tensor), s.m, s.v};
-    for (int k = 0; k < 3; ++k) std::memcpy(dst[k], stage[si][k].data(), static_cast<size_t>(s.n) * 4);
+    for (int k = 0; k < 3; ++k)
+      be_.iface->copy_h2d(be_.ctx, dst[k], stage[si][k].data(), static_cast<size_t>(s.n) * 4, 0);
   }
   step_ = step;
 }

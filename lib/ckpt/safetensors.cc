@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/status.h"
+#include "runtime/mesh.h"
 #include "runtime/step.h"
 
 using nlohmann::json;

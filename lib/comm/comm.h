@@ -125,6 +125,14 @@ std::unique_ptr<Store> store_join(const RendezvousConfig &cfg);
 // Whether this build has the UCX communicator (libucx at build time).
 bool ucx_available();
 
+// The communicator factory: the world communicator of `transport` ("ucx"), with
+// addresses exchanged through the store. Fails with CTR_STATUS_UNSUPPORTED
+// naming a transport this build lacks.
+Comm comm_create(const std::string &transport, Store &store, int rank, int world, int64_t timeout_ms);
+
+// Transports this build can create.
+std::vector<std::string> comm_transports();
+
 // The world communicator over UCX; addresses are exchanged through the store.
 // timeout_ms is the default deadline of every wait.
 Comm ucx_comm_create(Store &store, int rank, int world, int64_t timeout_ms);

@@ -8,8 +8,12 @@
 #include "graph/ops.h"
 
 #include <cmath>
+#include <deque>
 #include <map>
+#include <mutex>
+#include <unordered_map>
 
+#include "common/op_params.h"
 #include "core/status.h"
 
 namespace ctr {
@@ -63,8 +67,6 @@ double elementwise_flops(const Graph &g, const Node &n) {
   return static_cast<double>(numel(S(g, n, 0)));
 }
 
-std::map<std::string, Attr> same_attrs(const Node &n) { return n.attrs; }
-
 void infer_same_f32(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   for (size_t i = 0; i < n.inputs.size(); ++i) need_dtype(g, n, static_cast<int>(i), CTR_DTYPE_F32);
   for (size_t i = 1; i < n.inputs.size(); ++i)
@@ -82,14 +84,6 @@ void embedding_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   auto s = S(g, n, 1);
   s.push_back(S(g, n, 0)[1]);
   out = {f32(s)};
-}
-
-void embedding_vjp(VjpBuilder &b, const Node &n) {
-  int gy = b.grad(n.outputs[0]);
-  if (gy < 0 || !b.needs(n.inputs[0])) return;
-  int gt = b.new_grad_tensor(n.inputs[0], "grad");
-  b.emit("embedding_bwd", {gy, n.inputs[1]}, {gt}, {}, n.block);
-  b.accumulate(n.inputs[0], gt);
 }
 
 // ---------------------------------------------------------------------------
@@ -160,18 +154,6 @@ double matmul_flops(const Graph &g, const Node &n) {
   return 2.0 * static_cast<double>(numel(a)) * static_cast<double>(bb.back());
 }
 
-void matmul_vjp(VjpBuilder &b, const Node &n) {
-  int gc = b.grad(n.outputs[0]);
-  if (gc < 0) return;
-  int a = n.inputs[0], bb = n.inputs[1];
-  if (!b.needs(a) && !b.needs(bb)) return;
-  int ga = b.new_grad_tensor(a, "grad");
-  int gb = b.new_grad_tensor(bb, "grad");
-  b.emit("matmul_bwd", {gc, a, bb}, {ga, gb}, {}, n.block);
-  if (b.needs(a)) b.accumulate(a, ga);
-  if (b.needs(bb)) b.accumulate(bb, gb);
-}
-
 // ---------------------------------------------------------------------------
 // add / mul (a, b): b's shape is a trailing part of a's (broadcast over rows).
 
@@ -204,18 +186,6 @@ void add_vjp(VjpBuilder &b, const Node &n) {
   }
 }
 
-void mul_vjp(VjpBuilder &b, const Node &n) {
-  int gy = b.grad(n.outputs[0]);
-  if (gy < 0) return;
-  int a = n.inputs[0], bb = n.inputs[1];
-  if (!b.needs(a) && !b.needs(bb)) return;
-  int ga = b.new_grad_tensor(a, "grad");
-  int gb = b.new_grad_tensor(bb, "grad");
-  b.emit("mul_bwd", {gy, a, bb}, {ga, gb}, {}, n.block);
-  if (b.needs(a)) b.accumulate(a, ga);
-  if (b.needs(bb)) b.accumulate(bb, gb);
-}
-
 // ---------------------------------------------------------------------------
 // layernorm(x[..., C], w[C], b[C]?) -> y, saved mean[R], rstd[R]
 // rmsnorm(x[..., C], w[C]) -> y, saved rstd[R]
@@ -234,58 +204,10 @@ void norm_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   out.push_back(f32({R}));
 }
 
-void layernorm_vjp(VjpBuilder &b, const Node &n) {
-  int gy = b.grad(n.outputs[0]);
-  if (gy < 0) return;
-  std::vector<int> outs;
-  for (int i : n.inputs) outs.push_back(b.new_grad_tensor(i, "grad"));
-  b.emit("layernorm_bwd", {gy, n.inputs[0], n.inputs[1], n.outputs[1], n.outputs[2]}, outs,
-         same_attrs(n), n.block);
-  for (size_t i = 0; i < n.inputs.size(); ++i)
-    if (b.needs(n.inputs[i])) b.accumulate(n.inputs[i], outs[i]);
-}
-
-void rmsnorm_vjp(VjpBuilder &b, const Node &n) {
-  int gy = b.grad(n.outputs[0]);
-  if (gy < 0) return;
-  int gx = b.new_grad_tensor(n.inputs[0], "grad");
-  int gw = b.new_grad_tensor(n.inputs[1], "grad");
-  b.emit("rmsnorm_bwd", {gy, n.inputs[0], n.inputs[1], n.outputs[1]}, {gx, gw}, same_attrs(n),
-         n.block);
-  if (b.needs(n.inputs[0])) b.accumulate(n.inputs[0], gx);
-  if (b.needs(n.inputs[1])) b.accumulate(n.inputs[1], gw);
-}
-
 double norm_flops(const Graph &g, const Node &n) { return 8.0 * static_cast<double>(numel(S(g, n, 0))); }
 
 // ---------------------------------------------------------------------------
 // gelu / silu (x) ; swiglu(gate, up) ; softmax(x)
-
-void unary_vjp(VjpBuilder &b, const Node &n) {
-  int gy = b.grad(n.outputs[0]);
-  if (gy < 0 || !b.needs(n.inputs[0])) return;
-  int gx = b.new_grad_tensor(n.inputs[0], "grad");
-  b.emit(n.op + "_bwd", {gy, n.inputs[0]}, {gx}, {}, n.block);
-  b.accumulate(n.inputs[0], gx);
-}
-
-void swiglu_vjp(VjpBuilder &b, const Node &n) {
-  int gy = b.grad(n.outputs[0]);
-  if (gy < 0) return;
-  int gg = b.new_grad_tensor(n.inputs[0], "grad");
-  int gu = b.new_grad_tensor(n.inputs[1], "grad");
-  b.emit("swiglu_bwd", {gy, n.inputs[0], n.inputs[1]}, {gg, gu}, {}, n.block);
-  if (b.needs(n.inputs[0])) b.accumulate(n.inputs[0], gg);
-  if (b.needs(n.inputs[1])) b.accumulate(n.inputs[1], gu);
-}
-
-void softmax_vjp(VjpBuilder &b, const Node &n) {
-  int gy = b.grad(n.outputs[0]);
-  if (gy < 0 || !b.needs(n.inputs[0])) return;
-  int gx = b.new_grad_tensor(n.inputs[0], "grad");
-  b.emit("softmax_bwd", {gy, n.outputs[0]}, {gx}, {}, n.block);
-  b.accumulate(n.inputs[0], gx);
-}
 
 // ---------------------------------------------------------------------------
 // rope(x[B, T, H*D]) attrs heads, theta
@@ -300,14 +222,6 @@ void rope_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
                              "head sizes",
                              static_cast<long long>(H), static_cast<long long>(x[2])));
   out = {f32(x)};
-}
-
-void rope_vjp(VjpBuilder &b, const Node &n) {
-  int gy = b.grad(n.outputs[0]);
-  if (gy < 0 || !b.needs(n.inputs[0])) return;
-  int gx = b.new_grad_tensor(n.inputs[0], "grad");
-  b.emit("rope_bwd", {gy}, {gx}, same_attrs(n), n.block);
-  b.accumulate(n.inputs[0], gx);
 }
 
 // ---------------------------------------------------------------------------
@@ -339,17 +253,6 @@ double attention_flops(const Graph &g, const Node &n) {
          static_cast<double>(q[1]) * static_cast<double>(q[2]);
 }
 
-void attention_vjp(VjpBuilder &b, const Node &n) {
-  int gy = b.grad(n.outputs[0]);
-  if (gy < 0) return;
-  std::vector<int> outs;
-  for (int i : n.inputs) outs.push_back(b.new_grad_tensor(i, "grad"));
-  b.emit("attention_bwd", {gy, n.inputs[0], n.inputs[1], n.inputs[2], n.outputs[1]}, outs,
-         same_attrs(n), n.block);
-  for (size_t i = 0; i < 3; ++i)
-    if (b.needs(n.inputs[i])) b.accumulate(n.inputs[i], outs[i]);
-}
-
 // ---------------------------------------------------------------------------
 // cross_entropy(logits[..., V], targets[...]) -> loss (scalar), saved lse[R], count
 
@@ -361,15 +264,6 @@ void xent_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   std::vector<int64_t> rows(l.begin(), l.end() - 1);
   if (S(g, n, 1) != rows) shape_mismatch(g, n, 1, shape_string(rows));
   out = {f32({}), f32({numel(rows)}), OutInfo{CTR_DTYPE_I64, {1}}};
-}
-
-void xent_vjp(VjpBuilder &b, const Node &n) {
-  int gl = b.grad(n.outputs[0]);
-  if (gl < 0 || !b.needs(n.inputs[0])) return;
-  int gx = b.new_grad_tensor(n.inputs[0], "grad");
-  b.emit("cross_entropy_bwd", {gl, n.inputs[0], n.inputs[1], n.outputs[1], n.outputs[2]}, {gx},
-         {}, n.block);
-  b.accumulate(n.inputs[0], gx);
 }
 
 double xent_flops(const Graph &g, const Node &n) { return 4.0 * static_cast<double>(numel(S(g, n, 0))); }
@@ -471,79 +365,247 @@ void take_rows_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   out = {f32(s)};
 }
 
-void take_rows_vjp(VjpBuilder &b, const Node &n) {
-  int gy = b.grad(n.outputs[0]);
-  if (gy < 0 || !b.needs(n.inputs[0])) return;
-  int gt = b.new_grad_tensor(n.inputs[0], "grad");
-  b.emit("take_rows_bwd", {gy}, {gt}, {}, n.block);
-  b.accumulate(n.inputs[0], gt);
+// ---------------------------------------------------------------------------
+// Attribute decoding and id ranges
+
+void norm_decode(const Graph &, const Node &n, void *out) {
+  auto *p = static_cast<ctr_norm_params *>(out);
+  p->eps = static_cast<float>(n.attr_float("eps", 1e-5));
 }
 
-void no_infer(const Graph &g, const Node &n, std::vector<OutInfo> &) {
-  bad_node(g, n, "internal op cannot be shape-inferred");
+void rope_decode(const Graph &, const Node &n, void *out) {
+  auto *p = static_cast<ctr_rope_params *>(out);
+  p->heads = n.attr_int("heads", 1);
+  p->theta = static_cast<float>(n.attr_float("theta", 10000.0));
+}
+
+// attention reads q as input 0, attention_bwd as input 1 (after the gradient).
+template <int Q>
+void attention_decode(const Graph &g, const Node &n, void *out) {
+  auto *p = static_cast<ctr_attention_params *>(out);
+  p->heads = n.attr_int("heads", 1);
+  p->kv_heads = n.attr_int("kv_heads", p->heads);
+  const int64_t D = S(g, n, Q)[2] / p->heads;
+  p->scale = static_cast<float>(n.attr_float("scale", 1.0 / std::sqrt(static_cast<double>(D))));
+  p->causal = n.attr_int("causal", 1) != 0;
+}
+
+void transpose_decode(const Graph &, const Node &n, void *out) {
+  auto *p = static_cast<ctr_transpose_params *>(out);
+  auto perm = n.attr_ints("perm");
+  p->ndim = static_cast<int32_t>(perm.size());
+  for (size_t i = 0; i < perm.size() && i < 8; ++i) p->perm[i] = static_cast<int32_t>(perm[i]);
+}
+
+// embedding: ids index the table's rows.
+bool embedding_ids(const Graph &g, const Node &n, int input, int64_t *lo, int64_t *hi) {
+  if (input != 1) return false;
+  *lo = 0;
+  *hi = S(g, n, 0)[0];
+  return true;
+}
+
+// cross_entropy: targets are classes of the last dim, or -1 (ignored).
+bool xent_ids(const Graph &g, const Node &n, int input, int64_t *lo, int64_t *hi) {
+  if (input != 1) return false;
+  *lo = -1;
+  *hi = S(g, n, 0).back();
+  return true;
 }
 
 // ---------------------------------------------------------------------------
-// The table
+// The library's ops
 
-const std::vector<OpDef> &table() {
-  static const std::vector<OpDef> ops = {
-      {"embedding", 2, 2, 1, {}, false, embedding_infer, embedding_vjp, zero_flops},
-      {"linear", 2, 3, 1, {}, false, linear_infer, linear_vjp, linear_flops},
-      {"matmul", 2, 2, 1, {}, false, matmul_infer, matmul_vjp, matmul_flops},
-      {"add", 2, 2, 1, {}, false, binary_infer, add_vjp, elementwise_flops},
-      {"mul", 2, 2, 1, {}, false, binary_infer, mul_vjp, elementwise_flops},
-      {"layernorm", 2, 3, 1, {"mean", "rstd"}, false, norm_infer, layernorm_vjp, norm_flops},
-      {"rmsnorm", 2, 2, 1, {"rstd"}, false, norm_infer, rmsnorm_vjp, norm_flops},
-      {"gelu", 1, 1, 1, {}, false, infer_same_f32, unary_vjp, elementwise_flops},
-      {"silu", 1, 1, 1, {}, false, infer_same_f32, unary_vjp, elementwise_flops},
-      {"swiglu", 2, 2, 1, {}, false, infer_same_f32, swiglu_vjp, elementwise_flops},
-      {"softmax", 1, 1, 1, {}, false, infer_same_f32, softmax_vjp, elementwise_flops},
-      {"rope", 1, 1, 1, {}, false, rope_infer, rope_vjp, elementwise_flops},
-      {"attention", 3, 3, 1, {"probs"}, false, attention_infer, attention_vjp, attention_flops},
-      {"cross_entropy", 2, 2, 1, {"lse", "count"}, false, xent_infer, xent_vjp, xent_flops},
-      {"reshape", 1, 1, 1, {}, false, reshape_infer, reshape_vjp, zero_flops},
-      {"transpose", 1, 1, 1, {}, false, transpose_infer, transpose_vjp, zero_flops},
-      {"take_rows", 2, 2, 1, {}, false, take_rows_infer, take_rows_vjp, zero_flops},
-      // Internal ops emitted by autodiff.
-      {"embedding_bwd", 2, 2, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"linear_bwd_x", 2, 2, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"linear_bwd_w", 2, 2, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"linear_bwd_b", 1, 1, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"matmul_bwd", 3, 3, 2, {}, true, no_infer, nullptr, zero_flops},
-      {"reduce_rows", 1, 1, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"mul_bwd", 3, 3, 2, {}, true, no_infer, nullptr, zero_flops},
-      {"layernorm_bwd", 5, 5, 3, {}, true, no_infer, nullptr, zero_flops},
-      {"rmsnorm_bwd", 4, 4, 2, {}, true, no_infer, nullptr, zero_flops},
-      {"gelu_bwd", 2, 2, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"silu_bwd", 2, 2, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"swiglu_bwd", 3, 3, 2, {}, true, no_infer, nullptr, zero_flops},
-      {"softmax_bwd", 2, 2, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"rope_bwd", 1, 1, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"attention_bwd", 5, 5, 3, {}, true, no_infer, nullptr, zero_flops},
-      {"cross_entropy_bwd", 5, 5, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"add_same", 2, 2, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"take_rows_bwd", 1, 1, 1, {}, true, no_infer, nullptr, zero_flops},
-      // Collectives inserted by the shard pass.
-      {"all_gather", 1, 1, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"reduce_scatter", 1, 1, 1, {}, true, no_infer, nullptr, zero_flops},
-      {"all_reduce", 1, 1, 1, {}, true, no_infer, nullptr, zero_flops},
-  };
-  return ops;
+constexpr BwdSlot G(int i) { return {BwdSlot::Grad, i}; }
+constexpr BwdSlot In(int i) { return {BwdSlot::Input, i}; }
+constexpr BwdSlot Out(int i) { return {BwdSlot::Output, i}; }
+
+OpDef fwd(const char *name, int min_in, int max_in, void (*infer)(const Graph &, const Node &, std::vector<OutInfo> &),
+          double (*flops)(const Graph &, const Node &)) {
+  OpDef d;
+  d.name = name;
+  d.min_inputs = min_in;
+  d.max_inputs = max_in;
+  d.infer = infer;
+  d.flops = flops;
+  return d;
+}
+
+// An internal op (a backward op or a collective): inputs and produced outputs.
+OpDef internal(const char *name, int inputs, int outputs) {
+  OpDef d;
+  d.name = name;
+  d.min_inputs = d.max_inputs = inputs;
+  d.num_outputs = outputs;
+  d.internal = true;
+  return d;
+}
+
+template <typename P>
+OpDef with_params(OpDef d, void (*decode)(const Graph &, const Node &, void *)) {
+  d.params_size = sizeof(P);
+  d.decode = decode;
+  return d;
+}
+
+OpDef with_bwd(OpDef d, const char *op, std::vector<BwdSlot> inputs, int grads = 0) {
+  d.bwd.op = op;
+  d.bwd.inputs = std::move(inputs);
+  d.bwd.grads = grads;
+  return d;
+}
+
+std::vector<OpDef> library_ops() {
+  std::vector<OpDef> v;
+  OpDef e = with_bwd(fwd("embedding", 2, 2, embedding_infer, zero_flops), "embedding_bwd", {G(0), In(1)}, 1);
+  e.id_range = embedding_ids;
+  v.push_back(e);
+  OpDef lin = fwd("linear", 2, 3, linear_infer, linear_flops);
+  lin.vjp = linear_vjp;
+  v.push_back(lin);
+  v.push_back(with_bwd(fwd("matmul", 2, 2, matmul_infer, matmul_flops), "matmul_bwd", {G(0), In(0), In(1)}));
+  OpDef add = fwd("add", 2, 2, binary_infer, elementwise_flops);
+  add.vjp = add_vjp;
+  v.push_back(add);
+  v.push_back(with_bwd(fwd("mul", 2, 2, binary_infer, elementwise_flops), "mul_bwd", {G(0), In(0), In(1)}));
+  OpDef ln = with_bwd(fwd("layernorm", 2, 3, norm_infer, norm_flops), "layernorm_bwd",
+                      {G(0), In(0), In(1), Out(1), Out(2)});
+  ln.saved = {"mean", "rstd"};
+  v.push_back(with_params<ctr_norm_params>(ln, norm_decode));
+  OpDef rms = with_bwd(fwd("rmsnorm", 2, 2, norm_infer, norm_flops), "rmsnorm_bwd", {G(0), In(0), In(1), Out(1)});
+  rms.saved = {"rstd"};
+  v.push_back(with_params<ctr_norm_params>(rms, norm_decode));
+  v.push_back(with_bwd(fwd("gelu", 1, 1, infer_same_f32, elementwise_flops), "gelu_bwd", {G(0), In(0)}));
+  v.push_back(with_bwd(fwd("silu", 1, 1, infer_same_f32, elementwise_flops), "silu_bwd", {G(0), In(0)}));
+  v.push_back(with_bwd(fwd("swiglu", 2, 2, infer_same_f32, elementwise_flops), "swiglu_bwd", {G(0), In(0), In(1)}));
+  v.push_back(with_bwd(fwd("softmax", 1, 1, infer_same_f32, elementwise_flops), "softmax_bwd", {G(0), Out(0)}));
+  v.push_back(with_params<ctr_rope_params>(
+      with_bwd(fwd("rope", 1, 1, rope_infer, elementwise_flops), "rope_bwd", {G(0)}), rope_decode));
+  OpDef at = with_bwd(fwd("attention", 3, 3, attention_infer, attention_flops), "attention_bwd",
+                      {G(0), In(0), In(1), In(2), Out(1)});
+  at.saved = {"probs"};
+  v.push_back(with_params<ctr_attention_params>(at, attention_decode<0>));
+  OpDef xe = with_bwd(fwd("cross_entropy", 2, 2, xent_infer, xent_flops), "cross_entropy_bwd",
+                      {G(0), In(0), In(1), Out(1), Out(2)}, 1);
+  xe.saved = {"lse", "count"};
+  xe.id_range = xent_ids;
+  v.push_back(xe);
+  OpDef rs = fwd("reshape", 1, 1, reshape_infer, zero_flops);
+  rs.vjp = reshape_vjp;
+  v.push_back(rs);
+  OpDef tr = fwd("transpose", 1, 1, transpose_infer, zero_flops);
+  tr.vjp = transpose_vjp;
+  v.push_back(with_params<ctr_transpose_params>(tr, transpose_decode));
+  v.push_back(with_bwd(fwd("take_rows", 2, 2, take_rows_infer, zero_flops), "take_rows_bwd", {G(0)}, 1));
+
+  // Internal ops emitted by autodiff.
+  v.push_back(internal("embedding_bwd", 2, 1));
+  v.push_back(internal("linear_bwd_x", 2, 1));
+  v.push_back(internal("linear_bwd_w", 2, 1));
+  v.push_back(internal("linear_bwd_b", 1, 1));
+  v.push_back(internal("matmul_bwd", 3, 2));
+  v.push_back(internal("reduce_rows", 1, 1));
+  v.push_back(internal("mul_bwd", 3, 2));
+  v.push_back(with_params<ctr_norm_params>(internal("layernorm_bwd", 5, 3), norm_decode));
+  v.push_back(with_params<ctr_norm_params>(internal("rmsnorm_bwd", 4, 2), norm_decode));
+  v.push_back(internal("gelu_bwd", 2, 1));
+  v.push_back(internal("silu_bwd", 2, 1));
+  v.push_back(internal("swiglu_bwd", 3, 2));
+  v.push_back(internal("softmax_bwd", 2, 1));
+  v.push_back(with_params<ctr_rope_params>(internal("rope_bwd", 1, 1), rope_decode));
+  v.push_back(with_params<ctr_attention_params>(internal("attention_bwd", 5, 3), attention_decode<1>));
+  v.push_back(internal("cross_entropy_bwd", 5, 1));
+  v.push_back(internal("add_same", 2, 1));
+  v.push_back(internal("take_rows_bwd", 1, 1));
+  // Collectives inserted by the shard pass; the executor runs them on the comm stream.
+  v.push_back(internal("all_gather", 1, 1));
+  v.push_back(internal("reduce_scatter", 1, 1));
+  v.push_back(internal("all_reduce", 1, 1));
+  return v;
+}
+
+// ---------------------------------------------------------------------------
+// The registry
+
+struct Registry {
+  std::mutex mu;
+  std::deque<OpDef> defs;  // stable addresses; index == id
+  std::unordered_map<std::string, OpId> by_name;
+
+  OpId add(OpDef d) {
+    std::lock_guard<std::mutex> lock(mu);
+    CTR_REQUIRE(!d.name.empty(), CTR_STATUS_INVALID_ARGUMENT, "register_op: the op has no name");
+    CTR_REQUIRE(!by_name.count(d.name), CTR_STATUS_INVALID_ARGUMENT,
+                "register_op: op '%s' is already registered", d.name.c_str());
+    CTR_REQUIRE(d.min_inputs >= 0 && d.min_inputs <= d.max_inputs && d.num_outputs >= 1,
+                CTR_STATUS_INVALID_ARGUMENT, "register_op: op '%s' has an inconsistent arity",
+                d.name.c_str());
+    CTR_REQUIRE(d.internal || d.infer, CTR_STATUS_INVALID_ARGUMENT,
+                "register_op: op '%s' may appear in files but has no shape rule", d.name.c_str());
+    CTR_REQUIRE((d.params_size == 0) == (d.decode == nullptr), CTR_STATUS_INVALID_ARGUMENT,
+                "register_op: op '%s' needs both params_size and decode, or neither", d.name.c_str());
+    d.id = static_cast<OpId>(defs.size());
+    by_name[d.name] = d.id;
+    defs.push_back(std::move(d));
+    return defs.back().id;
+  }
+};
+
+Registry &registry() {
+  static Registry *r = [] {
+    auto *reg = new Registry;  // never destroyed: ops outlive every static user
+    for (OpDef &d : library_ops()) reg->add(std::move(d));
+    return reg;
+  }();
+  return *r;
 }
 
 }  // namespace
 
+OpId register_op(OpDef def) {
+  // A declarative gradient names its backward op, which must exist (possibly
+  // registered by the same host just before).
+  Registry &r = registry();
+  if (!def.bwd.op.empty())
+    CTR_REQUIRE(find_op(def.bwd.op) != nullptr || def.bwd.op == def.name, CTR_STATUS_INVALID_ARGUMENT,
+                "register_op: op '%s' names backward op '%s', which is not registered", def.name.c_str(),
+                def.bwd.op.c_str());
+  return r.add(std::move(def));
+}
+
 const OpDef *find_op(const std::string &name) {
-  for (const OpDef &d : table())
-    if (name == d.name) return &d;
-  return nullptr;
+  Registry &r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.by_name.find(name);
+  return it == r.by_name.end() ? nullptr : &r.defs[static_cast<size_t>(it->second)];
+}
+
+const OpDef *op_by_id(OpId id) {
+  Registry &r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return id >= 0 && static_cast<size_t>(id) < r.defs.size() ? &r.defs[static_cast<size_t>(id)] : nullptr;
+}
+
+size_t num_ops() {
+  Registry &r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return r.defs.size();
 }
 
 std::vector<std::string> file_op_names() {
+  Registry &r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
   std::vector<std::string> out;
-  for (const OpDef &d : table())
+  for (const OpDef &d : r.defs)
     if (!d.internal) out.push_back(d.name);
+  return out;
+}
+
+std::vector<uint8_t> decode_params(const Graph &g, const Node &n) {
+  const OpDef *d = find_op(n.op);
+  CTR_CHECK(d != nullptr);
+  std::vector<uint8_t> out(d->params_size);
+  if (d->decode) d->decode(g, n, out.data());
   return out;
 }
 

@@ -1,4 +1,12 @@
-// The op set: for every op, its arity, shape rule, FLOP count and VJP rule.
+// The op registry: one definition per op, read by every pass and backend.
+//
+// A definition holds everything the compiler and the runtime need to know about
+// an op: its arity, its attributes decoded once (with their defaults) into a
+// parameter struct that kernels read, its shape rule, its gradient (either the
+// layout of the one backward op it emits, or a VJP function for ops that emit
+// something else), its FLOP count and, for token-id inputs, the range of ids it
+// accepts. Backends register kernels against the op's id; nothing on the hot
+// path compares names. The recipe for adding an op is in docs/architecture.md.
 //
 // Forward ops may appear in graph files. Backward ops (suffix _bwd and the
 // helpers autodiff emits) are internal: a file that names one is refused as an
@@ -7,12 +15,15 @@
 // the file: infer_shapes appends them to the node as extra outputs.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "graph/ir.h"
 
 namespace ctr {
+
+using OpId = int32_t;
 
 struct OutInfo {
   ctr_dtype dtype = CTR_DTYPE_F32;
@@ -37,24 +48,67 @@ class VjpBuilder {
                     std::map<std::string, Attr> attrs, int block) = 0;
 };
 
-struct OpDef {
-  const char *name;
-  int min_inputs, max_inputs;
-  int num_outputs;  // declared in the file
-  std::vector<const char *> saved;  // suffixes of the saved outputs appended by infer_shapes
-  bool internal;    // backward / helper op: not allowed in files
-  // Output dtypes and shapes from input shapes and attributes; throws on mismatch.
-  void (*infer)(const Graph &g, const Node &n, std::vector<OutInfo> &out);
-  // Emits the backward nodes for node n (forward). Null for non-differentiable ops.
-  void (*vjp)(VjpBuilder &b, const Node &n);
-  // Forward FLOPs of node n with concrete shapes.
-  double (*flops)(const Graph &g, const Node &n);
+// One input of a backward op, taken from its forward node.
+struct BwdSlot {
+  enum Kind : uint8_t { Grad, Input, Output } kind;  // d(output i), input i, output i
+  int index;
 };
 
-// nullptr when the op is unknown.
+// The backward op an op emits when its gradient is one op: its inputs, and that
+// its outputs are the gradients of the forward inputs in order (all of them, or
+// the first `grads` when grads > 0). The forward node's attributes are passed on.
+struct BwdSpec {
+  std::string op;               // empty: the op uses a vjp function (or has no gradient)
+  std::vector<BwdSlot> inputs;
+  int grads = 0;                // 0 = one gradient per forward input
+};
+
+struct OpDef {
+  std::string name;
+  int min_inputs = 1, max_inputs = 1;
+  int num_outputs = 1;              // declared in the file (backward ops: produced)
+  std::vector<std::string> saved;   // suffixes of the saved outputs appended by infer_shapes
+  bool internal = false;            // backward / helper op: not allowed in files
+
+  // Output dtypes and shapes from input shapes and attributes; throws
+  // CTR_STATUS_INVALID_GRAPH naming the node on a mismatch. Internal ops have
+  // none: their outputs mirror the forward tensors they are gradients of.
+  void (*infer)(const Graph &g, const Node &n, std::vector<OutInfo> &out) = nullptr;
+
+  // The gradient: bwd (declarative) or vjp (a function), or neither.
+  BwdSpec bwd;
+  void (*vjp)(VjpBuilder &b, const Node &n) = nullptr;
+
+  // Forward FLOPs of node n with concrete shapes; null counts 0.
+  double (*flops)(const Graph &g, const Node &n) = nullptr;
+
+  // Attributes decoded once into a parameter struct of params_size bytes (a
+  // struct of kernels/common/op_params.h, or the op's own), defaults applied.
+  // Null when kernels need no attributes.
+  size_t params_size = 0;
+  void (*decode)(const Graph &g, const Node &n, void *params) = nullptr;
+
+  // For an int32 input holding ids: the valid range [lo, hi) given the node's
+  // shapes. Returns false when input i is not an id input of this op.
+  bool (*id_range)(const Graph &g, const Node &n, int input, int64_t *lo, int64_t *hi) = nullptr;
+
+  OpId id = -1;  // assigned by the registry
+};
+
+// Registers an op (a library op at start-up, or a host's own op before the step
+// that uses it is created). Fails with CTR_STATUS_INVALID_ARGUMENT when the
+// name is taken or the definition is inconsistent. Thread-safe.
+OpId register_op(OpDef def);
+
+// nullptr when the op is unknown. Definitions never move once registered.
 const OpDef *find_op(const std::string &name);
+const OpDef *op_by_id(OpId id);
+size_t num_ops();
 
 // Names of all ops that files may use.
 std::vector<std::string> file_op_names();
+
+// A node's decoded parameters (empty when its op has none).
+std::vector<uint8_t> decode_params(const Graph &g, const Node &n);
 
 }  // namespace ctr

@@ -8,6 +8,8 @@
 // appended after the forward ones, so the node order stays topological and
 // num_forward marks the boundary the executor uses for evaluate().
 
+#include <algorithm>
+
 #include "core/status.h"
 #include "graph/ops.h"
 #include "passes/passes.h"
@@ -78,6 +80,34 @@ class Builder : public VjpBuilder {
   int current_block_ = -1;
 };
 
+// The declarative rule (OpDef::bwd): one backward op whose inputs are picked
+// from the forward node and whose outputs are the gradients of its inputs.
+void emit_backward_op(Builder &b, const OpDef &def, const Node &n) {
+  const int ngrads = def.bwd.grads > 0 ? std::min<int>(def.bwd.grads, static_cast<int>(n.inputs.size()))
+                                       : static_cast<int>(n.inputs.size());
+  bool any = false;
+  for (int i = 0; i < ngrads; ++i) any |= b.needs(n.inputs[i]);
+  if (!any) return;
+  std::vector<int> in;
+  for (const BwdSlot &s : def.bwd.inputs) {
+    switch (s.kind) {
+      case BwdSlot::Grad: {
+        int gy = b.grad(n.outputs[s.index]);
+        if (gy < 0) return;  // the gradient this op's backward needs never arrives
+        in.push_back(gy);
+        break;
+      }
+      case BwdSlot::Input: in.push_back(n.inputs[s.index]); break;
+      case BwdSlot::Output: in.push_back(n.outputs[s.index]); break;
+    }
+  }
+  std::vector<int> out;
+  for (int i = 0; i < ngrads; ++i) out.push_back(b.new_grad_tensor(n.inputs[i], "grad"));
+  b.emit(def.bwd.op, std::move(in), out, n.attrs, n.block);
+  for (int i = 0; i < ngrads; ++i)
+    if (b.needs(n.inputs[i])) b.accumulate(n.inputs[i], out[i]);
+}
+
 }  // namespace
 
 void pass_autodiff(Graph &g) {
@@ -111,11 +141,14 @@ void pass_autodiff(Graph &g) {
     bool wants = false;
     for (int in : n.inputs) wants |= b.needs(in);
     if (!has_grad || !wants) continue;
-    if (!def->vjp)
+    if (!def->vjp && def->bwd.op.empty())
       fail(CTR_STATUS_UNSUPPORTED,
            strformat("node '%s': op '%s' has no gradient rule", n.name.c_str(), n.op.c_str()));
     b.set_block(n.block);
-    def->vjp(b, n);
+    if (def->vjp)
+      def->vjp(b, n);
+    else
+      emit_backward_op(b, *def, n);
   }
   for (size_t i = 0; i < g.tensors.size(); ++i) {
     if (g.tensors[i].role != Role::Param) continue;

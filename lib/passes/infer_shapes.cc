@@ -76,7 +76,7 @@ void pass_infer_shapes(Graph &g, const CompileOptions &opt) {
     // Saved outputs are appended once; inspect may run this pass on a graph that
     // already has them.
     if (n.outputs.size() == static_cast<size_t>(def->num_outputs)) {
-      for (const char *suffix : def->saved) {
+      for (const std::string &suffix : def->saved) {
         Tensor t;
         t.name = g.tensors[n.outputs[0]].name + "." + suffix;
         t.role = Role::Activation;

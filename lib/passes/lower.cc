@@ -1,52 +1,165 @@
-// Pass 9, lower: the planned graph becomes instruction lists, one per phase
-// (forward, backward), each instruction naming its node, stream and events.
+// Pass lower: the sharded graph becomes instruction lists, one per phase
+// (forward, backward), each instruction on a stream, ordered across streams by
+// events.
 //
-// On the CPU backend everything runs on stream 0 in node order and no events are
-// needed. The shape of Instr is what the comm stream and a CUDA graph capture
-// will use: the reorder pass moves collectives to stream 1 and the events between
-// streams are placed here.
+// Kernels run on stream 0 and collectives on stream 1. Before a collective is
+// issued, stream 0 records an event that stream 1 waits for, so the collective
+// sees everything computed before it. Stream 0 waits for a collective's event
+// at the first node that reads one of its outputs — never at the issue — so the
+// compute in between overlaps the communication. A collective that no node on
+// stream 0 reads (a gradient reduce-scatter whose result only the optimizer
+// reads) is waited for when the next collective is issued, unless that one
+// reads its output (then stream order already covers it), so its buffers do not
+// stay busy to the end of the phase. At the end of a phase stream 0 waits for
+// whatever is still in flight. complete_at records, per collective, the node
+// position of that wait: plan_memory keeps the buffers alive until then.
 
 #include <algorithm>
+#include <set>
 #include <sstream>
 
 #include "core/status.h"
 #include "passes/passes.h"
 
 namespace ctr {
+namespace {
 
-Program pass_lower(const Graph &g, const std::vector<std::string> &backend_ops) {
-  Program p;
-  CTR_CHECK(g.num_forward >= 0);
-  for (int ni = 0; ni < static_cast<int>(g.nodes.size()); ++ni) {
-    const Node &n = g.nodes[ni];
-    Instr in;
-    in.node = ni;
+struct InFlight {
+  int event;
+  std::vector<int> nodes;  // collectives whose completion this event implies
+  std::set<int> outputs;
+};
+
+void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Program &p,
+                 const std::function<bool(OpId)> &has_kernel) {
+  std::vector<InFlight> pending;
+  auto new_event = [&] { return p.num_events++; };
+  auto await = [&](size_t k, int pos) {
+    Instr w;
+    w.kind = Instr::Wait;
+    w.stream = 0;
+    w.event = pending[k].event;
+    out.push_back(w);
+    for (int n : pending[k].nodes) p.complete_at[static_cast<size_t>(n)] = pos;
+    pending.erase(pending.begin() + static_cast<long>(k));
+  };
+  for (int ni = begin; ni < end; ++ni) {
+    const Node &n = g.nodes[static_cast<size_t>(ni)];
     if (is_collective(n.op)) {
-      // Collectives run on the comm stream; the executor hands them to the
-      // communicator of their mesh axis.
-      in.stream = 1;
       p.num_streams = 2;
-      (ni < g.num_forward ? p.forward : p.backward).push_back(in);
+      // Collectives nothing here reads are waited for now; one this collective
+      // reads is implied by its completion (same stream).
+      std::vector<int> chained;
+      for (size_t k = 0; k < pending.size();) {
+        bool read = false;
+        for (int in : n.inputs) read |= pending[k].outputs.count(in) != 0;
+        if (read) {
+          chained.insert(chained.end(), pending[k].nodes.begin(), pending[k].nodes.end());
+          pending.erase(pending.begin() + static_cast<long>(k));
+        } else {
+          await(k, ni);
+        }
+      }
+      if (n.op == "reduce_scatter") {
+        // The padded rows of the full gradient reduce to zero.
+        const Tensor &t = g.tensors[static_cast<size_t>(n.inputs[0])];
+        if (t.alloc_size() > t.bytes()) {
+          Instr f;
+          f.kind = Instr::Fill;
+          f.tensor = n.inputs[0];
+          f.offset = t.bytes();
+          f.bytes = t.alloc_size() - t.bytes();
+          out.push_back(f);
+        }
+      }
+      Instr rec;
+      rec.kind = Instr::Record;
+      rec.stream = 0;
+      rec.event = new_event();
+      out.push_back(rec);
+      Instr wait = rec;
+      wait.kind = Instr::Wait;
+      wait.stream = 1;
+      out.push_back(wait);
+      Instr c;
+      c.kind = Instr::Collective;
+      c.stream = 1;
+      c.node = ni;
+      out.push_back(c);
+      Instr done;
+      done.kind = Instr::Record;
+      done.stream = 1;
+      done.event = new_event();
+      out.push_back(done);
+      InFlight f;
+      f.event = done.event;
+      f.nodes = chained;
+      f.nodes.push_back(ni);
+      f.outputs.insert(n.outputs.begin(), n.outputs.end());
+      pending.push_back(std::move(f));
       continue;
     }
-    if (std::find(backend_ops.begin(), backend_ops.end(), n.op) == backend_ops.end())
+    const OpDef *def = find_op(n.op);
+    CTR_CHECK(def != nullptr);
+    if (!has_kernel(def->id))
       fail(CTR_STATUS_UNSUPPORTED,
-           strformat("node '%s': the backend has no kernel for op '%s'", n.name.c_str(),
-                     n.op.c_str()));
-    (ni < g.num_forward ? p.forward : p.backward).push_back(in);
+           strformat("node '%s': the backend has no kernel for op '%s'", n.name.c_str(), n.op.c_str()));
+    for (size_t k = 0; k < pending.size();) {
+      bool read = false;
+      for (int in : n.inputs) read |= pending[k].outputs.count(in) != 0;
+      if (read)
+        await(k, ni);
+      else
+        ++k;
+    }
+    Instr in;
+    in.kind = Instr::Kernel;
+    in.node = ni;
+    out.push_back(in);
   }
+  while (!pending.empty()) await(0, end - 1);
+}
+
+const char *kind_name(Instr::Kind k) {
+  switch (k) {
+    case Instr::Kernel: return "kernel";
+    case Instr::Collective: return "collective";
+    case Instr::Fill: return "fill";
+    case Instr::Record: return "record";
+    case Instr::Wait: return "wait";
+  }
+  return "?";
+}
+
+}  // namespace
+
+Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel) {
+  CTR_CHECK(g.num_forward >= 0);
+  Program p;
+  p.complete_at.assign(g.nodes.size(), -1);
+  lower_phase(g, 0, g.num_forward, p.forward, p, has_kernel);
+  lower_phase(g, g.num_forward, static_cast<int>(g.nodes.size()), p.backward, p, has_kernel);
   return p;
 }
 
 std::string dump_program(const Graph &g, const Program &p) {
   std::ostringstream os;
+  os << "streams: " << p.num_streams << " (0 compute" << (p.num_streams > 1 ? ", 1 comm" : "")
+     << "), events: " << p.num_events << "\n";
   auto list = [&](const char *name, const std::vector<Instr> &v) {
     os << name << ": " << v.size() << " instructions\n";
     for (size_t i = 0; i < v.size(); ++i) {
-      const Node &n = g.nodes[v[i].node];
-      os << "  " << i << ": stream " << v[i].stream << " " << n.op << " " << n.name;
-      for (int e : v[i].wait_events) os << " wait e" << e;
-      for (int e : v[i].record_events) os << " record e" << e;
+      const Instr &in = v[i];
+      os << "  " << i << ": stream " << in.stream << " " << kind_name(in.kind);
+      if (in.node >= 0) {
+        const Node &n = g.nodes[static_cast<size_t>(in.node)];
+        os << " " << n.op << " " << n.name;
+        if (in.kind == Instr::Collective) os << " (complete at node " << p.complete_at[static_cast<size_t>(in.node)] << ")";
+      }
+      if (in.event >= 0) os << " e" << in.event;
+      if (in.kind == Instr::Fill)
+        os << " " << g.tensors[static_cast<size_t>(in.tensor)].name << " bytes [" << in.offset << ", "
+           << in.offset + in.bytes << ")";
       os << "\n";
     }
   };

@@ -1,58 +1,47 @@
 // The compiler pipeline that turns a graph file into a runnable step.
 //
-// Each pass is one file and one function over the IR; ctr_step_create runs them
-// in the order of pass_names(), and `ctr graph inspect --after PASS` prints the IR
-// after any of them. Later passes (shard, bucket, reorder, recompute) slot in
-// between autodiff and plan_memory without changing the others.
+// Each pass is one file: a function over a PassContext, the options it reads,
+// and how its result is printed. The pass manager (manager.cc) holds the one
+// ordered list of passes; ctr_step_create, `ctr graph inspect --after PASS` and
+// every list of pass names read it, so a pass is added in exactly one place.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "graph/ir.h"
+#include "graph/ops.h"
 
 namespace ctr {
+
+class OptionReader;
+
+// Where this rank sits on the mesh: every axis in mesh order with its size and
+// this rank's index along it.
+struct MeshPlacement {
+  struct Axis {
+    std::string name;
+    int64_t size = 1, index = 0;
+  };
+  std::vector<Axis> axes;
+  int64_t size(const std::string &axis) const;
+  int64_t index(const std::string &axis) const;
+};
 
 struct CompileOptions {
   int64_t batch = 1;          // binds the "batch" symbol (one micro-batch)
   int64_t seq = 0;            // binds "seq"; 0 = the graph's maximum
   int64_t micro_batches = 1;  // gradient accumulation steps
-  // Mesh placement of this rank (shard pass).
-  int64_t fsdp = 1, fsdp_index = 0;
-  int64_t dp = 1, dp_index = 0;
   bool reshard_after_forward = true;
+  MeshPlacement mesh;
 };
-
-// Semantic checks on a freshly loaded graph and a topological sort of its nodes.
-// Fails with CTR_STATUS_INVALID_GRAPH naming the node or tensor at fault.
-void pass_verify(Graph &g);
-
-// Binds symbolic dims, computes every tensor's concrete shape, appends the saved
-// outputs of ops that have them, and checks declared shapes against inferred ones.
-void pass_infer_shapes(Graph &g, const CompileOptions &opt);
-
-// Appends the backward graph (reverse-mode, from per-op VJP rules), seeded with
-// d(loss)/d(loss) held in the Const tensor "loss.grad". Afterwards each param
-// with a gradient has tensors[grad].grad_of == param.
-void pass_autodiff(Graph &g);
-
-// Places parameters on the mesh: each param is cut on dim 0 into `fsdp` shards of
-// equal (padded) row count and this rank keeps shard fsdp_index. An all_gather
-// node rebuilds the full param before its first forward use and, with
-// reshard_after_forward, again before its first backward use, so the full copy
-// is not held from forward to backward. The full gradient is reduce-scattered
-// back to the shard (averaged over fsdp) and all-reduced over dp. Collectives
-// are ordinary nodes (ops all_gather, reduce_scatter, all_reduce with attribute
-// "axis"), visible in `graph inspect --after shard`. No-op on a single rank.
-void pass_shard(Graph &g, const CompileOptions &opt);
-
-// True for the collective ops the shard pass inserts.
-bool is_collective(const std::string &op);
 
 struct MemoryPlan {
   int64_t arena_bytes = 0;   // peak of the activation arena
-  int64_t param_bytes = 0;   // parameters (fp32)
+  int64_t param_bytes = 0;   // parameters (fp32); gradients use the same layout
   int64_t input_bytes = 0;   // host inputs for all micro-batches
   int64_t const_bytes = 0;
   int64_t naive_bytes = 0;   // sum of arena tensors without reuse, for reporting
@@ -60,33 +49,109 @@ struct MemoryPlan {
   std::vector<int> param_grad;
 };
 
-// Liveness analysis over the node order and a static arena: every activation gets
-// a byte offset, tensors whose lifetimes do not overlap share bytes. Parameters,
-// inputs and constants get offsets in their own regions.
-MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt);
-
-// One step of work for an executor: run the kernel of node `node` on `stream`,
-// after waiting for the listed events, then record the listed events.
+// One unit of work for the executor on one stream.
 struct Instr {
-  int node = -1;
+  enum Kind : uint8_t {
+    Kernel,      // run node's kernel
+    Collective,  // run node's collective (all_gather, reduce_scatter, all_reduce)
+    Fill,        // zero bytes [offset, offset + bytes) of tensor's allocation
+    Record,      // record event
+    Wait,        // wait for event
+  };
+  Kind kind = Kernel;
   int stream = 0;
-  std::vector<int> wait_events;
-  std::vector<int> record_events;
+  int node = -1;
+  int event = -1;
+  int tensor = -1;
+  int64_t offset = 0, bytes = 0;
 };
 
 struct Program {
   std::vector<Instr> forward;   // forward nodes, in order
   std::vector<Instr> backward;  // backward nodes, in order
-  int num_streams = 1;
+  int num_streams = 1;          // stream 0 computes, stream 1 communicates
   int num_events = 0;
+  // Per node: for a collective, the node position at which stream 0 has waited
+  // for it (its buffers are busy until then); -1 for other nodes.
+  std::vector<int> complete_at;
 };
 
-// Lowers the planned graph to instruction lists per phase. Checks that the
-// backend has a kernel for every op.
-Program pass_lower(const Graph &g, const std::vector<std::string> &backend_ops);
+// What passes read and write.
+struct PassContext {
+  Graph &graph;
+  CompileOptions opt;
+  // Whether the step's backend has a kernel for an op (lower checks every node).
+  std::function<bool(OpId)> has_kernel;
+  Program program;
+  MemoryPlan plan;
+  std::vector<std::string> ran;  // names of the passes run, in order
+};
 
-// 1-based position of a pass in pass_names(), 0 if unknown.
-int pass_index(const std::string &name);
+struct PassDef {
+  const char *name;
+  const char *summary;
+  // Runs when the graph is loaded (ctr_graph_load_*), not at step creation.
+  bool at_load;
+  // Reads this pass's options (may be null).
+  void (*read_options)(OptionReader &r, CompileOptions &opt);
+  void (*run)(PassContext &ctx);
+  // What `graph inspect --after` prints (null: the graph).
+  std::string (*dump)(const PassContext &ctx);
+};
+
+// The pipeline, in order.
+const std::vector<PassDef> &pass_list();
+std::vector<std::string> pass_names();
+// The pass named `name`; fails with CTR_STATUS_INVALID_ARGUMENT listing the passes.
+const PassDef &find_pass(const std::string &name);
+
+// Every pass's options (batch, seq, micro_batches, ...), read from r.
+CompileOptions read_compile_options(OptionReader &r);
+
+// Runs the step-creation passes (those not at_load) in order, up to and including
+// `until` (empty: all of them).
+void run_passes(PassContext &ctx, const std::string &until = "");
+
+// ---------------------------------------------------------------------------
+// The passes, one file each.
+
+// verify.cc: semantic checks on a freshly loaded graph and a topological sort of
+// its nodes. Fails with CTR_STATUS_INVALID_GRAPH naming the node or tensor at fault.
+void pass_verify(Graph &g);
+
+// infer_shapes.cc: binds symbolic dims, computes every tensor's concrete shape,
+// appends the saved outputs of ops that have them, and checks declared shapes
+// against inferred ones.
+void pass_infer_shapes(Graph &g, const CompileOptions &opt);
+
+// autodiff.cc: appends the backward graph (reverse-mode, from the registry's
+// gradient rules), seeded with d(loss)/d(loss) held in the Const tensor
+// "loss.grad". Afterwards each param with a gradient has tensors[grad].grad_of == param.
+void pass_autodiff(Graph &g);
+
+// shard.cc: places parameters on the mesh: each param is cut on dim 0 into `fsdp`
+// shards of equal (padded) row count and this rank keeps its shard. An
+// all_gather node rebuilds the full param before its first forward use and, with
+// reshard_after_forward, again before its first backward use. The full gradient
+// is reduce-scattered back to the shard (averaged over fsdp) and all-reduced over
+// dp. Collectives are ordinary nodes with attribute "axis". No-op on one rank.
+void pass_shard(Graph &g, const CompileOptions &opt);
+
+// True for the collective ops the shard pass inserts.
+bool is_collective(const std::string &op);
+
+// lower.cc: instruction lists per phase: kernels on stream 0, collectives on
+// stream 1, and the events between them. A collective waits (on stream 1) for
+// the compute issued before it; stream 0 waits for a collective at the first
+// node that reads its result, or, for a collective nothing on stream 0 reads,
+// when the next collective is issued (or the phase ends). Fails with
+// CTR_STATUS_UNSUPPORTED naming a node whose op the backend lacks.
+Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel);
+
+// plan_memory.cc: liveness over the lowered schedule (a collective's buffers live
+// until stream 0 has waited for it) and a static arena; parameters, gradients,
+// inputs and constants in their own regions.
+MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &prog);
 
 // Dump of a program's instruction lists.
 std::string dump_program(const Graph &g, const Program &p);

@@ -1,12 +1,18 @@
-// Pass 8 (of the full pipeline), plan_memory: a static memory plan made once,
-// before the first step, as inference runtimes do.
+// Pass plan_memory: a static memory plan made once, before the first step, as
+// inference runtimes do.
 //
 // Every activation gets a lifetime [first write, last read] in node order and a
 // byte offset in one arena; tensors whose lifetimes do not overlap share bytes.
+// The schedule from lower extends lifetimes: a collective's input and output
+// stay live until the node at which stream 0 has waited for it, since the comm
+// stream may still read or write them before then.
 // Placement is greedy by size (largest first, lowest offset that fits among the
 // tensors it overlaps in time), which is close to optimal on transformer graphs
-// whose big saved activations dominate. The loss and the parameter gradients stay
-// live to the end of the step: the host and the optimizer read them afterwards.
+// whose big saved activations dominate. The loss stays live to the end of the
+// step (the host reads it). Parameter gradients are not in the arena: they have
+// a region laid out exactly like the parameters (same offsets), so the
+// optimizer runs over three flat buffers — parameters, gradients, moments — in
+// one pass.
 
 #include <algorithm>
 
@@ -22,7 +28,7 @@ int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
 
-MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt) {
+MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &prog) {
   MemoryPlan plan;
   const int nt = static_cast<int>(g.tensors.size());
   const int nn = static_cast<int>(g.nodes.size());
@@ -53,6 +59,14 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt) {
     }
     if (t.grad_of >= 0) plan.param_grad[t.grad_of] = i;
   }
+  for (int i = 0; i < nt; ++i) {
+    Tensor &t = g.tensors[i];
+    if (t.grad_of < 0 || t.role != Role::Activation) continue;
+    const Tensor &p = g.tensors[t.grad_of];
+    CTR_CHECK(p.role == Role::Param && t.bytes() == p.bytes());
+    t.storage = Storage::Grad;
+    t.offset = p.offset;
+  }
 
   // Lifetimes in node positions.
   std::vector<int> first(nt, -1), last(nt, -1);
@@ -63,11 +77,17 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt) {
     }
     for (int in : g.nodes[ni].inputs) last[in] = std::max(last[in], ni);
   }
+  for (int ni = 0; ni < nn && ni < static_cast<int>(prog.complete_at.size()); ++ni) {
+    const int done = prog.complete_at[static_cast<size_t>(ni)];
+    if (done < 0) continue;
+    for (int t : g.nodes[ni].inputs) last[t] = std::max(last[t], done);
+    for (int t : g.nodes[ni].outputs) last[t] = std::max(last[t], done);
+  }
   std::vector<int> order;
   for (int i = 0; i < nt; ++i) {
     Tensor &t = g.tensors[i];
-    if (t.role != Role::Activation || first[i] < 0) continue;
-    if (i == g.loss || t.grad_of >= 0 || t.keep) last[i] = nn;
+    if (t.role != Role::Activation || first[i] < 0 || t.storage == Storage::Grad) continue;
+    if (i == g.loss || t.keep) last[i] = nn;
     t.storage = Storage::Arena;
     order.push_back(i);
     plan.naive_bytes += align_up(t.alloc_size());

@@ -22,8 +22,15 @@ bool is_collective(const std::string &op) {
 
 void pass_shard(Graph &g, const CompileOptions &opt) {
   CTR_CHECK(g.num_forward >= 0);
-  if (opt.fsdp <= 1 && opt.dp <= 1) return;
-  const int F = static_cast<int>(opt.fsdp);
+  for (const MeshPlacement::Axis &a : opt.mesh.axes)
+    CTR_REQUIRE(a.size == 1 || a.name == "fsdp" || a.name == "dp", CTR_STATUS_UNSUPPORTED,
+                "shard: mesh axis '%s' has size %lld, but graph '%s' has nothing to place on it (%s); "
+                "use dp and fsdp",
+                a.name.c_str(), static_cast<long long>(a.size), g.name.c_str(),
+                a.name == "ep" ? "no expert layers" : "no tensor- or pipeline-parallel layout");
+  const int64_t fsdp = opt.mesh.size("fsdp"), dp = opt.mesh.size("dp");
+  if (fsdp <= 1 && dp <= 1) return;
+  const int F = static_cast<int>(fsdp);
 
   // New node order: collectives are inserted in front of the node that first
   // needs them (gathers) or right after the node that completes a gradient.
@@ -49,7 +56,7 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
       // The param itself becomes this rank's shard.
       Tensor &pt = g.tensors[p];
       pt.full_rows = N0;
-      pt.shard_index = opt.fsdp_index;
+      pt.shard_index = opt.mesh.index("fsdp");
       if (pt.shape.empty()) pt.shape = {1};
       pt.shape[0] = rows;
 
@@ -131,7 +138,7 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
       cur = reduce(cur, "reduce_scatter", ".grad_shard",
                    {{"axis", Attr::of_string("fsdp")}, {"rows", Attr::of_int(N0)}});
     }
-    if (opt.dp > 1) cur = reduce(cur, "all_reduce", ".grad_dp", {{"axis", Attr::of_string("dp")}});
+    if (dp > 1) cur = reduce(cur, "all_reduce", ".grad_dp", {{"axis", Attr::of_string("dp")}});
     g.tensors[grad].grad_of = -1;
     g.tensors[cur].grad_of = p;
   }

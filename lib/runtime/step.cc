@@ -1,31 +1,35 @@
 // The training step: compile once, then run the lowered program every step.
 //
-// Creation runs the pipeline (infer_shapes, autodiff, plan_memory, lower), makes
-// the few allocations the plan asks for (arena, parameters, inputs, optimizer
-// state) and resolves every tensor to an address, so a step does no allocation
-// and no lookup beyond rebinding the inputs of each micro-batch.
+// Creation reads the options (each pass reads its own, the optimizer its own),
+// runs the pass manager's pipeline, makes the few allocations the plan asks for
+// on the step's backend (arena, parameters, gradients laid out like the
+// parameters, inputs, constants, optimizer state) and hands every tensor's
+// address to the executor, which resolves each instruction once. A step then
+// only rebinds the inputs of each micro-batch.
 //
 // A step: for each micro-batch, forward then backward (the loss gradient seed is
-// 1/micro_batches, so gradients come out averaged); gradients of several micro-
-// batches are summed into accumulators; then the global norm, clipping, and
-// AdamW on every parameter. With one micro-batch the optimizer reads gradients
-// straight from the arena, where the plan keeps them live to the end.
+// 1/micro_batches, so gradients come out averaged) and, with several
+// micro-batches, one accumulation over the flat gradient buffer; then one
+// global norm, clipping, and one fused AdamW pass.
 
 #include "runtime/step.h"
 
-#include "ckpt/pending_save.h"
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <unistd.h>
 #include <nlohmann/json.hpp>
 
+#include "ckpt/pending_save.h"
 #include "core/options.h"
 #include "core/rng.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
+#include "graph/ops.h"
+#include "runtime/executor.h"
+#include "runtime/mesh.h"
 
 namespace ctr {
 namespace {
@@ -43,62 +47,36 @@ void *must_alloc(const Backend &be, int64_t bytes, const char *what) {
   return p;
 }
 
-}  // namespace
-
-double schedule_lr(const OptimizerConfig &c, int64_t step) {
-  if (c.lr_override) return c.lr_fixed;
-  if (step < c.warmup_steps)
-    return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
-  if (c.schedule == "constant" || c.decay_steps <= 0) return c.lr;
-  double p = static_cast<double>(step - c.warmup_steps) / static_cast<double>(c.decay_steps);
-  p = std::min(1.0, std::max(0.0, p));
-  if (c.schedule == "linear") return c.lr + (c.min_lr - c.lr) * p;
-  return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1.0 + std::cos(M_PI * p));
+std::string options_json(const ctr_options *options) {
+  if (!options) return "";
+  nlohmann::json js = nlohmann::json::object();
+  for (const auto &kv : options->values) {
+    if (kv.second.kind == ctr_options::Value::Int) js[kv.first] = kv.second.i;
+    else if (kv.second.kind == ctr_options::Value::Float) js[kv.first] = kv.second.f;
+    else js[kv.first] = kv.second.s;
+  }
+  return js.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *options)
-    : mesh_(mesh), g_(graph.graph) {
+}  // namespace
+
+Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : mesh_(mesh), g_(graph) {
   OptionReader r(options, "ctr_step_create");
   CTR_REQUIRE(r.has("batch"), CTR_STATUS_INVALID_OPTION,
               "ctr_step_create: option 'batch' is required (the micro-batch size)");
-  copt_.batch = r.get_int("batch", 1, 1, 1 << 20);
-  copt_.seq = r.get_int("seq", 0, 0, 1 << 24);
-  copt_.micro_batches = r.get_int("micro_batches", 1, 1, 1 << 16);
-  uint64_t seed = static_cast<uint64_t>(r.get_int("seed", 0, 0));
-  oc_.lr = r.get_float("lr", 3e-4, 0, 10);
-  oc_.min_lr = r.get_float("min_lr", 0, 0, 10);
-  oc_.warmup_steps = r.get_int("warmup_steps", 0, 0);
-  oc_.decay_steps = r.get_int("decay_steps", 0, 0);
-  oc_.schedule = r.get_string("schedule", "cosine", {"cosine", "linear", "constant"});
-  oc_.beta1 = r.get_float("beta1", 0.9, 0, 0.999999);
-  oc_.beta2 = r.get_float("beta2", 0.95, 0, 0.999999);
-  oc_.eps = r.get_float("eps", 1e-8, 0, 1);
-  oc_.weight_decay = r.get_float("weight_decay", 0.1, 0, 10);
-  oc_.grad_clip = r.get_float("grad_clip", 1.0, 0);
-  oc_.check_finite = r.get_int("check_finite", 1, 0, 1) != 0;
-  copt_.reshard_after_forward = r.get_int("reshard_after_forward", 1, 0, 1) != 0;
-  std::string keep = r.get_string("keep", "");
+  copt_ = read_compile_options(r);
+  copt_.mesh = mesh.placement();
+  oc_ = read_optimizer_options(r);
+  const uint64_t seed = static_cast<uint64_t>(r.get_int("seed", 0, 0));
+  const std::string keep = r.get_string("keep", "");
   async_save_ = r.get_int("async_save", 0, 0, 1) != 0;
   async_save_lag_ = r.get_int("async_save_lag", 2, 1, 1 << 20);
   // Refuse a plan larger than the machine before touching any of it: allocation
   // may succeed lazily and the first write would then end the process.
-  int64_t phys = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  const int64_t phys = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
   const int64_t memory_limit = r.get_int("memory_limit", phys > 0 ? phys : (int64_t{1} << 40), 1);
   r.finish();
-  if (options) {
-    // Recorded in checkpoints, for the record.
-    nlohmann::json js = nlohmann::json::object();
-    for (const auto &kv : options->values) {
-      if (kv.second.kind == ctr_options::Value::Int) js[kv.first] = kv.second.i;
-      else if (kv.second.kind == ctr_options::Value::Float) js[kv.first] = kv.second.f;
-      else js[kv.first] = kv.second.s;
-    }
-    options_json_ = js.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-  }
-  copt_.fsdp = mesh.axis_size("fsdp");
-  copt_.fsdp_index = mesh.axis_index("fsdp");
-  copt_.dp = mesh.axis_size("dp");
-  copt_.dp_index = mesh.axis_index("dp");
+  options_json_ = options_json(options);
 
   // CTR_FAULT_INJECT="exit_at_step:N:rank:R" or "hang_at_step:N:rank:R" makes
   // rank R exit (or block forever) when it starts step N: the failure tests use
@@ -112,7 +90,6 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
       fault_hang_ = std::strcmp(kind, "hang") == 0;
     }
   }
-  pass_infer_shapes(g_, copt_);
   for (size_t pos = 0; pos < keep.size();) {
     size_t comma = keep.find(',', pos);
     std::string name = keep.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
@@ -125,78 +102,79 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
     g_.tensors[t].keep = true;
     kept_.push_back(t);
   }
-  pass_autodiff(g_);
-  pass_shard(g_, copt_);
-  plan_ = pass_plan_memory(g_, copt_);
-  be_ = cpu_backend();
-  prog_ = pass_lower(g_, be_.iface->ops(be_.ctx));
-  // Resolve every node's kernel once; a step then only indexes this table.
-  kernels_.assign(g_.nodes.size(), nullptr);
-  for (size_t ni = 0; ni < g_.nodes.size(); ++ni)
-    if (!is_collective(g_.nodes[ni].op)) kernels_[ni] = be_.iface->kernel(be_.ctx, g_.nodes[ni].op);
+
+  backend_ = create_backend(mesh.device);
+  be_ = *backend_;
+  {
+    PassContext ctx{g_, copt_,
+                    [this](OpId op) { return be_.iface->kernel(be_.ctx, op, op_by_id(op)->name.c_str()) != nullptr; },
+                    {}, {}, {}};
+    run_passes(ctx);
+    prog_ = std::move(ctx.program);
+    plan_ = std::move(ctx.plan);
+    passes_run_ = std::move(ctx.ran);
+  }
 
   // Seed of the backward pass: averaged over micro-batches.
-  int seed_t = g_.loss_seed;
+  const int seed_t = g_.loss_seed;
   CTR_CHECK(seed_t >= 0 && g_.tensors[seed_t].data.size() == 4);
-  float inv = 1.0f / static_cast<float>(copt_.micro_batches);
+  const float inv = 1.0f / static_cast<float>(copt_.micro_batches);
   std::memcpy(g_.tensors[seed_t].data.data(), &inv, 4);
 
   {
-    int64_t params = 0;
-    for (const Tensor &t : g_.tensors)
-      if (t.role == Role::Param) params += t.numel();
-    const int64_t opt = params * 4 * (copt_.micro_batches > 1 ? 3 : 2);
-    const int64_t total = plan_.arena_bytes + plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + opt;
+    const int64_t opt = plan_.param_bytes * (copt_.micro_batches > 1 ? 3 : 2);
+    const int64_t total =
+        plan_.arena_bytes + 2 * plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + opt;
     CTR_REQUIRE(total <= memory_limit, CTR_STATUS_OUT_OF_MEMORY,
-                "ctr_step_create: the plan needs %.2f GiB (activations %.2f, parameters %.2f, "
-                "optimizer %.2f), more than the memory limit of %.2f GiB (option 'memory_limit')",
+                "ctr_step_create: the plan needs %.2f GiB (activations %.2f, parameters %.2f and as much for "
+                "gradients, optimizer %.2f), more than the memory limit of %.2f GiB (option 'memory_limit')",
                 total / 1073741824.0, plan_.arena_bytes / 1073741824.0, plan_.param_bytes / 1073741824.0,
                 opt / 1073741824.0, memory_limit / 1073741824.0);
   }
   arena_ = must_alloc(be_, plan_.arena_bytes, "the activation arena");
   params_ = must_alloc(be_, plan_.param_bytes, "parameters");
+  grads_ = must_alloc(be_, plan_.param_bytes, "gradients");
   inputs_ = must_alloc(be_, plan_.input_bytes, "inputs");
   consts_ = must_alloc(be_, plan_.const_bytes, "constants");
 
-  ptr_.assign(g_.tensors.size(), nullptr);
+  std::vector<void *> addr(g_.tensors.size(), nullptr);
   for (size_t i = 0; i < g_.tensors.size(); ++i) {
     const Tensor &t = g_.tensors[i];
     switch (t.storage) {
-      case Storage::Arena: ptr_[i] = static_cast<char *>(arena_) + t.offset; break;
-      case Storage::Param: ptr_[i] = static_cast<char *>(params_) + t.offset; break;
-      case Storage::Input: ptr_[i] = static_cast<char *>(inputs_) + t.offset; break;
+      case Storage::Arena: addr[i] = static_cast<char *>(arena_) + t.offset; break;
+      case Storage::Param: addr[i] = static_cast<char *>(params_) + t.offset; break;
+      case Storage::Grad: addr[i] = static_cast<char *>(grads_) + t.offset; break;
+      case Storage::Input: addr[i] = static_cast<char *>(inputs_) + t.offset; break;
       case Storage::Const:
-        ptr_[i] = static_cast<char *>(consts_) + t.offset;
-        be_.iface->copy_h2d(be_.ctx, ptr_[i], t.data.data(), t.data.size(), 0);
+        addr[i] = static_cast<char *>(consts_) + t.offset;
+        be_.iface->copy_h2d(be_.ctx, addr[i], t.data.data(), t.data.size(), 0);
         break;
       default: break;
     }
   }
 
-  // Optimizer state: m and v for every param, plus accumulators when needed.
-  int64_t total = 0;
-  for (size_t i = 0; i < g_.tensors.size(); ++i)
-    if (g_.tensors[i].role == Role::Param) total += g_.tensors[i].numel();
-  int64_t per = copt_.micro_batches > 1 ? 3 : 2;
-  opt_bytes_ = total * per * 4;
-  state_ = static_cast<float *>(must_alloc(be_, opt_bytes_, "optimizer state"));
-  int64_t off = 0;
+  // Parameters and their segments of the flat buffers.
+  std::vector<FlatOptimizer::Segment> segments;
   for (size_t i = 0; i < g_.tensors.size(); ++i) {
     const Tensor &t = g_.tensors[i];
     if (t.role != Role::Param) continue;
-    ParamSlot s;
+    ParamSlot s{};
     s.tensor = static_cast<int>(i);
     s.grad = plan_.param_grad[i];
     s.n = t.numel();
-    s.m = state_ + off;
-    s.v = state_ + total + off;
-    s.acc = per == 3 ? state_ + 2 * total + off : nullptr;
     s.decay = !t.no_decay;
-    off += s.n;
     slots_.push_back(s);
+    // As torch: a parameter no gradient reaches is not stepped.
+    if (s.grad >= 0) segments.push_back({t.offset / 4, s.n, s.decay});
+  }
+  opt_ = std::make_unique<FlatOptimizer>(be_, static_cast<float *>(params_), static_cast<float *>(grads_),
+                                         plan_.param_bytes / 4, std::move(segments), copt_.micro_batches > 1);
+  for (ParamSlot &s : slots_) {
+    s.m = opt_->m() + g_.tensors[s.tensor].offset / 4;
+    s.v = opt_->v() + g_.tensors[s.tensor].offset / 4;
   }
 
-  // Inputs and the id ranges their consumers accept.
+  // Inputs and the id ranges their consumers accept (each op's id rule).
   for (size_t i = 0; i < g_.tensors.size(); ++i) {
     const Tensor &t = g_.tensors[i];
     if (t.role != Role::Input) continue;
@@ -207,23 +185,18 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
     s.hi = 0;
     for (int ni = 0; ni < g_.num_forward; ++ni) {
       const Node &n = g_.nodes[ni];
-      if (n.inputs.size() < 2 || n.inputs[1] != s.tensor) continue;
-      int64_t lo = 0, hi = 0;
-      if (n.op == "embedding") {
-        lo = 0;
-        hi = g_.tensors[n.inputs[0]].shape[0];
-      } else if (n.op == "cross_entropy") {
-        lo = -1;
-        hi = g_.tensors[n.inputs[0]].shape.back();
-      } else {
-        continue;
-      }
-      if (s.lo > s.hi) {
-        s.lo = lo;
-        s.hi = hi;
-      } else {
-        s.lo = std::max(s.lo, lo);
-        s.hi = std::min(s.hi, hi);
+      const OpDef *def = find_op(n.op);
+      if (!def->id_range) continue;
+      for (size_t k = 0; k < n.inputs.size(); ++k) {
+        int64_t lo = 0, hi = 0;
+        if (n.inputs[k] != s.tensor || !def->id_range(g_, n, static_cast<int>(k), &lo, &hi)) continue;
+        if (s.lo > s.hi) {
+          s.lo = lo;
+          s.hi = hi;
+        } else {
+          s.lo = std::max(s.lo, lo);
+          s.hi = std::min(s.hi, hi);
+        }
       }
     }
     inputs_slots_.push_back(s);
@@ -232,6 +205,7 @@ Step::Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *opti
   if (tokens_per_micro_ == 0 && !inputs_slots_.empty())
     tokens_per_micro_ = g_.tensors[inputs_slots_[0].tensor].numel();
 
+  exec_ = std::make_unique<Executor>(g_, prog_, mesh_, be_, std::move(addr));
   init_params(seed);
 }
 
@@ -241,18 +215,38 @@ Step::~Step() {
   } catch (...) {
     // noexcept destructor: a failing background write is simply not published
   }
+  exec_.reset();
+  opt_.reset();
   be_.iface->free(be_.ctx, arena_);
   be_.iface->free(be_.ctx, params_);
+  be_.iface->free(be_.ctx, grads_);
   be_.iface->free(be_.ctx, inputs_);
   be_.iface->free(be_.ctx, consts_);
-  be_.iface->free(be_.ctx, state_);
+}
+
+float *Step::param_ptr(int t) const { return static_cast<float *>(exec_->addr(t)); }
+
+void *Step::device_address(int t) const { return exec_->addr(t); }
+
+void Step::write_param(int t, const float *full) {
+  // Rows [first, first + rows) of the full tensor; rows past its end are padding.
+  const Tensor &x = g_.tensors[t];
+  const int64_t n = x.numel();
+  std::vector<float> host(static_cast<size_t>(n), 0.0f);
+  const int64_t rows = x.shape.empty() ? 1 : x.shape[0];
+  const int64_t row_elems = rows > 0 ? n / rows : 0;
+  const int64_t first = x.full_rows > 0 ? x.shard_index * rows : 0;
+  const int64_t full_rows = x.full_rows > 0 ? x.full_rows : rows;
+  const int64_t valid = std::max<int64_t>(0, std::min(rows, full_rows - first)) * row_elems;
+  if (valid > 0) std::memcpy(host.data(), full + first * row_elems, static_cast<size_t>(valid) * 4);
+  be_.iface->copy_h2d(be_.ctx, param_ptr(t), host.data(), static_cast<size_t>(n) * 4, 0);
 }
 
 void Step::init_params(uint64_t seed) {
+  std::vector<float> host;
   for (const ParamSlot &s : slots_) {
     const Tensor &t = g_.tensors[s.tensor];
-    float *p = param_ptr(s.tensor);
-    uint64_t stream = rng::hash_name(t.name);
+    const uint64_t stream = rng::hash_name(t.name);
     const InitSpec &in = t.init;
     // A shard holds rows [first_row, first_row + rows) of the full tensor; its
     // element i is global element base + i, and rows past the end are padding.
@@ -262,18 +256,16 @@ void Step::init_params(uint64_t seed) {
     const int64_t full_rows = t.full_rows > 0 ? t.full_rows : rows;
     const int64_t base = first_row * row_elems;
     const int64_t valid = std::max<int64_t>(0, std::min(rows, full_rows - first_row)) * row_elems;
-    std::fill(p, p + s.n, 0.0f);
+    host.assign(static_cast<size_t>(s.n), 0.0f);
+    float *p = host.data();
     switch (in.kind) {
       case InitKind::Zeros: break;
       case InitKind::Ones: std::fill(p, p + valid, 1.0f); break;
-      case InitKind::Data:
-        std::memcpy(p, t.data.data() + base * 4, static_cast<size_t>(valid) * 4);
-        break;
+      case InitKind::Data: std::memcpy(p, t.data.data() + base * 4, static_cast<size_t>(valid) * 4); break;
       case InitKind::Normal:
         parallel_for(valid, 4096, [&](int64_t b, int64_t e) {
           for (int64_t i = b; i < e; ++i)
-            p[i] = static_cast<float>(
-                in.mean + in.std * rng::normal(seed, stream, static_cast<uint64_t>(base + i)));
+            p[i] = static_cast<float>(in.mean + in.std * rng::normal(seed, stream, static_cast<uint64_t>(base + i)));
         });
         break;
       case InitKind::Uniform:
@@ -284,11 +276,14 @@ void Step::init_params(uint64_t seed) {
         });
         break;
     }
+    be_.iface->copy_h2d(be_.ctx, param_ptr(s.tensor), p, static_cast<size_t>(s.n) * 4, 0);
   }
 }
 
+int64_t Step::optimizer_bytes() const { return opt_->state_bytes(); }
+
 int64_t Step::peak_bytes() const {
-  return plan_.arena_bytes + plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + opt_bytes_;
+  return plan_.arena_bytes + 2 * plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + optimizer_bytes();
 }
 
 void Step::set_input(const std::string &name, const void *data, size_t bytes) {
@@ -332,51 +327,13 @@ void Step::check_inputs_set(const char *what) const {
 
 void Step::bind_micro_batch(int64_t mb) {
   for (const auto &s : inputs_slots_)
-    ptr_[s.tensor] = static_cast<char *>(inputs_) + g_.tensors[s.tensor].offset + mb * s.bytes;
+    exec_->rebind(s.tensor, static_cast<char *>(inputs_) + g_.tensors[s.tensor].offset + mb * s.bytes);
 }
 
-void Step::run_list(const std::vector<Instr> &list) {
-  const auto *iface = be_.iface;
-  KernelCtx kc{&g_, nullptr, ptr_.data()};
-  for (const Instr &in : list) {
-    const Node &n = g_.nodes[in.node];
-    if (in.stream == 1) {
-      run_collective(n);
-      continue;
-    }
-    kc.node = &n;
-    KernelFn fn = kernels_[static_cast<size_t>(in.node)];
-    iface->launch(be_.ctx, fn, kc, in.stream);
-  }
-}
-
-const ctr::Comm &Step::axis_comm(const std::string &axis) const {
-  auto it = mesh_.axis_comm.find(axis);
-  CTR_CHECK(it != mesh_.axis_comm.end() && it->second);
-  return it->second;
-}
-
-void Step::run_collective(const Node &n) {
-  const Comm &c = axis_comm(n.attr_string("axis", ""));
-  const Tensor &in = g_.tensors[n.inputs[0]];
-  const Tensor &out = g_.tensors[n.outputs[0]];
-  void *src = ptr_[n.inputs[0]];
-  void *dst = ptr_[n.outputs[0]];
-  CommWork *w = nullptr;
-  if (n.op == "all_gather") {
-    w = c.iface->all_gather(c.ctx, src, dst, static_cast<size_t>(in.bytes()));
-  } else if (n.op == "reduce_scatter") {
-    // The full gradient reserves fsdp * rows rows; zero the padding past the
-    // real rows so it reduces to zero.
-    int64_t used = in.bytes(), reserved = in.alloc_size();
-    if (reserved > used) std::memset(static_cast<char *>(src) + used, 0, static_cast<size_t>(reserved - used));
-    w = c.iface->reduce_scatter(c.ctx, src, dst, static_cast<size_t>(out.numel()), CTR_DTYPE_F32,
-                                ReduceOp::Avg);
-  } else {
-    w = c.iface->all_reduce(c.ctx, src, dst, static_cast<size_t>(out.numel()), CTR_DTYPE_F32,
-                            ReduceOp::Avg);
-  }
-  comm_wait(c, w, mesh_.timeout_ms);
+double Step::read_loss() const {
+  float loss = 0;
+  be_.iface->copy_d2h(be_.ctx, &loss, exec_->addr(g_.loss), 4, 0);
+  return loss;
 }
 
 int64_t Step::full_numel(int t) const {
@@ -403,49 +360,32 @@ void Step::run(ctr_step_metrics *metrics) {
                 "ctr_step_run: metrics->size must be set to sizeof(ctr_step_metrics)");
   auto t0 = Clock::now();
   double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
-  const float *loss_ptr = static_cast<const float *>(ptr_[g_.loss]);
   const int64_t k = copt_.micro_batches;
   for (int64_t mb = 0; mb < k; ++mb) {
     bind_micro_batch(mb);
     auto tf = Clock::now();
-    run_list(prog_.forward);
+    exec_->run(Executor::Phase::Forward);
     ran_forward_ = true;
     fwd_ms += ms_since(tf);
-    loss_sum += *loss_ptr;
+    loss_sum += read_loss();
     auto tb = Clock::now();
-    run_list(prog_.backward);
-    if (k > 1) {
-      for (const ParamSlot &s : slots_) {
-        if (s.grad < 0) continue;
-        const float *gp = static_cast<const float *>(ptr_[s.grad]);
-        if (mb == 0)
-          be_.iface->copy_d2d(be_.ctx, s.acc, gp, static_cast<size_t>(s.n) * 4, 0);
-        else
-          be_.iface->add_into(be_.ctx, s.acc, gp, s.n);
-      }
-    }
+    exec_->run(Executor::Phase::Backward);
+    opt_->accumulate(mb);
     bwd_ms += ms_since(tb);
   }
   double loss = loss_sum / static_cast<double>(k);
   if (mesh_.world > 1) {
     // Every rank reports (and checks) the same global mean loss.
     const Comm &wc = mesh_.world_comm;
-    comm_wait(wc, wc.iface->all_reduce(wc.ctx, &loss, &loss, 1, CTR_DTYPE_F64, ReduceOp::Avg),
-              mesh_.timeout_ms);
+    comm_wait(wc, wc.iface->all_reduce(wc.ctx, &loss, &loss, 1, CTR_DTYPE_F64, ReduceOp::Avg), mesh_.timeout_ms);
   }
 
   auto to = Clock::now();
-  auto grad_of = [&](const ParamSlot &s) -> const float * {
-    return k > 1 ? s.acc : static_cast<const float *>(ptr_[s.grad]);
-  };
-  double sq = 0;
-  for (const ParamSlot &s : slots_)
-    if (s.grad >= 0) sq += be_.iface->sum_squares(be_.ctx, grad_of(s), s.n);
-  if (copt_.fsdp > 1) {
+  double sq = opt_->sum_squares();
+  if (copt_.mesh.size("fsdp") > 1) {
     // Shards of the (dp-replicated) gradient: the global norm sums over fsdp.
-    const Comm &fc = axis_comm("fsdp");
-    comm_wait(fc, fc.iface->all_reduce(fc.ctx, &sq, &sq, 1, CTR_DTYPE_F64, ReduceOp::Sum),
-              mesh_.timeout_ms);
+    const Comm &fc = mesh_.comm("fsdp");
+    comm_wait(fc, fc.iface->all_reduce(fc.ctx, &sq, &sq, 1, CTR_DTYPE_F64, ReduceOp::Sum), mesh_.timeout_ms);
   }
   double norm = std::sqrt(sq);
   if (oc_.check_finite && (!std::isfinite(loss) || !std::isfinite(norm)))
@@ -457,14 +397,8 @@ void Step::run(ctr_step_metrics *metrics) {
   if (oc_.grad_clip > 0 && norm > oc_.grad_clip) scale = oc_.grad_clip / (norm + 1e-6);
   double lr = schedule_lr(oc_, step_);
   int64_t t = step_ + 1;
-  for (const ParamSlot &s : slots_) {
-    if (s.grad < 0) continue;  // as torch: a parameter without gradient is not stepped
-    be_.iface->adamw(be_.ctx, param_ptr(s.tensor), grad_of(s), s.m, s.v, s.n,
-                     static_cast<float>(lr), static_cast<float>(oc_.beta1),
-                     static_cast<float>(oc_.beta2), static_cast<float>(oc_.eps),
-                     static_cast<float>(s.decay ? oc_.weight_decay : 0.0), t,
-                     static_cast<float>(scale));
-  }
+  opt_->update(oc_, lr, scale, t);
+  be_.iface->synchronize(be_.ctx, 0);
   double opt_ms = ms_since(to);
   step_ = t;
   double total_ms = ms_since(t0);
@@ -491,13 +425,12 @@ void Step::run(ctr_step_metrics *metrics) {
 
 double Step::evaluate() {
   check_inputs_set("ctr_step_evaluate");
-  const float *loss_ptr = static_cast<const float *>(ptr_[g_.loss]);
   double sum = 0;
   for (int64_t mb = 0; mb < copt_.micro_batches; ++mb) {
     bind_micro_batch(mb);
-    run_list(prog_.forward);
+    exec_->run(Executor::Phase::Forward);
     ran_forward_ = true;
-    sum += *loss_ptr;
+    sum += read_loss();
   }
   return sum / static_cast<double>(copt_.micro_batches);
 }
@@ -511,9 +444,9 @@ double Step::forward_backward() {
   CTR_REQUIRE(copt_.micro_batches == 1, CTR_STATUS_UNSUPPORTED,
               "forward_backward: gradient inspection needs micro_batches = 1");
   bind_micro_batch(0);
-  run_list(prog_.forward);
-  run_list(prog_.backward);
-  return *static_cast<const float *>(ptr_[g_.loss]);
+  exec_->run(Executor::Phase::Forward);
+  exec_->run(Executor::Phase::Backward);
+  return read_loss();
 }
 
 void Step::read_grad(const std::string &name, float *out, size_t count) {
@@ -525,7 +458,7 @@ void Step::read_grad(const std::string &name, float *out, size_t count) {
     std::fill(out, out + count, 0.0f);
     return;
   }
-  be_.iface->copy_d2h(be_.ctx, out, ptr_[gt], count * 4, 0);
+  be_.iface->copy_d2h(be_.ctx, out, exec_->addr(gt), count * 4, 0);
 }
 
 int Step::find_param(const std::string &name, size_t count) const {
@@ -545,13 +478,16 @@ void Step::get_param(const std::string &name, float *out, size_t count) {
   CTR_REQUIRE(out != nullptr, CTR_STATUS_INVALID_ARGUMENT, "ctr_step_get_param: out is NULL");
   const Tensor &x = g_.tensors[t];
   if (x.full_rows == 0) {
-    be_.iface->copy_d2h(be_.ctx, out, ptr_[t], count * 4, 0);
+    be_.iface->copy_d2h(be_.ctx, out, param_ptr(t), count * 4, 0);
     return;
   }
-  // Sharded: gather the shards of the fsdp group (a collective call).
-  const Comm &c = axis_comm("fsdp");
-  std::vector<float> full(static_cast<size_t>(x.numel() * copt_.fsdp));
-  comm_wait(c, c.iface->all_gather(c.ctx, ptr_[t], full.data(), static_cast<size_t>(x.bytes())),
+  // Sharded: this rank's shard to the host, then gather the fsdp group's shards
+  // (a collective call over host memory).
+  std::vector<float> shard(static_cast<size_t>(x.numel()));
+  be_.iface->copy_d2h(be_.ctx, shard.data(), param_ptr(t), static_cast<size_t>(x.bytes()), 0);
+  const Comm &c = mesh_.comm("fsdp");
+  std::vector<float> full(static_cast<size_t>(x.numel() * copt_.mesh.size("fsdp")));
+  comm_wait(c, c.iface->all_gather(c.ctx, shard.data(), full.data(), static_cast<size_t>(x.bytes())),
             mesh_.timeout_ms);
   std::memcpy(out, full.data(), count * 4);
 }
@@ -562,17 +498,7 @@ void Step::set_param(const std::string &name, const float *data, size_t count) {
   for (size_t i = 0; i < count; ++i)
     CTR_REQUIRE(std::isfinite(data[i]), CTR_STATUS_INVALID_ARGUMENT,
                 "ctr_step_set_param: parameter '%s' element %zu is not finite", name.c_str(), i);
-  const Tensor &x = g_.tensors[t];
-  if (x.full_rows == 0) {
-    be_.iface->copy_h2d(be_.ctx, ptr_[t], data, count * 4, 0);
-    return;
-  }
-  const int64_t row_elems = x.numel() / x.shape[0];
-  const int64_t first = x.shard_index * x.shape[0];
-  const int64_t valid = std::max<int64_t>(0, std::min(x.shape[0], x.full_rows - first)) * row_elems;
-  float *p = param_ptr(t);
-  std::fill(p, p + x.numel(), 0.0f);
-  if (valid > 0) std::memcpy(p, data + first * row_elems, static_cast<size_t>(valid) * 4);
+  write_param(t, data);
 }
 
 void Step::get_output(const std::string &name, float *out, size_t count) {
@@ -587,7 +513,7 @@ void Step::get_output(const std::string &name, float *out, size_t count) {
               static_cast<long long>(g_.tensors[t].numel()), count);
   CTR_REQUIRE(ran_forward_, CTR_STATUS_INVALID_STATE,
               "ctr_step_get_output: no step or evaluation has run yet");
-  be_.iface->copy_d2h(be_.ctx, out, ptr_[t], count * 4, 0);
+  be_.iface->copy_d2h(be_.ctx, out, exec_->addr(t), count * 4, 0);
 }
 
 void Step::set_lr(double lr) {

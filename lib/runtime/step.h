@@ -1,36 +1,37 @@
-// The compiled training step: the pipeline's output plus everything that persists
-// across steps (parameters, optimizer state, schedule position).
+// The compiled training step: what the pipeline produced plus the state that
+// persists across steps.
+//
+// The step composes the core's units and owns none of their jobs: the pass
+// manager compiles (passes/), the executor runs instruction lists on the
+// backend's streams (executor.h), the flat optimizer updates (optimizer.h), the
+// checkpointer saves and loads (ckpt/). The step allocates the regions of the
+// memory plan on its backend and moves data between them and the host, always
+// through backend copies: the host never dereferences step memory.
 #pragma once
 
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "api/handles.h"
 #include "backend/backend.h"
 #include "passes/passes.h"
+#include "runtime/optimizer.h"
+
+struct ctr_options;
+struct ctr_step_metrics;
 
 namespace ctr {
 
+class Mesh;
+class Executor;
 struct PendingSave;
-
-struct OptimizerConfig {
-  double lr = 3e-4, min_lr = 0;
-  int64_t warmup_steps = 0, decay_steps = 0;
-  std::string schedule = "cosine";
-  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
-  double grad_clip = 1.0;
-  bool check_finite = true;
-  bool lr_override = false;
-  double lr_fixed = 0;
-};
-
-// The learning rate of optimizer step `step` (0-based).
-double schedule_lr(const OptimizerConfig &c, int64_t step);
+namespace data {
+class Loader;
+}
 
 class Step {
  public:
-  Step(const ctr_mesh &mesh, const ctr_graph &graph, const ctr_options *options);
+  Step(const Mesh &mesh, const Graph &graph, const ctr_options *options);
   ~Step();
   Step(const Step &) = delete;
   Step &operator=(const Step &) = delete;
@@ -43,8 +44,10 @@ class Step {
   void set_lr(double lr);
   int64_t count() const { return step_; }
   const MemoryPlan &plan() const { return plan_; }
-  int64_t optimizer_bytes() const { return opt_bytes_; }
+  int64_t optimizer_bytes() const;
   int64_t peak_bytes() const;
+  // Names of the passes that compiled this step, in order.
+  const std::vector<std::string> &passes_run() const { return passes_run_; }
 
   // Checkpoints (lib/ckpt/checkpoint.cc) and safetensors (lib/ckpt/safetensors.cc).
   // async: snapshot now, write in the background; the save is published (a
@@ -57,23 +60,26 @@ class Step {
   void load(const std::string &dir);
   void export_safetensors(const std::string &path);
   void import_safetensors(const std::string &path, bool allow_extra);
-  void attach_loader(ctr_loader *loader) { loader_ = loader; }
+  void attach_loader(data::Loader *loader, int64_t seq) {
+    loader_ = loader;
+    loader_seq_ = seq;
+  }
   void get_output(const std::string &name, float *out, size_t count);
 
   // For gradient checks: forward and backward on the current inputs without an
-  // optimizer update (returns the loss), then the gradient of a parameter. The
-  // gradients share arena bytes with forward activations: read them before the
-  // next evaluate() or run().
+  // optimizer update (returns the loss), then the gradient of a parameter.
   double forward_backward();
   void read_grad(const std::string &name, float *out, size_t count);
   const Graph &graph() const { return g_; }
+  // Device address of a tensor (tests of the memory fence only).
+  void *device_address(int t) const;
 
  private:
   struct ParamSlot {
     int tensor;
     int grad;  // gradient tensor, -1 when no gradient reaches the param
     int64_t n;
-    float *m, *v, *acc;
+    float *m, *v;  // this param's moments within the flat buffers
     bool decay;
   };
   struct InputSlot {
@@ -84,32 +90,33 @@ class Step {
   };
 
   void init_params(uint64_t seed);
-  void run_collective(const Node &n);
-  const ctr::Comm &axis_comm(const std::string &axis) const;
   int64_t full_numel(int t) const;
   void bind_micro_batch(int64_t mb);
-  void run_list(const std::vector<Instr> &list);
-  float *param_ptr(int t) const { return static_cast<float *>(ptr_[t]); }
+  float *param_ptr(int t) const;
   int find_param(const std::string &name, size_t count) const;
   void check_inputs_set(const char *what) const;
+  double read_loss() const;
+  // Writes host rows into a param's shard (its padding rows zero).
+  void write_param(int t, const float *full);
 
-  const ctr_mesh &mesh_;
+  const Mesh &mesh_;
   Graph g_;
   CompileOptions copt_;
   OptimizerConfig oc_;
   MemoryPlan plan_;
   Program prog_;
+  BackendHandle backend_;
   Backend be_;
-  void *arena_ = nullptr, *params_ = nullptr, *inputs_ = nullptr, *consts_ = nullptr;
-  float *state_ = nullptr;  // m, v and gradient accumulators, one allocation
-  int64_t opt_bytes_ = 0;
-  std::vector<void *> ptr_;
-  std::vector<KernelFn> kernels_;  // per node; null for collectives
+  void *arena_ = nullptr, *params_ = nullptr, *grads_ = nullptr, *inputs_ = nullptr, *consts_ = nullptr;
+  std::unique_ptr<Executor> exec_;
+  std::unique_ptr<FlatOptimizer> opt_;
   std::vector<ParamSlot> slots_;
   std::vector<InputSlot> inputs_slots_;
+  std::vector<std::string> passes_run_;
   int64_t step_ = 0;
   int64_t tokens_per_micro_ = 0;
-  ctr_loader *loader_ = nullptr;
+  data::Loader *loader_ = nullptr;
+  int64_t loader_seq_ = 0;
   bool ran_forward_ = false;
   std::unique_ptr<PendingSave> pending_save_;
   double save_wait_ms_ = 0;

@@ -149,9 +149,9 @@ TEST(Mesh, BadOptionsNameTheProblem) {
   }
   {
     Opts o;
-    o.s("mesh", "tp=1");
+    o.s("mesh", "xp=1");
     EXPECT_EQ(ctr_mesh_create(o.o, &m), CTR_STATUS_INVALID_OPTION);
-    EXPECT_NE(std::string(ctr_last_error()).find("unknown axis 'tp'"), std::string::npos);
+    EXPECT_NE(std::string(ctr_last_error()).find("unknown axis 'xp'"), std::string::npos);
   }
   {
     Opts o;
@@ -614,7 +614,8 @@ TEST(MemoryPlan, LiveTensorsNeverShareBytes) {
     o.batch = 3;
     ctr::pass_infer_shapes(g, o);
     ctr::pass_autodiff(g);
-    ctr::MemoryPlan plan = ctr::pass_plan_memory(g, o);
+    ctr::Program prog = ctr::pass_lower(g, [](ctr::OpId) { return true; });
+    ctr::MemoryPlan plan = ctr::pass_plan_memory(g, o, prog);
     const int nt = static_cast<int>(g.tensors.size()), nn = static_cast<int>(g.nodes.size());
     std::vector<int> first(nt, -1), last(nt, -1);
     for (int ni = 0; ni < nn; ++ni) {

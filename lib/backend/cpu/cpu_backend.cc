@@ -1,61 +1,109 @@
 // The CPU backend: the reference every other backend is tested against.
 //
-// It binds each op of the graph op set to its kernel in kernels/cpu, decoding
-// shapes and attributes from the node (a handful of map look-ups per call, noise
-// next to the kernels). It has one stream that runs work synchronously on the
-// calling thread, which spreads each kernel over the process thread pool.
+// Kernels: each op's kernel in kernels/cpu behind a small binding that reads
+// shapes from the resolved tensor refs and attributes from the op's decoded
+// parameter struct. Bindings are registered by op name once and looked up by op
+// id, so a launch is an indirect call and nothing more.
+//
+// Streams: stream 0 runs work on the calling thread as it is launched (each
+// kernel spreads over the process thread pool). Every further stream is a
+// worker thread draining a queue, so a collective queued there is progressed
+// while stream 0 computes. Events are generation counters: a record bumps the
+// event's target generation and, when the stream reaches that point, its
+// completed generation; a wait blocks (the caller for stream 0, the worker for
+// others) until the completed generation reaches the target seen at the wait.
+//
+// Fenced mode (a test backend): memory comes from mmap and is mapped PROT_NONE
+// whenever no backend call or queued task is running, so any host code that
+// dereferences step memory outside the backend faults at once.
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <span>
+#include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "backend/backend.h"
+#include "common/op_params.h"
 #include "core/status.h"
 #include "cpu/kernels.h"
+#include "graph/ops.h"
 
 namespace ctr {
 namespace {
 
-int64_t numel(const std::vector<int64_t> &s) {
+using Shape = std::span<const int64_t>;
+
+int64_t numel(Shape s) {
   int64_t n = 1;
   for (int64_t d : s) n *= d;
   return n;
 }
 
+// What a binding reads: the resolved tensors and the decoded parameters.
+struct Args {
+  const ctr_kernel_args *a;
+  template <typename T>
+  T *in(int i) const { return static_cast<T *>(a->inputs[i].data); }
+  template <typename T>
+  T *out(int i) const { return static_cast<T *>(a->outputs[i].data); }
+  Shape in_shape(int i) const { return {a->inputs[i].shape, static_cast<size_t>(a->inputs[i].ndim)}; }
+  Shape out_shape(int i) const { return {a->outputs[i].shape, static_cast<size_t>(a->outputs[i].ndim)}; }
+  int num_inputs() const { return a->num_inputs; }
+  int num_outputs() const { return a->num_outputs; }
+  template <typename P>
+  const P &params() const { return *static_cast<const P *>(a->params); }
+};
+
+template <void (*F)(const Args &)>
+void bind(const ctr_kernel_args *a, void *) {
+  F(Args{a});
+}
+
 // ---------------------------------------------------------------------------
 // Kernel bindings
 
-void k_embedding(const KernelCtx &c) {
+void k_embedding(const Args &c) {
   const auto &t = c.in_shape(0);
   cpu::embedding_fwd(c.in<int32_t>(1), c.in<float>(0), c.out<float>(0), numel(c.in_shape(1)), t[0], t[1]);
 }
-void k_embedding_bwd(const KernelCtx &c) {
+void k_embedding_bwd(const Args &c) {
   const auto &t = c.out_shape(0);
   cpu::embedding_bwd(c.in<int32_t>(1), c.in<float>(0), c.out<float>(0), numel(c.in_shape(1)), t[0], t[1], false);
 }
-void k_linear(const KernelCtx &c) {
+void k_linear(const Args &c) {
   const auto &w = c.in_shape(1);
   int64_t M = numel(c.in_shape(0)) / w[1];
-  cpu::linear_fwd(c.in<float>(0), c.in<float>(1), c.node->inputs.size() > 2 ? c.in<float>(2) : nullptr,
+  cpu::linear_fwd(c.in<float>(0), c.in<float>(1), c.num_inputs() > 2 ? c.in<float>(2) : nullptr,
                   c.out<float>(0), M, w[1], w[0]);
 }
-void k_linear_bwd_x(const KernelCtx &c) {
+void k_linear_bwd_x(const Args &c) {
   const auto &w = c.in_shape(1);
   int64_t M = numel(c.in_shape(0)) / w[0];
   cpu::linear_bwd_x(c.in<float>(0), c.in<float>(1), c.out<float>(0), M, w[1], w[0]);
 }
-void k_linear_bwd_w(const KernelCtx &c) {
+void k_linear_bwd_w(const Args &c) {
   const auto &w = c.out_shape(0);
   int64_t M = numel(c.in_shape(1)) / w[1];
   cpu::linear_bwd_w(c.in<float>(0), c.in<float>(1), c.out<float>(0), M, w[1], w[0], false);
 }
-void k_linear_bwd_b(const KernelCtx &c) {
+void k_linear_bwd_b(const Args &c) {
   int64_t N = c.out_shape(0)[0];
   cpu::linear_bwd_b(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0)) / N, N, false);
 }
 struct MatmulDims { int64_t batch, M, K, N; bool shared; };
-MatmulDims matmul_dims(const std::vector<int64_t> &a, const std::vector<int64_t> &b) {
+MatmulDims matmul_dims(Shape a, Shape b) {
   MatmulDims d;
   d.M = a[a.size() - 2];
   d.K = a.back();
@@ -64,230 +112,509 @@ MatmulDims matmul_dims(const std::vector<int64_t> &a, const std::vector<int64_t>
   d.shared = b.size() == 2;
   return d;
 }
-void k_matmul(const KernelCtx &c) {
+void k_matmul(const Args &c) {
   auto d = matmul_dims(c.in_shape(0), c.in_shape(1));
   cpu::matmul_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), d.batch, d.M, d.K, d.N, d.shared);
 }
-void k_matmul_bwd(const KernelCtx &c) {
+void k_matmul_bwd(const Args &c) {
   auto d = matmul_dims(c.in_shape(1), c.in_shape(2));
   cpu::matmul_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
                   d.batch, d.M, d.K, d.N, d.shared);
 }
-void k_add(const KernelCtx &c) {
+void k_add(const Args &c) {
   cpu::add_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)), numel(c.in_shape(1)));
 }
-void k_reduce_rows(const KernelCtx &c) {
+void k_reduce_rows(const Args &c) {
   cpu::reduce_rows(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0)), numel(c.out_shape(0)), false);
 }
-void k_mul(const KernelCtx &c) {
+void k_mul(const Args &c) {
   cpu::mul_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)), numel(c.in_shape(1)));
 }
-void k_mul_bwd(const KernelCtx &c) {
+void k_mul_bwd(const Args &c) {
   cpu::mul_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
                numel(c.in_shape(1)), numel(c.in_shape(2)), false);
 }
-void k_add_same(const KernelCtx &c) {
+void k_add_same(const Args &c) {
   cpu::add_same(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)));
 }
-float eps_of(const KernelCtx &c) { return static_cast<float>(c.node->attr_float("eps", 1e-5)); }
-void k_layernorm(const KernelCtx &c) {
+float eps_of(const Args &c) { return c.params<ctr_norm_params>().eps; }
+void k_layernorm(const Args &c) {
   const auto &x = c.in_shape(0);
   int64_t C = x.back();
-  cpu::layernorm_fwd(c.in<float>(0), c.in<float>(1), c.node->inputs.size() > 2 ? c.in<float>(2) : nullptr,
+  cpu::layernorm_fwd(c.in<float>(0), c.in<float>(1), c.num_inputs() > 2 ? c.in<float>(2) : nullptr,
                      c.out<float>(0), c.out<float>(1), c.out<float>(2), numel(x) / C, C, eps_of(c));
 }
-void k_layernorm_bwd(const KernelCtx &c) {
+void k_layernorm_bwd(const Args &c) {
   const auto &x = c.in_shape(1);
   int64_t C = x.back();
   cpu::layernorm_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.in<float>(4),
-                     c.out<float>(0), c.out<float>(1), c.node->outputs.size() > 2 ? c.out<float>(2) : nullptr,
+                     c.out<float>(0), c.out<float>(1), c.num_outputs() > 2 ? c.out<float>(2) : nullptr,
                      numel(x) / C, C, false);
 }
-void k_rmsnorm(const KernelCtx &c) {
+void k_rmsnorm(const Args &c) {
   const auto &x = c.in_shape(0);
   int64_t C = x.back();
   cpu::rmsnorm_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), c.out<float>(1), numel(x) / C, C, eps_of(c));
 }
-void k_rmsnorm_bwd(const KernelCtx &c) {
+void k_rmsnorm_bwd(const Args &c) {
   const auto &x = c.in_shape(1);
   int64_t C = x.back();
   cpu::rmsnorm_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.out<float>(0),
                    c.out<float>(1), numel(x) / C, C, false);
 }
-void k_gelu(const KernelCtx &c) { cpu::gelu_fwd(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0))); }
-void k_gelu_bwd(const KernelCtx &c) {
+void k_gelu(const Args &c) { cpu::gelu_fwd(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0))); }
+void k_gelu_bwd(const Args &c) {
   cpu::gelu_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)));
 }
-void k_silu(const KernelCtx &c) { cpu::silu_fwd(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0))); }
-void k_silu_bwd(const KernelCtx &c) {
+void k_silu(const Args &c) { cpu::silu_fwd(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0))); }
+void k_silu_bwd(const Args &c) {
   cpu::silu_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)));
 }
-void k_swiglu(const KernelCtx &c) {
+void k_swiglu(const Args &c) {
   cpu::swiglu_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)));
 }
-void k_swiglu_bwd(const KernelCtx &c) {
+void k_swiglu_bwd(const Args &c) {
   cpu::swiglu_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
                   numel(c.in_shape(0)));
 }
-void k_softmax(const KernelCtx &c) {
+void k_softmax(const Args &c) {
   const auto &x = c.in_shape(0);
   cpu::softmax_fwd(c.in<float>(0), c.out<float>(0), numel(x) / x.back(), x.back());
 }
-void k_softmax_bwd(const KernelCtx &c) {
+void k_softmax_bwd(const Args &c) {
   const auto &x = c.in_shape(0);
   cpu::softmax_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(x) / x.back(), x.back());
 }
 struct RopeDims { int64_t B, T, H, D; float theta; };
-RopeDims rope_dims(const KernelCtx &c) {
+RopeDims rope_dims(const Args &c) {
   const auto &x = c.in_shape(0);
   RopeDims d;
   d.B = x[0];
   d.T = x[1];
-  d.H = c.node->attr_int("heads", 1);
+  const auto &p = c.params<ctr_rope_params>();
+  d.H = p.heads;
   d.D = x[2] / d.H;
-  d.theta = static_cast<float>(c.node->attr_float("theta", 10000.0));
+  d.theta = p.theta;
   return d;
 }
-void k_rope(const KernelCtx &c) {
+void k_rope(const Args &c) {
   auto d = rope_dims(c);
   cpu::rope_fwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta);
 }
-void k_rope_bwd(const KernelCtx &c) {
+void k_rope_bwd(const Args &c) {
   auto d = rope_dims(c);
   cpu::rope_bwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta);
 }
 struct AttnDims { int64_t B, T, Hq, Hkv, D; float scale; bool causal; };
-AttnDims attn_dims(const KernelCtx &c, int q_input) {
+AttnDims attn_dims(const Args &c, int q_input) {
   const auto &q = c.in_shape(q_input);
   AttnDims d;
   d.B = q[0];
   d.T = q[1];
-  d.Hq = c.node->attr_int("heads", 1);
-  d.Hkv = c.node->attr_int("kv_heads", d.Hq);
+  const auto &p = c.params<ctr_attention_params>();
+  d.Hq = p.heads;
+  d.Hkv = p.kv_heads;
   d.D = q[2] / d.Hq;
-  d.scale = static_cast<float>(c.node->attr_float("scale", 1.0 / std::sqrt(static_cast<double>(d.D))));
-  d.causal = c.node->attr_int("causal", 1) != 0;
+  d.scale = p.scale;
+  d.causal = p.causal != 0;
   return d;
 }
-void k_attention(const KernelCtx &c) {
+void k_attention(const Args &c) {
   auto d = attn_dims(c, 0);
   cpu::attention_fwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
                      d.B, d.T, d.Hq, d.Hkv, d.D, d.scale, d.causal);
 }
-void k_attention_bwd(const KernelCtx &c) {
+void k_attention_bwd(const Args &c) {
   auto d = attn_dims(c, 1);
   cpu::attention_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.in<float>(4),
                      c.out<float>(0), c.out<float>(1), c.out<float>(2), d.B, d.T, d.Hq, d.Hkv, d.D,
                      d.scale, d.causal);
 }
-void k_cross_entropy(const KernelCtx &c) {
+void k_cross_entropy(const Args &c) {
   const auto &l = c.in_shape(0);
   int64_t V = l.back();
   cpu::cross_entropy_fwd(c.in<float>(0), c.in<int32_t>(1), c.out<float>(0), c.out<float>(1),
                          c.out<int64_t>(2), numel(l) / V, V);
 }
-void k_cross_entropy_bwd(const KernelCtx &c) {
+void k_cross_entropy_bwd(const Args &c) {
   const auto &l = c.in_shape(1);
   int64_t V = l.back();
   cpu::cross_entropy_bwd(c.in<float>(1), c.in<int32_t>(2), c.in<float>(3), *c.in<float>(0),
                          *c.in<int64_t>(4), c.out<float>(0), numel(l) / V, V);
 }
-void k_reshape(const KernelCtx &c) {
-  const Tensor &t = c.graph->tensors[c.node->inputs[0]];
-  cpu::copy(c.in<void>(0), c.out<void>(0), t.bytes());
+void k_reshape(const Args &c) {
+  cpu::copy(c.in<void>(0), c.out<void>(0), c.a->inputs[0].bytes);
 }
-void k_transpose(const KernelCtx &c) {
+void k_transpose(const Args &c) {
   const auto &x = c.in_shape(0);
-  auto p = c.node->attr_ints("perm");
-  int perm[6];
-  for (size_t i = 0; i < p.size(); ++i) perm[i] = static_cast<int>(p[i]);
+  const auto &p = c.params<ctr_transpose_params>();
+  int perm[8];
+  for (int i = 0; i < p.ndim; ++i) perm[i] = p.perm[i];
   cpu::transpose(c.in<float>(0), c.out<float>(0), x.data(), perm, static_cast<int>(x.size()));
 }
-void k_take_rows(const KernelCtx &c) {
-  const Tensor &t = c.graph->tensors[c.node->outputs[0]];
-  cpu::copy(c.in<void>(0), c.out<void>(0), t.bytes());
+void k_take_rows(const Args &c) {
+  cpu::copy(c.in<void>(0), c.out<void>(0), c.a->outputs[0].bytes);
 }
-void k_take_rows_bwd(const KernelCtx &c) {
+void k_take_rows_bwd(const Args &c) {
   int64_t n = numel(c.in_shape(0)), total = numel(c.out_shape(0));
   cpu::copy(c.in<void>(0), c.out<void>(0), n * 4);
   cpu::fill(c.out<float>(0) + n, 0.0f, total - n);
 }
 
-const std::unordered_map<std::string, KernelFn> &kernels() {
-  static const std::unordered_map<std::string, KernelFn> k = {
-      {"embedding", k_embedding},         {"embedding_bwd", k_embedding_bwd},
-      {"linear", k_linear},               {"linear_bwd_x", k_linear_bwd_x},
-      {"linear_bwd_w", k_linear_bwd_w},   {"linear_bwd_b", k_linear_bwd_b},
-      {"matmul", k_matmul},               {"matmul_bwd", k_matmul_bwd},
-      {"add", k_add},                     {"reduce_rows", k_reduce_rows},
-      {"mul", k_mul},                     {"mul_bwd", k_mul_bwd},
-      {"add_same", k_add_same},           {"layernorm", k_layernorm},
-      {"layernorm_bwd", k_layernorm_bwd}, {"rmsnorm", k_rmsnorm},
-      {"rmsnorm_bwd", k_rmsnorm_bwd},     {"gelu", k_gelu},
-      {"gelu_bwd", k_gelu_bwd},           {"silu", k_silu},
-      {"silu_bwd", k_silu_bwd},           {"swiglu", k_swiglu},
-      {"swiglu_bwd", k_swiglu_bwd},       {"softmax", k_softmax},
-      {"softmax_bwd", k_softmax_bwd},     {"rope", k_rope},
-      {"rope_bwd", k_rope_bwd},           {"attention", k_attention},
-      {"attention_bwd", k_attention_bwd}, {"cross_entropy", k_cross_entropy},
-      {"cross_entropy_bwd", k_cross_entropy_bwd},
-      {"reshape", k_reshape},             {"transpose", k_transpose},
-      {"take_rows", k_take_rows},         {"take_rows_bwd", k_take_rows_bwd},
-  };
-  return k;
+// ---------------------------------------------------------------------------
+// The kernel table: registered by name, looked up by op id.
+
+struct KernelTable {
+  std::mutex mu;
+  std::vector<KernelFn> by_id;
+};
+
+KernelTable &kernel_table() {
+  static KernelTable *t = [] {
+    auto *kt = new KernelTable;  // never destroyed: read by backends until exit
+    return kt;
+  }();
+  return *t;
 }
+
+void set_kernel(const std::string &op, KernelFn fn) {
+  const OpDef *d = find_op(op);
+  CTR_REQUIRE(d != nullptr, CTR_STATUS_INVALID_ARGUMENT,
+              "register_cpu_kernel: op '%s' is not registered (register_op first)", op.c_str());
+  KernelTable &t = kernel_table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  if (t.by_id.size() <= static_cast<size_t>(d->id)) t.by_id.resize(static_cast<size_t>(d->id) + 1, nullptr);
+  t.by_id[static_cast<size_t>(d->id)] = fn;
+}
+
+void register_library_kernels() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const std::pair<const char *, KernelFn> k[] = {
+        {"embedding", bind<k_embedding>},         {"embedding_bwd", bind<k_embedding_bwd>},
+        {"linear", bind<k_linear>},               {"linear_bwd_x", bind<k_linear_bwd_x>},
+        {"linear_bwd_w", bind<k_linear_bwd_w>},   {"linear_bwd_b", bind<k_linear_bwd_b>},
+        {"matmul", bind<k_matmul>},               {"matmul_bwd", bind<k_matmul_bwd>},
+        {"add", bind<k_add>},                     {"reduce_rows", bind<k_reduce_rows>},
+        {"mul", bind<k_mul>},                     {"mul_bwd", bind<k_mul_bwd>},
+        {"add_same", bind<k_add_same>},           {"layernorm", bind<k_layernorm>},
+        {"layernorm_bwd", bind<k_layernorm_bwd>}, {"rmsnorm", bind<k_rmsnorm>},
+        {"rmsnorm_bwd", bind<k_rmsnorm_bwd>},     {"gelu", bind<k_gelu>},
+        {"gelu_bwd", bind<k_gelu_bwd>},           {"silu", bind<k_silu>},
+        {"silu_bwd", bind<k_silu_bwd>},           {"swiglu", bind<k_swiglu>},
+        {"swiglu_bwd", bind<k_swiglu_bwd>},       {"softmax", bind<k_softmax>},
+        {"softmax_bwd", bind<k_softmax_bwd>},     {"rope", bind<k_rope>},
+        {"rope_bwd", bind<k_rope_bwd>},           {"attention", bind<k_attention>},
+        {"attention_bwd", bind<k_attention_bwd>}, {"cross_entropy", bind<k_cross_entropy>},
+        {"cross_entropy_bwd", bind<k_cross_entropy_bwd>},
+        {"reshape", bind<k_reshape>},             {"transpose", bind<k_transpose>},
+        {"take_rows", bind<k_take_rows>},         {"take_rows_bwd", bind<k_take_rows_bwd>},
+    };
+    for (const auto &[name, fn] : k) set_kernel(name, fn);
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Fence: which regions to protect, and how many backend calls are running.
+
+class Fence {
+ public:
+  void add(void *p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    regions_[p] = bytes;
+    if (active_ == 0) ::mprotect(p, bytes, PROT_NONE);
+  }
+  // Forgets a region and returns its size (0 if unknown).
+  size_t remove(void *p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find(p);
+    if (it == regions_.end()) return 0;
+    size_t n = it->second;
+    regions_.erase(it);
+    return n;
+  }
+  void enter() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (active_++ == 0)
+      for (auto &[p, n] : regions_) ::mprotect(p, n, PROT_READ | PROT_WRITE);
+  }
+  void leave() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--active_ == 0)
+      for (auto &[p, n] : regions_) ::mprotect(p, n, PROT_NONE);
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<void *, size_t> regions_;
+  int active_ = 0;
+};
+
+// ---------------------------------------------------------------------------
+// Streams and events
+
+struct Event {
+  uint64_t target = 0;  // generation of the latest record
+  uint64_t done = 0;    // generation the stream has reached
+};
+
+class Worker {
+ public:
+  explicit Worker(std::function<void(std::function<void()> &)> run) : run_(std::move(run)) {
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void push(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(fn));
+      ++pushed_;
+    }
+    cv_.notify_all();
+  }
+  void drain() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t want = pushed_;
+    cv_.wait(lock, [&] { return finished_ >= want; });
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      run_(fn);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++finished_;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  std::function<void(std::function<void()> &)> run_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  uint64_t pushed_ = 0, finished_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+struct Cpu {
+  bool fenced = false;
+  Fence fence;
+  std::mutex mu;  // events
+  std::condition_variable cv;
+  std::deque<Event> events;
+  std::vector<std::unique_ptr<Worker>> workers;  // stream s >= 1 is workers[s - 1]
+
+  // Runs fn inside the fence (a no-op unless fenced).
+  template <typename F>
+  void guarded(F &&fn) {
+    if (!fenced) {
+      fn();
+      return;
+    }
+    fence.enter();
+    fn();
+    fence.leave();
+  }
+  // Runs fn on `stream`: at once for stream 0, queued otherwise.
+  void submit(int stream, std::function<void()> fn) {
+    if (stream == 0) {
+      guarded(fn);
+      return;
+    }
+    workers[static_cast<size_t>(stream - 1)]->push(std::move(fn));
+  }
+  void complete(int e, uint64_t gen) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      Event &ev = events[static_cast<size_t>(e)];
+      ev.done = std::max(ev.done, gen);
+    }
+    cv.notify_all();
+  }
+  void block_until(int e, uint64_t gen) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return events[static_cast<size_t>(e)].done >= gen; });
+  }
+};
+
+Cpu &C(void *ctx) { return *static_cast<Cpu *>(ctx); }
 
 // ---------------------------------------------------------------------------
 // Interface slots
 
-void *cpu_alloc(void *, size_t bytes) {
+void *cpu_alloc(void *ctx, size_t bytes) {
+  Cpu &c = C(ctx);
+  if (c.fenced) {
+    const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+    const size_t n = (std::max<size_t>(bytes, 1) + page - 1) / page * page;
+    void *p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+    c.fence.add(p, n);
+    return p;
+  }
   size_t n = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
   void *p = std::aligned_alloc(64, n);
   if (p) std::memset(p, 0, n);
   return p;
 }
-void cpu_free(void *, void *p) { std::free(p); }
-void cpu_copy(void *, void *dst, const void *src, size_t bytes, int) {
-  if (bytes) cpu::copy(src, dst, static_cast<int64_t>(bytes));
+void cpu_free(void *ctx, void *p) {
+  if (!p) return;
+  Cpu &c = C(ctx);
+  if (c.fenced) {
+    if (size_t n = c.fence.remove(p)) ::munmap(p, n);
+    return;
+  }
+  std::free(p);
 }
-KernelFn cpu_kernel(void *, const std::string &op) {
-  auto it = kernels().find(op);
-  return it == kernels().end() ? nullptr : it->second;
+void cpu_copy(void *ctx, void *dst, const void *src, size_t bytes, int stream) {
+  if (!bytes) return;
+  C(ctx).submit(stream, [=] { cpu::copy(src, dst, static_cast<int64_t>(bytes)); });
 }
-void cpu_launch(void *, KernelFn fn, const KernelCtx &kc, int) { fn(kc); }
-std::vector<std::string> cpu_ops(void *) {
-  std::vector<std::string> out;
-  for (const auto &kv : kernels()) out.push_back(kv.first);
-  return out;
+void cpu_fill(void *ctx, void *dst, int byte, size_t bytes, int stream) {
+  if (!bytes) return;
+  C(ctx).submit(stream, [=] { std::memset(dst, byte, bytes); });
 }
-double cpu_sum_squares(void *, const float *x, int64_t n) { return cpu::sum_squares(x, n); }
-void cpu_add_into(void *, float *acc, const float *x, int64_t n) { cpu::add_same(acc, x, acc, n); }
-void cpu_adamw(void *, float *param, const float *grad, float *m, float *v, int64_t n, float lr,
-               float beta1, float beta2, float eps, float wd, int64_t t, float grad_scale) {
-  cpu::adamw_update(param, grad, m, v, n, lr, beta1, beta2, eps, wd, t, grad_scale);
+int cpu_create_stream(void *ctx) {
+  Cpu &c = C(ctx);
+  Cpu *cp = &c;
+  c.workers.push_back(std::make_unique<Worker>([cp](std::function<void()> &fn) { cp->guarded(fn); }));
+  return static_cast<int>(c.workers.size());
 }
+int cpu_create_event(void *ctx) {
+  Cpu &c = C(ctx);
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.events.emplace_back();
+  return static_cast<int>(c.events.size() - 1);
+}
+void cpu_record_event(void *ctx, int e, int stream) {
+  Cpu &c = C(ctx);
+  uint64_t gen;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    gen = ++c.events[static_cast<size_t>(e)].target;
+  }
+  if (stream == 0) {
+    c.complete(e, gen);
+    return;
+  }
+  Cpu *cp = &c;
+  c.workers[static_cast<size_t>(stream - 1)]->push([cp, e, gen] { cp->complete(e, gen); });
+}
+void cpu_wait_event(void *ctx, int e, int stream) {
+  Cpu &c = C(ctx);
+  uint64_t gen;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    gen = c.events[static_cast<size_t>(e)].target;
+  }
+  if (stream == 0) {
+    c.block_until(e, gen);
+    return;
+  }
+  Cpu *cp = &c;
+  c.workers[static_cast<size_t>(stream - 1)]->push([cp, e, gen] { cp->block_until(e, gen); });
+}
+void cpu_host_fn(void *ctx, int stream, ctr_host_fn fn, void *user) {
+  C(ctx).submit(stream, [fn, user] { fn(user); });
+}
+void cpu_synchronize(void *ctx, int stream) {
+  Cpu &c = C(ctx);
+  if (stream > 0) c.workers[static_cast<size_t>(stream - 1)]->drain();
+}
+KernelFn cpu_kernel(void *, int32_t op, const char *) {
+  KernelTable &t = kernel_table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  return op >= 0 && static_cast<size_t>(op) < t.by_id.size() ? t.by_id[static_cast<size_t>(op)] : nullptr;
+}
+void cpu_launch(void *ctx, KernelFn fn, const ctr_kernel_args *args, int stream) {
+  Cpu &c = C(ctx);
+  if (stream == 0 && !c.fenced) {
+    fn(args, nullptr);
+    return;
+  }
+  c.submit(stream, [fn, args] { fn(args, nullptr); });
+}
+double cpu_sum_squares(void *ctx, const float *x, int64_t n, int stream) {
+  cpu_synchronize(ctx, stream);
+  double r = 0;
+  C(ctx).guarded([&] { r = cpu::sum_squares(x, n); });
+  return r;
+}
+void cpu_add_into(void *ctx, float *acc, const float *x, int64_t n, int stream) {
+  C(ctx).submit(stream, [=] { cpu::add_same(acc, x, acc, n); });
+}
+void cpu_adamw(void *ctx, const ctr_adamw_args *a, int stream) {
+  // The segment table is borrowed for the call: copy what a queued task needs.
+  std::vector<int64_t> off(static_cast<size_t>(a->num_segments)), cnt(off.size());
+  std::vector<float> wd(off.size());
+  for (int64_t k = 0; k < a->num_segments; ++k) {
+    off[k] = a->segments[k].offset;
+    cnt[k] = a->segments[k].count;
+    wd[k] = a->segments[k].weight_decay;
+  }
+  ctr_adamw_args args = *a;
+  C(ctx).submit(stream, [args, off = std::move(off), cnt = std::move(cnt), wd = std::move(wd)] {
+    cpu::adamw_flat(args.param, args.grad, args.m, args.v, off.data(), cnt.data(), wd.data(),
+                    args.num_segments, args.lr, args.beta1, args.beta2, args.eps, args.t, args.grad_scale);
+  });
+}
+void cpu_destroy(void *ctx) { delete static_cast<Cpu *>(ctx); }
 
-const BackendIface kCpuIface = {
+const ctr_backend_iface kCpuIface = {
+    sizeof(ctr_backend_iface),
+    CTR_BACKEND_ABI,
     "cpu",
     cpu_alloc,
     cpu_free,
     cpu_copy,
     cpu_copy,
     cpu_copy,
-    nullptr,
-    nullptr,
-    nullptr,
-    nullptr,
+    cpu_fill,
+    cpu_create_stream,
+    cpu_create_event,
+    cpu_record_event,
+    cpu_wait_event,
+    cpu_host_fn,
+    cpu_synchronize,
     cpu_kernel,
     cpu_launch,
-    cpu_ops,
     cpu_sum_squares,
     cpu_add_into,
     cpu_adamw,
+    1,
+    cpu_destroy,
 };
 
 }  // namespace
 
-Backend cpu_backend() { return Backend{&kCpuIface, nullptr}; }
+void register_cpu_kernel(const std::string &op, KernelFn fn) {
+  register_library_kernels();
+  set_kernel(op, fn);
+}
+
+Backend cpu_backend_create(bool fenced) {
+  register_library_kernels();
+  auto *c = new Cpu;
+  c->fenced = fenced;
+  return Backend{&kCpuIface, c};
+}
 
 }  // namespace ctr

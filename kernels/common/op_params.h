@@ -1,0 +1,47 @@
+/*
+ * Decoded attributes of the ops that have any, one C struct per op family.
+ *
+ * The op registry (lib/graph/ops.cc) decodes a node's attributes once, with
+ * their defaults, into these structs when a step is created; kernels of every
+ * backend read them through ctr_kernel_args.params. Plain C, so a backend
+ * plugin compiled by another compiler (nvcc) shares the layout.
+ */
+#ifndef CTR_KERNELS_OP_PARAMS_H
+#define CTR_KERNELS_OP_PARAMS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* layernorm, rmsnorm and their backward ops */
+typedef struct ctr_norm_params {
+  float eps;              /* "eps", default 1e-5 */
+} ctr_norm_params;
+
+/* rope, rope_bwd: x[B, T, heads * head_dim] */
+typedef struct ctr_rope_params {
+  int64_t heads;          /* "heads", required */
+  float theta;            /* "theta", default 10000 */
+} ctr_rope_params;
+
+/* attention, attention_bwd */
+typedef struct ctr_attention_params {
+  int64_t heads;          /* "heads", required */
+  int64_t kv_heads;       /* "kv_heads", default heads */
+  float scale;            /* "scale", default 1/sqrt(head_dim) */
+  int32_t causal;         /* "causal", default 1 */
+} ctr_attention_params;
+
+/* transpose */
+typedef struct ctr_transpose_params {
+  int32_t ndim;
+  int32_t perm[8];        /* "perm" */
+} ctr_transpose_params;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CTR_KERNELS_OP_PARAMS_H */

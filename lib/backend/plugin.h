@@ -1,0 +1,132 @@
+/*
+ * The backend boundary, in C types only.
+ *
+ * A backend is a table of functions (ctr_backend_iface) plus an opaque context.
+ * The CPU backend is compiled into libctr; any other (a CUDA backend in
+ * libctr-cuda.so) is a shared library loaded with dlopen that exports
+ *
+ *   const ctr_backend_iface *ctr_backend_plugin_init(uint32_t abi, const char *device,
+ *                                                    void **ctx, char *err, size_t err_size);
+ *
+ * returning NULL (with a message in err) when it cannot serve `device`. Nothing
+ * of C++ crosses this line: no exception, no STL type, no class. A call that can
+ * fail returns non-zero and leaves a message for last_error.
+ *
+ * Work is queued on streams (stream 0 exists from creation; more come from
+ * create_stream) and ordered across streams by events: record_event marks a
+ * point in a stream's queue, wait_event makes a stream (or, for a synchronous
+ * stream, the calling thread) wait until that point is reached. An event may be
+ * recorded again after it has been waited on; a wait refers to its most recent
+ * record.
+ *
+ * Kernels are looked up once per op by registry id and name, and launched with
+ * the tensors they read and write already resolved to device addresses and
+ * shapes, and the op's attributes already decoded into its parameter struct
+ * (kernels/common/op_params.h).
+ */
+#ifndef CTR_BACKEND_PLUGIN_H
+#define CTR_BACKEND_PLUGIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped whenever ctr_backend_iface or ctr_kernel_args change layout or meaning. */
+#define CTR_BACKEND_ABI 1
+#define CTR_MAX_DIMS 8
+
+typedef struct ctr_tensor_ref {
+  void *data;      /* device address */
+  int64_t numel;
+  int64_t bytes;   /* numel * dtype size */
+  int32_t dtype;   /* ctr_dtype */
+  int32_t ndim;
+  int64_t shape[CTR_MAX_DIMS];
+} ctr_tensor_ref;
+
+typedef struct ctr_kernel_args {
+  int32_t op;                    /* registry id of the op */
+  int32_t num_inputs, num_outputs;
+  const void *params;            /* the op's parameter struct, or NULL */
+  const ctr_tensor_ref *inputs;
+  const ctr_tensor_ref *outputs;
+} ctr_kernel_args;
+
+/* A kernel: runs the op on the stream it is launched on. Never fails: shapes,
+ * dtypes and ids were checked before anything ran. */
+typedef void (*ctr_kernel_fn)(const ctr_kernel_args *args, void *stream_handle);
+
+/* Host work queued on a stream (for a CPU backend, a collective over host memory).
+ * It must not throw; it reports failure through its own user data. */
+typedef void (*ctr_host_fn)(void *user);
+
+/* One range of the flat parameter buffer for the fused AdamW update. */
+typedef struct ctr_adamw_segment {
+  int64_t offset;        /* first element */
+  int64_t count;
+  float weight_decay;
+} ctr_adamw_segment;
+
+typedef struct ctr_adamw_args {
+  float *param;          /* flat buffers, indexed by the segments' offsets */
+  const float *grad;
+  float *m, *v;
+  const ctr_adamw_segment *segments;
+  int64_t num_segments;
+  float lr, beta1, beta2, eps;
+  float grad_scale;      /* applied to the gradient first (clipping) */
+  int64_t t;             /* 1-based step count for bias correction */
+} ctr_adamw_args;
+
+typedef struct ctr_backend_iface {
+  uint32_t size;         /* sizeof(ctr_backend_iface) of the plugin */
+  uint32_t abi;          /* CTR_BACKEND_ABI of the plugin */
+  const char *name;
+
+  /* Memory: zeroed, 64-byte aligned device memory, or NULL. */
+  void *(*alloc)(void *ctx, size_t bytes);
+  void (*free)(void *ctx, void *p);
+  /* Copies and fills, ordered on `stream`. A host pointer given to an
+   * asynchronous stream must stay valid until the stream is synchronized. */
+  void (*copy_h2d)(void *ctx, void *dst, const void *src, size_t bytes, int stream);
+  void (*copy_d2h)(void *ctx, void *dst, const void *src, size_t bytes, int stream);
+  void (*copy_d2d)(void *ctx, void *dst, const void *src, size_t bytes, int stream);
+  void (*fill)(void *ctx, void *dst, int byte, size_t bytes, int stream);
+
+  /* Streams and events. create_stream / create_event return an id >= 0, or -1. */
+  int (*create_stream)(void *ctx);
+  int (*create_event)(void *ctx);
+  void (*record_event)(void *ctx, int event, int stream);
+  void (*wait_event)(void *ctx, int event, int stream);
+  void (*host_fn)(void *ctx, int stream, ctr_host_fn fn, void *user);
+  /* Waits until everything queued on `stream` has run. */
+  void (*synchronize)(void *ctx, int stream);
+
+  /* The kernel of op `op` (registry id; name for plugins keyed by name), or NULL
+   * when the backend lacks it. */
+  ctr_kernel_fn (*kernel)(void *ctx, int32_t op, const char *name);
+  void (*launch)(void *ctx, ctr_kernel_fn fn, const ctr_kernel_args *args, int stream);
+
+  /* Optimizer primitives over flat device buffers. sum_squares synchronizes
+   * `stream` and returns the result in double. */
+  double (*sum_squares)(void *ctx, const float *x, int64_t n, int stream);
+  void (*add_into)(void *ctx, float *acc, const float *x, int64_t n, int stream); /* acc += x */
+  void (*adamw)(void *ctx, const ctr_adamw_args *args, int stream);
+
+  /* Whether the host may read device memory directly (a CPU backend). */
+  int host_visible;
+  void (*destroy)(void *ctx);
+} ctr_backend_iface;
+
+typedef const ctr_backend_iface *(*ctr_backend_plugin_init_fn)(uint32_t abi, const char *device,
+                                                               void **ctx, char *err,
+                                                               size_t err_size);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CTR_BACKEND_PLUGIN_H */

@@ -1,0 +1,107 @@
+// The pass manager: the one ordered list of compiler passes.
+//
+// Step creation, `ctr graph inspect --after PASS` and the pass names in help
+// texts and error messages all read this list. Each entry names its pass, says
+// which options it reads and how its result is printed; the pass itself lives in
+// its own file.
+
+#include <sstream>
+
+#include "core/options.h"
+#include "core/status.h"
+#include "passes/passes.h"
+
+namespace ctr {
+namespace {
+
+void read_shapes(OptionReader &r, CompileOptions &o) {
+  o.batch = r.get_int("batch", 1, 1, 1 << 20);
+  o.seq = r.get_int("seq", 0, 0, 1 << 24);
+}
+
+void read_shard(OptionReader &r, CompileOptions &o) {
+  o.reshard_after_forward = r.get_int("reshard_after_forward", 1, 0, 1) != 0;
+}
+
+void read_plan(OptionReader &r, CompileOptions &o) { o.micro_batches = r.get_int("micro_batches", 1, 1, 1 << 16); }
+
+void run_nothing(PassContext &) {}
+void run_verify(PassContext &c) { pass_verify(c.graph); }
+void run_infer_shapes(PassContext &c) { pass_infer_shapes(c.graph, c.opt); }
+void run_autodiff(PassContext &c) { pass_autodiff(c.graph); }
+void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }
+void run_lower(PassContext &c) { c.program = pass_lower(c.graph, c.has_kernel); }
+void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.program); }
+
+std::string dump_lower(const PassContext &c) { return dump_program(c.graph, c.program); }
+
+std::string dump_plan(const PassContext &c) {
+  const MemoryPlan &p = c.plan;
+  return strformat(
+             "memory plan: arena %lld bytes (%.2f MiB; %.2f MiB without reuse), params %lld bytes "
+             "(and as many for gradients), inputs %lld bytes\n",
+             static_cast<long long>(p.arena_bytes), p.arena_bytes / 1048576.0, p.naive_bytes / 1048576.0,
+             static_cast<long long>(p.param_bytes), static_cast<long long>(p.input_bytes)) +
+         dump_graph(c.graph);
+}
+
+}  // namespace
+
+int64_t MeshPlacement::size(const std::string &axis) const {
+  for (const Axis &a : axes)
+    if (a.name == axis) return a.size;
+  return 1;
+}
+
+int64_t MeshPlacement::index(const std::string &axis) const {
+  for (const Axis &a : axes)
+    if (a.name == axis) return a.index;
+  return 0;
+}
+
+const std::vector<PassDef> &pass_list() {
+  static const std::vector<PassDef> passes = {
+      {"load", "the graph file as read", true, nullptr, run_nothing, nullptr},
+      {"verify", "semantic checks and a topological order", true, nullptr, run_verify, nullptr},
+      {"infer_shapes", "symbolic dims bound, every shape known", false, read_shapes, run_infer_shapes, nullptr},
+      {"autodiff", "the backward graph appended", false, nullptr, run_autodiff, nullptr},
+      {"shard", "parameters placed on the mesh, collectives inserted", false, read_shard, run_shard, nullptr},
+      {"lower", "instruction lists per stream, with events", false, nullptr, run_lower, dump_lower},
+      {"plan_memory", "lifetimes over the schedule and a static arena", false, read_plan, run_plan, dump_plan},
+  };
+  return passes;
+}
+
+std::vector<std::string> pass_names() {
+  std::vector<std::string> out;
+  for (const PassDef &p : pass_list()) out.push_back(p.name);
+  return out;
+}
+
+const PassDef &find_pass(const std::string &name) {
+  for (const PassDef &p : pass_list())
+    if (name == p.name) return p;
+  std::string list;
+  for (const PassDef &p : pass_list()) list += (list.empty() ? "" : ", ") + std::string(p.name);
+  fail(CTR_STATUS_INVALID_ARGUMENT, strformat("unknown pass '%s' (passes: %s)", name.c_str(), list.c_str()));
+}
+
+CompileOptions read_compile_options(OptionReader &r) {
+  CompileOptions o;
+  for (const PassDef &p : pass_list())
+    if (p.read_options) p.read_options(r, o);
+  return o;
+}
+
+void run_passes(PassContext &ctx, const std::string &until) {
+  if (!until.empty()) find_pass(until);  // an unknown name fails before any work
+  for (const PassDef &p : pass_list()) {
+    if (!p.at_load) {
+      p.run(ctx);
+      ctx.ran.push_back(p.name);
+    }
+    if (until == p.name) return;
+  }
+}
+
+}  // namespace ctr

@@ -1,0 +1,201 @@
+// The executor (see executor.h).
+
+#include "runtime/executor.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "core/status.h"
+#include "graph/ops.h"
+#include "runtime/mesh.h"
+
+namespace ctr {
+
+struct Executor::Call {
+  KernelFn fn = nullptr;
+  std::vector<uint8_t> params;
+  std::vector<ctr_tensor_ref> in, out;
+  ctr_kernel_args args{};
+};
+
+struct Executor::Collective {
+  Executor *ex = nullptr;
+  const Node *node = nullptr;
+  Comm comm;
+  enum Kind { AllGather, ReduceScatter, AllReduce } kind = AllGather;
+  ctr_tensor_ref *src = nullptr, *dst = nullptr;  // point into refs (rebind-safe)
+  ctr_tensor_ref src_ref{}, dst_ref{};
+  size_t bytes = 0, count = 0;
+  int64_t timeout_ms = -1;
+};
+
+namespace {
+
+ctr_tensor_ref make_ref(const Tensor &t, void *addr) {
+  ctr_tensor_ref r{};
+  r.data = addr;
+  r.numel = t.numel();
+  r.bytes = t.bytes();
+  r.dtype = t.dtype;
+  CTR_CHECK(t.shape.size() <= CTR_MAX_DIMS);
+  r.ndim = static_cast<int32_t>(t.shape.size());
+  for (size_t i = 0; i < t.shape.size(); ++i) r.shape[i] = t.shape[i];
+  return r;
+}
+
+}  // namespace
+
+Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backend be, std::vector<void *> addr)
+    : g_(g), prog_(prog), mesh_(mesh), be_(be), addr_(std::move(addr)) {
+  const size_t nn = g.nodes.size();
+  calls_.resize(nn);
+  colls_.resize(nn);
+  refs_of_.resize(g.tensors.size());
+  auto resolve = [&](const Instr &in) {
+    const size_t ni = static_cast<size_t>(in.node);
+    if (in.kind == Instr::Kernel && !calls_[ni]) {
+      const Node &n = g.nodes[ni];
+      const OpDef *def = find_op(n.op);
+      CTR_CHECK(def != nullptr);
+      auto c = std::make_unique<Call>();
+      c->fn = be_.iface->kernel(be_.ctx, def->id, def->name.c_str());
+      CTR_CHECK(c->fn != nullptr);
+      c->params = decode_params(g, n);
+      for (int t : n.inputs) c->in.push_back(make_ref(g.tensors[static_cast<size_t>(t)], addr_[static_cast<size_t>(t)]));
+      for (int t : n.outputs) c->out.push_back(make_ref(g.tensors[static_cast<size_t>(t)], addr_[static_cast<size_t>(t)]));
+      for (size_t i = 0; i < n.inputs.size(); ++i) refs_of_[static_cast<size_t>(n.inputs[i])].push_back(&c->in[i]);
+      for (size_t i = 0; i < n.outputs.size(); ++i) refs_of_[static_cast<size_t>(n.outputs[i])].push_back(&c->out[i]);
+      c->args.op = def->id;
+      c->args.num_inputs = static_cast<int32_t>(c->in.size());
+      c->args.num_outputs = static_cast<int32_t>(c->out.size());
+      c->args.params = c->params.empty() ? nullptr : c->params.data();
+      c->args.inputs = c->in.data();
+      c->args.outputs = c->out.data();
+      calls_[ni] = std::move(c);
+    } else if (in.kind == Instr::Collective && !colls_[ni]) {
+      const Node &n = g.nodes[ni];
+      auto c = std::make_unique<Collective>();
+      c->ex = this;
+      c->node = &n;
+      c->comm = mesh_.comm(n.attr_string("axis", ""));
+      c->timeout_ms = mesh_.timeout_ms;
+      const Tensor &src = g.tensors[static_cast<size_t>(n.inputs[0])];
+      const Tensor &dst = g.tensors[static_cast<size_t>(n.outputs[0])];
+      c->src_ref = make_ref(src, addr_[static_cast<size_t>(n.inputs[0])]);
+      c->dst_ref = make_ref(dst, addr_[static_cast<size_t>(n.outputs[0])]);
+      c->src = &c->src_ref;
+      c->dst = &c->dst_ref;
+      refs_of_[static_cast<size_t>(n.inputs[0])].push_back(c->src);
+      refs_of_[static_cast<size_t>(n.outputs[0])].push_back(c->dst);
+      if (n.op == "all_gather") {
+        c->kind = Collective::AllGather;
+        c->bytes = static_cast<size_t>(src.bytes());
+      } else if (n.op == "reduce_scatter") {
+        c->kind = Collective::ReduceScatter;
+        c->count = static_cast<size_t>(dst.numel());
+      } else {
+        CTR_CHECK(n.op == "all_reduce");
+        c->kind = Collective::AllReduce;
+        c->count = static_cast<size_t>(dst.numel());
+      }
+      colls_[ni] = std::move(c);
+    }
+  };
+  for (const Instr &in : prog.forward) resolve(in);
+  for (const Instr &in : prog.backward) resolve(in);
+
+  streams_.assign(static_cast<size_t>(prog.num_streams), 0);
+  for (int s = 1; s < prog.num_streams; ++s) {
+    streams_[static_cast<size_t>(s)] = be_.iface->create_stream(be_.ctx);
+    CTR_REQUIRE(streams_[static_cast<size_t>(s)] >= 0, CTR_STATUS_INTERNAL,
+                "backend '%s' cannot create a stream", be_.iface->name);
+  }
+  for (int e = 0; e < prog.num_events; ++e) {
+    int id = be_.iface->create_event(be_.ctx);
+    CTR_REQUIRE(id >= 0, CTR_STATUS_INTERNAL, "backend '%s' cannot create an event", be_.iface->name);
+    events_.push_back(id);
+  }
+}
+
+Executor::~Executor() {
+  // Nothing may still be queued that points into this executor.
+  for (size_t s = 1; s < streams_.size(); ++s) be_.iface->synchronize(be_.ctx, streams_[s]);
+}
+
+void Executor::rebind(int t, void *addr) {
+  addr_[static_cast<size_t>(t)] = addr;
+  for (ctr_tensor_ref *r : refs_of_[static_cast<size_t>(t)]) r->data = addr;
+}
+
+void Executor::run_collective(void *user) {
+  auto *c = static_cast<Collective *>(user);
+  Executor &ex = *c->ex;
+  // After a failure the communicator is broken: issue nothing more on it.
+  if (ex.failed_.load(std::memory_order_acquire)) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    const CommIface *ci = c->comm.iface;
+    CommWork *w = nullptr;
+    switch (c->kind) {
+      case Collective::AllGather: w = ci->all_gather(c->comm.ctx, c->src->data, c->dst->data, c->bytes); break;
+      case Collective::ReduceScatter:
+        w = ci->reduce_scatter(c->comm.ctx, c->src->data, c->dst->data, c->count, CTR_DTYPE_F32, ReduceOp::Avg);
+        break;
+      case Collective::AllReduce:
+        w = ci->all_reduce(c->comm.ctx, c->src->data, c->dst->data, c->count, CTR_DTYPE_F32, ReduceOp::Avg);
+        break;
+    }
+    ci->wait(c->comm.ctx, w, c->timeout_ms);
+  } catch (const Error &e) {
+    std::lock_guard<std::mutex> lock(ex.err_mu_);
+    ex.err_code_ = e.code();
+    ex.err_msg_ = strformat("%s '%s': %s", c->node->op.c_str(), c->node->name.c_str(), e.message().c_str());
+    ex.failed_.store(true, std::memory_order_release);
+  } catch (const std::exception &e) {
+    std::lock_guard<std::mutex> lock(ex.err_mu_);
+    ex.err_code_ = CTR_STATUS_COMM_ERROR;
+    ex.err_msg_ = strformat("%s '%s': %s", c->node->op.c_str(), c->node->name.c_str(), e.what());
+    ex.failed_.store(true, std::memory_order_release);
+  }
+  ex.comm_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Executor::raise_if_failed() {
+  if (!failed_.load(std::memory_order_acquire)) return;
+  std::lock_guard<std::mutex> lock(err_mu_);
+  fail(err_code_, err_msg_);
+}
+
+double Executor::take_comm_ms() { return static_cast<double>(comm_ns_.exchange(0)) / 1e6; }
+
+void Executor::run(Phase phase) {
+  const std::vector<Instr> &list = phase == Phase::Forward ? prog_.forward : prog_.backward;
+  const ctr_backend_iface *bi = be_.iface;
+  void *ctx = be_.ctx;
+  for (const Instr &in : list) {
+    const int stream = streams_[static_cast<size_t>(in.stream)];
+    switch (in.kind) {
+      case Instr::Kernel: {
+        const Call &c = *calls_[static_cast<size_t>(in.node)];
+        bi->launch(ctx, c.fn, &c.args, stream);
+        break;
+      }
+      case Instr::Collective:
+        bi->host_fn(ctx, stream, run_collective, colls_[static_cast<size_t>(in.node)].get());
+        break;
+      case Instr::Fill:
+        bi->fill(ctx, static_cast<char *>(addr_[static_cast<size_t>(in.tensor)]) + in.offset, 0,
+                 static_cast<size_t>(in.bytes), stream);
+        break;
+      case Instr::Record: bi->record_event(ctx, events_[static_cast<size_t>(in.event)], stream); break;
+      case Instr::Wait:
+        bi->wait_event(ctx, events_[static_cast<size_t>(in.event)], stream);
+        if (in.stream == 0) raise_if_failed();
+        break;
+    }
+  }
+  for (size_t s = 1; s < streams_.size(); ++s) bi->synchronize(ctx, streams_[s]);
+  raise_if_failed();
+}
+
+}  // namespace ctr

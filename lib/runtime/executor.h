@@ -1,0 +1,77 @@
+// The executor: runs a lowered program's instruction lists on the backend's
+// streams.
+//
+// Everything an instruction needs is resolved once, when the executor is made:
+// each kernel's function and its argument block (tensor addresses, shapes, the
+// op's decoded parameters), each collective's communicator and buffers, the
+// backend's events. Running a phase is then a walk over an array of
+// instructions: kernels launch on stream 0, collectives are queued on the comm
+// stream as host work (issue, then wait with the mesh's deadline), events order
+// the two. A collective's failure (a dead or hung peer) is kept and raised on
+// the calling thread at the next wait on stream 0 or at the end of the phase,
+// naming the collective and the peer; collectives queued after it are skipped.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "comm/comm.h"
+#include "passes/passes.h"
+
+namespace ctr {
+
+class Mesh;
+
+class Executor {
+ public:
+  // addr: the device address of every tensor (by id), null for tensors without
+  // storage. The executor keeps references to g, prog and mesh.
+  Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backend be, std::vector<void *> addr);
+  ~Executor();
+  Executor(const Executor &) = delete;
+  Executor &operator=(const Executor &) = delete;
+
+  // Points tensor t at another address (an input's current micro-batch).
+  void rebind(int t, void *addr);
+  void *addr(int t) const { return addr_[static_cast<size_t>(t)]; }
+
+  enum class Phase { Forward, Backward };
+  // Runs one phase; returns once stream 0's work is issued and the comm stream
+  // is drained. Throws the first collective failure.
+  void run(Phase phase);
+
+  // Time spent in the comm stream's collectives (issue to completion) since the
+  // last call, in ms.
+  double take_comm_ms();
+
+ private:
+  struct Call;        // a kernel launch, resolved
+  struct Collective;  // a collective, resolved
+  static void run_collective(void *user);
+  void raise_if_failed();
+
+  const Graph &g_;
+  const Program &prog_;
+  const Mesh &mesh_;
+  Backend be_;
+  std::vector<void *> addr_;
+  std::vector<std::unique_ptr<Call>> calls_;        // by node, null for non-kernels
+  std::vector<std::unique_ptr<Collective>> colls_;  // by node, null for non-collectives
+  std::vector<int> events_;                         // program event -> backend event
+  std::vector<int> streams_;                        // program stream -> backend stream
+  // Tensor id -> the argument slots that point at it (for rebind).
+  std::vector<std::vector<ctr_tensor_ref *>> refs_of_;
+
+  std::atomic<bool> failed_{false};
+  std::mutex err_mu_;
+  ctr_status err_code_ = CTR_STATUS_OK;
+  std::string err_msg_;
+  std::atomic<int64_t> comm_ns_{0};
+};
+
+}  // namespace ctr

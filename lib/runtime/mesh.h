@@ -1,0 +1,57 @@
+// Who and where a step runs: this rank, the mesh axes, the device (each step
+// creates its own backend instance for it) and one communicator per axis.
+//
+// Axes are generic: any axis the mesh option names (dp, fsdp, ep, tp, ...) gets a
+// communicator over the ranks that differ only in that axis's index, so a pass
+// that places work on a new axis finds its communicator here without a change to
+// the mesh. The last axis varies fastest across ranks.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend/backend.h"
+#include "comm/comm.h"
+
+namespace ctr {
+
+struct MeshPlacement;
+
+class Mesh {
+ public:
+  Mesh() = default;
+  ~Mesh();
+  Mesh(const Mesh &) = delete;
+  Mesh &operator=(const Mesh &) = delete;
+
+  int rank = 0;
+  int world = 1;
+  std::vector<std::pair<std::string, int>> axes;  // in mesh order, product == world
+  std::string device = "cpu";
+  std::string transport = "ucx";
+  int64_t timeout_ms = 60000;
+
+  // Multi-rank only: the rendezvous store, the world communicator and one
+  // communicator per axis.
+  std::unique_ptr<Store> store;
+  Comm world_comm;
+  std::map<std::string, Comm> axis_comm;
+
+  int axis_size(const std::string &name) const;
+  // This rank's index along the named axis.
+  int axis_index(const std::string &name) const;
+  // Global ranks of this rank's group along the named axis, in axis order.
+  std::vector<int> axis_group(const std::string &name) const;
+  // The communicator of an axis; fails naming the axis when the mesh has none.
+  const Comm &comm(const std::string &axis) const;
+  MeshPlacement placement() const;
+
+  // Connects a multi-rank mesh: joins the rendezvous, creates the world
+  // communicator with the transport's factory and splits one per axis.
+  void connect(const RendezvousConfig &rc);
+};
+
+}  // namespace ctr
