@@ -130,11 +130,16 @@ CTR_API ctr_status ctr_options_set_string(ctr_options *options, const char *key,
 typedef struct ctr_mesh ctr_mesh;
 
 /* Creates a mesh. options may be NULL (one CPU rank). Keys:
- *   "device"  string  "cpu" (default) or "cuda"
+ *   "device"  string  "cpu" (default; CTR_DEVICE with _from_env), or the name D
+ *                     of a backend plugin libctr-D.so (e.g. "cuda"), loaded with
+ *                     dlopen from CTR_PLUGIN_PATH or the library search path
+ *   "transport" string  communicator between ranks: "ucx" (default)
  *   "rank"    int     this process's rank (default 0)
  *   "world"   int     number of ranks (default 1)
- *   "mesh"    string  axes as "dp=2,fsdp=4"; product must equal world
- *                     (default "fsdp=<world>")
+ *   "mesh"    string  axes as "dp=2,fsdp=4" (axes dp, fsdp, ep, tp, pp); product
+ *                     must equal world (default "fsdp=<world>"). Every axis gets
+ *                     its communicator; a step refuses an axis of size > 1 that
+ *                     its graph cannot use (ep without experts, tp, pp)
  *   "threads" int     CPU worker threads of the process (a process-wide setting;
  *                     default: CTR_NUM_THREADS or all cores)
  *   "master_addr" string, "master_port" int   rank 0's rendezvous address
@@ -143,8 +148,9 @@ typedef struct ctr_mesh ctr_mesh;
  *   "timeout" float   seconds to wait for the rendezvous and for any collective
  *                     before failing with CTR_STATUS_TIMEOUT naming the rank (60)
  * With more than one rank, creation joins the rendezvous served by rank 0 and
- * connects the communicator; it is collective. The "cuda" device needs a build
- * with the CUDA backend and otherwise fails with CTR_STATUS_UNSUPPORTED. */
+ * connects the communicator; it is collective. A device whose plugin is missing
+ * or of another backend ABI fails with CTR_STATUS_UNSUPPORTED naming the library,
+ * before any rendezvous. */
 CTR_API ctr_status ctr_mesh_create(const ctr_options *options, ctr_mesh **out);
 
 /* As ctr_mesh_create, with rank and world read from the environment (CTR_RANK and

@@ -5,6 +5,7 @@ line, and clear failures (exit 1, one 'ctr: error:' line) for bad input.
 usage: test_cli.py PATH_TO_CTR
 """
 import json
+import re
 import os
 import struct
 import subprocess
@@ -35,8 +36,16 @@ def main():
         "--vocab", "256", "--seq", "32", "-o", graph)
     check(os.path.getsize(graph) > 100, "graph file not written")
 
-    # Every pass prints.
-    for p in ["verify", "infer_shapes", "autodiff", "plan_memory", "lower"]:
+    # Every registered pass prints; the list comes from the tool itself (the
+    # error for an unknown pass names them all) and must match its help.
+    r = run("graph", "inspect", graph, "--after", "nonsense", expect=2)
+    help_text = run("graph", "inspect", "--help").stdout
+    listed = re.search(r"Passes: ([a-z_, ]+)", " ".join(help_text.split()))
+    check(listed is not None, f"inspect --help does not list the passes: {help_text}")
+    passes = [p.strip() for p in listed.group(1).split(",")] if listed else []
+    for p in ["load", "verify", "infer_shapes", "autodiff", "shard", "lower", "plan_memory"]:
+        check(p in passes, f"pass {p} missing from the registered list {passes}")
+    for p in passes:
         out = run("graph", "inspect", graph, "--after", p, "--batch", "2").stdout
         check(len(out) > 200, f"inspect --after {p} printed almost nothing")
         if p == "autodiff":

@@ -21,6 +21,8 @@
 #include <vector>
 
 #include "api/handles.h"
+#include "api/internal.h"
+#include "core/status.h"
 #include "ctr/ctr.h"
 #include "graph/ir.h"
 #include "graph/ops.h"
@@ -1382,6 +1384,43 @@ TEST(LoaderAbi, CorpusSeedSelectsOtherText) {
   };
   EXPECT_EQ(first(0), first(0));
   EXPECT_NE(first(0), first(1));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// The pass list is single-sourced: step creation runs exactly the registered
+// compile passes in order, and inspect can stop after every registered pass.
+
+#include "api/internal.h"
+
+namespace {
+
+TEST(Passes, StepRunsTheRegisteredPipelineAndInspectKnowsEveryPass) {
+  Opts go;
+  go.i("layers", 1).i("dim", 16).i("heads", 2).i("vocab", 11).i("seq", 6);
+  ctr_graph *g = preset("gpt", go);
+  Mesh m;
+  Opts so;
+  so.i("batch", 2);
+  ctr_step *s = nullptr;
+  ASSERT_EQ(ctr_step_create(m.m, g, so.o, &s), CTR_STATUS_OK) << ctr_last_error();
+  std::vector<std::string> compile;
+  for (const ctr::PassDef &p : ctr::pass_list())
+    if (!p.at_load) compile.push_back(p.name);
+  EXPECT_EQ(s->impl->passes_run(), compile);
+  EXPECT_EQ(ctr::pass_names().size(), ctr::pass_list().size());
+  std::set<std::string> dumps;
+  for (const std::string &name : ctr::pass_names()) {
+    std::string out = ctr::inspect_graph(g, so.o, name);
+    EXPECT_GT(out.size(), 100u) << name;
+    dumps.insert(out);
+  }
+  // Each compile pass changes what is printed.
+  EXPECT_GE(dumps.size(), compile.size()) << "some passes print the same thing";
+  EXPECT_THROW(ctr::inspect_graph(g, so.o, "nonsense"), ctr::Error);
+  ctr_step_free(s);
+  ctr_graph_free(g);
 }
 
 }  // namespace

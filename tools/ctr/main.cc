@@ -877,7 +877,7 @@ int run_main(int argc, char **argv) {
       ->check(kPositive);
   run.threads_opt = run_cmd->add_option("--threads", run.threads, "CPU worker threads")
                         ->check(kPositive);
-  run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default) or cuda");
+  run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default), or a backend plugin's device such as cuda (libctr-DEVICE.so)");
   run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4");
   run.timeout_opt = run_cmd->add_option("--timeout", run.timeout,
                                         "Seconds a rank waits for its peers before the job "

@@ -1,0 +1,67 @@
+// Backend plugins through the C boundary: tests/plugin/test_backend.c is built
+// as libctr-testdev.so and libctr-badabi.so next to this test, which finds them
+// through CTR_PLUGIN_PATH.
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "ctr/ctr.h"
+
+namespace {
+
+ctr_status mesh_on(const char *device, ctr_mesh **m) {
+  ctr_options *o = nullptr;
+  ctr_options_create(&o);
+  ctr_options_set_string(o, "device", device);
+  ctr_status s = ctr_mesh_create(o, m);
+  ctr_options_free(o);
+  return s;
+}
+
+TEST(Plugin, LoadsAndRefusesAStepNamingTheFirstMissingKernel) {
+  ctr_mesh *m = nullptr;
+  ASSERT_EQ(mesh_on("testdev", &m), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_STREQ(ctr_mesh_device(m), "testdev");
+  ctr_options *go = nullptr;
+  ctr_options_create(&go);
+  ctr_options_set_int(go, "layers", 1);
+  ctr_options_set_int(go, "dim", 16);
+  ctr_options_set_int(go, "heads", 2);
+  ctr_options_set_int(go, "vocab", 16);
+  ctr_options_set_int(go, "seq", 4);
+  ctr_graph *g = nullptr;
+  ASSERT_EQ(ctr_graph_create_preset("gpt", go, &g), CTR_STATUS_OK);
+  ctr_options *so = nullptr;
+  ctr_options_create(&so);
+  ctr_options_set_int(so, "batch", 1);
+  ctr_step *s = nullptr;
+  EXPECT_EQ(ctr_step_create(m, g, so, &s), CTR_STATUS_UNSUPPORTED);
+  EXPECT_NE(std::string(ctr_last_error()).find("the backend has no kernel for op 'embedding'"), std::string::npos)
+      << ctr_last_error();
+  EXPECT_EQ(s, nullptr);
+  ctr_options_free(so);
+  ctr_options_free(go);
+  ctr_graph_free(g);
+  ctr_mesh_free(m);
+}
+
+TEST(Plugin, MismatchedAbiIsRefused) {
+  ctr_mesh *m = nullptr;
+  EXPECT_EQ(mesh_on("badabi", &m), CTR_STATUS_UNSUPPORTED);
+  EXPECT_NE(std::string(ctr_last_error()).find("libctr-badabi.so speaks backend ABI"), std::string::npos)
+      << ctr_last_error();
+  EXPECT_EQ(m, nullptr);
+}
+
+TEST(Plugin, MissingPluginNamesTheLibrary) {
+  ctr_mesh *m = nullptr;
+  EXPECT_EQ(mesh_on("cuda", &m), CTR_STATUS_UNSUPPORTED);
+  EXPECT_NE(std::string(ctr_last_error()).find("device 'cuda' needs the backend plugin libctr-cuda.so"),
+            std::string::npos)
+      << ctr_last_error();
+  EXPECT_EQ(mesh_on("../evil", &m), CTR_STATUS_INVALID_OPTION);
+  EXPECT_EQ(m, nullptr);
+}
+
+}  // namespace
