@@ -169,6 +169,7 @@ void Step::save(const std::string &dir_in, bool async) {
   p->dir = dir;
   p->tmp = dir + ".tmp";
   p->writer = copt_.dp_index == 0;
+  p->on_publish = PublishHook::take();
   const int rank = mesh_.rank;
 
   // Rank 0 prepares the temporary directory.
@@ -273,6 +274,7 @@ void Step::finish_save() {
       fs::path parent = fs::path(p->dir).parent_path();
       fsync_path(parent.empty() ? "." : parent.string(), true);
       fs::remove_all(old, ec);
+      if (p->on_publish) p->on_publish();
     } catch (const Error &e) {
       err = e.message();
     } catch (const std::exception &e) {
