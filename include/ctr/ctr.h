@@ -358,17 +358,18 @@ CTR_API ctr_status ctr_step_load(ctr_step *step, const char *dir);
  * removes older step_* directories beyond the "keep" newest (the new one
  * included). step_* directories numbered after the new one, left by a run
  * that resumed from an older checkpoint, are not touched. So `latest` never
- * names a partial checkpoint, and a crash at any point leaves it naming a
- * complete one. A failure writing `latest` or pruning fails the publishing
- * call on every rank with CTR_STATUS_IO_ERROR (the checkpoint itself is then
- * complete).
- *   step     in: the step; its state is read, not changed.
+ * names a partial checkpoint: a crash at any point leaves it as it was or
+ * naming the new checkpoint. A failure writing `latest` or pruning fails the
+ * publishing call on every rank with CTR_STATUS_IO_ERROR (the checkpoint
+ * itself is then complete).
+ *   step     in: the step whose state is saved.
  *   root     in, borrowed for the call: the checkpoint directory's parent.
  *   options  in, borrowed, may be NULL. Keys:
  *              "keep" int   checkpoints to keep, >= 0 (3); 0 keeps all
  *            An unknown key fails with CTR_STATUS_INVALID_OPTION.
  *   path     out, may be NULL: the checkpoint's directory, root/step_NNNNNNNN
- *            (for a background save, where it will be once published).
+ *            (root without trailing '/'; for a background save, where it
+ *            will be once published).
  *            Owned by the step, valid until its next call.
  * Collective: every rank calls it with the same root and options. Like every
  * call on a ctr_step, one thread at a time. */
