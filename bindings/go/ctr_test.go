@@ -257,6 +257,159 @@ func TestCheckpointRestoresTheTrajectory(t *testing.T) {
 	}
 }
 
+// trainSteps runs n steps fed from the step's loader and returns the losses.
+func trainSteps(t *testing.T, s *Step, n int) []float64 {
+	t.Helper()
+	var out []float64
+	for i := 0; i < n; i++ {
+		if err := s.FeedFromLoader(testBatch); err != nil {
+			t.Fatal(err)
+		}
+		r, err := s.Run()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, r.Loss)
+	}
+	return out
+}
+
+func readLatest(t *testing.T, root string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(root, "latest"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+func TestCheckpointDirectoryKeepsTheNewestAndResumesExactly(t *testing.T) {
+	m, g := testMesh(t), testGraph(t)
+	root := filepath.Join(t.TempDir(), "ckpts")
+	keep1 := NewOptions().SetInt("keep", 1)
+
+	a := newStep(t, m, g, stepOptions())
+	if err := a.AttachLoader(testLoader(t)); err != nil {
+		t.Fatal(err)
+	}
+	trainSteps(t, a, 2)
+	if p, err := a.SaveCheckpoint(root, keep1); err != nil || p != filepath.Join(root, "step_00000002") {
+		t.Fatalf("first save: %q, %v", p, err)
+	}
+	if l := readLatest(t, root); l != "step_00000002" {
+		t.Fatalf("latest %q", l)
+	}
+	trainSteps(t, a, 2)
+	path, err := a.SaveCheckpoint(root, keep1)
+	if err != nil || path != filepath.Join(root, "step_00000004") {
+		t.Fatalf("second save: %q, %v", path, err)
+	}
+	entries, err := os.ReadDir(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range entries {
+		names = append(names, e.Name())
+	}
+	if strings.Join(names, ",") != "latest,step_00000004" {
+		t.Fatalf("after keep=1: %v", names)
+	}
+	if l := readLatest(t, root); l != "step_00000004" {
+		t.Fatalf("latest %q", l)
+	}
+	want := trainSteps(t, a, 3)
+	_, err = a.SaveCheckpoint(root, NewOptions().SetInt("keep_last", 2))
+	if e := wantStatus(t, err, StatusInvalidOption); !strings.Contains(e.Message, "keep_last") {
+		t.Fatalf("message does not name the key: %s", e.Message)
+	}
+
+	// Another seed and a fresh loader: latest brings back weights, optimizer
+	// state, schedule and data position, so the losses match bit for bit.
+	b := newStep(t, m, g, stepOptions().SetInt("seed", 99))
+	if err := b.AttachLoader(testLoader(t)); err != nil {
+		t.Fatal(err)
+	}
+	r, err := b.Resume(root, "")
+	if err != nil || r.Path != path || len(r.Skipped) != 0 {
+		t.Fatalf("resume: %+v, %v", r, err)
+	}
+	if b.Count() != 4 {
+		t.Fatalf("count after resume %d", b.Count())
+	}
+	if got := trainSteps(t, b, 3); !equal(got, want) {
+		t.Fatalf("resumed losses %v, want %v", got, want)
+	}
+	if r, err := b.Resume(root, "step_00000004"); err != nil || r.Path != path {
+		t.Fatalf("resume by name: %+v, %v", r, err)
+	}
+}
+
+func TestCheckpointDirectoryFallsBackPastADamagedCheckpoint(t *testing.T) {
+	m, g := testMesh(t), testGraph(t)
+	dir := t.TempDir()
+	root := filepath.Join(dir, "ckpts")
+	keep2 := NewOptions().SetInt("keep", 2)
+
+	a := newStep(t, m, g, stepOptions())
+	if err := a.AttachLoader(testLoader(t)); err != nil {
+		t.Fatal(err)
+	}
+	trainSteps(t, a, 2)
+	older, err := a.SaveCheckpoint(root, keep2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	trainSteps(t, a, 2)
+	newest, err := a.SaveCheckpoint(root, keep2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	shard := filepath.Join(newest, "rank00000.bin")
+	data, err := os.ReadFile(shard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data[100] ^= 0x01
+	if err := os.WriteFile(shard, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	b := newStep(t, m, g, stepOptions())
+	r, err := b.Resume(root, "latest")
+	if err != nil || r.Path != older {
+		t.Fatalf("resume: %+v, %v; want %s", r, err, older)
+	}
+	if len(r.Skipped) != 1 || !strings.HasPrefix(r.Skipped[0], newest+": ") ||
+		!strings.Contains(r.Skipped[0], "checksum mismatch") {
+		t.Fatalf("skipped %q", r.Skipped)
+	}
+	if b.Count() != 2 {
+		t.Fatalf("count after fallback %d", b.Count())
+	}
+
+	// Named explicitly, the damaged one is an error and the step keeps its state.
+	_, err = b.Resume(root, newest)
+	if e := wantStatus(t, err, StatusCheckpointError); !strings.Contains(e.Message, "rank00000.bin") {
+		t.Fatalf("message does not name the file: %s", e.Message)
+	}
+
+	// No checkpoint at all: StatusNotFound naming the directory.
+	empty := filepath.Join(dir, "empty")
+	if err := os.Mkdir(empty, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	_, err = b.Resume(empty, "")
+	if e := wantStatus(t, err, StatusNotFound); !strings.Contains(e.Message, empty) {
+		t.Fatalf("message does not name the directory: %s", e.Message)
+	}
+	_, err = b.Resume(filepath.Join(dir, "absent"), "")
+	wantStatus(t, err, StatusNotFound)
+	if b.Count() != 2 {
+		t.Fatalf("a failed resume changed the step: count %d", b.Count())
+	}
+}
+
 func equal(a, b []float64) bool {
 	if len(a) != len(b) {
 		return false

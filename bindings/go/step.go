@@ -19,6 +19,7 @@ import "C"
 
 import (
 	"runtime"
+	"strings"
 	"sync"
 	"unsafe"
 )
@@ -47,6 +48,12 @@ type Metrics struct {
 	TokensPerS  float64
 	Tokens      int64
 	PeakBytes   int64
+}
+
+// Resumed is what Resume loaded.
+type Resumed struct {
+	Path    string   // the checkpoint directory loaded
+	Skipped []string // damaged checkpoints passed over, in the order tried: "DIR: reason" each
 }
 
 // Memory is the planned memory of a step, in bytes.
@@ -313,7 +320,8 @@ func (s *Step) Count() int64 {
 }
 
 // pathCall runs a checkpoint or weights call on a path. The attached loader
-// is locked too, because save reads and load rewrites its position.
+// is locked too, because save reads and load rewrites its position. f runs
+// with both locks held.
 func (s *Step) pathCall(path string, f func(*C.ctr_step, *C.char) C.ctr_status) error {
 	h, err := s.lock()
 	if err != nil {
@@ -342,6 +350,62 @@ func (s *Step) Save(dir string) error {
 // StatusCheckpointError and leaves the step unchanged. Collective.
 func (s *Step) Load(dir string) error {
 	return s.pathCall(dir, func(h *C.ctr_step, p *C.char) C.ctr_status { return C.ctr_step_load(h, p) })
+}
+
+// SaveCheckpoint is ctr_step_save_checkpoint (since 0.2): it saves into
+// root/step_NNNNNNNN (NNNNNNNN = Count) and returns that directory. Once the
+// save is published (at once unless the step option "async_save" is set),
+// root/latest names it and all but the "keep" newest step_* directories are
+// removed. Key: "keep" (3; 0 keeps all). Collective.
+func (s *Step) SaveCheckpoint(root string, opts *Options) (string, error) {
+	co, err := opts.toC()
+	if err != nil {
+		return "", err
+	}
+	defer C.ctr_options_free(co)
+	var out string
+	err = s.pathCall(root, func(h *C.ctr_step, r *C.char) C.ctr_status {
+		var path *C.char
+		st := C.ctr_step_save_checkpoint(h, r, co, &path)
+		if st == C.CTR_STATUS_OK {
+			// Copied under the step's lock: the string lives until its next call.
+			out = C.GoString(path)
+		}
+		return st
+	})
+	return out, err
+}
+
+// Resume is ctr_step_resume (since 0.2): it restores a checkpoint from a
+// directory of SaveCheckpoint. which "" or "latest": the one root/latest
+// names (else the newest step_*), falling back to older ones while a
+// checkpoint is damaged (StatusCheckpointError); Skipped lists those passed
+// over. Otherwise which is a checkpoint name under root or a path. No
+// checkpoint at all fails with StatusNotFound; on any failure the step is
+// unchanged. Collective.
+func (s *Step) Resume(root, which string) (Resumed, error) {
+	var w *C.char
+	if which != "" {
+		var err error
+		if w, err = cstring("checkpoint", which); err != nil {
+			return Resumed{}, err
+		}
+		defer free(w)
+	}
+	var out Resumed
+	err := s.pathCall(root, func(h *C.ctr_step, r *C.char) C.ctr_status {
+		var path, skipped *C.char
+		st := C.ctr_step_resume(h, r, w, &path, &skipped)
+		if st == C.CTR_STATUS_OK {
+			// Copied under the step's lock: the strings live until its next call.
+			out.Path = C.GoString(path)
+			if skipped != nil {
+				out.Skipped = strings.Split(C.GoString(skipped), "\n")
+			}
+		}
+		return st
+	})
+	return out, err
 }
 
 // ExportSafetensors writes the parameters as a safetensors file (rank 0

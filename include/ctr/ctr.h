@@ -45,7 +45,7 @@ extern "C" {
 /* Version                                                                   */
 
 #define CTR_VERSION_MAJOR 0
-#define CTR_VERSION_MINOR 1
+#define CTR_VERSION_MINOR 2
 #define CTR_VERSION_PATCH 0
 
 /* The ABI version: bumped only when a shipped declaration changes meaning. It is
@@ -345,6 +345,69 @@ CTR_API ctr_status ctr_step_wait_save(ctr_step *step);
  * CTR_STATUS_CHECKPOINT_ERROR naming the file and tensor, leaving the step
  * unchanged. Collective. */
 CTR_API ctr_status ctr_step_load(ctr_step *step, const char *dir);
+
+/* Checkpoint directories (since 0.2). One root directory holds numbered
+ * checkpoints and a file naming the newest complete one:
+ *   root/step_00000100/  root/step_00000200/  root/latest ("step_00000200\n")
+ * The two calls below keep that layout, so every host and binding shares one
+ * policy. The ranks of a mesh must see the same root (a shared file system). */
+
+/* Since 0.2. Saves the step's state, as ctr_step_save does, into
+ * root/step_%08lld of the current step count (ctr_step_count), creating root
+ * if it does not exist; a checkpoint of that name is replaced. With the step
+ * option "async_save" set the checkpoint is written in the background and
+ * published later, exactly as for ctr_step_save (by the ctr_step_run
+ * "async_save_lag" runs later, or by the next save, load, resume or
+ * ctr_step_wait_save); without it, before this call returns. When the
+ * checkpoint is published, rank 0 replaces root/latest atomically (written
+ * aside, synced, renamed) so that it names the new checkpoint, and then
+ * removes older step_* directories beyond the "keep" newest (the new one
+ * included). step_* directories numbered after the new one, left by a run
+ * that resumed from an older checkpoint, are not touched. So `latest` never
+ * names a partial checkpoint: a crash at any point leaves it as it was or
+ * naming the new checkpoint. A failure writing `latest` or pruning fails the
+ * publishing call on every rank with CTR_STATUS_IO_ERROR (the checkpoint
+ * itself is then complete).
+ *   step     in: the step whose state is saved.
+ *   root     in, borrowed for the call: the checkpoint directory's parent.
+ *   options  in, borrowed, may be NULL. Keys:
+ *              "keep" int   checkpoints to keep, >= 0 (3); 0 keeps all
+ *            An unknown key fails with CTR_STATUS_INVALID_OPTION.
+ *   path     out, may be NULL: the checkpoint's directory, root/step_NNNNNNNN
+ *            (root without trailing '/'; for a background save, where it
+ *            will be once published).
+ *            Owned by the step, valid until its next call.
+ * Collective: every rank calls it with the same root and options. Like every
+ * call on a ctr_step, one thread at a time. */
+CTR_API ctr_status ctr_step_save_checkpoint(ctr_step *step, const char *root,
+                                            const ctr_options *options, const char **path);
+
+/* Since 0.2. Restores a checkpoint from a directory laid out by
+ * ctr_step_save_checkpoint, as ctr_step_load does (any mesh, every checksum
+ * verified).
+ *   step     in/out: restored on success, unchanged on failure.
+ *   root     in, borrowed for the call: the checkpoints' directory.
+ *   which    in, borrowed, may be NULL. NULL or "latest": the checkpoint
+ *            root/latest names (without a usable `latest`, the newest
+ *            root/step_*); when its load fails with
+ *            CTR_STATUS_CHECKPOINT_ERROR (corrupt, incomplete, mismatched),
+ *            the next older step_* directory is tried, and so on. Other
+ *            failures (CTR_STATUS_IO_ERROR, CTR_STATUS_TIMEOUT, ...) end the
+ *            call at once. No checkpoint at all (root missing or empty) fails
+ *            with CTR_STATUS_NOT_FOUND naming root; every candidate damaged
+ *            fails with CTR_STATUS_CHECKPOINT_ERROR naming each with its
+ *            fault. Any other which is one checkpoint, loaded without
+ *            fallback: root/which when which holds no '/' and that directory
+ *            exists, else the path which.
+ *   path     out, may be NULL: the directory loaded.
+ *   skipped  out, may be NULL: NULL when nothing was passed over, else one
+ *            line "DIR: reason" per damaged checkpoint passed over, in the
+ *            order tried, separated by '\n' (no trailing newline).
+ * path and skipped are owned by the step and valid until its next call; on
+ * failure neither is written. Collective: every rank calls it with the same
+ * arguments. Like every call on a ctr_step, one thread at a time. */
+CTR_API ctr_status ctr_step_resume(ctr_step *step, const char *root, const char *which,
+                                   const char **path, const char **skipped);
 
 /* Writes the parameters, under their graph names, as a safetensors file (an
  * 8-byte little-endian header length, a JSON header, raw little-endian F32 data).

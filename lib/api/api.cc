@@ -11,6 +11,7 @@
 #include "api/handles.h"
 #include "api/internal.h"
 #include "backend/backend.h"
+#include "ckpt/directory.h"
 #include "core/options.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
@@ -540,6 +541,34 @@ extern "C" ctr_status ctr_step_load(ctr_step *step, const char *dir) {
   STEP_ARG("ctr_step_load");
   REQUIRE_ARG(dir != nullptr, "ctr_step_load: dir is NULL");
   step->impl->load(dir);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_save_checkpoint(ctr_step *step, const char *root,
+                                               const ctr_options *options, const char **path) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_save_checkpoint");
+  REQUIRE_ARG(root != nullptr && *root, "ctr_step_save_checkpoint: root is NULL or empty");
+  ctr::OptionReader r(options, "ctr_step_save_checkpoint");
+  const int64_t keep = r.get_int("keep", 3, 0);
+  r.finish();
+  std::string dir = ctr::save_checkpoint(*step->impl, root, keep);
+  step->checkpoint_path = std::move(dir);
+  if (path) *path = step->checkpoint_path.c_str();
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_step_resume(ctr_step *step, const char *root, const char *which,
+                                      const char **path, const char **skipped) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_resume");
+  REQUIRE_ARG(root != nullptr && *root, "ctr_step_resume: root is NULL or empty");
+  REQUIRE_ARG(which == nullptr || *which, "ctr_step_resume: which is empty (NULL means \"latest\")");
+  ctr::Resumed r = ctr::resume_checkpoint(*step->impl, root, which ? which : "");
+  step->checkpoint_path = std::move(r.path);
+  step->checkpoint_skipped = std::move(r.skipped);
+  if (path) *path = step->checkpoint_path.c_str();
+  if (skipped) *skipped = step->checkpoint_skipped.empty() ? nullptr : step->checkpoint_skipped.c_str();
   CTR_API_END
 }
 

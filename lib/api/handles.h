@@ -33,4 +33,7 @@ struct ctr_loader {
 
 struct ctr_step {
   std::unique_ptr<ctr::Step> impl;
+  // Handed out by ctr_step_save_checkpoint and ctr_step_resume; valid until the
+  // step's next call.
+  std::string checkpoint_path, checkpoint_skipped;
 };

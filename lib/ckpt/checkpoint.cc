@@ -161,7 +161,7 @@ void write_shard(PendingSave &p, int rank) {
 
 }  // namespace
 
-void Step::save(const std::string &dir_in, bool async) {
+void Step::save(const std::string &dir_in, bool async, std::function<void()> on_publish) {
   CTR_REQUIRE(!dir_in.empty(), CTR_STATUS_INVALID_ARGUMENT, "ctr_step_save: empty directory name");
   finish_save();
   std::string dir = dir_in;
@@ -170,6 +170,7 @@ void Step::save(const std::string &dir_in, bool async) {
   p->dir = dir;
   p->tmp = dir + ".tmp";
   p->writer = copt_.mesh.index("dp") == 0;
+  p->on_publish = std::move(on_publish);
   const int rank = mesh_.rank;
 
   // Rank 0 prepares the temporary directory.
@@ -274,6 +275,7 @@ void Step::finish_save() {
       fs::path parent = fs::path(p->dir).parent_path();
       fsync_path(parent.empty() ? "." : parent.string(), true);
       fs::remove_all(old, ec);
+      if (p->on_publish) p->on_publish();
     } catch (const Error &e) {
       err = e.message();
     } catch (const std::exception &e) {

@@ -2,9 +2,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace ctr {
@@ -24,6 +26,9 @@ struct PendingSave {
   std::thread thread;
   std::string err;
   int64_t runs_left = 0;  // ctr_step_run calls before the save is published
+  // Called on rank 0 once the directory is renamed into place and synced, by
+  // whichever call publishes the save; a throw fails that call on every rank.
+  std::function<void()> on_publish;
 };
 
 }  // namespace ctr

@@ -9,6 +9,7 @@
 // through backend copies: the host never dereferences step memory.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -52,7 +53,9 @@ class Step {
   // Checkpoints (lib/ckpt/checkpoint.cc) and safetensors (lib/ckpt/safetensors.cc).
   // async: snapshot now, write in the background; the save is published (a
   // collective) by finish_save(), which the next run/save/load calls.
-  void save(const std::string &dir, bool async = false);
+  // on_publish runs on rank 0 once the checkpoint is in place (directory.cc
+  // moves `latest` and prunes there); a throw fails the publishing call.
+  void save(const std::string &dir, bool async = false, std::function<void()> on_publish = {});
   void finish_save();
   void maybe_finish_save();  // publish once the lag has passed (in run)
   void abandon_save();

@@ -286,6 +286,85 @@ def checkpoint_resume_matches_uninterrupted():
         shutil.rmtree(tmp)
 
 
+def _latest(root):
+    with open(os.path.join(root, "latest")) as f:
+        return f.read().strip()
+
+
+@test
+def checkpoint_directory_keeps_the_newest_and_resumes_exactly():
+    tmp = tempfile.mkdtemp(prefix="ctr_py_ckdir_")
+    root = os.path.join(tmp, "ckpts")
+    try:
+        with ctr.Mesh() as mesh, ctr.Graph.preset("gpt", **PRESET) as graph:
+            with ctr.Loader(None, seq=SEQ, seed=0) as la, \
+                    ctr.Step(mesh, graph, **STEP_OPTS) as a:
+                a.attach_loader(la)
+                train(a, la, 2)
+                assert a.save_checkpoint(root, keep=1) == os.path.join(root, "step_00000002")
+                assert _latest(root) == "step_00000002"
+                train(a, la, 2)
+                path = a.save_checkpoint(root, keep=1)
+                assert path == os.path.join(root, "step_00000004"), path
+                assert sorted(os.listdir(root)) == ["latest", "step_00000004"], os.listdir(root)
+                assert _latest(root) == "step_00000004"
+                tail = train(a, la, 3)
+                expect_error(lambda: a.save_checkpoint(root, keep_last=2),
+                             ctr.Status.INVALID_OPTION, "keep_last")
+            # A fresh step and loader resume from `latest`: the same losses, bit for bit.
+            with ctr.Loader(None, seq=SEQ, seed=0) as lb, \
+                    ctr.Step(mesh, graph, **STEP_OPTS) as b:
+                b.attach_loader(lb)
+                r = b.resume(root)
+                assert r == (path, []) and r.path == path and r.skipped == [], r
+                assert b.count == 4, b.count
+                resumed = train(b, lb, 3)
+                assert resumed == tail, f"resumed {resumed} != uninterrupted {tail}"
+                assert b.resume(root, "step_00000004").path == path
+                b.attach_loader(None)
+    finally:
+        shutil.rmtree(tmp)
+
+
+@test
+def checkpoint_directory_falls_back_past_a_damaged_checkpoint():
+    tmp = tempfile.mkdtemp(prefix="ctr_py_ckdir_")
+    root = os.path.join(tmp, "ckpts")
+    try:
+        with ctr.Mesh() as mesh, ctr.Graph.preset("gpt", **PRESET) as graph:
+            with ctr.Loader(None, seq=SEQ, seed=0) as la, \
+                    ctr.Step(mesh, graph, **STEP_OPTS) as a:
+                train(a, la, 2)
+                older = a.save_checkpoint(root, keep=2)
+                train(a, la, 2)
+                newest = a.save_checkpoint(root, keep=2)
+            shard = os.path.join(newest, "rank00000.bin")
+            with open(shard, "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)
+                f.seek(100)
+                f.write(bytes([byte[0] ^ 0x01]))
+            with ctr.Step(mesh, graph, **STEP_OPTS) as b:
+                path, skipped = b.resume(root)
+                assert path == older, (path, older)
+                assert len(skipped) == 1 and skipped[0].startswith(newest + ": "), skipped
+                assert "checksum mismatch" in skipped[0], skipped
+                assert b.count == 2, b.count
+                # Named explicitly, the damaged one is refused and the step keeps its state.
+                expect_error(lambda: b.resume(root, "step_00000004"),
+                             ctr.Status.CHECKPOINT_ERROR, "rank00000.bin")
+                assert b.count == 2
+                # No checkpoint at all: NOT_FOUND, naming the directory.
+                empty = os.path.join(tmp, "empty")
+                os.mkdir(empty)
+                expect_error(lambda: b.resume(empty), ctr.Status.NOT_FOUND, empty)
+                expect_error(lambda: b.resume(os.path.join(tmp, "absent"), "latest"),
+                             ctr.Status.NOT_FOUND, "absent")
+                assert b.count == 2
+    finally:
+        shutil.rmtree(tmp)
+
+
 @test
 def safetensors_round_trip():
     tmp = tempfile.mkdtemp(prefix="ctr_py_st_")

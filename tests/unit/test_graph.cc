@@ -13,6 +13,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
 #include <set>
@@ -93,7 +95,7 @@ std::vector<int32_t> random_ids(size_t n, int vocab, uint32_t seed) {
 
 TEST(Abi, VersionAndStatusStrings) {
   EXPECT_EQ(ctr_abi_version(), CTR_ABI_VERSION);
-  EXPECT_STREQ(ctr_version(), "0.1.0");
+  EXPECT_STREQ(ctr_version(), "0.2.0");
   EXPECT_STREQ(ctr_status_string(CTR_STATUS_OK), "ok");
   EXPECT_STREQ(ctr_status_string(CTR_STATUS_INVALID_GRAPH), "invalid graph");
   EXPECT_STREQ(ctr_status_string(static_cast<ctr_status>(999)), "unknown status");
@@ -1421,6 +1423,267 @@ TEST(Passes, StepRunsTheRegisteredPipelineAndInspectKnowsEveryPass) {
   EXPECT_THROW(ctr::inspect_graph(g, so.o, "nonsense"), ctr::Error);
   ctr_step_free(s);
   ctr_graph_free(g);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Checkpoint directories through the C ABI: numbered checkpoints, `latest`,
+// pruning, resumption with a fallback past a damaged checkpoint, and a
+// background save that moves `latest` only when it is published.
+
+namespace {
+
+namespace fs = std::filesystem;
+
+class CheckpointDir : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Opts o;
+    o.i("layers", 1).i("dim", 16).i("heads", 2).i("vocab", 11).i("seq", 8);
+    g = preset("gpt", o);
+    root = testing::TempDir() + "/ctr_ckptdir_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    fs::remove_all(root);
+  }
+  void TearDown() override {
+    ctr_graph_free(g);
+    fs::remove_all(root);
+  }
+
+  ctr_step *make(int64_t async = 0) {
+    Opts o;
+    o.i("batch", 2).i("seed", 4).f("lr", 3e-3).i("warmup_steps", 1).i("decay_steps", 10);
+    if (async) o.i("async_save", 1).i("async_save_lag", 100);
+    ctr_step *s = nullptr;
+    EXPECT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_OK) << ctr_last_error();
+    return s;
+  }
+
+  // One training step on a batch that depends only on the step count, so a
+  // resumed step sees the same data as one that never stopped.
+  double run(ctr_step *s) {
+    const int64_t k = ctr_step_count(s);
+    std::vector<int32_t> tok = random_ids(16, 11, static_cast<uint32_t>(100 + k));
+    std::vector<int32_t> tgt = random_ids(16, 11, static_cast<uint32_t>(200 + k));
+    EXPECT_EQ(ctr_step_set_input(s, "tokens", tok.data(), tok.size() * 4), CTR_STATUS_OK);
+    EXPECT_EQ(ctr_step_set_input(s, "targets", tgt.data(), tgt.size() * 4), CTR_STATUS_OK);
+    ctr_step_metrics met;
+    met.size = sizeof met;
+    EXPECT_EQ(ctr_step_run(s, &met), CTR_STATUS_OK) << ctr_last_error();
+    return met.loss;
+  }
+
+  std::string latest() const {
+    std::ifstream f(root + "/latest");
+    std::string name;
+    std::getline(f, name);
+    return name;
+  }
+
+  std::vector<std::string> checkpoints() const {
+    std::vector<std::string> out;
+    if (!fs::exists(root)) return out;
+    for (const auto &e : fs::directory_iterator(root))
+      if (e.is_directory()) out.push_back(e.path().filename().string());
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+  ctr_status save(ctr_step *s, int64_t keep, const char **path = nullptr) {
+    Opts o;
+    o.i("keep", keep);
+    return ctr_step_save_checkpoint(s, root.c_str(), o.o, path);
+  }
+
+  ctr_graph *g = nullptr;
+  Mesh m;
+  std::string root;
+};
+
+TEST_F(CheckpointDir, KeepOneLeavesTheNewestAndResumeContinuesExactly) {
+  ctr_step *a = make();
+  run(a);
+  const char *path = nullptr;
+  ASSERT_EQ(save(a, 1, &path), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_EQ(std::string(path), root + "/step_00000001");
+  EXPECT_EQ(latest(), "step_00000001");
+  run(a);
+  ASSERT_EQ(save(a, 1, &path), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_EQ(std::string(path), root + "/step_00000002");
+  EXPECT_EQ(checkpoints(), std::vector<std::string>{"step_00000002"});
+  EXPECT_EQ(latest(), "step_00000002");
+  const double want3 = run(a), want4 = run(a);
+
+  ctr_step *b = make();
+  const char *loaded = nullptr, *skipped = "untouched";
+  ASSERT_EQ(ctr_step_resume(b, root.c_str(), nullptr, &loaded, &skipped), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_EQ(std::string(loaded), root + "/step_00000002");
+  EXPECT_EQ(skipped, nullptr);
+  EXPECT_EQ(ctr_step_count(b), 2);
+  EXPECT_EQ(run(b), want3);  // bit for bit
+  EXPECT_EQ(run(b), want4);
+
+  // A name under root and "latest" work too; out-parameters may be NULL.
+  ctr_step *c = make();
+  ASSERT_EQ(ctr_step_resume(c, root.c_str(), "step_00000002", &loaded, nullptr), CTR_STATUS_OK);
+  EXPECT_EQ(std::string(loaded), root + "/step_00000002");
+  ASSERT_EQ(ctr_step_resume(c, (root + "/").c_str(), "latest", nullptr, nullptr), CTR_STATUS_OK);
+  EXPECT_EQ(ctr_step_count(c), 2);
+  ctr_step_free(a);
+  ctr_step_free(b);
+  ctr_step_free(c);
+}
+
+TEST_F(CheckpointDir, DamagedNewestIsSkippedForTheOlderOne) {
+  ctr_step *a = make();
+  run(a);
+  ASSERT_EQ(save(a, 0), CTR_STATUS_OK) << ctr_last_error();
+  run(a);
+  run(a);
+  ASSERT_EQ(save(a, 0), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_EQ(checkpoints(), (std::vector<std::string>{"step_00000001", "step_00000003"}));
+  const std::string shard = root + "/step_00000003/rank00000.bin";
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f) << shard;
+    f.seekg(64);
+    char c = 0;
+    f.get(c);
+    f.seekp(64);
+    f.put(static_cast<char>(c ^ 0x10));
+  }
+  ctr_step *b = make();
+  const char *loaded = nullptr, *skipped = nullptr;
+  ASSERT_EQ(ctr_step_resume(b, root.c_str(), nullptr, &loaded, &skipped), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_EQ(std::string(loaded), root + "/step_00000001");
+  ASSERT_NE(skipped, nullptr);
+  const std::string why = skipped;
+  EXPECT_EQ(why.rfind(root + "/step_00000003: ", 0), 0u) << why;
+  EXPECT_NE(why.find("checksum mismatch"), std::string::npos) << why;
+  EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+  EXPECT_EQ(ctr_step_count(b), 1);
+
+  // Named explicitly, the damaged one is an error and changes nothing.
+  const char *kept = loaded;
+  EXPECT_EQ(ctr_step_resume(b, root.c_str(), "step_00000003", &loaded, &skipped), CTR_STATUS_CHECKPOINT_ERROR);
+  EXPECT_EQ(loaded, kept);
+  EXPECT_EQ(ctr_step_count(b), 1);
+
+  // With every candidate damaged the call fails, naming each.
+  fs::remove_all(root + "/step_00000001");
+  fs::copy(root + "/step_00000003", root + "/step_00000001");
+  EXPECT_EQ(ctr_step_resume(b, root.c_str(), nullptr, &loaded, &skipped), CTR_STATUS_CHECKPOINT_ERROR);
+  const std::string msg = ctr_last_error();
+  EXPECT_NE(msg.find("step_00000003"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("step_00000001"), std::string::npos) << msg;
+  EXPECT_EQ(ctr_step_count(b), 1);
+  ctr_step_free(a);
+  ctr_step_free(b);
+}
+
+TEST_F(CheckpointDir, EmptyRootIsNotFound) {
+  ctr_step *s = make();
+  const char *loaded = "untouched", *skipped = "untouched";
+  EXPECT_EQ(ctr_step_resume(s, root.c_str(), nullptr, &loaded, &skipped), CTR_STATUS_NOT_FOUND);
+  EXPECT_NE(std::string(ctr_last_error()).find(root), std::string::npos) << ctr_last_error();
+  fs::create_directories(root);
+  EXPECT_EQ(ctr_step_resume(s, root.c_str(), "latest", &loaded, &skipped), CTR_STATUS_NOT_FOUND);
+  EXPECT_STREQ(loaded, "untouched");
+  EXPECT_STREQ(skipped, "untouched");
+  EXPECT_EQ(ctr_step_count(s), 0);
+  ctr_step_free(s);
+}
+
+TEST_F(CheckpointDir, ArgumentsAndOptionsAreChecked) {
+  ctr_step *s = make();
+  Opts bad;
+  bad.i("keep_last", 2);
+  const char *path = "untouched";
+  EXPECT_EQ(ctr_step_save_checkpoint(s, root.c_str(), bad.o, &path), CTR_STATUS_INVALID_OPTION);
+  EXPECT_NE(std::string(ctr_last_error()).find("keep_last"), std::string::npos) << ctr_last_error();
+  Opts negative;
+  negative.i("keep", -1);
+  EXPECT_EQ(ctr_step_save_checkpoint(s, root.c_str(), negative.o, &path), CTR_STATUS_INVALID_OPTION);
+  EXPECT_STREQ(path, "untouched");
+  EXPECT_FALSE(fs::exists(root));
+  EXPECT_EQ(ctr_step_save_checkpoint(s, nullptr, nullptr, &path), CTR_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(ctr_step_save_checkpoint(nullptr, root.c_str(), nullptr, &path), CTR_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(ctr_step_resume(s, nullptr, nullptr, nullptr, nullptr), CTR_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(ctr_step_resume(s, root.c_str(), "", nullptr, nullptr), CTR_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(ctr_step_resume(nullptr, root.c_str(), nullptr, nullptr, nullptr), CTR_STATUS_INVALID_ARGUMENT);
+  // Defaults (options NULL): keep 3.
+  for (int i = 0; i < 5; ++i) {
+    run(s);
+    ASSERT_EQ(ctr_step_save_checkpoint(s, root.c_str(), nullptr, nullptr), CTR_STATUS_OK) << ctr_last_error();
+  }
+  EXPECT_EQ(checkpoints(), (std::vector<std::string>{"step_00000003", "step_00000004", "step_00000005"}));
+  EXPECT_EQ(latest(), "step_00000005");
+  ctr_step_free(s);
+}
+
+TEST_F(CheckpointDir, BackgroundSaveMovesLatestWhenPublished) {
+  ctr_step *s = make(/*async=*/1);
+  run(s);
+  const char *path = nullptr;
+  ASSERT_EQ(save(s, 1, &path), CTR_STATUS_OK) << ctr_last_error();
+  ASSERT_EQ(ctr_step_wait_save(s), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_EQ(latest(), "step_00000001");
+  run(s);
+  ASSERT_EQ(save(s, 1, &path), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_EQ(std::string(path), root + "/step_00000002");
+  // Snapshotted, not published: `latest` and the old checkpoint stay.
+  run(s);
+  EXPECT_EQ(latest(), "step_00000001");
+  EXPECT_TRUE(fs::exists(root + "/step_00000001"));
+  EXPECT_FALSE(fs::exists(root + "/step_00000002/meta.json"));
+  ASSERT_EQ(ctr_step_wait_save(s), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_EQ(latest(), "step_00000002");
+  EXPECT_EQ(checkpoints(), std::vector<std::string>{"step_00000002"});
+
+  ctr_step *b = make();
+  const char *loaded = nullptr;
+  ASSERT_EQ(ctr_step_resume(b, root.c_str(), nullptr, &loaded, nullptr), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_EQ(std::string(loaded), root + "/step_00000002");
+  EXPECT_EQ(ctr_step_count(b), 2);
+  ctr_step_free(s);
+  ctr_step_free(b);
+}
+
+TEST_F(CheckpointDir, StepFreedBeforePublicationLeavesLatest) {
+  ctr_step *s = make(/*async=*/1);
+  run(s);
+  ASSERT_EQ(save(s, 1), CTR_STATUS_OK) << ctr_last_error();
+  ASSERT_EQ(ctr_step_wait_save(s), CTR_STATUS_OK) << ctr_last_error();
+  run(s);
+  ASSERT_EQ(save(s, 1), CTR_STATUS_OK) << ctr_last_error();
+  ctr_step_free(s);  // publishes nothing
+  EXPECT_EQ(latest(), "step_00000001");
+  EXPECT_TRUE(fs::exists(root + "/step_00000001/meta.json"));
+  EXPECT_FALSE(fs::exists(root + "/step_00000002"));
+}
+
+TEST_F(CheckpointDir, CheckpointsAfterLatestAreNeitherLoadedNorPruned) {
+  ctr_step *a = make();
+  for (int i = 0; i < 3; ++i) {
+    run(a);
+    ASSERT_EQ(save(a, 0), CTR_STATUS_OK) << ctr_last_error();
+  }
+  // Resume from step 1 explicitly, train on and save: step 2 is replaced,
+  // step 3 (another history) stays but `latest` no longer leads to it.
+  ctr_step *b = make();
+  ASSERT_EQ(ctr_step_resume(b, root.c_str(), (root + "/step_00000001").c_str(), nullptr, nullptr), CTR_STATUS_OK);
+  run(b);
+  ASSERT_EQ(save(b, 1), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_EQ(latest(), "step_00000002");
+  EXPECT_EQ(checkpoints(), (std::vector<std::string>{"step_00000002", "step_00000003"}));
+  ctr_step *c = make();
+  const char *loaded = nullptr;
+  ASSERT_EQ(ctr_step_resume(c, root.c_str(), nullptr, &loaded, nullptr), CTR_STATUS_OK);
+  EXPECT_EQ(std::string(loaded), root + "/step_00000002");
+  ctr_step_free(a);
+  ctr_step_free(b);
+  ctr_step_free(c);
 }
 
 }  // namespace

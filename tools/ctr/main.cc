@@ -22,7 +22,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -367,32 +366,31 @@ Loader open_loader(const std::string &path, int64_t seq, uint64_t seed, int64_t 
 }
 
 // ------------------------------------------------------------------------------------------
-// Checkpoint directories: SAVE_DIR/step_00000100, ..., and SAVE_DIR/latest naming the
-// newest complete one. `latest` is replaced atomically after the checkpoint itself
-// is in place, so it never points at a partial checkpoint.
+// Checkpoint directories (SAVE_DIR/step_00000100, ..., SAVE_DIR/latest) are the library's:
+// ctr_step_save_checkpoint and ctr_step_resume. The tool only reports what they did.
 
-std::string step_dir_name(int64_t step) { return ctr::strformat("step_%08" PRId64, step); }
-
-std::vector<std::string> list_checkpoints(const std::string &dir) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  for (const auto &e : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (n.rfind("step_", 0) == 0 && n.find('.') == std::string::npos && e.is_directory()) out.push_back(n);
+// One warning per damaged checkpoint that ctr_step_resume passed over (its `skipped`
+// lines, "DIR: reason"), each naming the one tried next.
+void warn_skipped(const std::string &save_dir, const char *skipped, const char *loaded) {
+  std::string root = save_dir;
+  while (root.size() > 1 && root.back() == '/') root.pop_back();
+  std::vector<std::pair<std::string, std::string>> passed;
+  const std::string text = skipped;
+  for (size_t at = 0; at < text.size();) {
+    size_t end = text.find('\n', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(at, end - at);
+    // DIR is SAVE_DIR/NAME and a name holds no ": ", so the reason starts at the first one after SAVE_DIR.
+    const size_t colon = line.find(": ", line.rfind(root, 0) == 0 ? root.size() : 0);
+    if (colon == std::string::npos)
+      passed.emplace_back(line, "");
+    else
+      passed.emplace_back(line.substr(0, colon), line.substr(colon + 2));
+    at = end + 1;
   }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-void write_latest(const std::string &dir, const std::string &name) {
-  const std::string tmp = dir + "/latest.tmp", dst = dir + "/latest";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    f << name << '\n';
-    f.flush();
-    if (!f) throw ctr::Error(CTR_STATUS_IO_ERROR, ctr::strformat("cannot write %s", tmp.c_str()));
-  }
-  std::filesystem::rename(tmp, dst);
+  for (size_t k = 0; k < passed.size(); ++k)
+    std::fprintf(stderr, "ctr: warning: %s is unusable (%s); trying %s\n", passed[k].first.c_str(),
+                 passed[k].second.c_str(), k + 1 < passed.size() ? passed[k + 1].first.c_str() : loaded);
 }
 
 // Sets both inputs; an id outside the graph's vocabulary gets a hint that
@@ -490,73 +488,43 @@ int cmd_run(const RunArgs &a) {
   }
   int64_t first_step = 1;
   if (!a.resume.empty()) {
-    std::vector<std::string> candidates;
-    if (a.resume == "latest") {
-      std::ifstream f(a.save_dir + "/latest");
-      std::string name;
-      if (f) std::getline(f, name);
-      std::vector<std::string> all = list_checkpoints(a.save_dir);
-      if (!name.empty()) candidates.push_back(a.save_dir + "/" + name);
-      // Older complete checkpoints are fallbacks when the newest is damaged.
-      for (auto it = all.rbegin(); it != all.rend(); ++it)
-        if (*it != name && (name.empty() || *it < name)) candidates.push_back(a.save_dir + "/" + *it);
-      if (candidates.empty())
-        throw ctr::Error(CTR_STATUS_CHECKPOINT_ERROR,
-                         ctr::strformat("--resume latest: no checkpoint in '%s'", a.save_dir.c_str()));
-    } else {
-      candidates.push_back(a.resume);
-    }
-    bool loaded = false;
-    for (size_t c = 0; c < candidates.size() && !loaded; ++c) {
-      ctr_status st = ctr_step_load(step.get(), candidates[c].c_str());
-      if (st == CTR_STATUS_OK) {
-        loaded = true;
-        if (lead) std::printf("resumed from %s at step %" PRId64 "\n", candidates[c].c_str(), ctr_step_count(step.get()));
-      } else if (st == CTR_STATUS_CHECKPOINT_ERROR && c + 1 < candidates.size()) {
-        if (lead)
-          std::fprintf(stderr, "ctr: warning: %s is unusable (%s); trying %s\n", candidates[c].c_str(),
-                       ctr_last_error(), candidates[c + 1].c_str());
-      } else {
-        throw ctr::Error(st, ctr_last_error());
-      }
+    // "latest" falls back past damaged checkpoints to older ones; a path loads just that.
+    const char *loaded = nullptr, *skipped = nullptr;
+    const ctr_status st =
+        ctr_step_resume(step.get(), a.save_dir.c_str(), a.resume.c_str(), &loaded, &skipped);
+    if (st == CTR_STATUS_NOT_FOUND && a.resume == "latest")
+      throw ctr::Error(CTR_STATUS_CHECKPOINT_ERROR,
+                       ctr::strformat("--resume latest: no checkpoint in '%s'", a.save_dir.c_str()));
+    check(st);
+    if (lead) {
+      if (skipped) warn_skipped(a.save_dir, skipped, loaded);
+      std::printf("resumed from %s at step %" PRId64 "\n", loaded, ctr_step_count(step.get()));
     }
     first_step = ctr_step_count(step.get()) + 1;
   }
+  Options save_opts = new_options();
+  set_int(save_opts.get(), "keep", a.keep);
+  // A background save in flight: the library publishes it (and moves `latest`)
+  // kAsyncSaveLag runs later or at the final wait; the tool only says so.
   std::string pending_save;
   int64_t pending_runs = 0;
-  auto publish = [&]() {
-    if (pending_save.empty()) return;
-    if (lead) {
-      write_latest(a.save_dir, pending_save);
-      std::vector<std::string> all = list_checkpoints(a.save_dir);
-      for (size_t k = 0; k + static_cast<size_t>(a.keep) < all.size(); ++k)
-        std::filesystem::remove_all(a.save_dir + "/" + all[k]);
-    }
-    pending_save.clear();
-  };
-  auto save = [&](int64_t at) {
-    const std::string name = step_dir_name(at);
-    if (lead) std::filesystem::create_directories(a.save_dir);
-    const std::string path = a.save_dir + "/" + name;
+  auto save = [&]() {
     const auto t0 = Clock::now();
-    check(ctr_step_save(step.get(), path.c_str()));
+    const char *path = nullptr;
+    check(ctr_step_save_checkpoint(step.get(), a.save_dir.c_str(), save_opts.get(), &path));
+    const std::string saved = path;
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     if (a.async_save) {
-      // Published by the next step (or the wait at the end); `latest` moves then.
-      pending_save = name;
+      pending_save = saved;
       pending_runs = 0;
       if (lead) {
-        std::printf("saving %s in the background (stall %.1f ms)\n", path.c_str(), ms);
+        std::printf("saving %s in the background (stall %.1f ms)\n", saved.c_str(), ms);
         std::fflush(stdout);
       }
       return;
     }
     if (lead) {
-      write_latest(a.save_dir, name);
-      std::vector<std::string> all = list_checkpoints(a.save_dir);
-      for (size_t k = 0; k + static_cast<size_t>(a.keep) < all.size(); ++k)
-        std::filesystem::remove_all(a.save_dir + "/" + all[k]);
-      std::printf("saved %s (%.0f ms)\n", path.c_str(), ms);
+      std::printf("saved %s (%.0f ms)\n", saved.c_str(), ms);
       std::fflush(stdout);
     }
   };
@@ -630,11 +598,11 @@ int cmd_run(const RunArgs &a) {
     if (!pending_save.empty() && ++pending_runs >= kAsyncSaveLag) {
       // This run published the background save (the step option's lag).
       if (lead) {
-        std::printf("saved %s/%s (the step waited %.1f ms for the writer)\n", a.save_dir.c_str(),
-                    pending_save.c_str(), m.save_wait_ms);
+        std::printf("saved %s (the step waited %.1f ms for the writer)\n", pending_save.c_str(),
+                    m.save_wait_ms);
         std::fflush(stdout);
       }
-      publish();
+      pending_save.clear();
     }
     const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
 
@@ -687,16 +655,16 @@ int cmd_run(const RunArgs &a) {
                          ctr::strformat("cannot write metrics file '%s'", a.metrics.c_str()));
     }
     const bool stopping = a.stop_after > 0 && i - first_step + 1 >= a.stop_after;
-    if (a.save_every > 0 && (i % a.save_every == 0 || i == a.steps || stopping)) save(i);
+    if (a.save_every > 0 && (i % a.save_every == 0 || i == a.steps || stopping)) save();
     if (stopping) break;
   }
   if (!pending_save.empty()) {
     const auto tw = Clock::now();
     check(ctr_step_wait_save(step.get()));
     if (lead)
-      std::printf("saved %s/%s (waited %.0f ms at the end)\n", a.save_dir.c_str(), pending_save.c_str(),
+      std::printf("saved %s (waited %.0f ms at the end)\n", pending_save.c_str(),
                   std::chrono::duration<double, std::milli>(Clock::now() - tw).count());
-    publish();
+    pending_save.clear();
   }
   if (!a.export_safetensors.empty()) {
     check(ctr_step_export_safetensors(step.get(), a.export_safetensors.c_str()));

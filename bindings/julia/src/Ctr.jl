@@ -23,7 +23,7 @@ using Libdl
 export CtrError, Options, Mesh, Graph, Step, Loader, Metrics, TensorInfo,
        preset_graph, input_names, param_names, tensor_info, param_count, flops_per_token, save_file,
        set_input!, run!, evaluate!, get_param!, param, set_param!, get_output!, set_lr!,
-       memory, step_count, save, load!, export_safetensors, import_safetensors!,
+       memory, step_count, save, load!, save_checkpoint, resume!, export_safetensors, import_safetensors!,
        attach_loader!, detach_loader!, next!, next_slice!, next_batch, loader_info
 
 # The ABI version this module was written for.
@@ -626,6 +626,51 @@ save(s::Step, dir::AbstractString) =
 """Restores a checkpoint; a bad one throws CHECKPOINT_ERROR, step unchanged."""
 load!(s::Step, dir::AbstractString) =
     check(ccall((:ctr_step_load, libctr), Cint, (Ptr{Cvoid}, Cstring), sptr(s), cstr("path", dir)))
+
+"""
+    save_checkpoint(step, root; keep = 3) -> String
+
+`ctr_step_save_checkpoint` (since 0.2): saves into `root/step_NNNNNNNN`
+(NNNNNNNN = `step_count(step)`) and returns that directory. Once the save is
+published (at once unless the step option `async_save` is set), `root/latest`
+names it and all but the `keep` newest `step_*` directories are removed
+(`keep = 0` keeps all). Collective.
+"""
+function save_checkpoint(s::Step, root::AbstractString; kw...)
+    r = cstr("path", root)
+    path = Ref{Ptr{UInt8}}(C_NULL)
+    with_coptions(Options(; kw...)) do co
+        check(ccall((:ctr_step_save_checkpoint, libctr), Cint,
+                    (Ptr{Cvoid}, Cstring, Ptr{Cvoid}, Ref{Ptr{UInt8}}), sptr(s), r, co, path))
+    end
+    # The step's string, valid until its next call (freeing the options is none).
+    return unsafe_string(path[])
+end
+
+"""
+    resume!(step, root, which = nothing) -> (path = ..., skipped = [...])
+
+`ctr_step_resume` (since 0.2): restores a checkpoint from a directory of
+`save_checkpoint`. `which` `nothing` (or "latest"): the one `root/latest`
+names (else the newest `step_*`), falling back to older ones while a
+checkpoint is damaged (CHECKPOINT_ERROR); `skipped` lists those passed over,
+one "DIR: reason" string each. Otherwise `which` is a checkpoint name under
+`root` or a path. No checkpoint at all throws NOT_FOUND; on any failure the
+step is unchanged. Collective.
+"""
+function resume!(s::Step, root::AbstractString, which::Union{Nothing,AbstractString} = nothing)
+    r = cstr("path", root)
+    w = which === nothing ? nothing : cstr("checkpoint", which)
+    path, skipped = Ref{Ptr{UInt8}}(C_NULL), Ref{Ptr{UInt8}}(C_NULL)
+    GC.@preserve w begin
+        wp = w === nothing ? Ptr{UInt8}(C_NULL) : pointer(w)
+        check(ccall((:ctr_step_resume, libctr), Cint,
+                    (Ptr{Cvoid}, Cstring, Ptr{UInt8}, Ref{Ptr{UInt8}}, Ref{Ptr{UInt8}}),
+                    sptr(s), r, wp, path, skipped))
+    end
+    lines = skipped[] == C_NULL ? String[] : String.(split(unsafe_string(skipped[]), '\n'))
+    return (path = unsafe_string(path[]), skipped = lines)
+end
 
 export_safetensors(s::Step, path::AbstractString) =
     check(ccall((:ctr_step_export_safetensors, libctr), Cint, (Ptr{Cvoid}, Cstring), sptr(s), cstr("path", path)))

@@ -121,6 +121,78 @@ end
         close(a); close(b)
     end
 
+    @testset "checkpoint directory: keep, latest and exact resume" begin
+        mesh, g = Mesh(), small_graph()
+        root = joinpath(mktempdir(), "ckpts")
+        latest() = strip(read(joinpath(root, "latest"), String))
+        a = Step(mesh, g, step_opts())
+        la = builtin_loader()
+        attach_loader!(a, la)
+        for _ in 1:2
+            feed!(a, la); run!(a)
+        end
+        @test save_checkpoint(a, root; keep = 1) == joinpath(root, "step_00000002")
+        @test latest() == "step_00000002"
+        for _ in 1:2
+            feed!(a, la); run!(a)
+        end
+        path = save_checkpoint(a, root; keep = 1)
+        @test path == joinpath(root, "step_00000004")
+        @test sort(readdir(root)) == ["latest", "step_00000004"]
+        @test latest() == "step_00000004"
+        want = [(feed!(a, la); run!(a).loss) for _ in 1:3]
+        e = ctr_error(() -> save_checkpoint(a, root; keep_last = 2))
+        @test e.status == Ctr.Status.INVALID_OPTION && occursin("keep_last", e.message)
+
+        b = Step(mesh, g, step_opts(; seed = 99))
+        lb = builtin_loader()
+        attach_loader!(b, lb)
+        r = resume!(b, root)
+        @test r.path == path && isempty(r.skipped)
+        @test step_count(b) == 4
+        @test [(feed!(b, lb); run!(b).loss) for _ in 1:3] == want
+        @test resume!(b, root, "step_00000004").path == path
+        close(a); close(b)
+    end
+
+    @testset "checkpoint directory: fallback past a damaged checkpoint" begin
+        mesh, g = Mesh(), small_graph()
+        dir = mktempdir()
+        root = joinpath(dir, "ckpts")
+        a = Step(mesh, g, step_opts())
+        la = builtin_loader()
+        attach_loader!(a, la)
+        for _ in 1:2
+            feed!(a, la); run!(a)
+        end
+        older = save_checkpoint(a, root; keep = 2)
+        for _ in 1:2
+            feed!(a, la); run!(a)
+        end
+        newest = save_checkpoint(a, root; keep = 2)
+        shard = joinpath(newest, "rank00000.bin")
+        bytes = read(shard)
+        bytes[101] ⊻= 0x01
+        write(shard, bytes)
+
+        b = Step(mesh, g, step_opts())
+        r = resume!(b, root, "latest")
+        @test r.path == older
+        @test length(r.skipped) == 1 && startswith(r.skipped[1], newest * ": ")
+        @test occursin("checksum mismatch", r.skipped[1])
+        @test step_count(b) == 2
+        e = ctr_error(() -> resume!(b, root, newest))
+        @test e.status == Ctr.Status.CHECKPOINT_ERROR && occursin("rank00000.bin", e.message)
+
+        empty = joinpath(dir, "empty")
+        mkdir(empty)
+        e = ctr_error(() -> resume!(b, empty))
+        @test e.status == Ctr.Status.NOT_FOUND && occursin(empty, e.message)
+        @test ctr_error(() -> resume!(b, joinpath(dir, "absent"))).status == Ctr.Status.NOT_FOUND
+        @test step_count(b) == 2
+        close(a); close(b)
+    end
+
     @testset "loader slices match the global batch" begin
         whole, r0, r1 = builtin_loader(), builtin_loader(), builtin_loader()
         half = 2 * SEQ

@@ -393,6 +393,22 @@ class Loader(_Handle):
 _METRIC_FIELDS = [name for name, _ in StepMetrics._fields_ if name != "size"]
 
 
+class Resumed(tuple):
+    """What Step.resume() loaded: path (the checkpoint directory) and skipped (the damaged
+    checkpoints passed over, "DIR: reason" each)."""
+
+    __slots__ = ()
+
+    def __new__(cls, path, skipped):
+        return super().__new__(cls, (path, skipped))
+
+    path = property(lambda self: self[0])
+    skipped = property(lambda self: self[1])
+
+    def __repr__(self):
+        return f"Resumed(path={self.path!r}, skipped={self.skipped!r})"
+
+
 class Step(_Handle):
     """The compiled training step of `graph` on `mesh`, with its parameters and optimizer state.
 
@@ -525,6 +541,31 @@ class Step(_Handle):
         """Restores a checkpoint written by save() for the same graph."""
         _L.step_load(self._p(), _enc(path))
 
+    def save_checkpoint(self, root, **options):
+        """Saves into root/step_NNNNNNNN (NNNNNNNN = count) and returns that directory.
+
+        Once the save is published (at once, unless the step option async_save is set), root/latest
+        names it and all but the `keep` newest step_* directories are removed. Options: keep
+        (int, default 3; 0 keeps all). Collective over the mesh."""
+        path = ctypes.c_char_p()
+        with _Options(options) as o:
+            _L.step_save_checkpoint(self._p(), _enc(root), o, ctypes.byref(path))
+        return _dec(path.value)
+
+    def resume(self, root, which=None):
+        """Restores a checkpoint from a directory of save_checkpoint(): Resumed(path, skipped).
+
+        which None or "latest": the checkpoint root/latest names (else the newest step_*), falling
+        back to older ones while a checkpoint is damaged; skipped lists those passed over, one
+        "DIR: reason" string each. Otherwise which is a checkpoint name under root or a path.
+        Raises CtrError NOT_FOUND when root holds no checkpoint, CHECKPOINT_ERROR when none is
+        usable; the step is unchanged then. Collective over the mesh."""
+        path, skipped = ctypes.c_char_p(), ctypes.c_char_p()
+        _L.step_resume(self._p(), _enc(root), None if which is None else _enc(which),
+                       ctypes.byref(path), ctypes.byref(skipped))
+        lines = _dec(skipped.value)
+        return Resumed(_dec(path.value), lines.split("\n") if lines else [])
+
     def export_safetensors(self, path):
         _L.step_export_safetensors(self._p(), _enc(path))
 
@@ -551,4 +592,5 @@ class Step(_Handle):
         return f"<ctr.Step batch {self._batch}, {self.count} steps taken>"
 
 
-__all__ = ["CtrError", "DType", "Status", "Mesh", "Graph", "Step", "Loader", "TensorInfo"]
+__all__ = ["CtrError", "DType", "Status", "Mesh", "Graph", "Step", "Loader", "Resumed",
+           "TensorInfo"]

@@ -205,6 +205,8 @@ _FUNCTIONS = {
     "ctr_step_count": (c_int64, [c_void_p]),
     "ctr_step_save": (_STATUS, [c_void_p, c_char_p]),
     "ctr_step_load": (_STATUS, [c_void_p, c_char_p]),
+    "ctr_step_save_checkpoint": (_STATUS, [c_void_p, c_char_p, c_void_p, P(c_char_p)]),
+    "ctr_step_resume": (_STATUS, [c_void_p, c_char_p, c_char_p, P(c_char_p), P(c_char_p)]),
     "ctr_step_export_safetensors": (_STATUS, [c_void_p, c_char_p]),
     "ctr_step_import_safetensors": (_STATUS, [c_void_p, c_char_p, c_void_p]),
     "ctr_loader_create": (_STATUS, [c_char_p, c_void_p, P(c_void_p)]),

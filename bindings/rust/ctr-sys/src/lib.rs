@@ -16,7 +16,7 @@ use core::ffi::{c_char, c_double, c_int, c_void};
 // Version
 
 pub const CTR_VERSION_MAJOR: c_int = 0;
-pub const CTR_VERSION_MINOR: c_int = 1;
+pub const CTR_VERSION_MINOR: c_int = 2;
 pub const CTR_VERSION_PATCH: c_int = 0;
 
 /// The ABI version these declarations were written for; compare it with
@@ -221,6 +221,21 @@ extern "C" {
     // Checkpoints and weights
     pub fn ctr_step_save(step: *mut ctr_step, dir: *const c_char) -> ctr_status;
     pub fn ctr_step_load(step: *mut ctr_step, dir: *const c_char) -> ctr_status;
+    /// Since 0.2.
+    pub fn ctr_step_save_checkpoint(
+        step: *mut ctr_step,
+        root: *const c_char,
+        options: *const ctr_options,
+        path: *mut *const c_char,
+    ) -> ctr_status;
+    /// Since 0.2.
+    pub fn ctr_step_resume(
+        step: *mut ctr_step,
+        root: *const c_char,
+        which: *const c_char,
+        path: *mut *const c_char,
+        skipped: *mut *const c_char,
+    ) -> ctr_status;
     pub fn ctr_step_export_safetensors(step: *mut ctr_step, path: *const c_char) -> ctr_status;
     pub fn ctr_step_import_safetensors(
         step: *mut ctr_step,

@@ -48,7 +48,7 @@ pub use graph::{Graph, TensorInfo};
 pub use loader::Loader;
 pub use mesh::Mesh;
 pub use options::{OptionValue, Options};
-pub use step::{Element, Memory, Metrics, Step};
+pub use step::{Element, Memory, Metrics, Resumed, Step};
 
 /// The ABI version this crate was written against.
 pub const ABI_VERSION: i32 = sys::CTR_ABI_VERSION;
@@ -133,6 +133,17 @@ pub(crate) fn cpath(path: &Path) -> Result<CString> {
     CString::new(path.as_os_str().as_bytes()).map_err(|_| {
         Error::new(Status::INVALID_ARGUMENT, format!("path {} contains a NUL byte", path.display()))
     })
+}
+
+/// Copies a library-owned C string naming a file; its bytes become the path
+/// unchanged, so non-UTF-8 names survive. The caller guarantees it is valid now.
+pub(crate) unsafe fn owned_path(p: *const std::ffi::c_char) -> std::path::PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    if p.is_null() {
+        std::path::PathBuf::new()
+    } else {
+        std::ffi::OsStr::from_bytes(CStr::from_ptr(p).to_bytes()).into()
+    }
 }
 
 /// Copies a library-owned C string; the caller guarantees it is valid now.

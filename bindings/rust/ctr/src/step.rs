@@ -1,11 +1,14 @@
 //! The step: the compiled, runnable training step and its state (parameters,
 //! optimizer state, schedule position), plus checkpoints and weights.
 
-use std::path::Path;
+use std::ffi::c_char;
+use std::path::{Path, PathBuf};
 use std::ptr::{self, NonNull};
 
 use crate::error::{check, Result};
-use crate::{cpath, cstring, sys, Error, Graph, Loader, Mesh, Options, Status};
+use crate::{
+    cpath, cstring, owned_path, owned_string, sys, Error, Graph, Loader, Mesh, Options, Status,
+};
 
 mod sealed {
     pub trait Sealed {}
@@ -41,6 +44,16 @@ pub struct Memory {
     pub arena_bytes: i64,
     pub param_bytes: i64,
     pub optimizer_bytes: i64,
+}
+
+/// What [`Step::resume`] loaded.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Resumed {
+    /// The checkpoint directory that was loaded.
+    pub path: PathBuf,
+    /// The damaged checkpoints passed over on the way, in the order tried,
+    /// one "DIR: reason" line each; empty when none was.
+    pub skipped: Vec<String>,
 }
 
 /// A compiled training step. It holds clones of its [`Mesh`] and [`Graph`]
@@ -215,6 +228,58 @@ impl Step {
         let d = cpath(dir.as_ref())?;
         // SAFETY: live handle, NUL-terminated path.
         check(unsafe { sys::ctr_step_load(self.as_ptr(), d.as_ptr()) })
+    }
+
+    /// `ctr_step_save_checkpoint` (since 0.2): saves into
+    /// `root/step_NNNNNNNN` (NNNNNNNN = [`Step::count`]) and returns that
+    /// directory. Once the save is published (at once unless the step option
+    /// "async_save" is set), `root/latest` names it and all but the "keep"
+    /// newest `step_*` directories are removed. Key: "keep" (3; 0 keeps all).
+    /// Collective over the mesh.
+    pub fn save_checkpoint(
+        &mut self,
+        root: impl AsRef<Path>,
+        options: &Options,
+    ) -> Result<PathBuf> {
+        let raw = options.to_raw()?;
+        let r = cpath(root.as_ref())?;
+        let mut path: *const c_char = ptr::null();
+        // SAFETY: live handle; root and options live for the call; path is a
+        // local out-pointer.
+        check(unsafe {
+            sys::ctr_step_save_checkpoint(self.as_ptr(), r.as_ptr(), raw.as_ptr(), &mut path)
+        })?;
+        // SAFETY: on success path is the step's string, valid until its next
+        // call; copied before any other.
+        Ok(unsafe { owned_path(path) })
+    }
+
+    /// `ctr_step_resume` (since 0.2): restores a checkpoint from a directory
+    /// of [`Step::save_checkpoint`]. `which` `None` (or "latest"): the one
+    /// `root/latest` names (else the newest `step_*`), falling back to older
+    /// ones while a checkpoint is damaged. Otherwise a checkpoint name under
+    /// `root` or a path. An empty root fails with `NOT_FOUND`, no usable
+    /// checkpoint with `CHECKPOINT_ERROR`; the step is unchanged then.
+    /// Collective over the mesh.
+    pub fn resume(&mut self, root: impl AsRef<Path>, which: Option<&Path>) -> Result<Resumed> {
+        let r = cpath(root.as_ref())?;
+        let w = which.map(cpath).transpose()?;
+        let (mut path, mut skipped): (*const c_char, *const c_char) = (ptr::null(), ptr::null());
+        // SAFETY: live handle; root and which live for the call; path and
+        // skipped are local out-pointers.
+        check(unsafe {
+            sys::ctr_step_resume(
+                self.as_ptr(),
+                r.as_ptr(),
+                w.as_ref().map_or(ptr::null(), |w| w.as_ptr()),
+                &mut path,
+                &mut skipped,
+            )
+        })?;
+        // SAFETY: on success both are the step's strings (skipped may be
+        // NULL), valid until its next call; copied before any other.
+        let (path, skipped) = unsafe { (owned_path(path), owned_string(skipped)) };
+        Ok(Resumed { path, skipped: skipped.lines().map(String::from).collect() })
     }
 
     /// Writes the parameters as a safetensors file (rank 0 writes). Collective.

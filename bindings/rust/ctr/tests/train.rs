@@ -5,10 +5,10 @@
 //! Needs libctr at link and run time (CTR_LIB_DIR or pkg-config, and
 //! LD_LIBRARY_PATH); tests/bindings/run_rust.sh sets both.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ctr::{Graph, Loader, Mesh, Options, Status, Step};
+use ctr::{Graph, Loader, Mesh, Options, Resumed, Status, Step};
 
 const SEQ: usize = 64;
 const BATCH: usize = 4;
@@ -171,6 +171,102 @@ fn checkpoint_restores_the_trajectory() {
     let loader = b.detach_loader().unwrap().expect("attached loader comes back");
     assert_eq!(loader.seq(), SEQ);
     assert!(b.detach_loader().unwrap().is_none());
+}
+
+fn latest(root: &Path) -> String {
+    std::fs::read_to_string(root.join("latest")).unwrap().trim().to_string()
+}
+
+fn train(step: &mut Step, n: usize) -> Vec<f64> {
+    (0..n)
+        .map(|_| {
+            step.feed_from_loader(BATCH).unwrap();
+            step.run().unwrap().loss
+        })
+        .collect()
+}
+
+#[test]
+fn checkpoint_directory_keeps_the_newest_and_resumes_exactly() {
+    let mesh = Mesh::new(&Options::new()).unwrap();
+    let g = graph();
+    let dir = TempDir::new("ckdir");
+    let root = dir.0.join("ckpts");
+    let keep1 = Options::new().int("keep", 1);
+
+    let mut a = Step::new(&mesh, &g, &step_options()).unwrap();
+    a.attach_loader(loader()).unwrap();
+    train(&mut a, 2);
+    assert_eq!(a.save_checkpoint(&root, &keep1).unwrap(), root.join("step_00000002"));
+    assert_eq!(latest(&root), "step_00000002");
+    train(&mut a, 2);
+    let path = a.save_checkpoint(&root, &keep1).unwrap();
+    assert_eq!(path, root.join("step_00000004"));
+    let mut names: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["latest", "step_00000004"]);
+    assert_eq!(latest(&root), "step_00000004");
+    let expected = train(&mut a, 3);
+    let err = a.save_checkpoint(&root, &Options::new().int("keep_last", 2)).unwrap_err();
+    assert_eq!(err.status(), Status::INVALID_OPTION, "{err}");
+    assert!(err.message().contains("keep_last"), "{err}");
+
+    // Another seed and a fresh loader: `latest` brings back weights, optimizer
+    // state, schedule and data position, so the losses match bit for bit.
+    let mut b = Step::new(&mesh, &g, &step_options().int("seed", 99)).unwrap();
+    b.attach_loader(loader()).unwrap();
+    let r = b.resume(&root, None).unwrap();
+    assert_eq!(r, Resumed { path: path.clone(), skipped: vec![] });
+    assert_eq!(b.count(), 4);
+    assert_eq!(train(&mut b, 3), expected, "resumed losses differ");
+    assert_eq!(b.resume(&root, Some(Path::new("step_00000004"))).unwrap().path, path);
+    assert_eq!(b.count(), 4);
+}
+
+#[test]
+fn checkpoint_directory_falls_back_past_a_damaged_checkpoint() {
+    let mesh = Mesh::new(&Options::new()).unwrap();
+    let g = graph();
+    let dir = TempDir::new("ckdamage");
+    let root = dir.0.join("ckpts");
+    let keep2 = Options::new().int("keep", 2);
+
+    let mut a = Step::new(&mesh, &g, &step_options()).unwrap();
+    a.attach_loader(loader()).unwrap();
+    train(&mut a, 2);
+    let older = a.save_checkpoint(&root, &keep2).unwrap();
+    train(&mut a, 2);
+    let newest = a.save_checkpoint(&root, &keep2).unwrap();
+    let shard = newest.join("rank00000.bin");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    bytes[100] ^= 0x01;
+    std::fs::write(&shard, bytes).unwrap();
+
+    let mut b = Step::new(&mesh, &g, &step_options()).unwrap();
+    let r = b.resume(&root, None).unwrap();
+    assert_eq!(r.path, older);
+    assert_eq!(r.skipped.len(), 1, "{:?}", r.skipped);
+    assert!(r.skipped[0].starts_with(&format!("{}: ", newest.display())), "{:?}", r.skipped);
+    assert!(r.skipped[0].contains("checksum mismatch"), "{:?}", r.skipped);
+    assert_eq!(b.count(), 2);
+
+    // Named explicitly, the damaged one is an error and the step keeps its state.
+    let err = b.resume(&root, Some(&newest)).unwrap_err();
+    assert_eq!(err.status(), Status::CHECKPOINT_ERROR, "{err}");
+    assert!(err.message().contains("rank00000.bin"), "{err}");
+    assert_eq!(b.count(), 2);
+
+    // No checkpoint at all: NOT_FOUND naming the directory.
+    let empty = dir.0.join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let err = b.resume(&empty, None).unwrap_err();
+    assert_eq!(err.status(), Status::NOT_FOUND, "{err}");
+    assert!(err.message().contains(&*empty.to_string_lossy()), "{err}");
+    assert_eq!(b.resume(dir.0.join("absent"), None).unwrap_err().status(), Status::NOT_FOUND);
+    assert_eq!(b.count(), 2);
 }
 
 #[test]
