@@ -12,6 +12,7 @@
 #include "api/internal.h"
 #include "backend/backend.h"
 #include "ckpt/directory.h"
+#include "ckpt/safetensors.h"
 #include "core/options.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
@@ -576,7 +577,7 @@ extern "C" ctr_status ctr_step_export_safetensors(ctr_step *step, const char *pa
   CTR_API_BEGIN
   STEP_ARG("ctr_step_export_safetensors");
   REQUIRE_ARG(path != nullptr, "ctr_step_export_safetensors: path is NULL");
-  step->impl->export_safetensors(path);
+  ctr::export_safetensors(*step->impl, path);
   CTR_API_END
 }
 
@@ -588,7 +589,7 @@ extern "C" ctr_status ctr_step_import_safetensors(ctr_step *step, const char *pa
   ctr::OptionReader r(options, "ctr_step_import_safetensors");
   bool allow_extra = r.get_int("allow_extra", 0, 0, 1) != 0;
   r.finish();
-  step->impl->import_safetensors(path, allow_extra);
+  ctr::import_safetensors(*step->impl, path, allow_extra);
   CTR_API_END
 }
 

@@ -34,8 +34,9 @@
 #include "core/status.h"
 #include "data/data.h"
 #include "ckpt/pending_save.h"
+#include "ckpt/checkpoint.h"
+#include "graph/ir.h"
 #include "runtime/mesh.h"
-#include "runtime/step.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -86,37 +87,22 @@ std::string hex64(uint64_t v) { return strformat("%016llx", static_cast<unsigned
 std::string rank_file(int rank) { return strformat("rank%05d.bin", rank); }
 
 // A fingerprint of what a checkpoint must match: parameter names and full shapes.
-json graph_params(const Graph &g, const std::vector<std::pair<int, std::vector<int64_t>>> &params) {
+json graph_params(const std::vector<ShardView> &shards) {
   json out = json::array();
-  for (const auto &[t, shape] : params) out.push_back({{"name", g.tensors[t].name}, {"shape", shape}});
+  for (const ShardView &v : shards) out.push_back({{"name", v.name}, {"shape", v.full_shape}});
   return out;
 }
 
 }  // namespace
 
-Step::Placement Step::placement(const ParamSlot &s) const {
-  const Tensor &t = g_.tensors[s.tensor];
-  Placement p;
-  p.rows = t.shape.empty() ? 1 : t.shape[0];
-  p.row_elems = p.rows > 0 ? s.n / p.rows : 0;
-  p.first_row = t.full_rows > 0 ? t.shard_index * p.rows : 0;
-  p.full_rows = t.full_rows > 0 ? t.full_rows : p.rows;
-  p.valid_rows = std::max<int64_t>(0, std::min(p.rows, p.full_rows - p.first_row));
-  return p;
-}
+Checkpointer::Checkpointer(const Mesh &mesh, int64_t publish_lag) : mesh_(mesh), lag_(publish_lag) {}
 
-bool Step::any_rank(bool flag) {
-  if (mesh_.world <= 1) return flag;
-  int32_t v = flag ? 1 : 0;
-  const Comm &wc = mesh_.world_comm;
-  comm_wait(wc, wc.iface->all_reduce(wc.ctx, &v, &v, 1, CTR_DTYPE_I32, ReduceOp::Max), mesh_.timeout_ms);
-  return v != 0;
-}
-
-void Step::world_barrier() {
-  if (mesh_.world <= 1) return;
-  const Comm &wc = mesh_.world_comm;
-  comm_wait(wc, wc.iface->barrier(wc.ctx), mesh_.timeout_ms);
+Checkpointer::~Checkpointer() {
+  try {
+    abandon();
+  } catch (...) {
+    // noexcept destructor: a failing background write is simply not published
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -161,15 +147,16 @@ void write_shard(PendingSave &p, int rank) {
 
 }  // namespace
 
-void Step::save(const std::string &dir_in, bool async, std::function<void()> on_publish) {
+void Checkpointer::save(const CheckpointState &s, const CheckpointInfo &info, const std::string &dir_in, bool async,
+                        std::function<void()> on_publish) {
   CTR_REQUIRE(!dir_in.empty(), CTR_STATUS_INVALID_ARGUMENT, "ctr_step_save: empty directory name");
-  finish_save();
+  finish();
   std::string dir = dir_in;
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   auto p = std::make_unique<PendingSave>();
   p->dir = dir;
   p->tmp = dir + ".tmp";
-  p->writer = copt_.mesh.index("dp") == 0;
+  p->writer = info.writer;
   p->on_publish = std::move(on_publish);
   const int rank = mesh_.rank;
 
@@ -188,25 +175,23 @@ void Step::save(const std::string &dir_in, bool async, std::function<void()> on_
       err = e.message();
     }
   }
-  if (any_rank(!err.empty()))
+  if (mesh_.any_rank(!err.empty()))
     fail(CTR_STATUS_IO_ERROR, err.empty() ? "ctr_step_save: rank 0 could not create " + p->tmp : err);
 
   // Snapshot: this rank's rows of params and optimizer state, and the metadata.
+  const std::vector<ShardView> shards = s.checkpoint_shards();
   if (p->writer) {
     int64_t total = 0;
-    for (const ParamSlot &s : slots_) total += 3 * placement(s).valid_rows * placement(s).row_elems * 4;
+    for (const ShardView &v : shards) total += 3 * v.valid_rows * v.row_elems * 4;
     p->bytes.resize(static_cast<size_t>(total));
     int64_t offset = 0;
-    for (const ParamSlot &s : slots_) {
-      Placement pl = placement(s);
-      if (pl.valid_rows <= 0) continue;
-      const float *bufs[3] = {param_ptr(s.tensor), s.m, s.v};
-      const int64_t row_bytes = pl.row_elems * 4;
-      const int64_t bytes = pl.valid_rows * row_bytes;
+    for (const ShardView &v : shards) {
+      if (v.valid_rows <= 0) continue;
+      const int64_t row_bytes = v.row_elems * 4;
+      const int64_t bytes = v.valid_rows * row_bytes;
       for (int k = 0; k < 3; ++k) {
-        be_.iface->copy_d2h(be_.ctx, p->bytes.data() + offset, bufs[k], static_cast<size_t>(bytes), 0);
-        p->entries.push_back({g_.tensors[s.tensor].name, kKinds[k], offset, bytes, pl.first_row,
-                              pl.first_row + pl.valid_rows,
+        s.checkpoint_read(p->bytes.data() + offset, v.buffers[k], static_cast<size_t>(bytes));
+        p->entries.push_back({v.name, kKinds[k], offset, bytes, v.first_row, v.first_row + v.valid_rows,
                               std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(row_bytes, 1)), row_bytes});
         offset += bytes;
       }
@@ -216,40 +201,38 @@ void Step::save(const std::string &dir_in, bool async, std::function<void()> on_
     json &meta = p->meta;
     meta["format"] = "ctr-checkpoint";
     meta["version"] = kCheckpointVersion;
-    meta["step"] = step_;
-    meta["graph"] = g_.name;
-    std::vector<std::pair<int, std::vector<int64_t>>> params;
-    for (const ParamSlot &s : slots_) {
-      std::vector<int64_t> shape = g_.tensors[s.tensor].shape;
-      if (g_.tensors[s.tensor].full_rows > 0) shape[0] = g_.tensors[s.tensor].full_rows;
-      params.emplace_back(s.tensor, shape);
-    }
-    meta["params"] = graph_params(g_, params);
+    meta["step"] = s.checkpoint_step();
+    meta["graph"] = info.graph_name;
+    meta["params"] = graph_params(shards);
     json mesh = json::array();
     for (const auto &a : mesh_.axes) mesh.push_back({a.first, a.second});
     meta["mesh"] = {{"world", mesh_.world}, {"axes", mesh}};
-    meta["options"] = json::parse(options_json_.empty() ? "{}" : options_json_);
+    meta["options"] = json::parse(info.options_json.empty() ? "{}" : info.options_json);
     // The loader's own JSON: a few integers per sub-dataset plus what it must
     // match (seq, sub-dataset sizes and weights) to be restored.
-    if (loader_) meta["loader"] = loader_->state_json();
+    if (info.loader) meta["loader"] = info.loader->state_json();
   }
   PendingSave *raw = p.get();
-  raw->runs_left = async_save_lag_;
-  pending_save_ = std::move(p);
+  raw->runs_left = lag_;
+  pending_ = std::move(p);
   if (async) {
     if (raw->writer) raw->thread = std::thread([raw, rank] { write_shard(*raw, rank); });
     return;
   }
   if (raw->writer) write_shard(*raw, rank);
-  finish_save();
+  finish();
 }
 
-void Step::finish_save() {
-  if (!pending_save_) return;
-  std::unique_ptr<PendingSave> p = std::move(pending_save_);
+void Checkpointer::tick() {
+  if (pending_ && --pending_->runs_left <= 0) finish();
+}
+
+void Checkpointer::finish() {
+  if (!pending_) return;
+  std::unique_ptr<PendingSave> p = std::move(pending_);
   if (p->thread.joinable()) p->thread.join();
   std::string err = p->err;
-  if (any_rank(!err.empty()))
+  if (mesh_.any_rank(!err.empty()))
     fail(CTR_STATUS_IO_ERROR,
          err.empty() ? strformat("ctr_step_save: another rank failed writing %s", p->tmp.c_str()) : err);
   // Rank 0 merges the indexes into meta.json and swaps the directory in.
@@ -282,28 +265,30 @@ void Step::finish_save() {
       err = strformat("ctr_step_save: %s: %s", p->dir.c_str(), e.what());
     }
   }
-  if (any_rank(!err.empty()))
+  if (mesh_.any_rank(!err.empty()))
     fail(CTR_STATUS_IO_ERROR,
          err.empty() ? strformat("ctr_step_save: rank 0 failed to finish %s", p->dir.c_str()) : err);
 }
 
-void Step::abandon_save() {
+void Checkpointer::abandon() {
   // The step is going away: let a write in flight end, publish nothing. The
   // previous checkpoint stays the newest complete one.
-  if (pending_save_ && pending_save_->thread.joinable()) pending_save_->thread.join();
-  pending_save_.reset();
+  if (pending_ && pending_->thread.joinable()) pending_->thread.join();
+  pending_.reset();
 }
 
 // ---------------------------------------------------------------------------
 // Load
 
-void Step::load(const std::string &dir_in) {
-  finish_save();
+void Checkpointer::load(CheckpointState &s, const CheckpointInfo &info, const std::string &dir_in) {
+  finish();
+  const std::vector<ShardView> shards = s.checkpoint_shards();
+  data::Loader *const loader = info.loader;
   std::string dir = dir_in;
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   std::string err;
   // Staging: per slot, param/m/v of this rank's placement; committed at the end.
-  std::vector<std::array<std::vector<float>, 3>> stage(slots_.size());
+  std::vector<std::array<std::vector<float>, 3>> stage(shards.size());
   int64_t step = 0;
   json loader_state;
   json old_loader;
@@ -327,16 +312,14 @@ void Step::load(const std::string &dir_in) {
       // The graph must match: same parameters with the same full shapes.
       std::map<std::string, std::vector<int64_t>> saved;
       for (const auto &p : meta.at("params")) saved[p.at("name").get<std::string>()] = p.at("shape").get<std::vector<int64_t>>();
-      for (const ParamSlot &s : slots_) {
-        const Tensor &t = g_.tensors[s.tensor];
-        std::vector<int64_t> shape = t.shape;
-        if (t.full_rows > 0) shape[0] = t.full_rows;
-        auto it = saved.find(t.name);
+      for (const ShardView &v : shards) {
+        const std::vector<int64_t> &shape = v.full_shape;
+        auto it = saved.find(v.name);
         if (it == saved.end())
-          ckpt_fail(strformat("%s: mismatched graph: the checkpoint has no parameter '%s'", dir.c_str(), t.name.c_str()));
+          ckpt_fail(strformat("%s: mismatched graph: the checkpoint has no parameter '%s'", dir.c_str(), v.name.c_str()));
         if (it->second != shape)
           ckpt_fail(strformat("%s: mismatched graph: parameter '%s' is %s in the checkpoint, %s in the graph",
-                              dir.c_str(), t.name.c_str(), shape_string(it->second).c_str(), shape_string(shape).c_str()));
+                              dir.c_str(), v.name.c_str(), shape_string(it->second).c_str(), shape_string(shape).c_str()));
         saved.erase(it);
       }
       if (!saved.empty())
@@ -355,14 +338,13 @@ void Step::load(const std::string &dir_in) {
           for (auto &kv : m) ::close(kv.second);
         }
       } closer{fds};
-      for (size_t si = 0; si < slots_.size(); ++si) {
-        const ParamSlot &s = slots_[si];
-        const std::string &name = g_.tensors[s.tensor].name;
-        Placement pl = placement(s);
+      for (size_t si = 0; si < shards.size(); ++si) {
+        const ShardView &pl = shards[si];
+        const std::string &name = pl.name;
         const int64_t row_bytes = pl.row_elems * 4;
         for (int k = 0; k < 3; ++k) {
           std::vector<float> &buf = stage[si][k];
-          buf.assign(static_cast<size_t>(s.n), 0.0f);
+          buf.assign(static_cast<size_t>(pl.n), 0.0f);
           int64_t want_lo = pl.first_row, want_hi = pl.first_row + pl.valid_rows;
           int64_t covered = 0;
           for (const json *ep : entries[{name, kKinds[k]}]) {
@@ -412,15 +394,15 @@ void Step::load(const std::string &dir_in) {
                                 dir.c_str(), static_cast<long long>(want_lo), static_cast<long long>(want_hi), name.c_str(), kKinds[k]));
         }
       }
-      if (loader_ && !loader_state.is_null()) {
-        if (loader_state.value("seq", int64_t{0}) != loader_seq_)
+      if (loader && !loader_state.is_null()) {
+        if (loader_state.value("seq", int64_t{0}) != info.loader_seq)
           ckpt_fail(strformat("%s: the checkpoint's data loader used seq %lld, this one uses %lld", dir.c_str(),
                               static_cast<long long>(loader_state.value("seq", int64_t{0})),
-                              static_cast<long long>(loader_seq_)));
-        old_loader = loader_->state_json();
+                              static_cast<long long>(info.loader_seq)));
+        old_loader = loader->state_json();
         restored_loader = true;
         try {
-          loader_->restore_json(loader_state);
+          loader->restore_json(loader_state);
         } catch (const Error &e) {
           ckpt_fail(strformat("%s: %s", dir.c_str(), e.message().c_str()));
         }
@@ -431,20 +413,17 @@ void Step::load(const std::string &dir_in) {
   } catch (const Error &e) {
     err = e.message();
   }
-  if (any_rank(!err.empty())) {
-    if (restored_loader) loader_->restore_json(old_loader);
+  if (mesh_.any_rank(!err.empty())) {
+    if (restored_loader) loader->restore_json(old_loader);
     fail(CTR_STATUS_CHECKPOINT_ERROR,
          err.empty() ? strformat("%s: another rank failed to load this checkpoint (see its error)", dir.c_str()) : err);
   }
 
   // Commit.
-  for (size_t si = 0; si < slots_.size(); ++si) {
-    const ParamSlot &s = slots_[si];
-    float *dst[3] = {param_ptr(s.tensor), s.m, s.v};
+  for (size_t si = 0; si < shards.size(); ++si)
     for (int k = 0; k < 3; ++k)
-      be_.iface->copy_h2d(be_.ctx, dst[k], stage[si][k].data(), static_cast<size_t>(s.n) * 4, 0);
-  }
-  step_ = step;
+      s.checkpoint_write(shards[si].buffers[k], stage[si][k].data(), static_cast<size_t>(shards[si].n) * 4);
+  s.checkpoint_set_step(step);
 }
 
 }  // namespace ctr

@@ -16,7 +16,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "ckpt/safetensors.h"
 #include "core/status.h"
+#include "graph/ir.h"
 #include "runtime/mesh.h"
 #include "runtime/step.h"
 
@@ -27,6 +29,12 @@ namespace {
 
 [[noreturn]] void st_fail(const std::string &path, const std::string &what) {
   fail(CTR_STATUS_DATA_ERROR, path + ": " + what);
+}
+
+int64_t numel(const std::vector<int64_t> &s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
 }
 
 float half_to_float(uint16_t h) {
@@ -56,21 +64,19 @@ float half_to_float(uint16_t h) {
 
 }  // namespace
 
-void Step::export_safetensors(const std::string &path) {
+void export_safetensors(Step &step, const std::string &path) {
   // Gather every parameter first (collective), then rank 0 writes.
   std::vector<std::pair<std::string, std::vector<float>>> params;
   std::vector<std::vector<int64_t>> shapes;
-  for (const ParamSlot &s : slots_) {
-    const Tensor &t = g_.tensors[s.tensor];
-    std::vector<float> v(static_cast<size_t>(full_numel(s.tensor)));
-    get_param(t.name, v.data(), v.size());
-    std::vector<int64_t> shape = t.shape;
-    if (t.full_rows > 0) shape[0] = t.full_rows;
-    params.emplace_back(t.name, std::move(v));
-    shapes.push_back(shape);
+  for (const Step::ParamInfo &p : step.params()) {
+    std::vector<float> v(static_cast<size_t>(numel(p.full_shape)));
+    step.get_param(p.name, v.data(), v.size());
+    params.emplace_back(p.name, std::move(v));
+    shapes.push_back(p.full_shape);
   }
+  const Mesh &mesh = step.mesh();
   std::string err;
-  if (mesh_.rank == 0) {
+  if (mesh.rank == 0) {
     try {
       json header = json::object();
       uint64_t offset = 0;
@@ -79,7 +85,7 @@ void Step::export_safetensors(const std::string &path) {
         header[params[i].first] = {{"dtype", "F32"}, {"shape", shapes[i]}, {"data_offsets", {offset, offset + bytes}}};
         offset += bytes;
       }
-      header["__metadata__"] = {{"format", "pt"}, {"producer", "libctr"}, {"step", std::to_string(step_)}};
+      header["__metadata__"] = {{"format", "pt"}, {"producer", "libctr"}, {"step", std::to_string(step.count())}};
       std::string h = header.dump();
       while ((h.size() + 8) % 8 != 0) h.push_back(' ');  // data starts 8-byte aligned
       std::string tmp = path + ".tmp";
@@ -100,11 +106,12 @@ void Step::export_safetensors(const std::string &path) {
       err = e.message();
     }
   }
-  if (any_rank(!err.empty()))
+  if (mesh.any_rank(!err.empty()))
     fail(CTR_STATUS_IO_ERROR, err.empty() ? "export_safetensors: rank 0 failed to write " + path : err);
 }
 
-void Step::import_safetensors(const std::string &path, bool allow_extra) {
+void import_safetensors(Step &step, const std::string &path, bool allow_extra) {
+  const std::vector<Step::ParamInfo> params = step.params();
   std::vector<std::pair<std::string, std::vector<float>>> values;
   std::string err;
   ctr_status code = CTR_STATUS_OK;
@@ -132,14 +139,13 @@ void Step::import_safetensors(const std::string &path, bool allow_extra) {
     if (!header.is_object()) st_fail(path, "header is not a JSON object");
     const uint64_t data_size = size - 8 - hlen;
     std::set<std::string> wanted;
-    for (const ParamSlot &s : slots_) wanted.insert(g_.tensors[s.tensor].name);
+    for (const Step::ParamInfo &p : params) wanted.insert(p.name);
     if (!allow_extra)
       for (auto it = header.begin(); it != header.end(); ++it)
         if (it.key() != "__metadata__" && !wanted.count(it.key()))
           st_fail(path, strformat("tensor '%s' is not a parameter of the graph (set allow_extra to skip it)",
                                   it.key().c_str()));
-    for (const ParamSlot &s : slots_) {
-      const Tensor &t = g_.tensors[s.tensor];
+    for (const Step::ParamInfo &t : params) {
       if (!header.contains(t.name)) st_fail(path, strformat("parameter '%s' is missing", t.name.c_str()));
       const json &e = header[t.name];
       std::string dtype;
@@ -153,14 +159,13 @@ void Step::import_safetensors(const std::string &path, bool allow_extra) {
       } catch (const std::exception &ex) {
         st_fail(path, strformat("entry '%s' is malformed: %s", t.name.c_str(), ex.what()));
       }
-      std::vector<int64_t> want = t.shape;
-      if (t.full_rows > 0) want[0] = t.full_rows;
+      const std::vector<int64_t> &want = t.full_shape;
       if (shape != want)
         st_fail(path, strformat("parameter '%s' has shape %s in the file, %s in the graph", t.name.c_str(),
                                 shape_string(shape).c_str(), shape_string(want).c_str()));
       size_t esize = dtype == "F32" ? 4 : (dtype == "F16" || dtype == "BF16") ? 2 : 0;
       if (!esize) st_fail(path, strformat("parameter '%s' has dtype %s (F32, F16 and BF16 are read)", t.name.c_str(), dtype.c_str()));
-      uint64_t n = static_cast<uint64_t>(full_numel(s.tensor));
+      uint64_t n = static_cast<uint64_t>(numel(t.full_shape));
       if (end < b || end > data_size || end - b != n * esize)
         st_fail(path, strformat("parameter '%s' has data offsets [%llu, %llu) that do not hold %llu %s values",
                                 t.name.c_str(), static_cast<unsigned long long>(b), static_cast<unsigned long long>(end),
@@ -191,10 +196,10 @@ void Step::import_safetensors(const std::string &path, bool allow_extra) {
     err = e.message();
     code = e.code();
   }
-  if (any_rank(!err.empty()))
+  if (step.mesh().any_rank(!err.empty()))
     fail(code == CTR_STATUS_OK ? CTR_STATUS_DATA_ERROR : code,
          err.empty() ? path + ": another rank failed to read this file" : err);
-  for (auto &[name, v] : values) set_param(name, v.data(), v.size());
+  for (auto &[name, v] : values) step.set_param(name, v.data(), v.size());
 }
 
 }  // namespace ctr

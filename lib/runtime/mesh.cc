@@ -65,6 +65,14 @@ MeshPlacement Mesh::placement() const {
   return p;
 }
 
+bool Mesh::any_rank(bool flag) const {
+  if (world <= 1) return flag;
+  int32_t v = flag ? 1 : 0;
+  comm_wait(world_comm, world_comm.iface->all_reduce(world_comm.ctx, &v, &v, 1, CTR_DTYPE_I32, ReduceOp::Max),
+            timeout_ms);
+  return v != 0;
+}
+
 void Mesh::connect(const RendezvousConfig &rc) {
   store = store_join(rc);
   world_comm = comm_create(transport, *store, rank, world, timeout_ms);

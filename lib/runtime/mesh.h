@@ -48,6 +48,9 @@ class Mesh {
   // The communicator of an axis; fails naming the axis when the mesh has none.
   const Comm &comm(const std::string &axis) const;
   MeshPlacement placement() const;
+  // Agreement across the world: true on every rank if any rank passes true
+  // (collective; the flag itself on one rank).
+  bool any_rank(bool flag) const;
 
   // Connects a multi-rank mesh: joins the rendezvous, creates the world
   // communicator with the transport's factory and splits one per axis.

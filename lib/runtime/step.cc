@@ -22,7 +22,6 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
-#include "ckpt/pending_save.h"
 #include "core/options.h"
 #include "core/rng.h"
 #include "core/status.h"
@@ -206,15 +205,12 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     tokens_per_micro_ = g_.tensors[inputs_slots_[0].tensor].numel();
 
   exec_ = std::make_unique<Executor>(g_, prog_, mesh_, be_, std::move(addr));
+  ckpt_ = std::make_unique<Checkpointer>(mesh_, async_save_lag_);
   init_params(seed);
 }
 
 Step::~Step() {
-  try {
-    abandon_save();
-  } catch (...) {
-    // noexcept destructor: a failing background write is simply not published
-  }
+  ckpt_.reset();  // a background write ends; nothing is published
   exec_.reset();
   opt_.reset();
   be_.iface->free(be_.ctx, arena_);
@@ -352,7 +348,7 @@ void Step::run(ctr_step_metrics *metrics) {
     // A background save is published here, after the same number of steps on
     // every rank (a collective), giving the writer that many steps of time.
     auto ts = Clock::now();
-    maybe_finish_save();
+    ckpt_->tick();
     save_wait_ms_ = ms_since(ts);
   }
   if (metrics)
@@ -435,8 +431,62 @@ double Step::evaluate() {
   return sum / static_cast<double>(copt_.micro_batches);
 }
 
-void Step::maybe_finish_save() {
-  if (pending_save_ && --pending_save_->runs_left <= 0) finish_save();
+// ---------------------------------------------------------------------------
+// Checkpoints: the Checkpointer does the work, through CheckpointState.
+
+CheckpointInfo Step::checkpoint_info() const {
+  CheckpointInfo i;
+  i.graph_name = g_.name;
+  i.options_json = options_json_;
+  i.loader = loader_;
+  i.loader_seq = loader_seq_;
+  i.writer = copt_.mesh.index("dp") == 0;  // dp replicas hold the same rows
+  return i;
+}
+
+void Step::save(const std::string &dir, bool async, std::function<void()> on_publish) {
+  ckpt_->save(*this, checkpoint_info(), dir, async, std::move(on_publish));
+}
+
+void Step::finish_save() { ckpt_->finish(); }
+
+void Step::load(const std::string &dir) { ckpt_->load(*this, checkpoint_info(), dir); }
+
+std::vector<ShardView> Step::checkpoint_shards() const {
+  std::vector<ShardView> out;
+  for (const ParamSlot &s : slots_) {
+    const Tensor &t = g_.tensors[s.tensor];
+    ShardView v;
+    v.name = t.name;
+    v.full_shape = t.shape.empty() ? std::vector<int64_t>{1} : t.shape;
+    if (t.full_rows > 0) v.full_shape[0] = t.full_rows;
+    if (t.shape.empty()) v.full_shape.clear();
+    v.n = s.n;
+    const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    v.row_elems = rows > 0 ? s.n / rows : 0;
+    v.first_row = t.full_rows > 0 ? t.shard_index * rows : 0;
+    const int64_t full_rows = t.full_rows > 0 ? t.full_rows : rows;
+    v.valid_rows = std::max<int64_t>(0, std::min(rows, full_rows - v.first_row));
+    v.buffers[0] = param_ptr(s.tensor);
+    v.buffers[1] = s.m;
+    v.buffers[2] = s.v;
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+void Step::checkpoint_read(void *host, const void *device, size_t bytes) const {
+  be_.iface->copy_d2h(be_.ctx, host, device, bytes, 0);
+}
+
+void Step::checkpoint_write(void *device, const void *host, size_t bytes) {
+  be_.iface->copy_h2d(be_.ctx, device, host, bytes, 0);
+}
+
+std::vector<Step::ParamInfo> Step::params() const {
+  std::vector<ParamInfo> out;
+  for (const ShardView &v : checkpoint_shards()) out.push_back({v.name, v.full_shape});
+  return out;
 }
 
 double Step::forward_backward() {

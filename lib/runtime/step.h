@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "ckpt/checkpoint.h"
 #include "passes/passes.h"
 #include "runtime/optimizer.h"
 
@@ -25,12 +26,11 @@ namespace ctr {
 
 class Mesh;
 class Executor;
-struct PendingSave;
 namespace data {
 class Loader;
 }
 
-class Step {
+class Step : private CheckpointState {
  public:
   Step(const Mesh &mesh, const Graph &graph, const ctr_options *options);
   ~Step();
@@ -50,19 +50,22 @@ class Step {
   // Names of the passes that compiled this step, in order.
   const std::vector<std::string> &passes_run() const { return passes_run_; }
 
-  // Checkpoints (lib/ckpt/checkpoint.cc) and safetensors (lib/ckpt/safetensors.cc).
+  // Checkpoints, through the step's Checkpointer (lib/ckpt/checkpoint.h).
   // async: snapshot now, write in the background; the save is published (a
-  // collective) by finish_save(), which the next run/save/load calls.
-  // on_publish runs on rank 0 once the checkpoint is in place (directory.cc
-  // moves `latest` and prunes there); a throw fails the publishing call.
+  // collective) by finish_save(), which a later run (after the lag), save or
+  // load calls. on_publish runs on rank 0 once the checkpoint is in place
+  // (directory.cc moves `latest` and prunes there); a throw fails that call.
   void save(const std::string &dir, bool async = false, std::function<void()> on_publish = {});
   void finish_save();
-  void maybe_finish_save();  // publish once the lag has passed (in run)
-  void abandon_save();
   bool async_save() const { return async_save_; }
   void load(const std::string &dir);
-  void export_safetensors(const std::string &path);
-  void import_safetensors(const std::string &path, bool allow_extra);
+  // Parameters by name with their full (unsharded) shapes, in graph order.
+  struct ParamInfo {
+    std::string name;
+    std::vector<int64_t> full_shape;
+  };
+  std::vector<ParamInfo> params() const;
+  const Mesh &mesh() const { return mesh_; }
   void attach_loader(data::Loader *loader, int64_t seq) {
     loader_ = loader;
     loader_seq_ = seq;
@@ -91,6 +94,14 @@ class Step {
     int64_t lo, hi; // valid id range [lo, hi) for int32 inputs; lo > hi = unchecked
     bool set = false;
   };
+
+  // CheckpointState
+  std::vector<ShardView> checkpoint_shards() const override;
+  void checkpoint_read(void *host, const void *device, size_t bytes) const override;
+  void checkpoint_write(void *device, const void *host, size_t bytes) override;
+  int64_t checkpoint_step() const override { return step_; }
+  void checkpoint_set_step(int64_t step) override { step_ = step; }
+  CheckpointInfo checkpoint_info() const;
 
   void init_params(uint64_t seed);
   int64_t full_numel(int t) const;
@@ -121,7 +132,7 @@ class Step {
   data::Loader *loader_ = nullptr;
   int64_t loader_seq_ = 0;
   bool ran_forward_ = false;
-  std::unique_ptr<PendingSave> pending_save_;
+  std::unique_ptr<Checkpointer> ckpt_;
   double save_wait_ms_ = 0;
   bool async_save_ = false;
   int64_t async_save_lag_ = 2;
@@ -131,15 +142,6 @@ class Step {
   std::string options_json_;  // the options the step was created with, for checkpoints
   std::vector<int> kept_;     // tensors named in option "keep"
 
-  // Agreement across ranks: true if any rank passes true.
-  bool any_rank(bool flag);
-  void world_barrier();
-  // A param slot's placement: rows held locally, its first global row, the full
-  // row count and the elements per row.
-  struct Placement {
-    int64_t rows, first_row, full_rows, row_elems, valid_rows;
-  };
-  Placement placement(const ParamSlot &s) const;
 };
 
 }  // namespace ctr
