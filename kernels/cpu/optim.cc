@@ -5,7 +5,8 @@
 // the same whatever the thread count (clipping decisions must not change when a run
 // is resumed with another CTR_NUM_THREADS).
 //
-// adamw_update is one pass over five arrays; the bias corrections are formed once
+// adamw_flat is one pass over the segments of five arrays (adamw_update is its
+// one-segment case); the bias corrections are formed once
 // in double, the per-element work is float. Its sqrt vectorises only under
 // -fno-math-errno, which the build passes: otherwise GCC keeps a scalar call that
 // may set errno, and the update runs about 4x slower (same results either way).
@@ -59,25 +60,8 @@ double sum_squares(const float *x, int64_t n) {
 void adamw_update(float *param, const float *grad, float *m, float *v, int64_t n, float lr,
                   float beta1, float beta2, float eps, float weight_decay, int64_t t,
                   float grad_scale) {
-  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(t));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(t));
-  // p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p), rearranged as torch does it:
-  // p = p * (1 - lr wd) - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps).
-  const float step = static_cast<float>(static_cast<double>(lr) / bc1);
-  const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
-  const float b1 = beta1, b2 = beta2, c1 = 1.0f - beta1, c2 = 1.0f - beta2;
-  ctr::parallel_for(n, 1 << 14, [=](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float g = grad[i] * grad_scale;
-      const float mi = b1 * m[i] + c1 * g;
-      const float vi = b2 * v[i] + c2 * (g * g);
-      m[i] = mi;
-      v[i] = vi;
-      const float denom = std::sqrt(vi) * inv_sqrt_bc2 + eps;
-      param[i] = param[i] * decay - step * mi / denom;
-    }
-  });
+  const int64_t offset = 0;
+  adamw_flat(param, grad, m, v, &offset, &n, &weight_decay, 1, lr, beta1, beta2, eps, t, grad_scale);
 }
 
 void adamw_flat(float *param, const float *grad, float *m, float *v, const int64_t *offsets,

@@ -43,6 +43,11 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
     for (int n : pending[k].nodes) p.complete_at[static_cast<size_t>(n)] = pos;
     pending.erase(pending.begin() + static_cast<long>(k));
   };
+  auto reads = [&](const Node &n, size_t k) {
+    for (int in : n.inputs)
+      if (pending[k].outputs.count(in)) return true;
+    return false;
+  };
   for (int ni = begin; ni < end; ++ni) {
     const Node &n = g.nodes[static_cast<size_t>(ni)];
     if (is_collective(n.op)) {
@@ -51,9 +56,7 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
       // reads is implied by its completion (same stream).
       std::vector<int> chained;
       for (size_t k = 0; k < pending.size();) {
-        bool read = false;
-        for (int in : n.inputs) read |= pending[k].outputs.count(in) != 0;
-        if (read) {
+        if (reads(n, k)) {
           chained.insert(chained.end(), pending[k].nodes.begin(), pending[k].nodes.end());
           pending.erase(pending.begin() + static_cast<long>(k));
         } else {
@@ -105,9 +108,7 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
       fail(CTR_STATUS_UNSUPPORTED,
            strformat("node '%s': the backend has no kernel for op '%s'", n.name.c_str(), n.op.c_str()));
     for (size_t k = 0; k < pending.size();) {
-      bool read = false;
-      for (int in : n.inputs) read |= pending[k].outputs.count(in) != 0;
-      if (read)
+      if (reads(n, k))
         await(k, ni);
       else
         ++k;
