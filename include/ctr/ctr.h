@@ -280,6 +280,10 @@ typedef struct ctr_step_metrics {
   int64_t tokens;          /* tokens in this step */
   int64_t peak_bytes;      /* planned activation arena + parameter state */
   double save_wait_ms;     /* time this step waited to publish a background save */
+  /* Since 0.2: */
+  double compute_ms;       /* forward and backward, less exposed_comm_ms */
+  double comm_ms;          /* time collectives were in flight on the comm stream */
+  double exposed_comm_ms;  /* time compute waited for communication (not hidden) */
 } ctr_step_metrics;
 
 /* Runs forward, backward and the optimizer update on the inputs last set (all

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <utility>
 
 #include "core/status.h"
 #include "graph/ops.h"
@@ -30,6 +31,11 @@ struct Executor::Collective {
 };
 
 namespace {
+
+using Clock = std::chrono::steady_clock;
+int64_t ns_since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+}
 
 ctr_tensor_ref make_ref(const Tensor &t, void *addr) {
   ctr_tensor_ref r{};
@@ -132,7 +138,7 @@ void Executor::run_collective(void *user) {
   Executor &ex = *c->ex;
   // After a failure the communicator is broken: issue nothing more on it.
   if (ex.failed_.load(std::memory_order_acquire)) return;
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
   try {
     const CommIface *ci = c->comm.iface;
     CommWork *w = nullptr;
@@ -157,7 +163,7 @@ void Executor::run_collective(void *user) {
     ex.err_msg_ = strformat("%s '%s': %s", c->node->op.c_str(), c->node->name.c_str(), e.what());
     ex.failed_.store(true, std::memory_order_release);
   }
-  ex.comm_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  ex.comm_ns_ += ns_since(t0);
 }
 
 void Executor::raise_if_failed() {
@@ -167,6 +173,8 @@ void Executor::raise_if_failed() {
 }
 
 double Executor::take_comm_ms() { return static_cast<double>(comm_ns_.exchange(0)) / 1e6; }
+
+double Executor::take_exposed_ms() { return static_cast<double>(std::exchange(exposed_ns_, 0)) / 1e6; }
 
 void Executor::run(Phase phase) {
   const std::vector<Instr> &list = phase == Phase::Forward ? prog_.forward : prog_.backward;
@@ -189,12 +197,20 @@ void Executor::run(Phase phase) {
         break;
       case Instr::Record: bi->record_event(ctx, events_[static_cast<size_t>(in.event)], stream); break;
       case Instr::Wait:
-        bi->wait_event(ctx, events_[static_cast<size_t>(in.event)], stream);
-        if (in.stream == 0) raise_if_failed();
+        if (in.stream == 0) {
+          const auto t0 = Clock::now();
+          bi->wait_event(ctx, events_[static_cast<size_t>(in.event)], stream);
+          exposed_ns_ += ns_since(t0);
+          raise_if_failed();
+        } else {
+          bi->wait_event(ctx, events_[static_cast<size_t>(in.event)], stream);
+        }
         break;
     }
   }
+  const auto t0 = Clock::now();
   for (size_t s = 1; s < streams_.size(); ++s) bi->synchronize(ctx, streams_[s]);
+  if (streams_.size() > 1) exposed_ns_ += ns_since(t0);
   raise_if_failed();
 }
 

@@ -45,9 +45,13 @@ class Executor {
   // is drained. Throws the first collective failure.
   void run(Phase phase);
 
-  // Time spent in the comm stream's collectives (issue to completion) since the
+  // Time the comm stream spent in collectives (issue to completion) since the
   // last call, in ms.
   double take_comm_ms();
+  // Time stream 0 spent waiting for the comm stream (its waits on collectives'
+  // events and the end-of-phase drain) since the last call, in ms: the
+  // communication that compute did not hide.
+  double take_exposed_ms();
 
  private:
   struct Call;        // a kernel launch, resolved
@@ -72,6 +76,7 @@ class Executor {
   ctr_status err_code_ = CTR_STATUS_OK;
   std::string err_msg_;
   std::atomic<int64_t> comm_ns_{0};
+  int64_t exposed_ns_ = 0;
 };
 
 }  // namespace ctr

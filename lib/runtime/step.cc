@@ -356,6 +356,8 @@ void Step::run(ctr_step_metrics *metrics) {
                 "ctr_step_run: metrics->size must be set to sizeof(ctr_step_metrics)");
   auto t0 = Clock::now();
   double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
+  exec_->take_comm_ms();  // collectives outside the step (get_param, ...) do not count
+  exec_->take_exposed_ms();
   const int64_t k = copt_.micro_batches;
   for (int64_t mb = 0; mb < k; ++mb) {
     bind_micro_batch(mb);
@@ -415,6 +417,9 @@ void Step::run(ctr_step_metrics *metrics) {
     m.tokens_per_s = total_ms > 0 ? static_cast<double>(m.tokens) * 1000.0 / total_ms : 0;
     m.peak_bytes = peak_bytes();
     m.save_wait_ms = save_wait_ms_;
+    m.exposed_comm_ms = exec_->take_exposed_ms();
+    m.comm_ms = exec_->take_comm_ms();
+    m.compute_ms = std::max(0.0, fwd_ms + bwd_ms - m.exposed_comm_ms);
     std::memcpy(metrics, &m, std::min(sizeof m, metrics->size));
   }
 }
