@@ -176,6 +176,10 @@ func TestTenStepsLowerTheLoss(t *testing.T) {
 		if m.Step != int64(i) || m.Tokens != testBatch*testSeq || math.IsNaN(m.Loss) || math.IsInf(m.Loss, 0) {
 			t.Fatalf("step %d: %+v", i, m)
 		}
+		// One rank: no collectives, so compute is the forward and backward time.
+		if !(m.ComputeMs > 0 && m.ComputeMs <= m.StepMs) || m.CommMs < 0 || m.ExposedCommMs < 0 || m.SaveWaitMs < 0 {
+			t.Fatalf("step %d: times %+v", i, m)
+		}
 		losses = append(losses, m.Loss)
 	}
 	if math.Abs(losses[0]-math.Log(256)) > 0.5 || !(losses[9] < losses[0]-0.1) {

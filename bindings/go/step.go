@@ -48,6 +48,11 @@ type Metrics struct {
 	TokensPerS  float64
 	Tokens      int64
 	PeakBytes   int64
+	SaveWaitMs  float64 // time this step waited to publish a background save
+	// Since 0.2:
+	ComputeMs     float64 // forward and backward, less ExposedCommMs
+	CommMs        float64 // time collectives were in flight on the comm stream
+	ExposedCommMs float64 // time compute waited for communication (not hidden)
 }
 
 // Resumed is what Resume loaded.
@@ -208,7 +213,8 @@ func (s *Step) Run() (Metrics, error) {
 		Step: int64(m.step), Loss: float64(m.loss), GradNorm: float64(m.grad_norm), LR: float64(m.lr),
 		StepMs: float64(m.step_ms), ForwardMs: float64(m.forward_ms), BackwardMs: float64(m.backward_ms),
 		OptimizerMs: float64(m.optimizer_ms), TokensPerS: float64(m.tokens_per_s),
-		Tokens: int64(m.tokens), PeakBytes: int64(m.peak_bytes),
+		Tokens: int64(m.tokens), PeakBytes: int64(m.peak_bytes), SaveWaitMs: float64(m.save_wait_ms),
+		ComputeMs: float64(m.compute_ms), CommMs: float64(m.comm_ms), ExposedCommMs: float64(m.exposed_comm_ms),
 	}, nil
 }
 

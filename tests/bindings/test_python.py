@@ -168,9 +168,14 @@ def metrics_and_lr():
         step.set_input("targets", targets)
         m = step.run()
         want = {"step", "loss", "grad_norm", "lr", "step_ms", "forward_ms", "backward_ms",
-                "optimizer_ms", "tokens_per_s", "tokens", "peak_bytes"}
+                "optimizer_ms", "tokens_per_s", "tokens", "peak_bytes", "save_wait_ms",
+                "compute_ms", "comm_ms", "exposed_comm_ms"}
         assert set(m) == want, set(m) ^ want
         assert m["step"] == 1 and m["tokens"] == BATCH * SEQ, m
+        # One rank: no collectives, so compute is the forward and backward time.
+        assert 0 < m["compute_ms"] <= m["step_ms"], m
+        assert m["comm_ms"] >= 0 and m["exposed_comm_ms"] >= 0, m
+        assert m["save_wait_ms"] >= 0, m
         assert abs(m["lr"] - 1e-3 * 1 / 4) < 1e-12, m["lr"]
         step.set_lr(5e-4)
         assert step.run()["lr"] == 5e-4

@@ -72,8 +72,15 @@ def main():
     rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
     check(len(rows) == 80, f"metrics has {len(rows)} rows, expected 80")
     if rows:
-        for key in ["step", "loss", "grad_norm", "lr", "step_ms", "tokens_per_s", "peak_bytes"]:
+        for key in ["step", "loss", "grad_norm", "lr", "step_ms", "tokens_per_s", "peak_bytes",
+                    "save_wait_ms", "compute_ms", "comm_ms", "exposed_comm_ms"]:
             check(key in rows[0], f"metrics lacks key {key}")
+        # One rank: no collectives, and no communication in the progress line.
+        check(all(0 < row["compute_ms"] <= row["step_ms"] and row["comm_ms"] >= 0
+                  and row["exposed_comm_ms"] >= 0 for row in rows if "compute_ms" in row),
+              f"step times out of range: {rows[0]}")
+        check(" | comm " not in r.stdout and "| compute " in r.stdout,
+              f"one-rank progress or summary: {r.stdout[-300:]}")
         check(rows[0]["loss"] > 4.0, f"initial loss {rows[0]['loss']} is not near log(256)")
         check(rows[-1]["loss"] < 1.0, f"loss did not fall below 1.0: {rows[-1]['loss']}")
         check(rows[0]["lr"] < rows[10]["lr"], "warm-up did not raise the learning rate")

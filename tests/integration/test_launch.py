@@ -1,9 +1,11 @@
 #!/usr/bin/python3
 """`ctr launch`: rank environment, prefixed output, the job ending with the first
-failing rank's status, and signal forwarding. Every run has a hard time limit.
+failing rank's status, and signal forwarding; with a communicator, an fsdp=2 job's
+communication metrics. Every run has a hard time limit.
 
 usage: test_launch.py CTR
 """
+import json
 import os
 import signal
 import subprocess
@@ -94,6 +96,29 @@ def main():
         check(p.returncode == want_status, f"{kind}: launcher exited {p.returncode}, expected {want_status}")
         check(needle in p.stderr, f"{kind}: message lacks '{needle}': {p.stderr[-600:]}")
         check(elapsed < 60, f"{kind}: the job took {elapsed:.1f} s to end")
+
+    # A clean fsdp=2 job: every step gathers parameters and reduces gradients, so
+    # rank 0's metrics show communication; the part compute waited for is within
+    # the step (it may exceed comm_ms slightly: the two are timed on different
+    # threads).
+    metrics = os.path.join(os.path.dirname(graph), "metrics.jsonl")
+    p = subprocess.run([CTR, "launch", "-n", "2", "--grace-ms", "2000", "--", CTR, "run", graph,
+                        "--mesh", "fsdp=2", "--steps", "3", "--batch", "2", "--log-every", "1",
+                        "--timeout", "20", "--metrics", metrics],
+                       capture_output=True, text=True, timeout=120)
+    check(p.returncode == 0, f"fsdp=2 job exited {p.returncode}: {p.stderr[-600:]}")
+    rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+    check(len(rows) == 3, f"fsdp=2 metrics: {len(rows)} lines, expected 3")
+    for r in rows:
+        ok = (r["comm_ms"] > 0 and 0 <= r["exposed_comm_ms"] <= r["step_ms"]
+              and 0 < r["compute_ms"] <= r["step_ms"])
+        check(ok, f"fsdp=2 step {r.get('step')}: compute {r['compute_ms']} comm {r['comm_ms']} "
+                  f"exposed {r['exposed_comm_ms']} step {r['step_ms']} ms")
+    lines = p.stdout.splitlines()
+    check(sum(line.startswith("[0] step ") and " | comm " in line and "(exposed " in line
+              for line in lines) == 3, f"fsdp=2 progress lines lack comm: {p.stdout[-600:]}")
+    check(any(line.startswith("[0] done: 3 steps") and "| compute " in line and "(exposed " in line
+              for line in lines), f"fsdp=2 summary lacks compute/comm: {p.stdout[-600:]}")
 
     # Other launchers' environments: torchrun, Slurm (srun) and Open MPI (mpirun)
     # start the ranks themselves; libctr reads their variables.

@@ -581,9 +581,12 @@ int cmd_run(const RunArgs &a) {
   const int width = static_cast<int>(std::to_string(a.steps).size());
   double last_loss = NAN;
   double total_ms = 0, total_tokens = 0;
+  double total_compute_ms = 0, total_comm_ms = 0, total_exposed_ms = 0;
+  int64_t total_steps = 0;
   // Figures since the previous progress line, so each line describes the
   // recent rate rather than a whole-run average dominated by the first steps.
   double window_ms = 0, window_tokens = 0, window_wall = 0;
+  double window_comm_ms = 0, window_exposed_ms = 0;
   int64_t window_steps = 0;
   const auto run_start = Clock::now();
 
@@ -609,23 +612,35 @@ int cmd_run(const RunArgs &a) {
     last_loss = m.loss;
     total_ms += m.step_ms;
     total_tokens += static_cast<double>(m.tokens);
+    total_compute_ms += m.compute_ms;
+    total_comm_ms += m.comm_ms;
+    total_exposed_ms += m.exposed_comm_ms;
+    ++total_steps;
     window_ms += m.step_ms;
     window_tokens += static_cast<double>(m.tokens);
     window_wall += wall;
+    window_comm_ms += m.comm_ms;
+    window_exposed_ms += m.exposed_comm_ms;
     ++window_steps;
 
     const bool log = a.log_every > 0 && (i == 1 || i % a.log_every == 0 || i == a.steps);
     if (lead && log) {
-      const double ms = window_ms / static_cast<double>(window_steps);
+      const double n = static_cast<double>(window_steps);
+      const double ms = window_ms / n;
       const double tok_s = window_ms > 0 ? window_tokens / (window_ms / 1000.0) : 0;
-      const double eta = window_wall / static_cast<double>(window_steps) *
-                         static_cast<double>(a.steps - i);
+      const double eta = window_wall / n * static_cast<double>(a.steps - i);
+      // One rank has no collectives: its communication figures are zero.
+      const std::string comm =
+          world > 1 ? ctr::strformat(" | comm %.1f ms (exposed %.1f)", window_comm_ms / n,
+                                     window_exposed_ms / n)
+                    : std::string();
       std::printf("step %*" PRId64 "/%" PRId64 " | loss %.4f | grad %.3f | lr %.2e | %s tok/s | "
-                  "%.0f ms/step | ETA %s\n",
+                  "%.0f ms/step | ETA %s%s\n",
                   width, i, a.steps, m.loss, m.grad_norm, m.lr, human(tok_s).c_str(), ms,
-                  clock_time(eta).c_str());
+                  clock_time(eta).c_str(), comm.c_str());
       std::fflush(stdout);
       window_ms = window_tokens = window_wall = 0;
+      window_comm_ms = window_exposed_ms = 0;
       window_steps = 0;
     }
 
@@ -646,6 +661,10 @@ int cmd_run(const RunArgs &a) {
           {"peak_bytes", m.peak_bytes},
           {"flops_per_token", flops},
           {"tokens", m.tokens},
+          {"save_wait_ms", m.save_wait_ms},
+          {"compute_ms", m.compute_ms},
+          {"comm_ms", m.comm_ms},
+          {"exposed_comm_ms", m.exposed_comm_ms},
       };
       if (eval_loss) j["eval_loss"] = *eval_loss;
       metrics << j.dump() << '\n';
@@ -673,9 +692,16 @@ int cmd_run(const RunArgs &a) {
 
   if (lead) {
     const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
-    std::printf("done: %" PRId64 " steps in %s | final loss %.4f | mean %s tok/s\n", a.steps,
-                clock_time(elapsed).c_str(), last_loss,
-                human(total_ms > 0 ? total_tokens / (total_ms / 1000.0) : 0).c_str());
+    // Means over the steps this invocation ran (not those before a resume).
+    const double n = static_cast<double>(std::max<int64_t>(1, total_steps));
+    std::string per_step = ctr::strformat(" | compute %.1f ms", total_compute_ms / n);
+    if (world > 1)
+      per_step += ctr::strformat(", comm %.1f ms (exposed %.1f)", total_comm_ms / n,
+                                 total_exposed_ms / n);
+    std::printf("done: %" PRId64 " steps in %s | final loss %.4f | mean %s tok/s%s per step\n",
+                a.steps, clock_time(elapsed).c_str(), last_loss,
+                human(total_ms > 0 ? total_tokens / (total_ms / 1000.0) : 0).c_str(),
+                per_step.c_str());
   }
   return 0;
 }

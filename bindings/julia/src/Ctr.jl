@@ -489,6 +489,11 @@ struct CMetrics
     tokens_per_s::Cdouble
     tokens::Int64
     peak_bytes::Int64
+    save_wait_ms::Cdouble
+    # Since 0.2:
+    compute_ms::Cdouble
+    comm_ms::Cdouble
+    exposed_comm_ms::Cdouble
 end
 
 """What one `run!` did (ctr_step_metrics without its size field)."""
@@ -504,6 +509,10 @@ struct Metrics
     tokens_per_s::Float64
     tokens::Int64
     peak_bytes::Int64
+    save_wait_ms::Float64     # time this step waited to publish a background save
+    compute_ms::Float64       # forward and backward, less exposed_comm_ms
+    comm_ms::Float64          # time collectives were in flight on the comm stream
+    exposed_comm_ms::Float64  # time compute waited for communication (not hidden)
 end
 
 """
@@ -566,11 +575,12 @@ end
 
 """Forward, backward and the optimizer update on the inputs last set."""
 function run!(s::Step)
-    m = Ref(CMetrics(sizeof(CMetrics), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+    m = Ref(CMetrics(sizeof(CMetrics), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
     check(ccall((:ctr_step_run, libctr), Cint, (Ptr{Cvoid}, Ref{CMetrics}), sptr(s), m))
     c = m[]
     return Metrics(c.step, c.loss, c.grad_norm, c.lr, c.step_ms, c.forward_ms, c.backward_ms,
-                   c.optimizer_ms, c.tokens_per_s, c.tokens, c.peak_bytes)
+                   c.optimizer_ms, c.tokens_per_s, c.tokens, c.peak_bytes, c.save_wait_ms,
+                   c.compute_ms, c.comm_ms, c.exposed_comm_ms)
 end
 
 """Forward only, no update: the mean loss on the inputs last set."""

@@ -78,6 +78,10 @@ end
             m = run!(step)
             @test m.step == i
             @test m.tokens == BATCH * SEQ
+            # One rank: no collectives, so compute is the forward and backward time.
+            @test 0 < m.compute_ms <= m.step_ms
+            @test m.comm_ms >= 0 && m.exposed_comm_ms >= 0
+            @test m.save_wait_ms >= 0
             push!(losses, m.loss)
         end
         @test abs(losses[1] - log(256)) < 0.5

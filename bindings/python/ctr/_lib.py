@@ -157,6 +157,10 @@ class StepMetrics(ctypes.Structure):
         ("tokens_per_s", c_double),
         ("tokens", c_int64),
         ("peak_bytes", c_int64),
+        ("save_wait_ms", c_double),
+        ("compute_ms", c_double),
+        ("comm_ms", c_double),
+        ("exposed_comm_ms", c_double),
     ]
 
 

@@ -89,6 +89,11 @@ pub struct ctr_step_metrics {
     pub tokens_per_s: c_double,
     pub tokens: i64,
     pub peak_bytes: i64,
+    pub save_wait_ms: c_double,
+    // Since 0.2:
+    pub compute_ms: c_double,
+    pub comm_ms: c_double,
+    pub exposed_comm_ms: c_double,
 }
 
 extern "C" {
@@ -274,11 +279,11 @@ extern "C" {
 
 #[cfg(test)]
 mod tests {
-    // The metrics struct is the one layout shared with C; on LP64 it is twelve
+    // The metrics struct is the one layout shared with C; on LP64 it is sixteen
     // 8-byte fields.
     #[test]
     fn metrics_layout() {
-        assert_eq!(core::mem::size_of::<super::ctr_step_metrics>(), 12 * 8);
+        assert_eq!(core::mem::size_of::<super::ctr_step_metrics>(), 16 * 8);
         assert_eq!(core::mem::align_of::<super::ctr_step_metrics>(), 8);
     }
 }

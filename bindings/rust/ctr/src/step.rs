@@ -36,6 +36,14 @@ pub struct Metrics {
     pub tokens_per_s: f64,
     pub tokens: i64,
     pub peak_bytes: i64,
+    /// Time this step waited to publish a background save.
+    pub save_wait_ms: f64,
+    /// Forward and backward, less `exposed_comm_ms`.
+    pub compute_ms: f64,
+    /// Time collectives were in flight on the comm stream.
+    pub comm_ms: f64,
+    /// Time compute waited for communication (not hidden).
+    pub exposed_comm_ms: f64,
 }
 
 /// Planned memory of a step, in bytes.
@@ -137,6 +145,10 @@ impl Step {
             tokens_per_s: m.tokens_per_s,
             tokens: m.tokens,
             peak_bytes: m.peak_bytes,
+            save_wait_ms: m.save_wait_ms,
+            compute_ms: m.compute_ms,
+            comm_ms: m.comm_ms,
+            exposed_comm_ms: m.exposed_comm_ms,
         })
     }
 

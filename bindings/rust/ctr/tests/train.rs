@@ -111,6 +111,10 @@ fn ten_steps_lower_the_loss() {
         assert_eq!(m.step, i);
         assert_eq!(m.tokens, (BATCH * SEQ) as i64);
         assert!(m.loss.is_finite());
+        // One rank: no collectives, so compute is the forward and backward time.
+        assert!(m.compute_ms > 0.0 && m.compute_ms <= m.step_ms, "{m:?}");
+        assert!(m.comm_ms >= 0.0 && m.exposed_comm_ms >= 0.0, "{m:?}");
+        assert!(m.save_wait_ms >= 0.0, "{m:?}");
         losses.push(m.loss);
     }
     assert_eq!(step.count(), 10);
