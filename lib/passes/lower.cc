@@ -3,14 +3,16 @@
 // events.
 //
 // Kernels run on stream 0 and collectives on stream 1. Before a collective is
-// issued, stream 0 records an event that stream 1 waits for, so the collective
-// sees everything computed before it. Stream 0 waits for a collective's event
+// issued, stream 0 records an event that stream 1 waits for (unless nothing ran
+// on stream 0 since the last one), so the collective sees everything computed
+// before it. Stream 0 waits for a collective's event
 // at the first node that reads one of its outputs — never at the issue — so the
 // compute in between overlaps the communication. A collective that no node on
 // stream 0 reads (a gradient reduce-scatter whose result only the optimizer
-// reads) is waited for when the next collective is issued, unless that one
-// reads its output (then stream order already covers it), so its buffers do not
-// stay busy to the end of the phase. At the end of a phase stream 0 waits for
+// reads) is waited for at the start of the second segment (run of nodes of one
+// block) after the one it was issued in, unless a later collective reads its
+// output (then that one's completion implies it): it has a segment of compute
+// to hide under, and its buffers do not stay busy to the end of the phase. At the end of a phase stream 0 waits for
 // whatever is still in flight. complete_at records, per collective, the node
 // position of that wait: plan_memory keeps the buffers alive until then.
 
@@ -28,11 +30,22 @@ struct InFlight {
   int event;
   std::vector<int> nodes;  // collectives whose completion this event implies
   std::set<int> outputs;
+  bool orphan = false;     // no compute node of the phase reads its outputs
+  int segment = 0;         // compute segment (run of one block) it was issued in
 };
 
 void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Program &p,
-                 const std::function<bool(OpId)> &has_kernel) {
+                 const std::function<bool(OpId)> &has_kernel, bool overlap) {
+  // Tensors some compute node of this phase reads: a collective writing none of
+  // them is an orphan, waited for when the next collective is issued.
+  std::set<int> read_by_compute;
+  for (int ni = begin; ni < end; ++ni)
+    if (!is_collective(g.nodes[static_cast<size_t>(ni)].op))
+      read_by_compute.insert(g.nodes[static_cast<size_t>(ni)].inputs.begin(),
+                             g.nodes[static_cast<size_t>(ni)].inputs.end());
   std::vector<InFlight> pending;
+  int seg = 0, block = g.nodes.empty() ? -1 : g.nodes[static_cast<size_t>(begin < end ? begin : 0)].block;
+  bool dirty = true;  // stream 0 has work the comm stream has not been ordered after
   auto new_event = [&] { return p.num_events++; };
   auto await = [&](size_t k, int pos) {
     Instr w;
@@ -52,15 +65,14 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
     const Node &n = g.nodes[static_cast<size_t>(ni)];
     if (is_collective(n.op)) {
       p.num_streams = 2;
-      // Collectives nothing here reads are waited for now; one this collective
-      // reads is implied by its completion (same stream).
+      // A collective this one reads is implied by its completion (same stream).
       std::vector<int> chained;
       for (size_t k = 0; k < pending.size();) {
         if (reads(n, k)) {
           chained.insert(chained.end(), pending[k].nodes.begin(), pending[k].nodes.end());
           pending.erase(pending.begin() + static_cast<long>(k));
         } else {
-          await(k, ni);
+          ++k;
         }
       }
       if (n.op == "reduce_scatter") {
@@ -73,17 +85,21 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
           f.offset = t.bytes();
           f.bytes = t.alloc_size() - t.bytes();
           out.push_back(f);
+          dirty = true;
         }
       }
-      Instr rec;
-      rec.kind = Instr::Record;
-      rec.stream = 0;
-      rec.event = new_event();
-      out.push_back(rec);
-      Instr wait = rec;
-      wait.kind = Instr::Wait;
-      wait.stream = 1;
-      out.push_back(wait);
+      if (dirty) {
+        Instr rec;
+        rec.kind = Instr::Record;
+        rec.stream = 0;
+        rec.event = new_event();
+        out.push_back(rec);
+        Instr wait = rec;
+        wait.kind = Instr::Wait;
+        wait.stream = 1;
+        out.push_back(wait);
+        dirty = false;
+      }
       Instr c;
       c.kind = Instr::Collective;
       c.stream = 1;
@@ -99,7 +115,11 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
       f.nodes = chained;
       f.nodes.push_back(ni);
       f.outputs.insert(n.outputs.begin(), n.outputs.end());
+      f.orphan = true;
+      for (int o : n.outputs) f.orphan &= read_by_compute.count(o) == 0;
+      f.segment = seg;
       pending.push_back(std::move(f));
+      if (!overlap) await(pending.size() - 1, ni);
       continue;
     }
     const OpDef *def = find_op(n.op);
@@ -107,8 +127,14 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
     if (!has_kernel(def->id))
       fail(CTR_STATUS_UNSUPPORTED,
            strformat("node '%s': the backend has no kernel for op '%s'", n.name.c_str(), n.op.c_str()));
+    if (n.block != block) {
+      block = n.block;
+      ++seg;
+    }
+    // Waited for here: what this node reads, and orphans issued two segments
+    // ago (a segment of compute to hide them, then their buffers are freed).
     for (size_t k = 0; k < pending.size();) {
-      if (reads(n, k))
+      if (reads(n, k) || (pending[k].orphan && seg >= pending[k].segment + 2))
         await(k, ni);
       else
         ++k;
@@ -117,6 +143,7 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
     in.kind = Instr::Kernel;
     in.node = ni;
     out.push_back(in);
+    dirty = true;
   }
   while (!pending.empty()) await(0, end - 1);
 }
@@ -134,12 +161,12 @@ const char *kind_name(Instr::Kind k) {
 
 }  // namespace
 
-Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel) {
+Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel, bool overlap) {
   CTR_CHECK(g.num_forward >= 0);
   Program p;
   p.complete_at.assign(g.nodes.size(), -1);
-  lower_phase(g, 0, g.num_forward, p.forward, p, has_kernel);
-  lower_phase(g, g.num_forward, static_cast<int>(g.nodes.size()), p.backward, p, has_kernel);
+  lower_phase(g, 0, g.num_forward, p.forward, p, has_kernel, overlap);
+  lower_phase(g, g.num_forward, static_cast<int>(g.nodes.size()), p.backward, p, has_kernel, overlap);
   return p;
 }
 

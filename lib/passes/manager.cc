@@ -23,6 +23,8 @@ void read_shard(OptionReader &r, CompileOptions &o) {
   o.reshard_after_forward = r.get_int("reshard_after_forward", 1, 0, 1) != 0;
 }
 
+void read_lower(OptionReader &r, CompileOptions &o) { o.overlap = r.get_int("overlap", 1, 0, 1) != 0; }
+
 void read_plan(OptionReader &r, CompileOptions &o) { o.micro_batches = r.get_int("micro_batches", 1, 1, 1 << 16); }
 
 void run_nothing(PassContext &) {}
@@ -30,7 +32,8 @@ void run_verify(PassContext &c) { pass_verify(c.graph); }
 void run_infer_shapes(PassContext &c) { pass_infer_shapes(c.graph, c.opt); }
 void run_autodiff(PassContext &c) { pass_autodiff(c.graph); }
 void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }
-void run_lower(PassContext &c) { c.program = pass_lower(c.graph, c.has_kernel); }
+void run_reorder(PassContext &c) { pass_reorder(c.graph, c.opt); }
+void run_lower(PassContext &c) { c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap); }
 void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.program); }
 
 std::string dump_lower(const PassContext &c) { return dump_program(c.graph, c.program); }
@@ -66,7 +69,9 @@ const std::vector<PassDef> &pass_list() {
       {"infer_shapes", "symbolic dims bound, every shape known", false, read_shapes, run_infer_shapes, nullptr},
       {"autodiff", "the backward graph appended", false, nullptr, run_autodiff, nullptr},
       {"shard", "parameters placed on the mesh, collectives inserted", false, read_shard, run_shard, nullptr},
-      {"lower", "instruction lists per stream, with events", false, nullptr, run_lower, dump_lower},
+      {"reorder", "collectives moved under compute (prefetch, deferred reductions)", false, read_reorder_options,
+       run_reorder, nullptr},
+      {"lower", "instruction lists per stream, with events", false, read_lower, run_lower, dump_lower},
       {"plan_memory", "lifetimes over the schedule and a static arena", false, read_plan, run_plan, dump_plan},
   };
   return passes;

@@ -36,6 +36,10 @@ struct CompileOptions {
   int64_t seq = 0;            // binds "seq"; 0 = the graph's maximum
   int64_t micro_batches = 1;  // gradient accumulation steps
   bool reshard_after_forward = true;
+  int64_t prefetch = 1;         // reorder: all-gathers issued this many segments ahead
+  bool defer_reduce = true;     // reorder: reduce-scatters behind the next segment's compute
+  int64_t reorder_budget = 0;   // reorder: bytes moved collectives may hold (0 = no bound)
+  bool overlap = true;          // lower: false waits for every collective at its issue
   MeshPlacement mesh;
 };
 
@@ -140,13 +144,20 @@ void pass_shard(Graph &g, const CompileOptions &opt);
 // True for the collective ops the shard pass inserts.
 bool is_collective(const std::string &op);
 
+// reorder.cc: all-gathers issued `prefetch` segments (blocks) before their first
+// reader, reduce-scatters deferred behind the next segment's compute, within
+// reorder_budget bytes. Changes only the order of nodes, never the arithmetic.
+void pass_reorder(Graph &g, const CompileOptions &opt);
+void read_reorder_options(OptionReader &r, CompileOptions &opt);
+
 // lower.cc: instruction lists per phase: kernels on stream 0, collectives on
 // stream 1, and the events between them. A collective waits (on stream 1) for
 // the compute issued before it; stream 0 waits for a collective at the first
 // node that reads its result, or, for a collective nothing on stream 0 reads,
-// when the next collective is issued (or the phase ends). Fails with
+// two segments (blocks) later or at the end of the phase. With opt.overlap
+// false, stream 0 waits for each collective right after issuing it. Fails with
 // CTR_STATUS_UNSUPPORTED naming a node whose op the backend lacks.
-Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel);
+Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel, bool overlap = true);
 
 // plan_memory.cc: liveness over the lowered schedule (a collective's buffers live
 // until stream 0 has waited for it) and a static arena; parameters, gradients,

@@ -1,0 +1,178 @@
+// Pass reorder: move collectives so that communication runs under compute.
+//
+// The shard pass puts each all-gather right before the first node that reads
+// the parameter and each reduce-scatter right after the node that completes the
+// gradient: correct, but the compute stream then waits for every gather. This
+// pass works on segments — maximal runs of compute nodes of one block (a
+// transformer layer; -1 for the embedding and the head) in the phase's order:
+//
+// - An all-gather is issued at the start of the segment `prefetch` segments
+//   before the one that first reads it, so block i+1's parameters travel while
+//   block i computes (forward and backward alike). prefetch 0 keeps the shard
+//   pass's placement.
+// - With defer_reduce, a gradient's reduce-scatter (and the all-reduce that
+//   follows it) moves to the end of the next segment, so the comm stream carries
+//   the next gathers first, which compute is waiting for.
+// - reorder_budget (bytes, 0 = none) bounds what moving costs: the gathered
+//   parameters held before their segment and the full gradients held past
+//   theirs, summed over any segment. A collective that does not fit moves less
+//   far, down to not at all.
+//
+// Collectives keep their relative order within each kind of move, every node
+// still follows what it reads, and no arithmetic changes: losses are bitwise
+// the same for every setting.
+
+#include <algorithm>
+#include <map>
+
+#include "core/options.h"
+#include "core/status.h"
+#include "passes/passes.h"
+
+namespace ctr {
+namespace {
+
+struct Moved {
+  int node;
+  int64_t bytes;
+};
+
+void reorder_phase(Graph &g, int begin, int end, const CompileOptions &opt, std::vector<Node> &out) {
+  // Segments over the compute nodes of the phase.
+  std::vector<int> compute;                  // node indices
+  std::vector<int> seg_of_node(g.nodes.size(), -1);
+  std::vector<int> seg_start;                // index into compute
+  for (int ni = begin; ni < end; ++ni) {
+    if (is_collective(g.nodes[ni].op)) continue;
+    if (compute.empty() || g.nodes[ni].block != g.nodes[compute.back()].block)
+      seg_start.push_back(static_cast<int>(compute.size()));
+    seg_of_node[ni] = static_cast<int>(seg_start.size()) - 1;
+    compute.push_back(ni);
+  }
+  const int nseg = static_cast<int>(seg_start.size());
+  if (nseg == 0) {
+    for (int ni = begin; ni < end; ++ni) out.push_back(std::move(g.nodes[ni]));
+    return;
+  }
+  // Which compute node reads / writes each tensor first / last (phase-local).
+  std::map<int, int> first_reader, producer;
+  for (int ni : compute) {
+    for (int t : g.nodes[ni].inputs)
+      if (!first_reader.count(t)) first_reader[t] = ni;
+    for (int t : g.nodes[ni].outputs) producer[t] = ni;
+  }
+
+  std::vector<std::vector<int>> gathers_now(nseg);  // for segment s, issued at its start
+  std::vector<std::vector<int>> gathers_at(nseg);   // for a later segment, issued at the start of s
+  std::vector<std::vector<int>> reduces_after(nseg);  // issued at the end of segment s
+  std::map<int, std::vector<int>> after_node;      // collectives kept right after a compute node
+  std::map<int, std::vector<int>> before_node;     // collectives kept right before a compute node
+  std::vector<int64_t> extra(static_cast<size_t>(nseg), 0);  // moved bytes held, per segment
+  const int64_t budget = opt.reorder_budget;
+  auto fits = [&](int s0, int s1, int64_t bytes) {  // held over segments [s0, s1)
+    if (budget <= 0) return true;
+    for (int s = s0; s < s1; ++s)
+      if (extra[static_cast<size_t>(s)] + bytes > budget) return false;
+    return true;
+  };
+  auto hold = [&](int s0, int s1, int64_t bytes) {
+    for (int s = s0; s < s1; ++s) extra[static_cast<size_t>(s)] += bytes;
+  };
+  // A reduction chain: a collective reading another collective's output stays
+  // right behind it.
+  std::map<int, int> chain_head;  // collective node -> the node it follows
+  std::map<int, std::vector<int>> chained;
+  std::map<int, int> coll_of_output;
+
+  for (int ni = begin; ni < end; ++ni) {
+    const Node &n = g.nodes[ni];
+    if (!is_collective(n.op)) continue;
+    const int in = n.inputs[0], outt = n.outputs[0];
+    if (coll_of_output.count(in)) {
+      int head = coll_of_output[in];
+      while (chain_head.count(head)) head = chain_head[head];
+      chain_head[ni] = head;
+      chained[head].push_back(ni);
+      coll_of_output[outt] = ni;
+      continue;
+    }
+    coll_of_output[outt] = ni;
+    const int64_t bytes = g.tensors[static_cast<size_t>(outt)].alloc_size();
+    if (n.op == "all_gather") {
+      auto r = first_reader.find(outt);
+      if (r == first_reader.end()) {  // read only in a later phase: leave it in place
+        int next = -1;
+        for (int k = ni + 1; k < end && next < 0; ++k)
+          if (!is_collective(g.nodes[k].op)) next = k;
+        if (next >= 0) before_node[next].push_back(ni);
+        else reduces_after[nseg - 1].push_back(ni);
+        continue;
+      }
+      const int use = seg_of_node[r->second];
+      int target = std::max(0, use - static_cast<int>(opt.prefetch));
+      while (target < use && !fits(target, use, bytes)) ++target;
+      if (opt.prefetch == 0) {
+        // In place: right before its first reader (as the shard pass had it).
+        before_node[r->second].push_back(ni);
+      } else if (target == use) {
+        // Needed in this segment: ahead of the prefetches for later ones.
+        gathers_now[static_cast<size_t>(use)].push_back(ni);
+      } else {
+        hold(target, use, bytes);
+        gathers_at[static_cast<size_t>(target)].push_back(ni);
+      }
+    } else {
+      auto p = producer.find(in);
+      CTR_CHECK(p != producer.end());
+      const int seg = seg_of_node[p->second];
+      const int64_t held = g.tensors[static_cast<size_t>(in)].alloc_size();
+      if (opt.defer_reduce && seg + 1 < nseg && fits(seg + 1, seg + 2, held)) {
+        hold(seg + 1, seg + 2, held);
+        reduces_after[static_cast<size_t>(seg + 1)].push_back(ni);
+      } else {
+        after_node[p->second].push_back(ni);
+      }
+    }
+  }
+
+  auto emit = [&](int ni) {
+    out.push_back(std::move(g.nodes[ni]));
+    for (int c : chained[ni]) out.push_back(std::move(g.nodes[c]));
+  };
+  for (int s = 0; s < nseg; ++s) {
+    for (int ni : gathers_now[static_cast<size_t>(s)]) emit(ni);
+    for (int ni : gathers_at[static_cast<size_t>(s)]) emit(ni);
+    const int last = s + 1 < nseg ? seg_start[static_cast<size_t>(s + 1)] : static_cast<int>(compute.size());
+    for (int k = seg_start[static_cast<size_t>(s)]; k < last; ++k) {
+      const int ni = compute[static_cast<size_t>(k)];
+      for (int c : before_node[ni]) emit(c);
+      out.push_back(std::move(g.nodes[ni]));
+      for (int c : after_node[ni]) emit(c);
+    }
+    for (int ni : reduces_after[static_cast<size_t>(s)]) emit(ni);
+  }
+}
+
+}  // namespace
+
+void pass_reorder(Graph &g, const CompileOptions &opt) {
+  CTR_CHECK(g.num_forward >= 0);
+  bool any = false;
+  for (const Node &n : g.nodes) any |= is_collective(n.op);
+  if (!any) return;
+  std::vector<Node> nodes;
+  nodes.reserve(g.nodes.size());
+  reorder_phase(g, 0, g.num_forward, opt, nodes);
+  const int nf = static_cast<int>(nodes.size());
+  reorder_phase(g, g.num_forward, static_cast<int>(g.nodes.size()), opt, nodes);
+  CTR_CHECK(nodes.size() == g.nodes.size() && nf == g.num_forward);
+  g.nodes = std::move(nodes);
+}
+
+void read_reorder_options(OptionReader &r, CompileOptions &o) {
+  o.prefetch = r.get_int("prefetch", 1, 0, 64);
+  o.defer_reduce = r.get_int("defer_reduce", 1, 0, 1) != 0;
+  o.reorder_budget = r.get_int("reorder_budget", 0, 0);
+}
+
+}  // namespace ctr
