@@ -32,11 +32,13 @@ void run_verify(PassContext &c) { pass_verify(c.graph); }
 void run_infer_shapes(PassContext &c) { pass_infer_shapes(c.graph, c.opt); }
 void run_autodiff(PassContext &c) { pass_autodiff(c.graph); }
 void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }
-void run_reorder(PassContext &c) { pass_reorder(c.graph, c.opt); }
+void run_reorder(PassContext &c) { c.schedule = pass_reorder(c.graph, c.opt); }
 void run_lower(PassContext &c) { c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap); }
 void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.program); }
 
 std::string dump_lower(const PassContext &c) { return dump_program(c.graph, c.program); }
+
+std::string dump_reorder(const PassContext &c) { return c.schedule + "\n" + dump_graph(c.graph); }
 
 std::string dump_plan(const PassContext &c) {
   const MemoryPlan &p = c.plan;
@@ -70,7 +72,7 @@ const std::vector<PassDef> &pass_list() {
       {"autodiff", "the backward graph appended", false, nullptr, run_autodiff, nullptr},
       {"shard", "parameters placed on the mesh, collectives inserted", false, read_shard, run_shard, nullptr},
       {"reorder", "collectives moved under compute (prefetch, deferred reductions)", false, read_reorder_options,
-       run_reorder, nullptr},
+       run_reorder, dump_reorder},
       {"lower", "instruction lists per stream, with events", false, read_lower, run_lower, dump_lower},
       {"plan_memory", "lifetimes over the schedule and a static arena", false, read_plan, run_plan, dump_plan},
   };

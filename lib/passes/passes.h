@@ -38,7 +38,7 @@ struct CompileOptions {
   bool reshard_after_forward = true;
   int64_t prefetch = 1;         // reorder: all-gathers issued this many segments ahead
   bool defer_reduce = true;     // reorder: reduce-scatters behind the next segment's compute
-  int64_t reorder_budget = 0;   // reorder: bytes moved collectives may hold (0 = no bound)
+  int64_t memory_budget = 0;    // reorder: bound on the planned arena in bytes (0 = none)
   bool overlap = true;          // lower: false waits for every collective at its issue
   MeshPlacement mesh;
 };
@@ -89,6 +89,7 @@ struct PassContext {
   Program program;
   MemoryPlan plan;
   std::vector<std::string> ran;  // names of the passes run, in order
+  std::string schedule;          // what reorder chose
 };
 
 struct PassDef {
@@ -145,9 +146,10 @@ void pass_shard(Graph &g, const CompileOptions &opt);
 bool is_collective(const std::string &op);
 
 // reorder.cc: all-gathers issued `prefetch` segments (blocks) before their first
-// reader, reduce-scatters deferred behind the next segment's compute, within
-// reorder_budget bytes. Changes only the order of nodes, never the arithmetic.
-void pass_reorder(Graph &g, const CompileOptions &opt);
+// reader, reduce-scatters deferred behind the next segment's compute; with a
+// memory_budget, the deepest such schedule whose planned arena fits. Changes only
+// the order of nodes, never the arithmetic. Returns a line saying what it chose.
+std::string pass_reorder(Graph &g, const CompileOptions &opt);
 void read_reorder_options(OptionReader &r, CompileOptions &opt);
 
 // lower.cc: instruction lists per phase: kernels on stream 0, collectives on

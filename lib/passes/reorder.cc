@@ -13,10 +13,10 @@
 // - With defer_reduce, a gradient's reduce-scatter (and the all-reduce that
 //   follows it) moves to the end of the next segment, so the comm stream carries
 //   the next gathers first, which compute is waiting for.
-// - reorder_budget (bytes, 0 = none) bounds what moving costs: the gathered
-//   parameters held before their segment and the full gradients held past
-//   theirs, summed over any segment. A collective that does not fit moves less
-//   far, down to not at all.
+// - memory_budget (bytes, 0 = none) bounds the planned activation arena: the
+//   pass plans the schedule it would make (lower and plan_memory on the
+//   reordered nodes) and, while the plan is over the budget, tries shallower
+//   prefetch, then no deferral, down to the shard pass's placement.
 //
 // Collectives keep their relative order within each kind of move, every node
 // still follows what it reads, and no arithmetic changes: losses are bitwise
@@ -37,7 +37,7 @@ struct Moved {
   int64_t bytes;
 };
 
-void reorder_phase(Graph &g, int begin, int end, const CompileOptions &opt, std::vector<Node> &out) {
+void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, std::vector<Node> &out) {
   // Segments over the compute nodes of the phase.
   std::vector<int> compute;                  // node indices
   std::vector<int> seg_of_node(g.nodes.size(), -1);
@@ -67,17 +67,6 @@ void reorder_phase(Graph &g, int begin, int end, const CompileOptions &opt, std:
   std::vector<std::vector<int>> reduces_after(nseg);  // issued at the end of segment s
   std::map<int, std::vector<int>> after_node;      // collectives kept right after a compute node
   std::map<int, std::vector<int>> before_node;     // collectives kept right before a compute node
-  std::vector<int64_t> extra(static_cast<size_t>(nseg), 0);  // moved bytes held, per segment
-  const int64_t budget = opt.reorder_budget;
-  auto fits = [&](int s0, int s1, int64_t bytes) {  // held over segments [s0, s1)
-    if (budget <= 0) return true;
-    for (int s = s0; s < s1; ++s)
-      if (extra[static_cast<size_t>(s)] + bytes > budget) return false;
-    return true;
-  };
-  auto hold = [&](int s0, int s1, int64_t bytes) {
-    for (int s = s0; s < s1; ++s) extra[static_cast<size_t>(s)] += bytes;
-  };
   // A reduction chain: a collective reading another collective's output stays
   // right behind it.
   std::map<int, int> chain_head;  // collective node -> the node it follows
@@ -97,7 +86,6 @@ void reorder_phase(Graph &g, int begin, int end, const CompileOptions &opt, std:
       continue;
     }
     coll_of_output[outt] = ni;
-    const int64_t bytes = g.tensors[static_cast<size_t>(outt)].alloc_size();
     if (n.op == "all_gather") {
       auto r = first_reader.find(outt);
       if (r == first_reader.end()) {  // read only in a later phase: leave it in place
@@ -109,25 +97,21 @@ void reorder_phase(Graph &g, int begin, int end, const CompileOptions &opt, std:
         continue;
       }
       const int use = seg_of_node[r->second];
-      int target = std::max(0, use - static_cast<int>(opt.prefetch));
-      while (target < use && !fits(target, use, bytes)) ++target;
-      if (opt.prefetch == 0) {
+      const int target = std::max(0, use - static_cast<int>(prefetch));
+      if (prefetch == 0) {
         // In place: right before its first reader (as the shard pass had it).
         before_node[r->second].push_back(ni);
       } else if (target == use) {
         // Needed in this segment: ahead of the prefetches for later ones.
         gathers_now[static_cast<size_t>(use)].push_back(ni);
       } else {
-        hold(target, use, bytes);
         gathers_at[static_cast<size_t>(target)].push_back(ni);
       }
     } else {
       auto p = producer.find(in);
       CTR_CHECK(p != producer.end());
       const int seg = seg_of_node[p->second];
-      const int64_t held = g.tensors[static_cast<size_t>(in)].alloc_size();
-      if (opt.defer_reduce && seg + 1 < nseg && fits(seg + 1, seg + 2, held)) {
-        hold(seg + 1, seg + 2, held);
+      if (defer && seg + 1 < nseg) {
         reduces_after[static_cast<size_t>(seg + 1)].push_back(ni);
       } else {
         after_node[p->second].push_back(ni);
@@ -153,26 +137,57 @@ void reorder_phase(Graph &g, int begin, int end, const CompileOptions &opt, std:
   }
 }
 
+
+// The nodes of g in the order the schedule (prefetch, defer) gives them.
+std::vector<Node> reordered(Graph &g, int64_t prefetch, bool defer) {
+  std::vector<Node> saved = g.nodes, nodes;
+  nodes.reserve(g.nodes.size());
+  reorder_phase(g, 0, g.num_forward, prefetch, defer, nodes);
+  const int nf = static_cast<int>(nodes.size());
+  reorder_phase(g, g.num_forward, static_cast<int>(g.nodes.size()), prefetch, defer, nodes);
+  CTR_CHECK(nodes.size() == saved.size() && nf == g.num_forward);
+  g.nodes = std::move(saved);
+  return nodes;
+}
+
 }  // namespace
 
-void pass_reorder(Graph &g, const CompileOptions &opt) {
+std::string pass_reorder(Graph &g, const CompileOptions &opt) {
   CTR_CHECK(g.num_forward >= 0);
   bool any = false;
   for (const Node &n : g.nodes) any |= is_collective(n.op);
-  if (!any) return;
-  std::vector<Node> nodes;
-  nodes.reserve(g.nodes.size());
-  reorder_phase(g, 0, g.num_forward, opt, nodes);
-  const int nf = static_cast<int>(nodes.size());
-  reorder_phase(g, g.num_forward, static_cast<int>(g.nodes.size()), opt, nodes);
-  CTR_CHECK(nodes.size() == g.nodes.size() && nf == g.num_forward);
-  g.nodes = std::move(nodes);
+  if (!any) return "reorder: no collectives";
+  const std::vector<Node> original = g.nodes;
+  int64_t prefetch = opt.prefetch;
+  bool defer = opt.defer_reduce;
+  int64_t arena = -1;
+  for (;;) {
+    g.nodes = reordered(g, prefetch, defer);
+    if (opt.memory_budget <= 0) break;
+    // Plan this schedule; the real lower and plan_memory run again afterwards.
+    Program p = pass_lower(g, [](OpId) { return true; }, opt.overlap);
+    arena = pass_plan_memory(g, opt, p).arena_bytes;
+    if (arena <= opt.memory_budget || (prefetch == 0 && !defer)) break;
+    g.nodes = original;
+    if (prefetch > 0) {
+      --prefetch;
+    } else {
+      defer = false;
+    }
+  }
+  std::string summary = strformat("reorder: prefetch %lld blocks ahead, reduce-scatters %s",
+                                  static_cast<long long>(prefetch), defer ? "deferred" : "in place");
+  if (opt.memory_budget > 0)
+    summary += strformat("; planned arena %lld bytes, budget %lld%s", static_cast<long long>(arena),
+                         static_cast<long long>(opt.memory_budget),
+                         arena > opt.memory_budget ? " (over: no schedule fits)" : "");
+  return summary;
 }
 
 void read_reorder_options(OptionReader &r, CompileOptions &o) {
   o.prefetch = r.get_int("prefetch", 1, 0, 64);
   o.defer_reduce = r.get_int("defer_reduce", 1, 0, 1) != 0;
-  o.reorder_budget = r.get_int("reorder_budget", 0, 0);
+  o.memory_budget = r.get_int("memory_budget", 0, 0);
 }
 
 }  // namespace ctr

@@ -1,11 +1,12 @@
 /* One rank of a data-parallel training run, through the public C ABI only.
  *
  * usage: equiv_train PRESET MESH GLOBAL_BATCH STEPS OUT_FILE [reshard(0/1)] [micro_batches]
+ *                    [KEY=INT,...]   (more integer step options, e.g. prefetch=2,overlap=0)
  *
  * Rank and world come from the environment (ctr launch sets them). Every rank
  * builds the same global batch of a learnable token pattern and feeds its own
  * contiguous slice of rows, so any world size trains on the same data. Rank 0
- * writes one loss per line, with 9 significant digits, and then the checksum of
+ * writes one loss per line, exactly (17 significant digits), and then the checksum of
  * a few parameters, for the driver to compare across meshes. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,7 +24,7 @@
   } while (0)
 
 int main(int argc, char **argv) {
-  const char *preset, *mesh_spec, *out_path;
+  const char *preset, *mesh_spec, *out_path, *extra = "";
   int global_batch, steps, reshard = 1, micro = 1;
   const int T = 16, V = 64;
   ctr_options *mo, *go, *so;
@@ -45,6 +46,7 @@ int main(int argc, char **argv) {
   out_path = argv[5];
   if (argc > 6) reshard = atoi(argv[6]);
   if (argc > 7) micro = atoi(argv[7]);
+  if (argc > 8) extra = argv[8];
 
   CHECK(ctr_options_create(&mo));
   CHECK(ctr_options_set_string(mo, "mesh", mesh_spec));
@@ -77,6 +79,18 @@ int main(int argc, char **argv) {
   CHECK(ctr_options_set_int(so, "decay_steps", steps));
   CHECK(ctr_options_set_float(so, "grad_clip", 0.5));
   CHECK(ctr_options_set_int(so, "reshard_after_forward", reshard));
+  while (*extra) {
+    char key[64];
+    long value;
+    int used = 0;
+    if (sscanf(extra, "%63[^=]=%ld%n", key, &value, &used) != 2) {
+      fprintf(stderr, "bad step option list at '%s' (want KEY=INT,...)\n", extra);
+      return 2;
+    }
+    CHECK(ctr_options_set_int(so, key, value));
+    extra += used;
+    if (*extra == ',') ++extra;
+  }
   CHECK(ctr_step_create(mesh, graph, so, &step));
 
   tok = malloc(sizeof(int32_t) * (size_t)(local * micro * T));
@@ -103,7 +117,7 @@ int main(int argc, char **argv) {
     CHECK(ctr_step_set_input(step, "targets", tgt, sizeof(int32_t) * (size_t)(local * micro * T)));
     met.size = sizeof met;
     CHECK(ctr_step_run(step, &met));
-    if (out) fprintf(out, "%.9g %.9g\n", met.loss, met.grad_norm);
+    if (out) fprintf(out, "%.17g %.17g\n", met.loss, met.grad_norm);
   }
   {
     /* Every rank takes part in gathering sharded parameters. */
@@ -114,7 +128,7 @@ int main(int argc, char **argv) {
     const char *name = strcmp(preset, "llama") == 0 ? "output.weight" : "wte";
     CHECK(ctr_step_get_param(step, name, w, n));
     for (i = 0; i < n; ++i) sum += w[i] * (double)(i % 7 + 1);
-    if (out) fprintf(out, "param %.9g\n", sum);
+    if (out) fprintf(out, "param %.17g\n", sum);
     free(w);
   }
   {

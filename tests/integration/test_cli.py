@@ -29,6 +29,73 @@ def check(cond, msg):
         failures.append(msg)
 
 
+def forward_list(dump):
+    """The forward instruction list of a `--after lower` dump, as (stream, kind, op, name)."""
+    out, on = [], False
+    for line in dump.splitlines():
+        if line.startswith("forward:"):
+            on = True
+            continue
+        if line.startswith("backward:"):
+            break
+        if on:
+            parts = line.split()
+            if len(parts) >= 5 and parts[3] in ("kernel", "collective"):
+                out.append((int(parts[2]), parts[3], parts[4], parts[5] if len(parts) > 5 else ""))
+    return out
+
+
+def arena_bytes(dump):
+    m = re.search(r"memory plan: arena (\d+) bytes", dump)
+    return int(m.group(1)) if m else None
+
+
+def check_schedule(tmp):
+    """On a 4-block model under fsdp=2, the default schedule issues block i+1's
+    all-gathers before block i computes, collectives run on the comm stream and
+    compute on stream 0; a reorder budget bounds the planned memory."""
+    g4 = os.path.join(tmp, "four.ctrg")
+    run("graph", "build", "--preset", "gpt", "--layers", "4", "--dim", "64", "--heads", "4",
+        "--vocab", "256", "--seq", "32", "-o", g4)
+    fwd = forward_list(run("graph", "inspect", g4, "--after", "lower", "--fsdp", "2").stdout)
+    check(fwd, "no forward instructions in the lower dump")
+    for stream, kind, _, _ in fwd:
+        check((kind == "collective") == (stream == 1), f"{kind} on stream {stream}")
+    def first(pred):
+        return next((i for i, x in enumerate(fwd) if pred(x)), None)
+    for i in range(3):
+        gather = first(lambda x: x[1] == "collective" and x[2] == "all_gather"
+                       and x[3].startswith(f"layers.{i + 1}."))
+        compute = first(lambda x: x[1] == "kernel" and x[3].startswith(f"layers.{i}."))
+        check(gather is not None and compute is not None and gather < compute,
+              f"block {i + 1}'s all-gather (at {gather}) is not issued before block {i} "
+              f"computes (at {compute})")
+    # prefetch 0 keeps each gather right before its first reader.
+    fwd0 = forward_list(run("graph", "inspect", g4, "--after", "lower", "--fsdp", "2",
+                            "--prefetch", "0").stdout)
+    for i in range(3):
+        gather = next(k for k, x in enumerate(fwd0) if x[1] == "collective"
+                      and x[3].startswith(f"layers.{i + 1}."))
+        compute = next(k for k, x in enumerate(fwd0) if x[1] == "kernel"
+                       and x[3].startswith(f"layers.{i}."))
+        check(gather > compute, f"--prefetch 0 still gathers block {i + 1} before block {i}")
+    base = arena_bytes(run("graph", "inspect", g4, "--after", "plan_memory", "--fsdp", "2",
+                           "--prefetch", "0", "--no-defer-reduce").stdout)
+    deep = arena_bytes(run("graph", "inspect", g4, "--after", "plan_memory", "--fsdp", "2",
+                           "--prefetch", "3").stdout)
+    budget = (base + deep) // 2
+    bounded = arena_bytes(run("graph", "inspect", g4, "--after", "plan_memory", "--fsdp", "2",
+                              "--prefetch", "3", "--memory-budget", str(budget)).stdout)
+    check(None not in (base, deep, bounded), "plan_memory dump lacks the arena size")
+    if None not in (base, deep, bounded):
+        check(deep > base, f"prefetch 3 should hold more memory than none ({deep} vs {base})")
+        check(bounded <= budget, f"with a budget of {budget} bytes the planned arena is {bounded}")
+        chosen = run("graph", "inspect", g4, "--after", "reorder", "--fsdp", "2", "--prefetch", "3",
+                     "--memory-budget", str(budget)).stdout.splitlines()[0]
+        check(chosen.startswith("reorder: prefetch") and "budget" in chosen,
+              f"reorder dump does not say what it chose: {chosen}")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="ctr_cli_")
     graph = os.path.join(tmp, "tiny.ctrg")
@@ -59,6 +126,7 @@ def main():
     out = run("graph", "inspect", graph, "--after", "shard", "--fsdp", "2", "--dp", "2").stdout
     check("all_gather" in out and "reduce_scatter" in out and "all_reduce" in out,
           "shard dump lacks the collectives")
+    check_schedule(tmp)
 
     # Train on a learnable byte text: a short sentence repeated.
     data = os.path.join(tmp, "text.txt")

@@ -220,10 +220,43 @@ int cmd_graph_build(const BuildArgs &a) {
 // ------------------------------------------------------------------------------------------
 // ctr graph inspect
 
+// How collectives are scheduled (the reorder and lower passes' options), for
+// `graph inspect` and `run` alike.
+struct ScheduleArgs {
+  int64_t prefetch = 1, memory_budget = 0;
+  bool no_defer = false, no_overlap = false;
+
+  void add_flags(CLI::App *cmd) {
+    cmd->add_option("--prefetch", prefetch,
+                    "Issue each all-gather this many blocks before the block that reads it (0: "
+                    "right before its first use)")
+        ->capture_default_str()
+        ->check(CLI::Range(0, 64));
+    cmd->add_flag("--no-defer-reduce", no_defer,
+                  "Issue each gradient reduce-scatter right after its gradient, instead of behind "
+                  "the next block's compute");
+    cmd->add_option("--memory-budget", memory_budget,
+                    "Bytes of activation memory the schedule may plan: prefetch and deferral "
+                    "are reduced until the plan fits (0: no bound)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
+    cmd->add_flag("--no-overlap", no_overlap,
+                  "Wait for every collective as soon as it is issued (the baseline overlap is "
+                  "measured against)");
+  }
+  void set(ctr_options *o) const {
+    set_int(o, "prefetch", prefetch);
+    set_int(o, "defer_reduce", no_defer ? 0 : 1);
+    set_int(o, "memory_budget", memory_budget);
+    set_int(o, "overlap", no_overlap ? 0 : 1);
+  }
+};
+
 struct InspectArgs {
   std::string file, after = "verify";
   int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, rank = 0;
   bool keep_params = false;
+  ScheduleArgs schedule;
   CLI::Option *after_opt = nullptr, *seq_opt = nullptr;
 };
 
@@ -270,6 +303,7 @@ int cmd_graph_inspect(const InspectArgs &a) {
   set_int(opts.get(), "dp", a.dp);
   set_int(opts.get(), "rank", a.rank);
   set_int(opts.get(), "reshard_after_forward", a.keep_params ? 0 : 1);
+  a.schedule.set(opts.get());
   const std::string dump = ctr::inspect_graph(graph.get(), opts.get(), a.after);
   std::fputs(dump.c_str(), stdout);
   if (!dump.empty() && dump.back() != '\n') std::fputc('\n', stdout);
@@ -292,6 +326,7 @@ struct RunArgs {
               *beta2_opt = nullptr, *threads_opt = nullptr, *device_opt = nullptr,
               *mesh_opt = nullptr, *timeout_opt = nullptr;
   double timeout = 60;
+  ScheduleArgs collectives;
 };
 
 // Without --data, `ctr run` trains on the built-in corpus of seed 0 (the loader's
@@ -468,6 +503,7 @@ int cmd_run(const RunArgs &a) {
   if (a.beta1_opt->count() > 0) set_float(step_opts.get(), "beta1", a.beta1);
   if (a.beta2_opt->count() > 0) set_float(step_opts.get(), "beta2", a.beta2);
   set_float(step_opts.get(), "grad_clip", a.grad_clip);
+  a.collectives.set(step_opts.get());
   if (a.async_save) {
     set_int(step_opts.get(), "async_save", 1);
     set_int(step_opts.get(), "async_save_lag", kAsyncSaveLag);
@@ -825,6 +861,7 @@ int run_main(int argc, char **argv) {
       ->check(kNonNegative);
   inspect_cmd->add_flag("--keep-params", inspect.keep_params,
                         "Keep gathered params from forward to backward (no reshard)");
+  inspect.schedule.add_flags(inspect_cmd);
 
   // run -------------------------------------------------------------------------------------
   RunArgs run;
@@ -884,6 +921,7 @@ int run_main(int argc, char **argv) {
   run_cmd->add_option("--resume", run.resume,
                       "Resume from a checkpoint directory, or 'latest' in --save-dir (falling back "
                       "to older ones if the newest is damaged)");
+  run.collectives.add_flags(run_cmd);
   run_cmd->add_flag("--async-save", run.async_save,
                     "Snapshot checkpoints to memory and write them while training continues");
   run_cmd->add_option("--stop-after", run.stop_after,
