@@ -498,6 +498,11 @@ std::vector<OpDef> library_ops() {
   v.push_back(with_params<ctr_transpose_params>(tr, transpose_decode));
   v.push_back(with_bwd(fwd("take_rows", 2, 2, take_rows_infer, zero_flops), "take_rows_bwd", {G(0)}, 1));
 
+  // Cheap to recompute: everything but GEMMs, attention and lookups.
+  for (OpDef &d : v)
+    d.cheap_to_recompute = d.name != "linear" && d.name != "matmul" && d.name != "attention" &&
+                           d.name != "embedding" && d.name != "cross_entropy";
+
   // Internal ops emitted by autodiff.
   v.push_back(internal("embedding_bwd", 2, 1));
   v.push_back(internal("linear_bwd_x", 2, 1));

@@ -69,6 +69,9 @@ struct OpDef {
   int num_outputs = 1;              // declared in the file (backward ops: produced)
   std::vector<std::string> saved;   // suffixes of the saved outputs appended by infer_shapes
   bool internal = false;            // backward / helper op: not allowed in files
+  // Selective recompute recomputes this op's outputs instead of keeping them
+  // (element-wise and normalisation ops; not GEMMs or attention).
+  bool cheap_to_recompute = false;
 
   // Output dtypes and shapes from input shapes and attributes; throws
   // CTR_STATUS_INVALID_GRAPH naming the node on a mismatch. Internal ops have

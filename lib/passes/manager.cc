@@ -31,6 +31,7 @@ void run_nothing(PassContext &) {}
 void run_verify(PassContext &c) { pass_verify(c.graph); }
 void run_infer_shapes(PassContext &c) { pass_infer_shapes(c.graph, c.opt); }
 void run_autodiff(PassContext &c) { pass_autodiff(c.graph); }
+void run_recompute(PassContext &c) { pass_recompute(c.graph, c.opt); }
 void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }
 void run_reorder(PassContext &c) { c.schedule = pass_reorder(c.graph, c.opt); }
 void run_lower(PassContext &c) { c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap); }
@@ -70,6 +71,8 @@ const std::vector<PassDef> &pass_list() {
       {"verify", "semantic checks and a topological order", true, nullptr, run_verify, nullptr},
       {"infer_shapes", "symbolic dims bound, every shape known", false, read_shapes, run_infer_shapes, nullptr},
       {"autodiff", "the backward graph appended", false, nullptr, run_autodiff, nullptr},
+      {"recompute", "activation checkpointing: block forwards copied into backward", false,
+       read_recompute_options, run_recompute, nullptr},
       {"shard", "parameters placed on the mesh, collectives inserted", false, read_shard, run_shard, nullptr},
       {"reorder", "collectives moved under compute (prefetch, deferred reductions)", false, read_reorder_options,
        run_reorder, dump_reorder},

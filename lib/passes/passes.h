@@ -40,6 +40,7 @@ struct CompileOptions {
   bool defer_reduce = true;     // reorder: reduce-scatters behind the next segment's compute
   int64_t memory_budget = 0;    // reorder: bound on the planned arena in bytes (0 = none)
   bool overlap = true;          // lower: false waits for every collective at its issue
+  std::string recompute = "none";  // recompute: none, all or selective
   MeshPlacement mesh;
 };
 
@@ -133,6 +134,12 @@ void pass_infer_shapes(Graph &g, const CompileOptions &opt);
 // gradient rules), seeded with d(loss)/d(loss) held in the Const tensor
 // "loss.grad". Afterwards each param with a gradient has tensors[grad].grad_of == param.
 void pass_autodiff(Graph &g);
+
+// recompute.cc: activation checkpointing per block: the block's forward nodes
+// copied into backward (all of them, or with selective only the cheap ones),
+// backward reading the copies, so the originals die after forward.
+void pass_recompute(Graph &g, const CompileOptions &opt);
+void read_recompute_options(OptionReader &r, CompileOptions &opt);
 
 // shard.cc: places parameters on the mesh: each param is cut on dim 0 into `fsdp`
 // shards of equal (padded) row count and this rank keeps its shard. An

@@ -1,7 +1,7 @@
 /* One rank of a data-parallel training run, through the public C ABI only.
  *
  * usage: equiv_train PRESET MESH GLOBAL_BATCH STEPS OUT_FILE [reshard(0/1)] [micro_batches]
- *                    [KEY=INT,...]   (more integer step options, e.g. prefetch=2,overlap=0)
+ *                    [KEY=VALUE,...]   (more step options, e.g. prefetch=2,recompute=all)
  *
  * Rank and world come from the environment (ctr launch sets them). Every rank
  * builds the same global batch of a learnable token pattern and feeds its own
@@ -80,14 +80,18 @@ int main(int argc, char **argv) {
   CHECK(ctr_options_set_float(so, "grad_clip", 0.5));
   CHECK(ctr_options_set_int(so, "reshard_after_forward", reshard));
   while (*extra) {
-    char key[64];
-    long value;
+    char key[64], value[64], *end;
+    long number;
     int used = 0;
-    if (sscanf(extra, "%63[^=]=%ld%n", key, &value, &used) != 2) {
-      fprintf(stderr, "bad step option list at '%s' (want KEY=INT,...)\n", extra);
+    if (sscanf(extra, "%63[^=]=%63[^,]%n", key, value, &used) != 2) {
+      fprintf(stderr, "bad step option list at '%s' (want KEY=VALUE,...)\n", extra);
       return 2;
     }
-    CHECK(ctr_options_set_int(so, key, value));
+    number = strtol(value, &end, 10);
+    if (*end == '\0')
+      CHECK(ctr_options_set_int(so, key, number));
+    else
+      CHECK(ctr_options_set_string(so, key, value));
     extra += used;
     if (*extra == ',') ++extra;
   }

@@ -90,6 +90,11 @@ def check_schedule(tmp):
     if None not in (base, deep, bounded):
         check(deep > base, f"prefetch 3 should hold more memory than none ({deep} vs {base})")
         check(bounded <= budget, f"with a budget of {budget} bytes the planned arena is {bounded}")
+        # Recompute lowers the planned peak: selective below none, all below selective.
+        peaks = [arena_bytes(run("graph", "inspect", g4, "--after", "plan_memory", "--batch", "4",
+                                 "--recompute", mode).stdout) for mode in ("none", "selective", "all")]
+        check(None not in peaks and peaks[0] > peaks[1] > peaks[2],
+              f"recompute none/selective/all plan {peaks} bytes")
         chosen = run("graph", "inspect", g4, "--after", "reorder", "--fsdp", "2", "--prefetch", "3",
                      "--memory-budget", str(budget)).stdout.splitlines()[0]
         check(chosen.startswith("reorder: prefetch") and "budget" in chosen,

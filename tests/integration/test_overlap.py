@@ -1,12 +1,14 @@
 #!/usr/bin/python3
-"""Overlap changes no bits: the same training job under every schedule of its
-collectives gives bitwise the same losses, gradient norms and final weights.
+"""Scheduling changes no bits: the same training job under every schedule of its
+collectives, and with activation recompute, gives bitwise the same losses,
+gradient norms and final weights.
 
 Schedules: every collective waited for at its issue (overlap=0); collectives
 where the shard pass put them (prefetch=0, no deferral); the default (prefetch
 1, reduce-scatters deferred); prefetch 2 and 3; prefetch 3 within a small
-reorder budget. Meshes: fsdp=2, fsdp=4 and dp=2 x fsdp=2, on the gpt preset
-(2 layers), plus llama on fsdp=2.
+memory budget; recompute all, and selective with prefetch 2. Meshes: one rank,
+fsdp=2, fsdp=4 and dp=2 x fsdp=2, on the gpt preset (2 layers), plus llama on
+one rank and on fsdp=2.
 
 usage: test_overlap.py CTR EQUIV_TRAIN
 """
@@ -26,6 +28,8 @@ SCHEDULES = [
     ("prefetch 2", "prefetch=2"),
     ("prefetch 3 no defer", "prefetch=3,defer_reduce=0"),
     ("prefetch 3 budget", "prefetch=3,memory_budget=60000"),
+    ("recompute all", "recompute=all"),
+    ("recompute selective, prefetch 2", "recompute=selective,prefetch=2"),
 ]
 
 
@@ -45,7 +49,8 @@ def run(preset, nprocs, mesh, out, extra):
 def main():
     tmp = tempfile.mkdtemp(prefix="ctr_overlap_")
     failures = []
-    cases = [("gpt", 2, "fsdp=2"), ("gpt", 4, "fsdp=4"), ("gpt", 4, "dp=2,fsdp=2"), ("llama", 2, "fsdp=2")]
+    cases = [("gpt", 1, "fsdp=1"), ("gpt", 2, "fsdp=2"), ("gpt", 4, "fsdp=4"), ("gpt", 4, "dp=2,fsdp=2"),
+             ("llama", 1, "fsdp=1"), ("llama", 2, "fsdp=2")]
     for preset, n, mesh in cases:
         ref = None
         for name, extra in SCHEDULES:

@@ -220,11 +220,12 @@ int cmd_graph_build(const BuildArgs &a) {
 // ------------------------------------------------------------------------------------------
 // ctr graph inspect
 
-// How collectives are scheduled (the reorder and lower passes' options), for
-// `graph inspect` and `run` alike.
+// How the step is scheduled (the recompute, reorder and lower passes' options),
+// for `graph inspect` and `run` alike.
 struct ScheduleArgs {
   int64_t prefetch = 1, memory_budget = 0;
   bool no_defer = false, no_overlap = false;
+  std::string recompute = "none";
 
   void add_flags(CLI::App *cmd) {
     cmd->add_option("--prefetch", prefetch,
@@ -240,6 +241,11 @@ struct ScheduleArgs {
                     "are reduced until the plan fits (0: no bound)")
         ->capture_default_str()
         ->check(CLI::NonNegativeNumber);
+    cmd->add_option("--recompute", recompute,
+                    "Activation checkpointing per block: none, all (recompute every activation "
+                    "backward reads) or selective (keep GEMM and attention outputs)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"none", "all", "selective"}));
     cmd->add_flag("--no-overlap", no_overlap,
                   "Wait for every collective as soon as it is issued (the baseline overlap is "
                   "measured against)");
@@ -249,6 +255,7 @@ struct ScheduleArgs {
     set_int(o, "defer_reduce", no_defer ? 0 : 1);
     set_int(o, "memory_budget", memory_budget);
     set_int(o, "overlap", no_overlap ? 0 : 1);
+    set_string(o, "recompute", recompute);
   }
 };
 

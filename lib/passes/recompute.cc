@@ -1,0 +1,126 @@
+// Pass recompute: activation checkpointing per block.
+//
+// For each block (a transformer layer: nodes with block >= 0), the activations
+// its backward reads are normally kept from forward to backward. This pass
+// instead copies the block's forward nodes into the backward graph, right
+// before the first backward node that reads one of them, and points the
+// backward nodes at the copies; the originals die as soon as forward no longer
+// needs them, and the planned peak falls.
+//
+// Modes: "all" recomputes every activation of the block that backward reads;
+// "selective" keeps the outputs of the ops whose definition is not marked
+// cheap_to_recompute (GEMMs and attention) and recomputes the rest (norms,
+// activations, rotary embeddings, residual adds). Tensors forward reads after
+// the block (its output, the next block's input) and tensors named in the step
+// option "keep" are never recomputed.
+//
+// It runs after autodiff and before shard, so the shard pass sees the copies as
+// ordinary backward uses of the parameters and gathers for them in backward.
+// Kernels are deterministic, so the copies compute the same bits: losses are
+// bitwise unchanged.
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "core/options.h"
+#include "core/status.h"
+#include "passes/passes.h"
+
+namespace ctr {
+namespace {
+
+void recompute_block(Graph &g, int block, bool selective) {
+  const int nf = g.num_forward;
+  const int nn = static_cast<int>(g.nodes.size());
+  std::vector<int> fwd;  // the block's forward nodes, in order
+  std::map<int, int> producer;
+  for (int ni = 0; ni < nf; ++ni)
+    if (g.nodes[ni].block == block) {
+      fwd.push_back(ni);
+      for (int t : g.nodes[ni].outputs) producer[t] = ni;
+    }
+  if (fwd.empty()) return;
+
+  // Kept: read by forward after the block, named in "keep", or (selective)
+  // produced by an op that is not cheap to recompute.
+  std::set<int> keep;
+  for (int ni = 0; ni < nf; ++ni) {
+    if (g.nodes[ni].block == block) continue;
+    for (int t : g.nodes[ni].inputs)
+      if (producer.count(t)) keep.insert(t);
+  }
+  for (const auto &[t, ni] : producer) {
+    if (g.tensors[t].keep || t == g.loss) keep.insert(t);
+    if (selective) {
+      const OpDef *d = find_op(g.nodes[ni].op);
+      if (!d || !d->cheap_to_recompute) keep.insert(t);
+    }
+  }
+  // Recomputed: what backward reads of the block, and what those need.
+  std::set<int> recompute;
+  std::vector<int> work;
+  for (int ni = nf; ni < nn; ++ni)
+    for (int t : g.nodes[ni].inputs)
+      if (producer.count(t) && !keep.count(t) && recompute.insert(t).second) work.push_back(t);
+  if (recompute.empty()) return;
+  std::set<int> nodes;
+  while (!work.empty()) {
+    int t = work.back();
+    work.pop_back();
+    int ni = producer[t];
+    if (!nodes.insert(ni).second) continue;
+    for (int o : g.nodes[ni].outputs)
+      if (!keep.count(o)) recompute.insert(o);
+    for (int in : g.nodes[ni].inputs)
+      if (producer.count(in) && !keep.count(in) && recompute.insert(in).second) work.push_back(in);
+  }
+
+  // Where the copies go: before the first backward node reading a recomputed tensor.
+  int at = -1;
+  for (int ni = nf; ni < nn && at < 0; ++ni)
+    for (int t : g.nodes[ni].inputs)
+      if (recompute.count(t)) at = ni;
+  CTR_CHECK(at >= 0);
+
+  std::map<int, int> copy_of;
+  std::vector<Node> copies;
+  for (int ni : fwd) {
+    if (!nodes.count(ni)) continue;
+    Node c = g.nodes[ni];
+    c.name += ".recompute";
+    c.backward = true;
+    for (int &in : c.inputs)
+      if (copy_of.count(in)) in = copy_of[in];
+    for (int &o : c.outputs) {
+      Tensor t = g.tensors[o];
+      t.name += ".recompute";
+      t.keep = false;
+      const int nt = g.add_tensor(std::move(t));
+      copy_of[o] = nt;
+      o = nt;
+    }
+    copies.push_back(std::move(c));
+  }
+  for (int ni = at; ni < nn; ++ni)
+    for (int &in : g.nodes[ni].inputs)
+      if (copy_of.count(in)) in = copy_of[in];
+  g.nodes.insert(g.nodes.begin() + at, copies.begin(), copies.end());
+}
+
+}  // namespace
+
+void pass_recompute(Graph &g, const CompileOptions &opt) {
+  CTR_CHECK(g.num_forward >= 0);
+  if (opt.recompute == "none") return;
+  std::set<int> blocks;
+  for (int ni = 0; ni < g.num_forward; ++ni)
+    if (g.nodes[ni].block >= 0) blocks.insert(g.nodes[ni].block);
+  for (int b : blocks) recompute_block(g, b, opt.recompute == "selective");
+}
+
+void read_recompute_options(OptionReader &r, CompileOptions &o) {
+  o.recompute = r.get_string("recompute", "none", {"none", "all", "selective"});
+}
+
+}  // namespace ctr
