@@ -247,6 +247,8 @@ typedef struct ctr_step ctr_step;
  *                            ctr_step_get_output (e.g. "logits")
  *   "async_save" int         ctr_step_save writes in the background (0)
  *   "async_save_lag" int     runs after which a background save is published (2)
+ *   "recompute" string       activation checkpointing per block: "none" (default),
+ *                            "all", or "selective" (GEMM and attention outputs kept)
  *   "prefetch" int           issue each all-gather this many blocks before the
  *                            block that reads it (1); 0 keeps it right before its use
  *   "defer_reduce" int       issue gradient reduce-scatters behind the next block's
@@ -254,8 +256,8 @@ typedef struct ctr_step ctr_step;
  *   "memory_budget" int      bytes of activation arena the collective schedule may
  *                            plan; prefetch and deferral shrink until it fits (0: none)
  *   "overlap" int            0 waits for every collective at its issue (1)
- *                            (the schedule never changes results: losses are
- *                            bitwise the same for every setting of these four)
+ *                            (neither the schedule nor recompute changes results:
+ *                            losses are bitwise the same for every setting of these)
  *   "memory_limit" int       bytes the plan may use; a larger plan fails with
  *                            CTR_STATUS_OUT_OF_MEMORY before allocating (default:
  *                            the machine's physical memory)

@@ -590,12 +590,14 @@ int cmd_run(const RunArgs &a) {
     std::string shape = ctr::strformat("batch %" PRId64 " x seq %" PRId64, a.batch, seq);
     if (a.micro_batches > 1) shape += ctr::strformat(" x %" PRId64 " micro", a.micro_batches);
     if (world > 1) shape += ctr::strformat(" x %d ranks", world);
-    std::printf("%s: %s params | data %s: %s%s tokens | %s | memory%s %.1f MiB (arena %.1f, "
-                "params %.1f, optimizer %.1f)\n",
+    const std::string recompute =
+        a.collectives.recompute == "none" ? "" : ", recompute " + a.collectives.recompute;
+    std::printf("%s: %s params | data %s: %s%s tokens | %s | memory%s %.1f MiB (arena %.1f%s, "
+                "params %.1f, gradients %.1f, optimizer %.1f)\n",
                 a.graph.c_str(), human(static_cast<double>(params)).c_str(),
                 data_name.c_str(), kind.c_str(), human(static_cast<double>(data_tokens)).c_str(),
-                shape.c_str(), world > 1 ? " per rank" : "", mib(arena + param_bytes + opt_bytes), mib(arena),
-                mib(param_bytes), mib(opt_bytes));
+                shape.c_str(), world > 1 ? " per rank" : "", mib(arena + 2 * param_bytes + opt_bytes),
+                mib(arena), recompute.c_str(), mib(param_bytes), mib(param_bytes), mib(opt_bytes));
     std::fflush(stdout);
   }
 
