@@ -2,6 +2,8 @@
 
 #include "runtime/executor.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstring>
 #include <utility>
@@ -151,6 +153,7 @@ void Executor::run_collective(void *user) {
         w = ci->all_reduce(c->comm.ctx, c->src->data, c->dst->data, c->count, CTR_DTYPE_F32, ReduceOp::Avg);
         break;
     }
+    if (ex.exit_countdown_.load() > 0 && --ex.exit_countdown_ == 0) _exit(87);
     ci->wait(c->comm.ctx, w, c->timeout_ms);
   } catch (const Error &e) {
     std::lock_guard<std::mutex> lock(ex.err_mu_);

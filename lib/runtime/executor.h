@@ -53,6 +53,10 @@ class Executor {
   // communication that compute did not hide.
   double take_exposed_ms();
 
+  // Fault injection for the failure tests: the process exits (status 87) right
+  // after issuing its n-th collective from now, leaving it in flight.
+  void exit_after_collectives(int n) { exit_countdown_ = n; }
+
  private:
   struct Call;        // a kernel launch, resolved
   struct Collective;  // a collective, resolved
@@ -77,6 +81,7 @@ class Executor {
   std::string err_msg_;
   std::atomic<int64_t> comm_ns_{0};
   int64_t exposed_ns_ = 0;
+  std::atomic<int> exit_countdown_{0};
 };
 
 }  // namespace ctr

@@ -78,15 +78,18 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   options_json_ = options_json(options);
 
   // CTR_FAULT_INJECT="exit_at_step:N:rank:R" or "hang_at_step:N:rank:R" makes
-  // rank R exit (or block forever) when it starts step N: the failure tests use
-  // it to check that the other ranks end the job naming that rank.
+  // rank R exit (or block forever) when it starts step N; "exitcomm_at_step:..."
+  // makes it exit in step N with a collective in flight. The failure tests use
+  // them to check that the other ranks end the job naming that rank.
   if (const char *f = std::getenv("CTR_FAULT_INJECT")) {
     long long n = 0, fr = 0;
     char kind[16] = {0};
     if (std::sscanf(f, "%15[a-z]_at_step:%lld:rank:%lld", kind, &n, &fr) == 3 && fr == mesh.rank &&
-        (std::strcmp(kind, "exit") == 0 || std::strcmp(kind, "hang") == 0)) {
+        (std::strcmp(kind, "exit") == 0 || std::strcmp(kind, "hang") == 0 ||
+         std::strcmp(kind, "exitcomm") == 0)) {
       fault_step_ = n;
       fault_hang_ = std::strcmp(kind, "hang") == 0;
+      fault_in_comm_ = std::strcmp(kind, "exitcomm") == 0;
     }
   }
   for (size_t pos = 0; pos < keep.size();) {
@@ -341,8 +344,12 @@ int64_t Step::full_numel(int t) const {
 void Step::run(ctr_step_metrics *metrics) {
   check_inputs_set("ctr_step_run");
   if (fault_step_ == step_ + 1) {
-    if (!fault_hang_) _exit(87);
-    for (;;) pause();
+    if (fault_in_comm_) {
+      exec_->exit_after_collectives(3);
+    } else {
+      if (!fault_hang_) _exit(87);
+      for (;;) pause();
+    }
   }
   {
     // A background save is published here, after the same number of steps on

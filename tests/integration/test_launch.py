@@ -97,6 +97,36 @@ def main():
         check(needle in p.stderr, f"{kind}: message lacks '{needle}': {p.stderr[-600:]}")
         check(elapsed < 60, f"{kind}: the job took {elapsed:.1f} s to end")
 
+    # Rank 1 dies with collectives in flight on the comm stream (it exits right
+    # after issuing one), outside any launcher: rank 0, waiting on them, fails
+    # naming rank 1, well within its timeout.
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    procs = []
+    t0 = time.monotonic()
+    for r in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CTR_")}
+        env.update(CTR_RANK=str(r), CTR_WORLD_SIZE="2", CTR_MASTER_ADDR="127.0.0.1", CTR_MASTER_PORT=str(port))
+        if r == 1:
+            env["CTR_FAULT_INJECT"] = "exitcomm_at_step:3:rank:1"
+        procs.append(subprocess.Popen([CTR, "run", graph, "--mesh", "fsdp=2", "--steps", "20", "--batch", "2",
+                                       "--log-every", "0", "--timeout", "10"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outs = []
+    for pr in procs:
+        try:
+            outs.append(pr.communicate(timeout=60))
+        except subprocess.TimeoutExpired:
+            pr.kill()
+            outs.append(pr.communicate())
+    elapsed = time.monotonic() - t0
+    check(procs[1].returncode == 87, f"exitcomm: rank 1 exited {procs[1].returncode}, expected 87")
+    check(procs[0].returncode not in (0, None), "exitcomm: rank 0 did not fail")
+    check("rank 1" in outs[0][1], f"exitcomm: rank 0 did not name rank 1: {outs[0][1][-600:]}")
+    check(elapsed < 10, f"exitcomm: rank 0 took {elapsed:.1f} s to fail (timeout 10 s)")
+
     # A clean fsdp=2 job: every step gathers parameters and reduces gradients, so
     # rank 0's metrics show communication; the part compute waited for is within
     # the step (it may exceed comm_ms slightly: the two are timed on different

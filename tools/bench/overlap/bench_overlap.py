@@ -1,0 +1,157 @@
+#!/usr/bin/python3
+"""Communication hidden under compute, over a slow link: fsdp=2 with one rank in each of two
+network namespaces joined by a veth pair shaped with tc (default 1 Gbit/s and 100 us each
+way), UCX over TCP on that link only.
+
+    sudo /usr/bin/python3 tools/bench/overlap/bench_overlap.py --ctr build/tools/ctr
+    ... --rate 1gbit --delay 100us --steps 12 --warmup 3
+
+For two model sizes — one where communication per step is shorter than compute, one where
+it is longer — it runs the same training job under these schedules and prints, per schedule,
+the median step time, exposed communication (time compute waited for the comm stream), time
+collectives were in flight, the planned per-rank memory, and the share of the no-overlap
+schedule's exposed communication that each schedule hides:
+
+    no overlap      every collective waited for at its issue (--no-overlap --prefetch 0
+                    --no-defer-reduce)
+    in place        collectives where the shard pass puts them, waited at first use
+                    (--prefetch 0 --no-defer-reduce)
+    reorder         gathers one block ahead, reduce-scatters deferred (the default)
+    reorder, k=2    gathers two blocks ahead
+
+Needs root (ip netns, tc). The namespaces (ctrbench0, ctrbench1) and the veth pair are
+created at the start and removed at the end; traffic stays between them.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+NS = ("ctrbench0", "ctrbench1")
+ADDR = ("10.231.0.1", "10.231.0.2")
+DEV = ("ctrveth0", "ctrveth1")
+
+SCHEDULES = [
+    ("no overlap", ["--no-overlap", "--prefetch", "0", "--no-defer-reduce"]),
+    ("in place", ["--prefetch", "0", "--no-defer-reduce"]),
+    ("reorder", []),
+    ("reorder, k=2", ["--prefetch", "2"]),
+]
+
+
+def sh(*cmd, check=True):
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def setup(rate, delay):
+    teardown()
+    for ns in NS:
+        sh("ip", "netns", "add", ns)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+    sh("ip", "link", "add", DEV[0], "netns", NS[0], "type", "veth", "peer", "name", DEV[1], "netns", NS[1])
+    for ns, dev, addr in zip(NS, DEV, ADDR):
+        sh("ip", "-n", ns, "addr", "add", addr + "/24", "dev", dev)
+        sh("ip", "-n", ns, "link", "set", dev, "up")
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", delay,
+           "rate", rate, "limit", "100000")
+
+
+def teardown():
+    for ns in NS:
+        sh("ip", "netns", "del", ns, check=False)
+
+
+def run_job(args, graph, flags, tmp, name):
+    procs, metrics = [], []
+    for rank in (0, 1):
+        m = os.path.join(tmp, f"{name}.{rank}.jsonl")
+        metrics.append(m)
+        env = dict(os.environ, CTR_RANK=str(rank), CTR_WORLD_SIZE="2", CTR_MASTER_ADDR=ADDR[0],
+                   CTR_MASTER_PORT=str(args.port), CTR_JOB_TOKEN="bench-overlap", UCX_TLS="self,tcp",
+                   UCX_NET_DEVICES=DEV[rank], CTR_NUM_THREADS=str(args.threads))
+        cmd = ["ip", "netns", "exec", NS[rank], args.ctr, "run", graph, "--mesh", "fsdp=2",
+               "--steps", str(args.warmup + args.steps), "--batch", str(args.batch_of[graph]),
+               "--seq", str(args.seq), "--log-every", "1000", "--timeout", "120", "--metrics", m] + flags
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(f"{name}: a rank exited {p.returncode}:\n{out[-2000:]}")
+    rows = [json.loads(line) for line in open(metrics[0]) if line.strip()][args.warmup:]
+    first_line = outs[0].splitlines()[0] if outs[0] else ""
+    mem = first_line.split("memory per rank ")[-1].split(" MiB")[0] if "memory per rank" in first_line else "?"
+    return {
+        "step_ms": statistics.median(r["step_ms"] for r in rows),
+        "exposed_ms": statistics.median(r["exposed_comm_ms"] for r in rows),
+        "comm_ms": statistics.median(r["comm_ms"] for r in rows),
+        "compute_ms": statistics.median(r["compute_ms"] for r in rows),
+        "memory_mib": mem,
+        "loss": rows[-1]["loss"],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ctr", default="build/tools/ctr")
+    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--delay", default="100us")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1, help="compute threads per rank (2 ranks share the machine)")
+    ap.add_argument("--port", type=int, default=29731)
+    ap.add_argument("--json", help="write the results here too")
+    args = ap.parse_args()
+    args.ctr = os.path.abspath(args.ctr)
+    if os.geteuid() != 0:
+        sys.exit("bench_overlap: needs root for ip netns and tc")
+    tmp = tempfile.mkdtemp(prefix="ctr-bench-overlap-")
+    # Two sizes of the gpt preset: the first computes longer than it communicates, the
+    # second communicates longer than it computes.
+    sizes = [("compute-bound", ["--layers", "4", "--dim", "256", "--heads", "4"], 8),
+             ("comm-bound", ["--layers", "4", "--dim", "512", "--heads", "8"], 1)]
+    args.batch_of = {}
+    results = {}
+    setup(args.rate, args.delay)
+    try:
+        for size, gflags, batch in sizes:
+            graph = os.path.join(tmp, f"{size}.ctrg")
+            sh(args.ctr, "graph", "build", "--preset", "gpt", "--vocab", "256", "--seq", str(args.seq),
+               *gflags, "-o", graph)
+            args.batch_of[graph] = batch
+            for name, flags in SCHEDULES:
+                results[(size, name)] = run_job(args, graph, flags, tmp, f"{size}-{name.replace(' ', '_')}")
+                r = results[(size, name)]
+                print(f"  {size:13s} {name:13s} step {r['step_ms']:8.1f} ms  exposed {r['exposed_ms']:8.1f}  "
+                      f"comm {r['comm_ms']:8.1f}  compute {r['compute_ms']:8.1f}  mem {r['memory_mib']} MiB",
+                      flush=True)
+    finally:
+        teardown()
+
+    print(f"\nlink {args.rate}, {args.delay} each way; fsdp=2, one rank per namespace, UCX over TCP; "
+          f"{args.threads} compute thread(s) per rank; median of {args.steps} steps after {args.warmup}")
+    print("| model | schedule | step ms | exposed comm ms | comm in flight ms | hidden | throughput vs no overlap "
+          "| memory per rank MiB |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for size, _, _ in sizes:
+        base = results[(size, "no overlap")]
+        for name, _ in SCHEDULES:
+            r = results[(size, name)]
+            hidden = 1 - r["exposed_ms"] / base["exposed_ms"] if base["exposed_ms"] > 0 else 0
+            gain = base["step_ms"] / r["step_ms"] - 1
+            print(f"| {size} | {name} | {r['step_ms']:.1f} | {r['exposed_ms']:.1f} | {r['comm_ms']:.1f} | "
+                  f"{hidden * 100:.0f}% | {gain * 100:+.1f}% | {r['memory_mib']} |")
+        losses = {results[(size, n)]["loss"] for n, _ in SCHEDULES}
+        print(f"| {size} | final losses equal across schedules: {len(losses) == 1} | | | | | | |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{k[0]}/{k[1]}": v for k, v in results.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
