@@ -73,6 +73,7 @@
 
 #include "comm/comm.h"
 #include "core/status.h"
+#include "core/thread_pool.h"
 
 namespace ctr {
 namespace {
@@ -884,6 +885,7 @@ void Transport::complete(Op &op, ucs_status_t st, size_t recv_len) {
 // The progress thread. An exception here (out of memory) cannot reach any
 // caller, so it ends the thread and every waiter gets the error instead.
 void Transport::run() {
+  apply_comm_nice();
   try {
     loop();
   } catch (const std::exception &e) {

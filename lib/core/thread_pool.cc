@@ -8,6 +8,13 @@
 
 #include "core/thread_pool.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -171,6 +178,30 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
     for (int64_t b = 0; b < n; b += chunk) fn(b, std::min(n, b + chunk));
   };
   if (t_in_parallel || threads == 1 || !p.try_run(n, chunk, &fn)) serial();
+}
+
+// ---------------------------------------------------------------------------
+// Communication threads' priority
+
+namespace {
+
+std::atomic<int> &comm_nice_value() {
+  static std::atomic<int> v{[] {
+    if (const char *e = std::getenv("CTR_COMM_NICE"); e && *e) return std::atoi(e);
+    return -10;
+  }()};
+  return v;
+}
+
+}  // namespace
+
+void set_comm_nice(int nice) { comm_nice_value() = nice; }
+
+void apply_comm_nice() {
+  const int nice = comm_nice_value().load();
+  if (nice == 0) return;
+  // Per thread on Linux: setpriority on the thread id.
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), nice);
 }
 
 }  // namespace ctr

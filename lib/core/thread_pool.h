@@ -24,4 +24,13 @@ void set_num_threads(int n);
 // every chunk has finished. fn must not throw.
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)> &fn);
 
+// How compute and communication share the cores: threads that move data (the
+// communicator's progress thread, the backend's comm stream) run at this nice
+// value relative to compute, so a message that arrives is handled at once
+// instead of after a compute time slice. Default -10, or CTR_COMM_NICE; 0 turns
+// it off. Raising priority needs CAP_SYS_NICE; without it threads stay as they are.
+void set_comm_nice(int nice);
+// Applies the setting to the calling thread (the comm threads call it at start).
+void apply_comm_nice();
+
 }  // namespace ctr

@@ -37,6 +37,7 @@
 #include "backend/backend.h"
 #include "common/op_params.h"
 #include "core/status.h"
+#include "core/thread_pool.h"
 #include "cpu/kernels.h"
 #include "graph/ops.h"
 
@@ -387,6 +388,7 @@ class Worker {
 
  private:
   void loop() {
+    apply_comm_nice();  // worker streams carry communication
     for (;;) {
       std::function<void()> fn;
       {
