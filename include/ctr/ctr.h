@@ -142,6 +142,10 @@ typedef struct ctr_mesh ctr_mesh;
  *                     its graph cannot use (ep without experts, tp, pp)
  *   "threads" int     CPU worker threads of the process (a process-wide setting;
  *                     default: CTR_NUM_THREADS or all cores)
+ *   "comm_nice" int   nice value of the threads that move data (communicator
+ *                     progress, comm stream) relative to compute, so arriving
+ *                     messages are handled at once (-10, or CTR_COMM_NICE; 0 off;
+ *                     raising priority needs CAP_SYS_NICE, else it is left as is)
  *   "master_addr" string, "master_port" int   rank 0's rendezvous address
  *                     (default 127.0.0.1:29500, or the environment, see below)
  *   "job_token" string  must be the same on every rank (default CTR_JOB_TOKEN)

@@ -198,6 +198,8 @@ ctr_status mesh_create(const ctr_options *options, ctr_mesh **out, bool from_env
   m->rank = static_cast<int>(r.get_int("rank", env_rank, 0, m->world - 1));
   m->axes = parse_axes(r.get_string("mesh", ""), m->world);
   int64_t threads = r.get_int("threads", 0, 0, 4096);
+  const bool has_comm_nice = r.has("comm_nice");
+  const int64_t comm_nice = r.get_int("comm_nice", -10, -20, 19);
   auto env_str = [&](std::initializer_list<const char *> names, const char *def) {
     if (!from_env) return std::string(def);
     for (const char *n : names)
@@ -221,6 +223,8 @@ ctr_status mesh_create(const ctr_options *options, ctr_mesh **out, bool from_env
   m->timeout_ms = static_cast<int64_t>(timeout_s * 1000.0);
   CTR_REQUIRE(m->rank < m->world, CTR_STATUS_INVALID_OPTION, "mesh: rank %d is not below world %d",
               m->rank, m->world);
+  // Set before any communication thread starts (a process-wide setting).
+  if (has_comm_nice) ctr::set_comm_nice(static_cast<int>(comm_nice));
   // The device's backend is checked first: a missing plugin fails before any
   // rendezvous. Each step makes its own instance.
   ctr::create_backend(m->device);
