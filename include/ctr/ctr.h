@@ -15,8 +15,10 @@
  *   until that handle is freed or, for a ctr_step, until its next mutating call,
  *   unless a comment says otherwise.
  * - Threads: distinct handles are independent. A ctr_step and a ctr_options are
- *   used by one thread at a time. ctr_graph and ctr_mesh are read-only after
- *   creation and may be shared between threads and steps.
+ *   used by one thread at a time; a ctr_step call made while another thread is
+ *   inside one on the same step fails with CTR_STATUS_INVALID_STATE and changes
+ *   nothing (since 0.2). ctr_graph and ctr_mesh are read-only after creation
+ *   and may be shared between threads and steps.
  * - No call aborts the process or lets an exception escape on bad input.
  *
  * Options are typed key/value pairs (ctr_options_set_*); unknown keys are an error

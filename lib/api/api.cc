@@ -456,7 +456,28 @@ extern "C" void ctr_step_free(ctr_step *step) {
   }
 }
 
-#define STEP_ARG(fn) REQUIRE_ARG(step != nullptr && step->impl, fn ": step is NULL")
+// Holds the step for one call; a call made while another thread is inside one
+// fails with CTR_STATUS_INVALID_STATE and changes nothing.
+class StepUse {
+ public:
+  StepUse(const ctr_step *step, const char *fn) : step_(step) {
+    if (step_->users.fetch_add(1) != 0) {
+      step_->users.fetch_sub(1);
+      fail(CTR_STATUS_INVALID_STATE,
+           strformat("%s: the step is in use by another thread (a ctr_step is used by one thread at a time)", fn));
+    }
+  }
+  ~StepUse() { step_->users.fetch_sub(1); }
+  StepUse(const StepUse &) = delete;
+  StepUse &operator=(const StepUse &) = delete;
+
+ private:
+  const ctr_step *step_;
+};
+
+#define STEP_ARG(fn)                                                   \
+  REQUIRE_ARG(step != nullptr && step->impl, fn ": step is NULL");     \
+  StepUse step_use_(step, fn)
 
 extern "C" ctr_status ctr_step_set_input(ctr_step *step, const char *name, const void *data,
                                          size_t bytes) {

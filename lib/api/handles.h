@@ -1,6 +1,7 @@
 // The structs behind the public opaque handles.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
@@ -33,6 +34,9 @@ struct ctr_loader {
 
 struct ctr_step {
   std::unique_ptr<ctr::Step> impl;
+  // Calls in progress: a ctr_step is used by one thread at a time, and a second
+  // concurrent call is refused rather than left to corrupt the step.
+  mutable std::atomic<int> users{0};
   // Handed out by ctr_step_save_checkpoint and ctr_step_resume; valid until the
   // step's next call.
   std::string checkpoint_path, checkpoint_skipped;

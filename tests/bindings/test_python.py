@@ -218,6 +218,14 @@ def inputs_are_checked():
         # int64 and a strided view are converted once and accepted.
         step.set_input("tokens", np.zeros((BATCH, 2 * SEQ), dtype=np.int64)[:, ::2])
         step.set_input("targets", list(range(BATCH * SEQ)))
+        # An int64 id that int32 cannot hold is refused, not wrapped into range.
+        wide = np.zeros((BATCH, SEQ), dtype=np.int64)
+        wide[0, 3] = 2**32 + 7
+        try:
+            step.set_input("tokens", wide)
+            raise AssertionError("an int64 id of 2^32 + 7 was accepted")
+        except ValueError as e:
+            assert "4294967303" in str(e) and "position 3" in str(e), str(e)
         assert np.isfinite(step.run()["loss"])
 
 

@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -1688,6 +1689,51 @@ TEST_F(CheckpointDir, CheckpointsAfterLatestAreNeitherLoadedNorPruned) {
   ctr_step_free(a);
   ctr_step_free(b);
   ctr_step_free(c);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// One step, two threads: the second concurrent call is refused, never run.
+
+namespace {
+
+TEST(Threads, ConcurrentUseOfOneStepIsRefused) {
+  Opts go;
+  go.i("layers", 2).i("dim", 64).i("heads", 4).i("vocab", 64).i("seq", 64);
+  ctr_graph *g = preset("gpt", go);
+  Mesh m;
+  Opts so;
+  so.i("batch", 4);
+  ctr_step *s = nullptr;
+  ASSERT_EQ(ctr_step_create(m.m, g, so.o, &s), CTR_STATUS_OK) << ctr_last_error();
+  auto ids = random_ids(4 * 64, 64, 3);
+  ASSERT_EQ(ctr_step_set_input(s, "tokens", ids.data(), ids.size() * 4), CTR_STATUS_OK);
+  ASSERT_EQ(ctr_step_set_input(s, "targets", ids.data(), ids.size() * 4), CTR_STATUS_OK);
+  std::atomic<int> ok{0}, refused{0}, other{0};
+  std::atomic<bool> named{false};
+  auto worker = [&] {
+    for (int i = 0; i < 40; ++i) {
+      ctr_status st = ctr_step_run(s, nullptr);
+      if (st == CTR_STATUS_OK) {
+        ++ok;
+      } else if (st == CTR_STATUS_INVALID_STATE) {
+        ++refused;
+        if (std::string(ctr_last_error()).find("in use by another thread") != std::string::npos) named = true;
+      } else {
+        ++other;
+      }
+    }
+  };
+  std::thread a(worker), b(worker);
+  a.join();
+  b.join();
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_GT(refused.load(), 0) << "the two threads never overlapped";
+  EXPECT_TRUE(named.load());
+  EXPECT_EQ(ctr_step_count(s), ok.load()) << "a refused call must not step";
+  ctr_step_free(s);
+  ctr_graph_free(g);
 }
 
 }  // namespace

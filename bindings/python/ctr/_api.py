@@ -110,6 +110,13 @@ def _in_buffer(data, dtype):
         if arr.dtype != want or not arr.flags.c_contiguous:
             if arr.dtype.kind == "f" and want.kind in "iu":
                 raise TypeError(f"expected integer data ({want}), got {arr.dtype}")
+            if arr.dtype.kind in "iu" and want.kind in "iu" and arr.size:
+                # Refuse what the conversion would silently wrap (int64 ids into int32).
+                lo, hi = _np.iinfo(want).min, _np.iinfo(want).max
+                bad = (arr < lo) | (arr > hi)
+                if bad.any():
+                    i = int(_np.flatnonzero(bad.ravel())[0])
+                    raise ValueError(f"value {arr.ravel()[i]} at position {i} does not fit {want}")
             arr = _np.ascontiguousarray(arr, dtype=want)
         return arr.ctypes.data, arr.nbytes, arr
     code = _ARRAY_CODES.get(dtype)
