@@ -31,6 +31,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/files.h"
 #include "core/status.h"
 #include "data/data.h"
 #include "ckpt/pending_save.h"
@@ -242,8 +243,7 @@ void Checkpointer::finish() {
       for (int r = 0; r < mesh_.world; ++r) {
         std::string ip = p->tmp + "/" + strformat("rank%05d.json", r);
         if (!fs::exists(ip)) continue;  // a dp replica that did not write
-        std::ifstream f(ip);
-        json part = json::parse(f);
+        json part = json::parse(read_regular_file(ip, "shard index", CTR_STATUS_IO_ERROR));
         for (auto &e : part) shards.push_back(e);
         fs::remove(ip);
       }
@@ -295,11 +295,11 @@ void Checkpointer::load(CheckpointState &s, const CheckpointInfo &info, const st
   bool restored_loader = false;
   try {
     const std::string meta_path = dir + "/meta.json";
-    std::ifstream f(meta_path);
-    if (!f) ckpt_fail(strformat("%s: missing or unreadable checkpoint metadata", meta_path.c_str()));
+    if (!fs::exists(meta_path)) ckpt_fail(strformat("%s: missing or unreadable checkpoint metadata", meta_path.c_str()));
+    const std::string meta_text = read_regular_file(meta_path, "checkpoint metadata", CTR_STATUS_CHECKPOINT_ERROR);
     json meta;
     try {
-      meta = json::parse(f);
+      meta = json::parse(meta_text);
     } catch (const std::exception &e) {
       ckpt_fail(strformat("%s: corrupt metadata: %s", meta_path.c_str(), e.what()));
     }
@@ -357,9 +357,10 @@ void Checkpointer::load(CheckpointState &s, const CheckpointInfo &info, const st
               ckpt_fail(strformat("%s: corrupt metadata: bad shard file name '%s'", dir.c_str(), file.c_str()));
             const std::string path = dir + "/" + file;
             if (!fds.count(path)) {
-              int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-              if (fd < 0) ckpt_fail(strformat("%s: missing shard file (tensor '%s'): %s", path.c_str(), name.c_str(), std::strerror(errno)));
-              fds[path] = fd;
+              struct stat st {};
+              if (::stat(path.c_str(), &st) != 0)
+                ckpt_fail(strformat("%s: missing shard file (tensor '%s'): %s", path.c_str(), name.c_str(), std::strerror(errno)));
+              fds[path] = open_regular_file(path, "checkpoint shard file", CTR_STATUS_CHECKPOINT_ERROR);
             }
             int fd = fds[path];
             const int64_t block_rows = e.at("block_rows").get<int64_t>();

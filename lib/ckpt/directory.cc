@@ -24,6 +24,7 @@
 #include "ckpt/directory.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -209,7 +210,10 @@ Resumed resume_checkpoint(Step &step, const std::string &root_in, const std::str
   std::string named;
   std::optional<int64_t> named_step;
   const std::string latest = join(root, kLatest);
-  if (std::ifstream f(latest); f) {
+  struct stat latest_st {};
+  if (::stat(latest.c_str(), &latest_st) == 0 && !S_ISREG(latest_st.st_mode)) {
+    pass_over(latest, "is not a regular file");
+  } else if (std::ifstream f(latest); f) {
     std::getline(f, named);
     while (!named.empty() && std::isspace(static_cast<unsigned char>(named.back()))) named.pop_back();
     if (named.empty() || named == "." || named == ".." || named.find('/') != std::string::npos) {

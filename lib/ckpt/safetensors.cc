@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/safetensors.h"
+#include "core/files.h"
 #include "core/status.h"
 #include "graph/ir.h"
 #include "runtime/mesh.h"
@@ -116,6 +117,7 @@ void import_safetensors(Step &step, const std::string &path, bool allow_extra) {
   std::string err;
   ctr_status code = CTR_STATUS_OK;
   try {
+    ::close(open_regular_file(path, "safetensors file", CTR_STATUS_IO_ERROR));  // not a FIFO or device
     std::ifstream f(path, std::ios::binary);
     if (!f) fail(CTR_STATUS_IO_ERROR, strformat("%s: cannot open: %s", path.c_str(), std::strerror(errno)));
     f.seekg(0, std::ios::end);

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/files.h"
 #include "core/status.h"
 #include "data/data.h"
 
@@ -32,12 +33,8 @@ bool is_manifest(const std::string &path) {
 }
 
 Manifest read_manifest(const std::string &path) {
-  std::ifstream f(path);
-  CTR_REQUIRE(f.good(), CTR_STATUS_IO_ERROR, "cannot open data manifest '%s': %s", path.c_str(),
-              std::strerror(errno));
   std::stringstream text;
-  text << f.rdbuf();
-  CTR_REQUIRE(!f.bad(), CTR_STATUS_IO_ERROR, "cannot read data manifest '%s'", path.c_str());
+  text << read_regular_file(path, "data manifest", CTR_STATUS_IO_ERROR, size_t{64} << 20);
 
   const auto bad = [&](const std::string &what) {
     fail(CTR_STATUS_DATA_ERROR, strformat("data manifest '%s': %s", path.c_str(), what.c_str()));

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "core/files.h"
 #include "core/status.h"
 #include "data/data.h"
 
@@ -385,9 +386,7 @@ Layout raw_layout(const std::string &path, int64_t file_bytes, int width) {
 }  // namespace
 
 TokenSource::Shard TokenSource::open_shard(const std::string &path, Format format) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  CTR_REQUIRE(fd >= 0, CTR_STATUS_IO_ERROR, "cannot open data file '%s': %s", path.c_str(),
-              std::strerror(errno));
+  int fd = open_regular_file(path, "data file", CTR_STATUS_IO_ERROR);
   FdCloser closer(fd);
   struct stat st;
   CTR_REQUIRE(::fstat(fd, &st) == 0, CTR_STATUS_IO_ERROR, "cannot stat data file '%s': %s",

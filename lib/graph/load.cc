@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/files.h"
 #include "core/status.h"
 #include "ctr_graph_generated.h"
 #include "graph/ir.h"
@@ -154,13 +155,7 @@ Graph load_graph_buffer(const void *data, size_t size, const std::string &src) {
 }
 
 Graph load_graph_file(const std::string &path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail(CTR_STATUS_IO_ERROR, strformat("%s: cannot open graph file: %s", path.c_str(),
-                                              std::strerror(errno)));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) fail(CTR_STATUS_IO_ERROR, strformat("%s: read error", path.c_str()));
-  std::string s = ss.str();
+  const std::string s = read_regular_file(path, "graph file", CTR_STATUS_IO_ERROR);
   std::vector<uint8_t> buf(s.begin(), s.end());
   return load_graph_buffer(buf.data(), buf.size(), path);
 }

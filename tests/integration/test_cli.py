@@ -101,6 +101,34 @@ def check_schedule(tmp):
               f"reorder dump does not say what it chose: {chosen}")
 
 
+def check_special_files(tmp, graph):
+    """A FIFO where a graph, data file, manifest or checkpoint file should be is refused
+    at once, naming it; it never blocks the process. A resume whose newest checkpoint has
+    a FIFO for metadata falls back to the older one."""
+    fifo = os.path.join(tmp, "pipe")
+    os.mkfifo(fifo)
+    r = run("graph", "inspect", fifo, expect=1, timeout=30)
+    check("is a FIFO, not a regular file" in r.stderr, f"graph FIFO: {r.stderr[-300:]}")
+    r = run("run", graph, "--data", fifo, "--steps", "1", expect=1, timeout=30)
+    check("is a FIFO, not a regular file" in r.stderr, f"data FIFO: {r.stderr[-300:]}")
+    manifest = os.path.join(tmp, "pipe.json")
+    os.mkfifo(manifest)
+    r = run("run", graph, "--data", manifest, "--steps", "1", expect=1, timeout=30)
+    check("is a FIFO, not a regular file" in r.stderr, f"manifest FIFO: {r.stderr[-300:]}")
+    ck = os.path.join(tmp, "ck_fifo")
+    run("run", graph, "--steps", "4", "--batch", "2", "--save-every", "2", "--save-dir", ck,
+        "--log-every", "0", timeout=120)
+    newest = os.path.join(ck, "step_00000004", "meta.json")
+    if os.path.exists(newest):
+        os.remove(newest)
+        os.mkfifo(newest)
+    r = run("run", graph, "--steps", "6", "--batch", "2", "--save-dir", ck, "--resume", "latest",
+            "--log-every", "0", timeout=120)
+    check("resumed from" in r.stdout and "step_00000002" in r.stdout,
+          f"resume past a FIFO meta.json: {r.stdout[-300:]} {r.stderr[-300:]}")
+    check("not a regular file" in r.stderr, f"the skipped checkpoint is not explained: {r.stderr[-300:]}")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="ctr_cli_")
     graph = os.path.join(tmp, "tiny.ctrg")
@@ -132,6 +160,7 @@ def main():
     check("all_gather" in out and "reduce_scatter" in out and "all_reduce" in out,
           "shard dump lacks the collectives")
     check_schedule(tmp)
+    check_special_files(tmp, graph)
 
     # Train on a learnable byte text: a short sentence repeated.
     data = os.path.join(tmp, "text.txt")
