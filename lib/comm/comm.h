@@ -32,6 +32,16 @@ struct CommWork;
 
 struct Comm;
 
+// One collective of a batch (CommIface::batch).
+struct CollDesc {
+  enum Kind : uint8_t { AllGather, ReduceScatter, AllReduce } kind = AllGather;
+  const void *send = nullptr;
+  void *recv = nullptr;
+  // AllGather: bytes per member. ReduceScatter: elements of the result (send
+  // holds size * count). AllReduce: elements.
+  size_t count = 0;
+};
+
 struct CommIface {
   const char *name;
 
@@ -61,6 +71,12 @@ struct CommIface {
   // buf[bytes] of member `root` is copied to every member.
   CommWork *(*broadcast)(void *ctx, void *buf, size_t bytes, int root);
   CommWork *(*barrier)(void *ctx);
+  // Several collectives as one: every rank passes the same list; they progress
+  // together and complete as one work handle. Reductions use dtype and op.
+  // Each buffer pair follows the rules of its kind; buffers of different
+  // entries must not overlap. (A bucket of parameters gathered, or gradients
+  // reduced, in one round, each into its own tensor: no copy into a flat buffer.)
+  CommWork *(*batch)(void *ctx, const CollDesc *descs, size_t n, ctr_dtype dtype, ReduceOp op);
 
   // Blocks until the work is complete or timeout_ms passes (< 0: the
   // communicator's default timeout). Releases the handle either way; throws

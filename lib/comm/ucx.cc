@@ -431,10 +431,19 @@ void build_ring_all_gather(Builder &b, const Group &g, char *out, const std::vec
 // starting at rank j + 1 and ending at j, always in that order. Fills done[k],
 // the operation completing segment k of out, and readers[j][k], the one that
 // reads segment k of send's block j (each is read exactly once).
+// Scratch a ring reduce-scatter over blocks of cnt elements needs (two staging
+// buffers of the largest block).
+size_t reduce_scatter_scratch(const Group &g, const std::vector<size_t> &cnt, size_t esz) {
+  if (g.size() == 1) return 0;
+  size_t max_bytes = 0;
+  for (size_t c : cnt) max_bytes = std::max(max_bytes, c * esz);
+  return 2 * max_bytes;
+}
+
 void build_ring_reduce_scatter(Builder &b, Coll &c, const Group &g, const char *send, char *out,
                                const std::vector<size_t> &off, const std::vector<size_t> &cnt,
                                size_t esz, int64_t divisor, std::vector<int> *done = nullptr,
-                               OpTable *readers = nullptr) {
+                               OpTable *readers = nullptr, char *scratch = nullptr) {
   const int n = g.size(), r = g.me;
   if (n == 1) {
     // One member: the reduction of one block is the block (Avg divides by 1).
@@ -445,9 +454,13 @@ void build_ring_reduce_scatter(Builder &b, Coll &c, const Group &g, const char *
   size_t max_bytes = 0;
   for (int i = 0; i < n; ++i) max_bytes = std::max(max_bytes, cnt[i] * esz);
   // Two staging buffers: step s receives into tmp[s % 2] while step s's send
-  // still reads the partial sum of step s - 1 from the other.
-  c.scratch = c.pool->take(2 * max_bytes);
-  char *tmp[2] = {c.scratch.p.get(), c.scratch.p.get() + max_bytes};
+  // still reads the partial sum of step s - 1 from the other. A batch hands in
+  // its slice of the collective's scratch.
+  if (!scratch) {
+    c.scratch = c.pool->take(2 * max_bytes);
+    scratch = c.scratch.p.get();
+  }
+  char *tmp[2] = {scratch, scratch + max_bytes};
   if (readers) readers->assign(n, {});
   std::vector<int> prev_send, prev_reduce;
   for (int s = 0; s < n - 1; ++s) {
@@ -1427,6 +1440,72 @@ CommWork *c_all_reduce(void *ctx, const void *send, void *recv, size_t count, ct
   return cc->t->issue(c.release());
 }
 
+CommWork *c_batch(void *ctx, const CollDesc *d, size_t n, ctr_dtype dtype, ReduceOp op) {
+  CommCtx *cc = ctx_of(ctx);
+  CTR_REQUIRE(n == 0 || d, CTR_STATUS_INVALID_ARGUMENT, "ucx: batch: null list of %zu collectives", n);
+  bool reduces = false;
+  for (size_t i = 0; i < n; ++i) {
+    CTR_REQUIRE(d[i].count == 0 || (d[i].send && d[i].recv), CTR_STATUS_INVALID_ARGUMENT,
+                "ucx: batch: collective %zu has a null buffer", i);
+    reduces |= d[i].kind != CollDesc::AllGather;
+  }
+  if (reduces) check_reduction("batch", dtype, op);
+  auto c = new_coll(cc, "batch");
+  c->dtype = dtype;
+  c->op = op;
+  const Group &g = *cc->g;
+  const size_t esz = dtype_bytes(dtype);
+  const int64_t divisor = op == ReduceOp::Avg ? g.size() : 0;
+  // Block layout of each entry, and one scratch for every reduction's staging.
+  std::vector<std::vector<size_t>> offs(n), cnts(n);
+  std::vector<size_t> scratch_at(n, 0);
+  size_t scratch = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (d[i].kind == CollDesc::AllReduce) {
+      partition(d[i].count, g.size(), &offs[i], &cnts[i]);
+    } else {
+      offs[i].resize(g.size());
+      cnts[i].assign(g.size(), d[i].count);
+      for (int m = 0; m < g.size(); ++m) offs[i][m] = m * d[i].count;
+    }
+    if (d[i].kind != CollDesc::AllGather) {
+      scratch_at[i] = scratch;
+      scratch += reduce_scatter_scratch(g, cnts[i], esz);
+    }
+  }
+  if (scratch > 0) c->scratch = c->pool->take(scratch);
+  Builder b(*c);
+  for (size_t i = 0; i < n; ++i) {
+    const char *send = static_cast<const char *>(d[i].send);
+    char *recv = static_cast<char *>(d[i].recv);
+    char *tmp = c->scratch.p ? c->scratch.p.get() + scratch_at[i] : nullptr;
+    switch (d[i].kind) {
+      case CollDesc::AllGather: {
+        std::vector<size_t> off(g.size()), len(g.size(), d[i].count);
+        for (int m = 0; m < g.size(); ++m) off[m] = m * d[i].count;
+        build_ring_all_gather(b, g, recv, off, len, send);
+        break;
+      }
+      case CollDesc::ReduceScatter:
+        build_ring_reduce_scatter(b, *c, g, send, recv, offs[i], cnts[i], esz, divisor, nullptr, nullptr, tmp);
+        break;
+      case CollDesc::AllReduce: {
+        std::vector<int> done;
+        OpTable readers;
+        build_ring_reduce_scatter(b, *c, g, send, recv + offs[i][g.me] * esz, offs[i], cnts[i], esz, divisor,
+                                  &done, &readers, tmp);
+        if (g.size() > 1) {
+          std::vector<size_t> boff(g.size()), blen(g.size());
+          for (int m = 0; m < g.size(); ++m) boff[m] = offs[i][m] * esz, blen[m] = cnts[i][m] * esz;
+          build_ring_all_gather(b, g, recv, boff, blen, recv + boff[g.me], &done, &readers);
+        }
+        break;
+      }
+    }
+  }
+  return cc->t->issue(c.release());
+}
+
 CommWork *c_all_to_all_v(void *ctx, const void *send, const size_t *send_counts,
                          const size_t *send_displs, void *recv, const size_t *recv_counts,
                          const size_t *recv_displs, size_t elem_size) {
@@ -1521,8 +1600,8 @@ Comm c_split(void *ctx, const std::vector<int> &members);
 
 const CommIface kIface = {
     "ucx",        c_rank,         c_size,      c_global_rank, c_all_gather, c_reduce_scatter,
-    c_all_reduce, c_all_to_all_v, c_broadcast, c_barrier,     c_wait,       c_test,
-    c_split,      c_destroy,
+    c_all_reduce, c_all_to_all_v, c_broadcast, c_barrier,     c_batch,      c_wait,
+    c_test,       c_split,      c_destroy,
 };
 
 Comm c_split(void *ctx, const std::vector<int> &members) {

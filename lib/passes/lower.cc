@@ -76,12 +76,13 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
         }
       }
       if (n.op == "reduce_scatter") {
-        // The padded rows of the full gradient reduce to zero.
-        const Tensor &t = g.tensors[static_cast<size_t>(n.inputs[0])];
-        if (t.alloc_size() > t.bytes()) {
+        // The padded rows of each full gradient reduce to zero.
+        for (int in : n.inputs) {
+          const Tensor &t = g.tensors[static_cast<size_t>(in)];
+          if (t.alloc_size() <= t.bytes()) continue;
           Instr f;
           f.kind = Instr::Fill;
-          f.tensor = n.inputs[0];
+          f.tensor = in;
           f.offset = t.bytes();
           f.bytes = t.alloc_size() - t.bytes();
           out.push_back(f);

@@ -33,6 +33,7 @@ void run_infer_shapes(PassContext &c) { pass_infer_shapes(c.graph, c.opt); }
 void run_autodiff(PassContext &c) { pass_autodiff(c.graph); }
 void run_recompute(PassContext &c) { pass_recompute(c.graph, c.opt); }
 void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }
+void run_bucket(PassContext &c) { pass_bucket(c.graph, c.opt); }
 void run_reorder(PassContext &c) { c.schedule = pass_reorder(c.graph, c.opt); }
 void run_lower(PassContext &c) { c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap); }
 void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.program); }
@@ -74,6 +75,8 @@ const std::vector<PassDef> &pass_list() {
       {"recompute", "activation checkpointing: block forwards copied into backward", false,
        read_recompute_options, run_recompute, nullptr},
       {"shard", "parameters placed on the mesh, collectives inserted", false, read_shard, run_shard, nullptr},
+      {"bucket", "collectives of a block merged into one (many tensors, no copies)", false, read_bucket_options,
+       run_bucket, nullptr},
       {"reorder", "collectives moved under compute (prefetch, deferred reductions)", false, read_reorder_options,
        run_reorder, dump_reorder},
       {"lower", "instruction lists per stream, with events", false, read_lower, run_lower, dump_lower},

@@ -41,6 +41,8 @@ struct CompileOptions {
   int64_t memory_budget = 0;    // reorder: bound on the planned arena in bytes (0 = none)
   bool overlap = true;          // lower: false waits for every collective at its issue
   std::string recompute = "none";  // recompute: none, all or selective
+  std::string bucket = "block";    // bucket: block, bytes or none
+  int64_t bucket_bytes = 0;        // bucket: byte budget per bucket in "bytes" mode (0 = none)
   MeshPlacement mesh;
 };
 
@@ -151,6 +153,13 @@ void pass_shard(Graph &g, const CompileOptions &opt);
 
 // True for the collective ops the shard pass inserts.
 bool is_collective(const std::string &op);
+
+// bucket.cc: the all-gathers whose first reader is in one segment (block), and
+// separately the reduce-scatters / all-reduces of gradients produced in one,
+// merged into one collective over many tensors (run as one batch, no copies);
+// or by a byte budget; or none.
+void pass_bucket(Graph &g, const CompileOptions &opt);
+void read_bucket_options(OptionReader &r, CompileOptions &opt);
 
 // reorder.cc: all-gathers issued `prefetch` segments (blocks) before their first
 // reader, reduce-scatters deferred behind the next segment's compute; with a

@@ -76,19 +76,27 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
   for (int ni = begin; ni < end; ++ni) {
     const Node &n = g.nodes[ni];
     if (!is_collective(n.op)) continue;
-    const int in = n.inputs[0], outt = n.outputs[0];
-    if (coll_of_output.count(in)) {
-      int head = coll_of_output[in];
+    // A collective reading another's output (an all-reduce behind a
+    // reduce-scatter) stays right behind it.
+    int head = -1;
+    for (int in : n.inputs)
+      if (coll_of_output.count(in)) head = coll_of_output[in];
+    if (head >= 0) {
       while (chain_head.count(head)) head = chain_head[head];
       chain_head[ni] = head;
       chained[head].push_back(ni);
-      coll_of_output[outt] = ni;
+      for (int o : n.outputs) coll_of_output[o] = ni;
       continue;
     }
-    coll_of_output[outt] = ni;
+    for (int o : n.outputs) coll_of_output[o] = ni;
     if (n.op == "all_gather") {
-      auto r = first_reader.find(outt);
-      if (r == first_reader.end()) {  // read only in a later phase: leave it in place
+      // The first compute node reading any of its outputs.
+      int reader = -1;
+      for (int o : n.outputs) {
+        auto r = first_reader.find(o);
+        if (r != first_reader.end() && (reader < 0 || r->second < reader)) reader = r->second;
+      }
+      if (reader < 0) {  // read only in a later phase: leave it in place
         int next = -1;
         for (int k = ni + 1; k < end && next < 0; ++k)
           if (!is_collective(g.nodes[k].op)) next = k;
@@ -96,11 +104,11 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
         else reduces_after[nseg - 1].push_back(ni);
         continue;
       }
-      const int use = seg_of_node[r->second];
+      const int use = seg_of_node[reader];
       const int target = std::max(0, use - static_cast<int>(prefetch));
       if (prefetch == 0) {
         // In place: right before its first reader (as the shard pass had it).
-        before_node[r->second].push_back(ni);
+        before_node[reader].push_back(ni);
       } else if (target == use) {
         // Needed in this segment: ahead of the prefetches for later ones.
         gathers_now[static_cast<size_t>(use)].push_back(ni);
@@ -108,13 +116,18 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
         gathers_at[static_cast<size_t>(target)].push_back(ni);
       }
     } else {
-      auto p = producer.find(in);
-      CTR_CHECK(p != producer.end());
-      const int seg = seg_of_node[p->second];
+      // After the last compute node producing any of its inputs.
+      int prod = -1;
+      for (int in : n.inputs) {
+        auto p = producer.find(in);
+        CTR_CHECK(p != producer.end());
+        prod = std::max(prod, p->second);
+      }
+      const int seg = seg_of_node[prod];
       if (defer && seg + 1 < nseg) {
         reduces_after[static_cast<size_t>(seg + 1)].push_back(ni);
       } else {
-        after_node[p->second].push_back(ni);
+        after_node[prod].push_back(ni);
       }
     }
   }

@@ -21,14 +21,15 @@ struct Executor::Call {
   ctr_kernel_args args{};
 };
 
+// A collective node: one entry per (input, output) pair; a bucket has several,
+// issued as one batch.
 struct Executor::Collective {
   Executor *ex = nullptr;
   const Node *node = nullptr;
   Comm comm;
-  enum Kind { AllGather, ReduceScatter, AllReduce } kind = AllGather;
-  ctr_tensor_ref *src = nullptr, *dst = nullptr;  // point into refs (rebind-safe)
-  ctr_tensor_ref src_ref{}, dst_ref{};
-  size_t bytes = 0, count = 0;
+  CollDesc::Kind kind = CollDesc::AllGather;
+  std::vector<ctr_tensor_ref> src, dst;  // sized once: rebind points into them
+  std::vector<size_t> count;             // all_gather: bytes per member; else elements
   int64_t timeout_ms = -1;
 };
 
@@ -87,24 +88,28 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
       c->node = &n;
       c->comm = mesh_.comm(n.attr_string("axis", ""));
       c->timeout_ms = mesh_.timeout_ms;
-      const Tensor &src = g.tensors[static_cast<size_t>(n.inputs[0])];
-      const Tensor &dst = g.tensors[static_cast<size_t>(n.outputs[0])];
-      c->src_ref = make_ref(src, addr_[static_cast<size_t>(n.inputs[0])]);
-      c->dst_ref = make_ref(dst, addr_[static_cast<size_t>(n.outputs[0])]);
-      c->src = &c->src_ref;
-      c->dst = &c->dst_ref;
-      refs_of_[static_cast<size_t>(n.inputs[0])].push_back(c->src);
-      refs_of_[static_cast<size_t>(n.outputs[0])].push_back(c->dst);
+      CTR_CHECK(!n.inputs.empty() && n.inputs.size() == n.outputs.size());
       if (n.op == "all_gather") {
-        c->kind = Collective::AllGather;
-        c->bytes = static_cast<size_t>(src.bytes());
+        c->kind = CollDesc::AllGather;
       } else if (n.op == "reduce_scatter") {
-        c->kind = Collective::ReduceScatter;
-        c->count = static_cast<size_t>(dst.numel());
+        c->kind = CollDesc::ReduceScatter;
       } else {
         CTR_CHECK(n.op == "all_reduce");
-        c->kind = Collective::AllReduce;
-        c->count = static_cast<size_t>(dst.numel());
+        c->kind = CollDesc::AllReduce;
+      }
+      const size_t k = n.inputs.size();
+      c->src.resize(k);
+      c->dst.resize(k);
+      for (size_t j = 0; j < k; ++j) {
+        const int in = n.inputs[j], out = n.outputs[j];
+        const Tensor &src = g.tensors[static_cast<size_t>(in)];
+        const Tensor &dst = g.tensors[static_cast<size_t>(out)];
+        c->src[j] = make_ref(src, addr_[static_cast<size_t>(in)]);
+        c->dst[j] = make_ref(dst, addr_[static_cast<size_t>(out)]);
+        refs_of_[static_cast<size_t>(in)].push_back(&c->src[j]);
+        refs_of_[static_cast<size_t>(out)].push_back(&c->dst[j]);
+        c->count.push_back(c->kind == CollDesc::AllGather ? static_cast<size_t>(src.bytes())
+                                                          : static_cast<size_t>(dst.numel()));
       }
       colls_[ni] = std::move(c);
     }
@@ -144,14 +149,26 @@ void Executor::run_collective(void *user) {
   try {
     const CommIface *ci = c->comm.iface;
     CommWork *w = nullptr;
-    switch (c->kind) {
-      case Collective::AllGather: w = ci->all_gather(c->comm.ctx, c->src->data, c->dst->data, c->bytes); break;
-      case Collective::ReduceScatter:
-        w = ci->reduce_scatter(c->comm.ctx, c->src->data, c->dst->data, c->count, CTR_DTYPE_F32, ReduceOp::Avg);
-        break;
-      case Collective::AllReduce:
-        w = ci->all_reduce(c->comm.ctx, c->src->data, c->dst->data, c->count, CTR_DTYPE_F32, ReduceOp::Avg);
-        break;
+    if (c->src.size() > 1) {
+      std::vector<CollDesc> d(c->src.size());
+      for (size_t j = 0; j < d.size(); ++j) {
+        d[j].kind = c->kind;
+        d[j].send = c->src[j].data;
+        d[j].recv = c->dst[j].data;
+        d[j].count = c->count[j];
+      }
+      w = ci->batch(c->comm.ctx, d.data(), d.size(), CTR_DTYPE_F32, ReduceOp::Avg);
+    } else {
+      switch (c->kind) {
+        case CollDesc::AllGather: w = ci->all_gather(c->comm.ctx, c->src[0].data, c->dst[0].data, c->count[0]); break;
+        case CollDesc::ReduceScatter:
+          w = ci->reduce_scatter(c->comm.ctx, c->src[0].data, c->dst[0].data, c->count[0], CTR_DTYPE_F32,
+                                 ReduceOp::Avg);
+          break;
+        case CollDesc::AllReduce:
+          w = ci->all_reduce(c->comm.ctx, c->src[0].data, c->dst[0].data, c->count[0], CTR_DTYPE_F32, ReduceOp::Avg);
+          break;
+      }
     }
     if (ex.exit_countdown_.load() > 0 && --ex.exit_countdown_ == 0) _exit(87);
     ci->wait(c->comm.ctx, w, c->timeout_ms);

@@ -276,6 +276,55 @@ void check_all_gather(const Comm &c) {
   }
 }
 
+// A batch gives each entry exactly what its own collective gives: gathers,
+// reduce-scatters and all-reduces of odd and zero sizes, in one round.
+void check_batch(const Comm &c) {
+  const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
+  const size_t sizes[] = {0, 1, 7, 1000, (size_t{1} << 18) + 3};
+  std::vector<std::vector<float>> send, got, want;
+  std::vector<ctr::CollDesc> d;
+  uint32_t salt = 900;
+  for (size_t count : sizes) {
+    for (ctr::CollDesc::Kind kind : {ctr::CollDesc::AllGather, ctr::CollDesc::ReduceScatter,
+                                     ctr::CollDesc::AllReduce}) {
+      ++salt;
+      const size_t in = kind == ctr::CollDesc::ReduceScatter ? count * n : count;
+      const size_t out = kind == ctr::CollDesc::AllGather ? count * n : count;
+      std::vector<float> s(in);
+      for (size_t i = 0; i < in; ++i) s[i] = static_cast<float>(byte_at(me, i, salt) % 97) - 48.0f;
+      send.push_back(s);
+      got.emplace_back(out, -1.0f);
+      want.emplace_back(out, -2.0f);
+      ctr::CollDesc e;
+      e.kind = kind;
+      e.count = kind == ctr::CollDesc::AllGather ? count * sizeof(float) : count;
+      d.push_back(e);
+    }
+  }
+  for (size_t i = 0; i < d.size(); ++i) {
+    d[i].send = send[i].data();
+    d[i].recv = got[i].data();
+  }
+  ctr::comm_wait(c, c.iface->batch(c.ctx, d.data(), d.size(), CTR_DTYPE_F32, ctr::ReduceOp::Avg));
+  for (size_t i = 0; i < d.size(); ++i) {
+    switch (d[i].kind) {
+      case ctr::CollDesc::AllGather:
+        ctr::comm_wait(c, c.iface->all_gather(c.ctx, send[i].data(), want[i].data(), d[i].count));
+        break;
+      case ctr::CollDesc::ReduceScatter:
+        ctr::comm_wait(c, c.iface->reduce_scatter(c.ctx, send[i].data(), want[i].data(), d[i].count,
+                                                  CTR_DTYPE_F32, ctr::ReduceOp::Avg));
+        break;
+      case ctr::CollDesc::AllReduce:
+        ctr::comm_wait(c, c.iface->all_reduce(c.ctx, send[i].data(), want[i].data(), d[i].count,
+                                              CTR_DTYPE_F32, ctr::ReduceOp::Avg));
+        break;
+    }
+    CHECK(got[i] == want[i], "batch entry %zu (kind %d, count %zu) differs from its own collective", i,
+          static_cast<int>(d[i].kind), d[i].count);
+  }
+}
+
 void check_broadcast(const Comm &c) {
   const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
   const std::vector<int> ranks = members_of(c);
@@ -412,6 +461,7 @@ void check_all(const Comm &c) {
   check_reductions<int32_t>(c, CTR_DTYPE_I32);
   check_reductions<int64_t>(c, CTR_DTYPE_I64);
   check_all_gather(c);
+  check_batch(c);
   check_broadcast(c);
   check_all_to_all(c);
   check_identical(c);

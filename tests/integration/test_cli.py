@@ -65,17 +65,25 @@ def check_schedule(tmp):
         return next((i for i, x in enumerate(fwd) if pred(x)), None)
     for i in range(3):
         gather = first(lambda x: x[1] == "collective" and x[2] == "all_gather"
-                       and x[3].startswith(f"layers.{i + 1}."))
+                       and f"layers.{i + 1}." in x[3])
         compute = first(lambda x: x[1] == "kernel" and x[3].startswith(f"layers.{i}."))
         check(gather is not None and compute is not None and gather < compute,
               f"block {i + 1}'s all-gather (at {gather}) is not issued before block {i} "
               f"computes (at {compute})")
+    # Bucketed by block (the default): one all-gather per segment in forward (embedding,
+    # 4 blocks, head), against one per parameter without buckets.
+    gathers = sum(1 for x in fwd if x[1] == "collective")
+    unbucketed = forward_list(run("graph", "inspect", g4, "--after", "lower", "--fsdp", "2",
+                                  "--bucket", "none").stdout)
+    check(gathers == 6, f"{gathers} forward collectives with --bucket block, expected 6")
+    check(sum(1 for x in unbucketed if x[1] == "collective") > 40,
+          "--bucket none should leave one all-gather per parameter")
     # prefetch 0 keeps each gather right before its first reader.
     fwd0 = forward_list(run("graph", "inspect", g4, "--after", "lower", "--fsdp", "2",
                             "--prefetch", "0").stdout)
     for i in range(3):
         gather = next(k for k, x in enumerate(fwd0) if x[1] == "collective"
-                      and x[3].startswith(f"layers.{i + 1}."))
+                      and f"layers.{i + 1}." in x[3])
         compute = next(k for k, x in enumerate(fwd0) if x[1] == "kernel"
                        and x[3].startswith(f"layers.{i}."))
         check(gather > compute, f"--prefetch 0 still gathers block {i + 1} before block {i}")

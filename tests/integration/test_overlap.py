@@ -6,7 +6,8 @@ gradient norms and final weights.
 Schedules: every collective waited for at its issue (overlap=0); collectives
 where the shard pass put them (prefetch=0, no deferral); the default (prefetch
 1, reduce-scatters deferred); prefetch 2 and 3; prefetch 3 within a small
-memory budget; recompute all, and selective with prefetch 2. Meshes: one rank,
+memory budget; recompute all, and selective with prefetch 2; buckets per block
+(the default), none, and by a byte budget. Meshes: one rank,
 fsdp=2, fsdp=4 and dp=2 x fsdp=2, on the gpt preset (2 layers), plus llama on
 one rank and on fsdp=2.
 
@@ -29,6 +30,8 @@ SCHEDULES = [
     ("prefetch 3 no defer", "prefetch=3,defer_reduce=0"),
     ("prefetch 3 budget", "prefetch=3,memory_budget=60000"),
     ("recompute all", "recompute=all"),
+    ("no buckets", "bucket=none"),
+    ("buckets of 20 KB", "bucket=bytes,bucket_bytes=20000"),
     ("recompute selective, prefetch 2", "recompute=selective,prefetch=2"),
 ]
 

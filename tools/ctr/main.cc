@@ -225,7 +225,8 @@ int cmd_graph_build(const BuildArgs &a) {
 struct ScheduleArgs {
   int64_t prefetch = 1, memory_budget = 0;
   bool no_defer = false, no_overlap = false;
-  std::string recompute = "none";
+  std::string recompute = "none", bucket = "block";
+  int64_t bucket_bytes = 0;
 
   void add_flags(CLI::App *cmd) {
     cmd->add_option("--prefetch", prefetch,
@@ -239,6 +240,14 @@ struct ScheduleArgs {
     cmd->add_option("--memory-budget", memory_budget,
                     "Bytes of activation memory the schedule may plan: prefetch and deferral "
                     "are reduced until the plan fits (0: no bound)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
+    cmd->add_option("--bucket", bucket,
+                    "Merge collectives: block (one per block and kind), bytes (up to "
+                    "--bucket-bytes each) or none (one per tensor)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"block", "bytes", "none"}));
+    cmd->add_option("--bucket-bytes", bucket_bytes, "Byte budget of a bucket with --bucket bytes (0: no bound)")
         ->capture_default_str()
         ->check(CLI::NonNegativeNumber);
     cmd->add_option("--recompute", recompute,
@@ -256,6 +265,8 @@ struct ScheduleArgs {
     set_int(o, "memory_budget", memory_budget);
     set_int(o, "overlap", no_overlap ? 0 : 1);
     set_string(o, "recompute", recompute);
+    set_string(o, "bucket", bucket);
+    if (bucket_bytes > 0) set_int(o, "bucket_bytes", bucket_bytes);
   }
 };
 

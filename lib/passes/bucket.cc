@@ -1,0 +1,170 @@
+// Pass bucket: merge collectives so that a block's parameters travel in one
+// round instead of one collective each.
+//
+// The shard pass makes one all-gather per parameter and one reduce-scatter
+// (and all-reduce) per gradient. Each costs a round of ring steps and, on the
+// serial comm stream, waits for the one before it. This pass merges, within a
+// phase, the all-gathers whose first reader lies in the same segment (a run of
+// compute nodes of one block), and separately the reduce-scatters (and the
+// all-reduces) whose gradients are produced in the same segment, into one
+// node with many inputs and outputs. The communicator runs such a node as one
+// batch (CommIface::batch): every parameter is gathered straight into its own
+// full tensor and every gradient reduced straight into its own shard, so no
+// flat staging buffer and no copy is needed.
+//
+// Modes (option "bucket"): "block" (default) as above; "bytes" merges
+// consecutive collectives of one kind regardless of blocks up to
+// "bucket_bytes" per bucket; "none" leaves one collective per tensor. A merged
+// all-gather takes the place of the earliest of its members, a merged
+// reduction the place of the latest, so every node still follows what it reads.
+// The arithmetic is unchanged: each tensor's collective is the same ring.
+
+#include <algorithm>
+#include <functional>
+#include <tuple>
+#include <map>
+#include <set>
+
+#include "core/options.h"
+#include "core/status.h"
+#include "passes/passes.h"
+
+namespace ctr {
+namespace {
+
+void bucket_phase(Graph &g, int begin, int end, const CompileOptions &opt, std::vector<Node> &out) {
+  // Segments of the compute nodes, and who first reads / last writes a tensor.
+  std::vector<int> seg_of(g.nodes.size(), -1);
+  int seg = -1, block = 0;
+  bool any = false;
+  std::map<int, int> first_reader, producer;
+  for (int ni = begin; ni < end; ++ni) {
+    const Node &n = g.nodes[ni];
+    if (is_collective(n.op)) continue;
+    if (!any || n.block != block) {
+      ++seg;
+      block = n.block;
+      any = true;
+    }
+    seg_of[ni] = seg;
+    for (int t : n.inputs)
+      if (!first_reader.count(t)) first_reader[t] = ni;
+    for (int t : n.outputs) producer[t] = ni;
+  }
+  std::map<int, int> coll_of_output;  // tensor -> collective writing it
+  for (int ni = begin; ni < end; ++ni)
+    if (is_collective(g.nodes[ni].op))
+      for (int t : g.nodes[ni].outputs) coll_of_output[t] = ni;
+
+  // The key of each collective: (op, axis, segment); -1 segment = not bucketed.
+  std::map<int, int> seg_key;
+  std::function<int(int)> seg_of_coll = [&](int ni) -> int {
+    if (seg_key.count(ni)) return seg_key[ni];
+    const Node &n = g.nodes[ni];
+    int s = -1;
+    if (n.op == "all_gather") {
+      auto r = first_reader.find(n.outputs[0]);
+      if (r != first_reader.end()) s = seg_of[r->second];
+    } else {
+      const int in = n.inputs[0];
+      if (coll_of_output.count(in)) {
+        s = seg_of_coll(coll_of_output[in]);  // behind a reduce-scatter: its segment
+      } else if (producer.count(in)) {
+        s = seg_of[producer[in]];
+      }
+    }
+    return seg_key[ni] = s;
+  };
+
+  // Groups, in node order of their first member.
+  std::vector<std::vector<int>> groups;
+  std::map<std::tuple<std::string, std::string, int>, size_t> open;  // key -> group (block mode)
+  std::map<std::pair<std::string, std::string>, size_t> running;      // (op, axis) -> group (bytes mode)
+  std::map<size_t, int64_t> group_bytes;
+  std::map<int, size_t> group_of;
+  for (int ni = begin; ni < end; ++ni) {
+    const Node &n = g.nodes[ni];
+    if (!is_collective(n.op) || n.inputs.size() != 1) continue;
+    const std::string axis = n.attr_string("axis", "");
+    const int64_t bytes = g.tensors[static_cast<size_t>(n.outputs[0])].alloc_size();
+    size_t gi;
+    if (opt.bucket == "bytes") {
+      auto key = std::make_pair(n.op, axis);
+      auto it = running.find(key);
+      if (it != running.end() && (opt.bucket_bytes <= 0 || group_bytes[it->second] + bytes <= opt.bucket_bytes)) {
+        gi = it->second;
+      } else {
+        gi = groups.size();
+        groups.emplace_back();
+        running[key] = gi;
+      }
+    } else {
+      const int s = seg_of_coll(ni);
+      if (s < 0) continue;
+      auto key = std::make_tuple(n.op, axis, s);
+      auto it = open.find(key);
+      if (it != open.end()) {
+        gi = it->second;
+      } else {
+        gi = groups.size();
+        groups.emplace_back();
+        open[key] = gi;
+      }
+    }
+    groups[gi].push_back(ni);
+    group_bytes[gi] += bytes;
+    group_of[ni] = gi;
+  }
+
+  // Merged nodes, placed at the earliest (gathers) or latest (reductions) member.
+  std::map<int, Node> merged_at;
+  std::set<int> dropped;
+  for (const std::vector<int> &members : groups) {
+    if (members.size() < 2) continue;
+    const Node &first = g.nodes[members.front()];
+    Node m;
+    m.op = first.op;
+    m.name = strformat("bucket.%s.%s", first.op.c_str(), first.name.c_str());
+    m.attrs = {{"axis", Attr::of_string(first.attr_string("axis", ""))},
+               {"tensors", Attr::of_int(static_cast<int64_t>(members.size()))}};
+    m.block = first.block;
+    m.backward = first.backward;
+    for (int ni : members) {
+      m.inputs.push_back(g.nodes[ni].inputs[0]);
+      m.outputs.push_back(g.nodes[ni].outputs[0]);
+      dropped.insert(ni);
+    }
+    const int at = first.op == "all_gather" ? members.front() : members.back();
+    merged_at[at] = std::move(m);
+  }
+  for (int ni = begin; ni < end; ++ni) {
+    auto it = merged_at.find(ni);
+    if (it != merged_at.end()) {
+      out.push_back(std::move(it->second));
+    } else if (!dropped.count(ni)) {
+      out.push_back(std::move(g.nodes[ni]));
+    }
+  }
+}
+
+}  // namespace
+
+void pass_bucket(Graph &g, const CompileOptions &opt) {
+  CTR_CHECK(g.num_forward >= 0);
+  if (opt.bucket == "none") return;
+  std::vector<Node> nodes;
+  bucket_phase(g, 0, g.num_forward, opt, nodes);
+  const int nf = static_cast<int>(nodes.size());
+  bucket_phase(g, g.num_forward, static_cast<int>(g.nodes.size()), opt, nodes);
+  g.nodes = std::move(nodes);
+  g.num_forward = nf;
+}
+
+void read_bucket_options(OptionReader &r, CompileOptions &o) {
+  o.bucket = r.get_string("bucket", "block", {"block", "bytes", "none"});
+  o.bucket_bytes = r.get_int("bucket_bytes", 0, 0);
+  CTR_REQUIRE(o.bucket == "bytes" || o.bucket_bytes == 0, CTR_STATUS_INVALID_OPTION,
+              "option 'bucket_bytes' applies only with bucket = \"bytes\"");
+}
+
+}  // namespace ctr
