@@ -255,6 +255,9 @@ typedef struct ctr_step ctr_step;
  *   "async_save_lag" int     runs after which a background save is published (2)
  *   "recompute" string       activation checkpointing per block: "none" (default),
  *                            "all", or "selective" (GEMM and attention outputs kept)
+ *   "bucket" string          merge collectives: "block" (default: one per block and
+ *                            kind), "bytes" (up to "bucket_bytes" each) or "none"
+ *   "bucket_bytes" int       byte budget of a bucket with bucket "bytes" (0: none)
  *   "prefetch" int           issue each all-gather this many blocks before the
  *                            block that reads it (1); 0 keeps it right before its use
  *   "defer_reduce" int       issue gradient reduce-scatters behind the next block's

@@ -12,12 +12,12 @@ the median step time, exposed communication (time compute waited for the comm st
 collectives were in flight, the planned per-rank memory, and the share of the no-overlap
 schedule's exposed communication that each schedule hides:
 
-    no overlap      every collective waited for at its issue (--no-overlap --prefetch 0
-                    --no-defer-reduce)
-    in place        collectives where the shard pass puts them, waited at first use
-                    (--prefetch 0 --no-defer-reduce)
-    reorder         gathers one block ahead, reduce-scatters deferred (the default)
-    reorder, k=2    gathers two blocks ahead
+    no overlap          one collective per tensor, each waited for at its issue
+                        (--no-overlap --bucket none --prefetch 0 --no-defer-reduce)
+    bucket              one collective per block and kind, where the shard pass puts the
+                        first of them, waited at first use (--prefetch 0 --no-defer-reduce)
+    bucket+reorder      and gathered one block ahead, reduce-scatters deferred (the default)
+    bucket+reorder k=2  gathered two blocks ahead
 
 Needs root (ip netns, tc). The namespaces (ctrbench0, ctrbench1) and the veth pair are
 created at the start and removed at the end; traffic stays between them.
@@ -37,10 +37,10 @@ ADDR = ("10.231.0.1", "10.231.0.2")
 DEV = ("ctrveth0", "ctrveth1")
 
 SCHEDULES = [
-    ("no overlap", ["--no-overlap", "--prefetch", "0", "--no-defer-reduce"]),
-    ("in place", ["--prefetch", "0", "--no-defer-reduce"]),
-    ("reorder", []),
-    ("reorder, k=2", ["--prefetch", "2"]),
+    ("no overlap", ["--no-overlap", "--bucket", "none", "--prefetch", "0", "--no-defer-reduce"]),
+    ("bucket", ["--prefetch", "0", "--no-defer-reduce"]),
+    ("bucket+reorder", []),
+    ("bucket+reorder k=2", ["--prefetch", "2"]),
 ]
 
 
@@ -144,7 +144,7 @@ def main():
             for name, flags in SCHEDULES:
                 results[(size, name)] = run_job(args, graph, flags, tmp, f"{size}-{name.replace(' ', '_')}")
                 r = results[(size, name)]
-                print(f"  {size:13s} {name:13s} step {r['step_ms']:8.1f} ms  exposed {r['exposed_ms']:8.1f}  "
+                print(f"  {size:13s} {name:18s} step {r['step_ms']:8.1f} ms  exposed {r['exposed_ms']:8.1f}  "
                       f"comm {r['comm_ms']:8.1f}  compute {r['compute_ms']:8.1f}  mem {r['memory_mib']} MiB",
                       flush=True)
     finally:
