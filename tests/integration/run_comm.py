@@ -107,8 +107,9 @@ def main():
         0: ["rank 2 of 3 did not join"], 1: ["rank 2 of 3 did not join"],
         2: ["job token mismatch from"]}))
     cases.append(Case("missing rank", 3, "missing", started=[0, 1], timeout_ms=3000, max_s=10,
+                      # Rank 1 joins after rank 0 and reports the time it waited itself.
                       expect={0: ["rank 2 of 3 did not join within 3.0 s"],
-                              1: ["rank 2 of 3 did not join within 3.0 s"]}))
+                              1: ["rank 2 of 3 did not join within"]}))
     for n in (2, 3, 4):
         cases.append(Case(f"dead rank, {n} ranks", n, "dead", timeout_ms=5000, max_s=20, leaver=n - 1,
                           expect={r: [f"rank {n - 1}", "failed as expected"] for r in range(n - 1)}))
