@@ -730,8 +730,7 @@ std::string inspect_graph(const ctr_graph *graph, const ctr_options *options, co
     b->iface->destroy(b->ctx);
     delete b;
   });
-  PassContext ctx{g, o, [&](OpId op) { return be.iface->kernel(be.ctx, op, op_by_id(op)->name.c_str()) != nullptr; },
-                  {}, {}, {}};
+  PassContext ctx(g, o, [&](OpId op) { return backend_has_kernel(be, op); });
   run_passes(ctx, after);
   return until.dump ? until.dump(ctx) : dump_graph(g);
 }

@@ -9,9 +9,6 @@
 
 namespace ctr {
 
-// Names of the compiler passes in pipeline order, as `graph inspect --after` takes them.
-std::vector<std::string> pass_names();
-
 // Runs the step-creation pipeline on graph up to and including pass `after` and
 // returns a readable dump of the IR at that point. options are ctr_step_create's
 // (batch, seq, micro_batches, ...). Throws ctr::Error on any failure.

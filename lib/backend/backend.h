@@ -33,6 +33,9 @@ using BackendHandle = std::shared_ptr<Backend>;
 // CTR_STATUS_UNSUPPORTED naming the device and the library it needs.
 BackendHandle create_backend(const std::string &device);
 
+// Whether a backend has a kernel for an op (what the lower pass asks).
+bool backend_has_kernel(const Backend &be, int32_t op);
+
 // Registers the CPU kernel of an op by name (a library op, or a host's own op
 // registered with register_op). Thread-safe; replaces an earlier registration.
 void register_cpu_kernel(const std::string &op, KernelFn fn);

@@ -14,6 +14,7 @@
 
 #include "backend/backend.h"
 #include "core/status.h"
+#include "graph/ops.h"
 
 namespace ctr {
 namespace {
@@ -74,6 +75,11 @@ BackendHandle load_plugin(const std::string &device) {
 }
 
 }  // namespace
+
+bool backend_has_kernel(const Backend &be, int32_t op) {
+  const OpDef *d = op_by_id(op);
+  return d && be.iface->kernel(be.ctx, op, d->name.c_str()) != nullptr;
+}
 
 BackendHandle create_backend(const std::string &device) {
   CTR_REQUIRE(!device.empty() && device.find('/') == std::string::npos, CTR_STATUS_INVALID_OPTION,

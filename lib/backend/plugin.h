@@ -116,8 +116,6 @@ typedef struct ctr_backend_iface {
   void (*add_into)(void *ctx, float *acc, const float *x, int64_t n, int stream); /* acc += x */
   void (*adamw)(void *ctx, const ctr_adamw_args *args, int stream);
 
-  /* Whether the host may read device memory directly (a CPU backend). */
-  int host_visible;
   void (*destroy)(void *ctx);
 } ctr_backend_iface;
 

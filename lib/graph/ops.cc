@@ -522,10 +522,13 @@ std::vector<OpDef> library_ops() {
   v.push_back(internal("cross_entropy_bwd", 5, 1));
   v.push_back(internal("add_same", 2, 1));
   v.push_back(internal("take_rows_bwd", 1, 1));
-  // Collectives inserted by the shard pass; the executor runs them on the comm stream.
-  v.push_back(internal("all_gather", 1, 1));
-  v.push_back(internal("reduce_scatter", 1, 1));
-  v.push_back(internal("all_reduce", 1, 1));
+  // Collectives inserted by the shard pass (one output per input; the bucket
+  // pass merges several into one node); the executor runs them on the comm stream.
+  for (const char *name : {"all_gather", "reduce_scatter", "all_reduce"}) {
+    OpDef c = internal(name, 1, 1);
+    c.max_inputs = 1 << 20;
+    v.push_back(c);
+  }
   return v;
 }
 
@@ -589,12 +592,6 @@ const OpDef *op_by_id(OpId id) {
   Registry &r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   return id >= 0 && static_cast<size_t>(id) < r.defs.size() ? &r.defs[static_cast<size_t>(id)] : nullptr;
-}
-
-size_t num_ops() {
-  Registry &r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  return r.defs.size();
 }
 
 std::vector<std::string> file_op_names() {

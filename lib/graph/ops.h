@@ -106,7 +106,6 @@ OpId register_op(OpDef def);
 // nullptr when the op is unknown. Definitions never move once registered.
 const OpDef *find_op(const std::string &name);
 const OpDef *op_by_id(OpId id);
-size_t num_ops();
 
 // Names of all ops that files may use.
 std::vector<std::string> file_op_names();

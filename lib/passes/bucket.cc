@@ -33,24 +33,9 @@ namespace ctr {
 namespace {
 
 void bucket_phase(Graph &g, int begin, int end, const CompileOptions &opt, std::vector<Node> &out) {
-  // Segments of the compute nodes, and who first reads / last writes a tensor.
-  std::vector<int> seg_of(g.nodes.size(), -1);
-  int seg = -1, block = 0;
-  bool any = false;
-  std::map<int, int> first_reader, producer;
-  for (int ni = begin; ni < end; ++ni) {
-    const Node &n = g.nodes[ni];
-    if (is_collective(n.op)) continue;
-    if (!any || n.block != block) {
-      ++seg;
-      block = n.block;
-      any = true;
-    }
-    seg_of[ni] = seg;
-    for (int t : n.inputs)
-      if (!first_reader.count(t)) first_reader[t] = ni;
-    for (int t : n.outputs) producer[t] = ni;
-  }
+  const PhaseSegments segs = segment_phase(g, begin, end);
+  const std::vector<int> &seg_of = segs.seg_of;
+  const std::map<int, int> &first_reader = segs.first_reader, &producer = segs.producer;
   std::map<int, int> coll_of_output;  // tensor -> collective writing it
   for (int ni = begin; ni < end; ++ni)
     if (is_collective(g.nodes[ni].op))
@@ -70,7 +55,7 @@ void bucket_phase(Graph &g, int begin, int end, const CompileOptions &opt, std::
       if (coll_of_output.count(in)) {
         s = seg_of_coll(coll_of_output[in]);  // behind a reduce-scatter: its segment
       } else if (producer.count(in)) {
-        s = seg_of[producer[in]];
+        s = seg_of[producer.at(in)];
       }
     }
     return seg_key[ni] = s;

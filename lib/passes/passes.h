@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -85,6 +86,8 @@ struct Program {
 
 // What passes read and write.
 struct PassContext {
+  PassContext(Graph &g, CompileOptions o, std::function<bool(OpId)> kernel_check)
+      : graph(g), opt(std::move(o)), has_kernel(std::move(kernel_check)) {}
   Graph &graph;
   CompileOptions opt;
   // Whether the step's backend has a kernel for an op (lower checks every node).
@@ -153,6 +156,19 @@ void pass_shard(Graph &g, const CompileOptions &opt);
 
 // True for the collective ops the shard pass inserts.
 bool is_collective(const std::string &op);
+
+// segments.cc: the compute nodes of a phase [begin, end) cut into segments,
+// maximal runs of nodes of one block; bucket and reorder place collectives by
+// segment.
+struct PhaseSegments {
+  std::vector<int> compute;       // compute node indices, in order
+  std::vector<int> start;         // per segment: its first position in compute
+  std::vector<int> seg_of;        // per graph node: its segment (-1: a collective or another phase)
+  std::map<int, int> first_reader;  // tensor -> first compute node of the phase reading it
+  std::map<int, int> producer;      // tensor -> last compute node of the phase writing it
+  int count() const { return static_cast<int>(start.size()); }
+};
+PhaseSegments segment_phase(const Graph &g, int begin, int end);
 
 // bucket.cc: the all-gathers whose first reader is in one segment (block), and
 // separately the reduce-scatters / all-reduces of gradients produced in one,

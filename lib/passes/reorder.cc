@@ -32,34 +32,14 @@
 namespace ctr {
 namespace {
 
-struct Moved {
-  int node;
-  int64_t bytes;
-};
-
 void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, std::vector<Node> &out) {
-  // Segments over the compute nodes of the phase.
-  std::vector<int> compute;                  // node indices
-  std::vector<int> seg_of_node(g.nodes.size(), -1);
-  std::vector<int> seg_start;                // index into compute
-  for (int ni = begin; ni < end; ++ni) {
-    if (is_collective(g.nodes[ni].op)) continue;
-    if (compute.empty() || g.nodes[ni].block != g.nodes[compute.back()].block)
-      seg_start.push_back(static_cast<int>(compute.size()));
-    seg_of_node[ni] = static_cast<int>(seg_start.size()) - 1;
-    compute.push_back(ni);
-  }
-  const int nseg = static_cast<int>(seg_start.size());
+  const PhaseSegments segs = segment_phase(g, begin, end);
+  const std::vector<int> &compute = segs.compute, &seg_of_node = segs.seg_of, &seg_start = segs.start;
+  const std::map<int, int> &first_reader = segs.first_reader, &producer = segs.producer;
+  const int nseg = segs.count();
   if (nseg == 0) {
     for (int ni = begin; ni < end; ++ni) out.push_back(std::move(g.nodes[ni]));
     return;
-  }
-  // Which compute node reads / writes each tensor first / last (phase-local).
-  std::map<int, int> first_reader, producer;
-  for (int ni : compute) {
-    for (int t : g.nodes[ni].inputs)
-      if (!first_reader.count(t)) first_reader[t] = ni;
-    for (int t : g.nodes[ni].outputs) producer[t] = ni;
   }
 
   std::vector<std::vector<int>> gathers_now(nseg);  // for segment s, issued at its start

@@ -46,6 +46,23 @@ void *must_alloc(const Backend &be, int64_t bytes, const char *what) {
   return p;
 }
 
+// Where a parameter's local rows sit in the full tensor: rows [first_row,
+// first_row + rows) of full_rows, row_elems floats each; the valid_rows that
+// lie inside the full tensor hold data, the rest are padding.
+struct Rows {
+  int64_t rows, row_elems, first_row, full_rows, valid_rows;
+};
+
+Rows rows_of(const Tensor &t) {
+  Rows r;
+  r.rows = t.shape.empty() ? 1 : t.shape[0];
+  r.row_elems = r.rows > 0 ? t.numel() / r.rows : 0;
+  r.first_row = t.full_rows > 0 ? t.shard_index * r.rows : 0;
+  r.full_rows = t.full_rows > 0 ? t.full_rows : r.rows;
+  r.valid_rows = std::max<int64_t>(0, std::min(r.rows, r.full_rows - r.first_row));
+  return r;
+}
+
 std::string options_json(const ctr_options *options) {
   if (!options) return "";
   nlohmann::json js = nlohmann::json::object();
@@ -108,9 +125,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   backend_ = create_backend(mesh.device);
   be_ = *backend_;
   {
-    PassContext ctx{g_, copt_,
-                    [this](OpId op) { return be_.iface->kernel(be_.ctx, op, op_by_id(op)->name.c_str()) != nullptr; },
-                    {}, {}, {}};
+    PassContext ctx(g_, copt_, [this](OpId op) { return backend_has_kernel(be_, op); });
     run_passes(ctx);
     prog_ = std::move(ctx.program);
     plan_ = std::move(ctx.plan);
@@ -228,16 +243,12 @@ float *Step::param_ptr(int t) const { return static_cast<float *>(exec_->addr(t)
 void *Step::device_address(int t) const { return exec_->addr(t); }
 
 void Step::write_param(int t, const float *full) {
-  // Rows [first, first + rows) of the full tensor; rows past its end are padding.
   const Tensor &x = g_.tensors[t];
   const int64_t n = x.numel();
   std::vector<float> host(static_cast<size_t>(n), 0.0f);
-  const int64_t rows = x.shape.empty() ? 1 : x.shape[0];
-  const int64_t row_elems = rows > 0 ? n / rows : 0;
-  const int64_t first = x.full_rows > 0 ? x.shard_index * rows : 0;
-  const int64_t full_rows = x.full_rows > 0 ? x.full_rows : rows;
-  const int64_t valid = std::max<int64_t>(0, std::min(rows, full_rows - first)) * row_elems;
-  if (valid > 0) std::memcpy(host.data(), full + first * row_elems, static_cast<size_t>(valid) * 4);
+  const Rows r = rows_of(x);
+  const int64_t valid = r.valid_rows * r.row_elems;
+  if (valid > 0) std::memcpy(host.data(), full + r.first_row * r.row_elems, static_cast<size_t>(valid) * 4);
   be_.iface->copy_h2d(be_.ctx, param_ptr(t), host.data(), static_cast<size_t>(n) * 4, 0);
 }
 
@@ -247,14 +258,10 @@ void Step::init_params(uint64_t seed) {
     const Tensor &t = g_.tensors[s.tensor];
     const uint64_t stream = rng::hash_name(t.name);
     const InitSpec &in = t.init;
-    // A shard holds rows [first_row, first_row + rows) of the full tensor; its
-    // element i is global element base + i, and rows past the end are padding.
-    const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
-    const int64_t row_elems = rows > 0 ? s.n / rows : 0;
-    const int64_t first_row = t.full_rows > 0 ? t.shard_index * rows : 0;
-    const int64_t full_rows = t.full_rows > 0 ? t.full_rows : rows;
-    const int64_t base = first_row * row_elems;
-    const int64_t valid = std::max<int64_t>(0, std::min(rows, full_rows - first_row)) * row_elems;
+    // The shard's element i is global element base + i; padding rows stay zero.
+    const Rows r = rows_of(t);
+    const int64_t base = r.first_row * r.row_elems;
+    const int64_t valid = r.valid_rows * r.row_elems;
     host.assign(static_cast<size_t>(s.n), 0.0f);
     float *p = host.data();
     switch (in.kind) {
@@ -474,11 +481,10 @@ std::vector<ShardView> Step::checkpoint_shards() const {
     if (t.full_rows > 0) v.full_shape[0] = t.full_rows;
     if (t.shape.empty()) v.full_shape.clear();
     v.n = s.n;
-    const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
-    v.row_elems = rows > 0 ? s.n / rows : 0;
-    v.first_row = t.full_rows > 0 ? t.shard_index * rows : 0;
-    const int64_t full_rows = t.full_rows > 0 ? t.full_rows : rows;
-    v.valid_rows = std::max<int64_t>(0, std::min(rows, full_rows - v.first_row));
+    const Rows r = rows_of(t);
+    v.row_elems = r.row_elems;
+    v.first_row = r.first_row;
+    v.valid_rows = r.valid_rows;
     v.buffers[0] = param_ptr(s.tensor);
     v.buffers[1] = s.m;
     v.buffers[2] = s.v;

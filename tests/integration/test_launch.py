@@ -100,27 +100,14 @@ def main():
     # Rank 1 dies with collectives in flight on the comm stream (it exits right
     # after issuing one), outside any launcher: rank 0, waiting on them, fails
     # naming rank 1, well within its timeout.
-    import socket
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    procs = []
-    t0 = time.monotonic()
-    for r in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CTR_")}
-        env.update(CTR_RANK=str(r), CTR_WORLD_SIZE="2", CTR_MASTER_ADDR="127.0.0.1", CTR_MASTER_PORT=str(port))
+    def rank_env(r, port):
+        env = {"CTR_RANK": str(r), "CTR_WORLD_SIZE": "2", "CTR_MASTER_ADDR": "127.0.0.1",
+               "CTR_MASTER_PORT": str(port)}
         if r == 1:
             env["CTR_FAULT_INJECT"] = "exitcomm_at_step:3:rank:1"
-        procs.append(subprocess.Popen([CTR, "run", graph, "--mesh", "fsdp=2", "--steps", "20", "--batch", "2",
-                                       "--log-every", "0", "--timeout", "10"],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    outs = []
-    for pr in procs:
-        try:
-            outs.append(pr.communicate(timeout=60))
-        except subprocess.TimeoutExpired:
-            pr.kill()
-            outs.append(pr.communicate())
+        return env
+    t0 = time.monotonic()
+    procs, outs, _ = run_two_ranks(graph, rank_env, ["--steps", "20", "--log-every", "0", "--timeout", "10"], 60)
     elapsed = time.monotonic() - t0
     check(procs[1].returncode == 87, f"exitcomm: rank 1 exited {procs[1].returncode}, expected 87")
     check(procs[0].returncode not in (0, None), "exitcomm: rank 0 did not fail")
@@ -152,38 +139,49 @@ def main():
 
     # Other launchers' environments: torchrun, Slurm (srun) and Open MPI (mpirun)
     # start the ranks themselves; libctr reads their variables.
-    import socket
     for style in ("torchrun", "slurm", "ompi"):
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            port = sk.getsockname()[1]
-        procs = []
-        for r in range(2):
-            env = {k: v for k, v in os.environ.items() if not k.startswith("CTR_")}
+        def rank_env(r, port):
             if style == "torchrun":
-                env.update(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port))
-            elif style == "slurm":
-                env.update(SLURM_PROCID=str(r), SLURM_NTASKS="2", CTR_MASTER_ADDR="127.0.0.1",
-                           CTR_MASTER_PORT=str(port))
-            else:
-                env.update(OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="2",
-                           CTR_MASTER_ADDR="127.0.0.1", CTR_MASTER_PORT=str(port))
-            procs.append(subprocess.Popen([CTR, "run", graph, "--mesh", "fsdp=2", "--steps", "3", "--batch", "2",
-                                           "--log-every", "1", "--timeout", "20"],
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-        outs = []
-        for pr in procs:
-            try:
-                outs.append(pr.communicate(timeout=90))
-            except subprocess.TimeoutExpired:
-                pr.kill()
-                outs.append(pr.communicate())
-                failures.append(f"{style}: a rank did not finish")
+                return dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port))
+            if style == "slurm":
+                return dict(SLURM_PROCID=str(r), SLURM_NTASKS="2", CTR_MASTER_ADDR="127.0.0.1",
+                            CTR_MASTER_PORT=str(port))
+            return dict(OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="2",
+                        CTR_MASTER_ADDR="127.0.0.1", CTR_MASTER_PORT=str(port))
+        procs, outs, hung = run_two_ranks(graph, rank_env, ["--steps", "3", "--log-every", "1", "--timeout", "20"],
+                                          90)
+        if hung:
+            failures.append(f"{style}: a rank did not finish")
         check(all(pr.returncode == 0 for pr in procs), f"{style}: exit codes {[pr.returncode for pr in procs]}: {outs[0][1][-400:]}")
         check("x 2 ranks" in outs[0][0] and "done: 3 steps" in outs[0][0], f"{style}: rank 0 output: {outs[0][0][-400:]}")
 
     return finish()
+
+
+def run_two_ranks(graph, rank_env, args, limit_s):
+    """Starts `ctr run GRAPH --mesh fsdp=2 --batch 2 ARGS` as two ranks without a launcher,
+    rank_env(rank, port) giving each its variables (the CTR_ ones of this process are
+    dropped), and waits limit_s for each. Returns (procs, [(stdout, stderr)], any killed)."""
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    procs = []
+    for r in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CTR_")}
+        env.update(rank_env(r, port))
+        procs.append(subprocess.Popen([CTR, "run", graph, "--mesh", "fsdp=2", "--batch", "2", *args],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outs, hung = [], False
+    for pr in procs:
+        try:
+            outs.append(pr.communicate(timeout=limit_s))
+        except subprocess.TimeoutExpired:
+            pr.kill()
+            outs.append(pr.communicate())
+            hung = True
+    return procs, outs, hung
 
 
 def finish():

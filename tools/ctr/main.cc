@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "api/internal.h"
+#include "passes/passes.h"
 #include "core/status.h"
 #include "ctr/ctr.h"
 #include "data/data.h"

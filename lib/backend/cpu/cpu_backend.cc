@@ -601,7 +601,6 @@ const ctr_backend_iface kCpuIface = {
     cpu_sum_squares,
     cpu_add_into,
     cpu_adamw,
-    1,
     cpu_destroy,
 };
 
