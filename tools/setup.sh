@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
 
 pkgs="meson ninja-build pkg-config g++ flatbuffers-compiler libflatbuffers-dev
-libopenblas-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libucx-dev python3"
+libopenblas-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libssl-dev libucx-dev python3"
 if [ "${1:-}" = "--tests" ]; then
   pkgs="$pkgs libgtest-dev python3-numpy python3-torch python3-flatbuffers python3-setuptools
 ucx-utils binutils golang-go valgrind"

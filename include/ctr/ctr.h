@@ -150,7 +150,14 @@ typedef struct ctr_mesh ctr_mesh;
  *                     raising priority needs CAP_SYS_NICE, else it is left as is)
  *   "master_addr" string, "master_port" int   rank 0's rendezvous address
  *                     (default 127.0.0.1:29500, or the environment, see below)
- *   "job_token" string  must be the same on every rank (default CTR_JOB_TOKEN)
+ *   "job_token" string  the job's shared secret, the same on every rank (default
+ *                     CTR_JOB_TOKEN). Rank 0 and each rank prove to each other
+ *                     that they hold it without sending it. Without a token the
+ *                     master address must be a loopback address, and only
+ *                     processes of the same user are let in
+ *   "allow_no_token" int  1: allow a tokenless job on a non-loopback address,
+ *                     which any process that reaches it can join (default 0, or
+ *                     CTR_ALLOW_NO_TOKEN=1); for trusted isolated networks only
  *   "timeout" float   seconds to wait for the rendezvous and for any collective
  *                     before failing with CTR_STATUS_TIMEOUT naming the rank (60)
  * With more than one rank, creation joins the rendezvous served by rank 0 and

@@ -218,6 +218,7 @@ ctr_status mesh_create(const ctr_options *options, ctr_mesh **out, bool from_env
          strformat("master port '%s' is not a TCP port number", port_env.c_str()));
   rc.port = static_cast<int>(r.get_int("master_port", port_def, 1, 65535));
   rc.token = r.get_string("job_token", env_str({"CTR_JOB_TOKEN"}, ""));
+  rc.allow_no_token = r.get_int("allow_no_token", env_str({"CTR_ALLOW_NO_TOKEN"}, "0") == "1", 0, 1) != 0;
   double timeout_s = r.get_float("timeout", 60.0, 0.01, 1e6);
   r.finish();
   m->timeout_ms = static_cast<int64_t>(timeout_s * 1000.0);

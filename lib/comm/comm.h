@@ -115,6 +115,10 @@ struct RendezvousConfig {
   int port = 29500;
   std::string token;               // CTR_JOB_TOKEN; peers with another token are refused
   int64_t timeout_ms = 60000;      // join and default get timeout
+  // Without a token a job may only use a loopback address, where only processes
+  // of the same user are let in; this allows a tokenless job on any address
+  // (anyone who reaches it can join: for trusted, isolated networks only).
+  bool allow_no_token = false;
 };
 
 class Store {
@@ -129,13 +133,18 @@ class Store {
   virtual int64_t add(const std::string &key, int64_t delta) = 0;
   // All ranks of the world meet here; throws naming the ranks that did not arrive.
   virtual void barrier(const std::string &name, int64_t timeout_ms = -1) = 0;
+  // The job token every member proved it holds (empty for a tokenless job):
+  // the key for tagging what a rank publishes through the store.
+  virtual const std::string &job_token() const = 0;
 };
 
-// Joins the job: rank 0 serves the store and every rank connects to it with the
-// job token. Returns once all `world` ranks have joined; throws
-// CTR_STATUS_TIMEOUT naming the ranks still missing after timeout_ms, or
+// Joins the job: rank 0 serves the store on exactly cfg.addr and every rank
+// connects to it; rank 0 and each rank prove to each other that they hold the
+// job token (see auth.h). Returns once all `world` ranks have joined; throws
+// CTR_STATUS_TIMEOUT naming the ranks still missing after timeout_ms,
 // CTR_STATUS_COMM_ERROR when the server refuses this rank (wrong token,
-// duplicate rank) or cannot be reached.
+// duplicate rank), cannot be reached or is not this job's, and
+// CTR_STATUS_INVALID_OPTION for a tokenless job on a non-loopback address.
 std::unique_ptr<Store> store_join(const RendezvousConfig &cfg);
 
 // Whether this build has the UCX communicator (libucx at build time).

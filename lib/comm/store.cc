@@ -16,8 +16,18 @@
 // Wire format: frames of a little-endian u32 length followed by that many bytes.
 // A request is a u8 kind and its fields; a reply is a u8 ctr_status followed by
 // the result (OK) or a message (anything else). Integers are little-endian i64,
-// strings a u32 length and bytes. The first request must be HELLO(token, rank,
-// world); a peer that fails it is answered with the reason and disconnected.
+// strings a u32 length and bytes.
+//
+// Admission: a connection first sends HELLO(protocol, rank, world, its nonce);
+// rank 0 answers with its own nonce and a tag proving it holds the job token
+// (empty for a tokenless job); the client checks that tag, so a process that
+// merely listens on the port learns nothing and cannot pose as rank 0, and
+// answers PROOF(its tag over both nonces). Only then is the rank joined; a peer
+// that fails is answered with the reason and disconnected. A tokenless job is
+// confined to loopback, where each side checks that the other end belongs to
+// the same user (auth.h). Connections that have not been admitted are few
+// (capped, the oldest dropped first) and short-lived (a deadline to finish),
+// so strangers cannot exhaust rank 0's descriptors or memory.
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -44,6 +54,9 @@
 #include <utility>
 #include <vector>
 
+#include <sys/resource.h>
+
+#include "comm/auth.h"
 #include "comm/comm.h"
 #include "core/status.h"
 
@@ -61,15 +74,25 @@ constexpr int64_t kReplyGraceMs = 2000;
 // still be reading a key or leaving a barrier; capped so that a rank that hangs
 // cannot keep rank 0 from exiting.
 constexpr int64_t kServerLingerMs = 5000;
-// A peer that has not passed HELLO cannot make the server buffer more than this.
+// A peer that has not been admitted cannot make the server buffer more than
+// this, hold a connection longer than the admission deadline (the job timeout
+// within these bounds), or hold more than kMaxPending (plus the world size)
+// connections at once.
 constexpr uint32_t kMaxFrameBeforeHello = 64 * 1024;
+constexpr int64_t kMinAdmitMs = 1000;
+constexpr int64_t kMaxAdmitMs = 10000;
+constexpr size_t kMaxPending = 64;
+// Refusals printed to stderr before the rest are only counted.
+constexpr int kRefusalsShown = 10;
+// The admission protocol; a peer speaking another is refused by name.
+constexpr char kProtocol[] = "ctr-rendezvous/2";
 constexpr uint32_t kMaxFrame = 256u << 20;
 // Longer timeouts mean "forever"; capped so that now + timeout cannot overflow.
 constexpr int64_t kMaxTimeoutMs = int64_t{1} << 40;
 
 int64_t capped(int64_t ms) { return std::clamp<int64_t>(ms, 0, kMaxTimeoutMs); }
 
-enum class Req : uint8_t { Hello = 1, Join = 2, Set = 3, Get = 4, Add = 5, Barrier = 6 };
+enum class Req : uint8_t { Hello = 1, Join = 2, Set = 3, Get = 4, Add = 5, Barrier = 6, Proof = 7 };
 
 std::string seconds(int64_t ms) { return strformat("%.1f s", static_cast<double>(ms) / 1000.0); }
 
@@ -237,13 +260,15 @@ std::string error_reply(ctr_status code, const std::string &msg) {
   return Writer(static_cast<uint8_t>(code)).str(msg).take();
 }
 
-// Compares without an early exit, so response time does not reveal how much of
-// a guessed token was right.
-bool token_equal(const std::string &a, const std::string &b) {
-  unsigned diff = a.size() != b.size();
-  for (size_t i = 0, n = std::min(a.size(), b.size()); i < n; ++i)
-    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
+// The tags of the admission exchange: rank 0's over the client's nonce first,
+// the client's over rank 0's first, both bound to the claimed rank.
+std::string server_tag(const std::string &token, const std::string &nonce_c,
+                       const std::string &nonce_s, int rank) {
+  return job_mac(token, "ctr store: rank 0", nonce_c, nonce_s, std::to_string(rank));
+}
+std::string client_tag(const std::string &token, const std::string &nonce_c,
+                       const std::string &nonce_s, int rank) {
+  return job_mac(token, "ctr store: rank", nonce_s, nonce_c, std::to_string(rank));
 }
 
 // ------------------------------------------------------------------------------------------
@@ -282,40 +307,42 @@ class StoreServer {
   // Binds and listens (errors are thrown here, on the caller's thread), then
   // starts the event loop.
   explicit StoreServer(const RendezvousConfig &cfg) : cfg_(cfg), joined_from_(cfg.world) {
+    admit_ms_ = std::clamp<int64_t>(cfg.timeout_ms, kMinAdmitMs, kMaxAdmitMs);
+    // One descriptor per rank: take the whole allowance the hard limit gives.
+    rlimit lim{};
+    if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < lim.rlim_max) {
+      lim.rlim_cur = lim.rlim_max;
+      ::setrlimit(RLIMIT_NOFILE, &lim);
+    }
+    // Exactly the address asked for: listening on every interface because the
+    // address is not this host's would expose the store where nobody meant it.
     std::string err;
     Resolved local;
-    bool specific = resolve(cfg.addr, cfg.port, true, &local, &err);
-    listen_fd_ =
-        Fd(::socket(specific ? local.addr.ss_family : AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    CTR_REQUIRE(resolve(cfg.addr, cfg.port, true, &local, &err), CTR_STATUS_COMM_ERROR,
+                "rendezvous: rank 0 cannot resolve its own address '%s': %s", cfg.addr.c_str(),
+                err.c_str());
+    listen_fd_ = Fd(::socket(local.addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
     CTR_REQUIRE(listen_fd_.get() >= 0, CTR_STATUS_COMM_ERROR, "rendezvous: socket: %s",
                 errno_text(errno).c_str());
     int one = 1;
     ::setsockopt(listen_fd_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    int rc = specific
-                 ? ::bind(listen_fd_.get(), reinterpret_cast<sockaddr *>(&local.addr), local.len)
-                 : -1;
-    if (rc != 0 && (!specific || errno == EADDRNOTAVAIL)) {
-      // cfg.addr is how the other ranks reach rank 0, which need not be an
-      // address of this host (NAT, a load balancer, a hostname resolving
-      // elsewhere); then listen on every interface.
-      if (specific && local.addr.ss_family != AF_INET) {
-        listen_fd_ = Fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-        ::setsockopt(listen_fd_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-      }
-      sockaddr_in any{};
-      any.sin_family = AF_INET;
-      any.sin_addr.s_addr = htonl(INADDR_ANY);
-      any.sin_port = htons(static_cast<uint16_t>(cfg.port));
-      rc = ::bind(listen_fd_.get(), reinterpret_cast<sockaddr *>(&any), sizeof any);
-      specific = false;
+    if (::bind(listen_fd_.get(), reinterpret_cast<sockaddr *>(&local.addr), local.len) != 0) {
+      const int e = errno;
+      fail(CTR_STATUS_COMM_ERROR,
+           strformat("rendezvous: rank 0 cannot listen on %s: %s%s",
+                     sockaddr_text(local.addr).c_str(), errno_text(e).c_str(),
+                     e == EADDRNOTAVAIL
+                         ? " (the master address must be an address of rank 0's own host)"
+                     : e == EADDRINUSE ? " (another job or process holds the port: choose "
+                                         "another master port)"
+                                       : ""));
     }
-    CTR_REQUIRE(rc == 0, CTR_STATUS_COMM_ERROR, "rendezvous: rank 0 cannot listen on %s:%d: %s",
-                specific ? cfg.addr.c_str() : "0.0.0.0", cfg.port, errno_text(errno).c_str());
     CTR_REQUIRE(::listen(listen_fd_.get(), 1024) == 0, CTR_STATUS_COMM_ERROR,
                 "rendezvous: rank 0 cannot listen on port %d: %s", cfg.port,
                 errno_text(errno).c_str());
+    spare_fd_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
     set_nonblocking(listen_fd_.get());
-    connect_host_ = specific ? cfg.addr : "127.0.0.1";
+    connect_host_ = cfg.addr;
     wake_fd_ = Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     CTR_REQUIRE(wake_fd_.get() >= 0, CTR_STATUS_COMM_ERROR, "rendezvous: eventfd: %s",
                 errno_text(errno).c_str());
@@ -342,7 +369,11 @@ class StoreServer {
     uint64_t id = 0;
     Fd fd;
     std::string peer;
-    int rank = -1;  // set by HELLO
+    int rank = -1;  // set once admitted
+    TimePoint since{};  // accepted at
+    // Admission in progress: the rank claimed by HELLO and both nonces.
+    int claimed = -1;
+    std::string nonce_c, nonce_s;
     std::string in;
     std::string out;
     size_t out_off = 0;
@@ -372,6 +403,8 @@ class StoreServer {
         for (auto &w : ws) next = std::min(next, w.deadline);
       for (auto &[k, b] : barriers_)
         for (auto &w : b.waiters) next = std::min(next, w.deadline);
+      for (auto &[id, c] : conns_)
+        if (c.rank < 0 && !c.closing) next = std::min(next, c.since + admit_window());
 
       fds.clear();
       ids.clear();
@@ -414,20 +447,63 @@ class StoreServer {
     conns_.clear();
   }
 
+  std::chrono::milliseconds admit_window() const { return std::chrono::milliseconds(admit_ms_); }
+
   void accept_all() {
     for (;;) {
       sockaddr_storage ss{};
       socklen_t len = sizeof ss;
       int fd = ::accept4(listen_fd_.get(), reinterpret_cast<sockaddr *>(&ss), &len,
                          SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0 && (errno == EMFILE || errno == ENFILE)) {
+        // Out of descriptors: the pending connection would keep the listening
+        // socket readable and the loop spinning. The spare descriptor makes
+        // room to take it off the queue and close it.
+        spare_fd_.reset();
+        fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd >= 0) ::close(fd);
+        spare_fd_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+        note_refusal("out of file descriptors: a connection was closed unread");
+        if (fd < 0) return;
+        continue;
+      }
       if (fd < 0) return;  // EAGAIN, or a connection that vanished meanwhile
       set_nodelay(fd);
       Conn c;
       c.fd = Fd(fd);
       c.peer = sockaddr_text(ss);
       c.id = next_id_++;
+      c.since = Clock::now();
       conns_.emplace(c.id, std::move(c));
+      evict_pending();
     }
+  }
+
+  // Keeps unadmitted connections under their cap by dropping the oldest: a
+  // real rank sends HELLO at once and is through admission long before a
+  // flood of newer connections reaches it.
+  void evict_pending() {
+    const size_t cap = kMaxPending + static_cast<size_t>(cfg_.world);
+    size_t pending = 0;
+    for (auto &[id, c] : conns_) pending += c.rank < 0 && !c.dead;
+    for (auto it = conns_.begin(); pending > cap && it != conns_.end(); ++it) {
+      Conn &c = it->second;
+      if (c.rank >= 0 || c.dead) continue;
+      note_refusal(strformat("%s: dropped, more than %zu connections waiting for admission",
+                             c.peer.c_str(), cap));
+      c.dead = true;
+      --pending;
+    }
+  }
+
+  // Prints the first few refusals; the rest are counted, so that a flood does
+  // not flood the log too.
+  void note_refusal(const std::string &what) {
+    ++refusals_;
+    if (refusals_ <= kRefusalsShown)
+      std::fprintf(stderr, "ctr: rendezvous: refused connection: %s\n", what.c_str());
+    if (refusals_ == kRefusalsShown)
+      std::fprintf(stderr, "ctr: rendezvous: further refusals are not shown\n");
   }
 
   void read_from(Conn &c) {
@@ -492,7 +568,7 @@ class StoreServer {
   }
 
   void refuse(Conn &c, const std::string &reason) {
-    std::fprintf(stderr, "ctr: rendezvous: refused connection: %s\n", reason.c_str());
+    note_refusal(reason);
     c.closing = true;  // dropped as soon as the reply is out
     send(c, error_reply(CTR_STATUS_COMM_ERROR, "rendezvous: rank 0 refused this rank: " + reason));
   }
@@ -514,25 +590,60 @@ class StoreServer {
     uint64_t id = c.id;
     Reader r(p, n);
     auto kind = static_cast<Req>(r.u8());
-    if (c.rank < 0 && kind != Req::Hello) {
-      refuse(c, strformat("%s sent a request before HELLO (not a libctr rank?)", c.peer.c_str()));
+    if (c.rank < 0 && kind != Req::Hello && kind != Req::Proof) {
+      refuse(c, strformat("%s sent a request before being admitted (not a libctr rank?)",
+                          c.peer.c_str()));
       return;
     }
     switch (kind) {
       case Req::Hello: {
-        std::string token = r.str();
-        int rank = static_cast<int>(r.i64());
-        int world = static_cast<int>(r.i64());
-        if (!r.ok() || !r.done() || c.rank >= 0) {
+        std::string protocol = r.str();
+        int64_t rank = r.i64();
+        int64_t world = r.i64();
+        std::string nonce_c = r.str();
+        if (!r.ok() || !r.done() || c.rank >= 0 || c.claimed >= 0) {
           refuse(c, strformat("malformed HELLO from %s", c.peer.c_str()));
-        } else if (!token_equal(token, cfg_.token)) {
-          refuse(c, strformat("job token mismatch from %s", c.peer.c_str()));
+        } else if (protocol != kProtocol) {
+          refuse(c, strformat("%s speaks another rendezvous protocol (a different libctr "
+                              "version?)",
+                              c.peer.c_str()));
         } else if (world != cfg_.world) {
-          refuse(c, strformat("world size mismatch from %s: it has %d ranks, rank 0 has %d",
-                              c.peer.c_str(), world, cfg_.world));
+          refuse(c, strformat("world size mismatch from %s: it has %lld ranks, rank 0 has %d",
+                              c.peer.c_str(), static_cast<long long>(world), cfg_.world));
         } else if (rank < 0 || rank >= cfg_.world) {
-          refuse(c, strformat("rank %d from %s is out of range for %d ranks", rank, c.peer.c_str(),
-                              cfg_.world));
+          refuse(c, strformat("rank %lld from %s is out of range for %d ranks",
+                              static_cast<long long>(rank), c.peer.c_str(), cfg_.world));
+        } else if (nonce_c.size() != kNonceBytes) {
+          refuse(c, strformat("malformed HELLO from %s", c.peer.c_str()));
+        } else if (!joined_from_[rank].empty()) {
+          refuse(c, strformat("rank %lld from %s already joined from %s",
+                              static_cast<long long>(rank), c.peer.c_str(),
+                              joined_from_[rank].c_str()));
+        } else if (std::string why; cfg_.token.empty() && !same_user(c, &why)) {
+          refuse(c, why);
+        } else {
+          c.claimed = static_cast<int>(rank);
+          c.nonce_c = std::move(nonce_c);
+          c.nonce_s = random_bytes(kNonceBytes);
+          std::string tag;
+          if (!cfg_.token.empty()) tag = server_tag(cfg_.token, c.nonce_c, c.nonce_s, c.claimed);
+          send(c, Writer(CTR_STATUS_OK).str(c.nonce_s).str(tag).take());
+        }
+        return;
+      }
+      case Req::Proof: {
+        std::string tag = r.str();
+        if (!r.ok() || !r.done() || c.rank >= 0 || c.claimed < 0) {
+          refuse(c, strformat("malformed PROOF from %s", c.peer.c_str()));
+          return;
+        }
+        const int rank = c.claimed;
+        const bool ok = cfg_.token.empty()
+                            ? tag.empty()
+                            : equal_secret(tag, client_tag(cfg_.token, c.nonce_c, c.nonce_s, rank));
+        if (!ok) {
+          refuse(c, strformat("job token mismatch from %s (claiming rank %d)", c.peer.c_str(),
+                              rank));
         } else if (!joined_from_[rank].empty()) {
           refuse(c, strformat("rank %d from %s already joined from %s", rank, c.peer.c_str(),
                               joined_from_[rank].c_str()));
@@ -636,6 +747,19 @@ class StoreServer {
 
   TimePoint deadline_in(int64_t ms) { return Clock::now() + std::chrono::milliseconds(capped(ms)); }
 
+  // A tokenless job admits only processes of the user running rank 0.
+  static bool same_user(const Conn &c, std::string *why) {
+    const long uid = loopback_peer_uid(c.fd.get());
+    if (uid == static_cast<long>(::getuid())) return true;
+    *why = uid < 0 ? strformat("cannot tell which user %s belongs to, and this job has no token "
+                               "(set CTR_JOB_TOKEN on every rank)",
+                               c.peer.c_str())
+                   : strformat("%s belongs to user id %ld, not to this job's user, and this job "
+                               "has no token",
+                               c.peer.c_str(), uid);
+    return false;
+  }
+
   void wake_getters(const std::string &key) {
     auto it = get_waiters_.find(key);
     if (it == get_waiters_.end()) return;
@@ -648,6 +772,10 @@ class StoreServer {
   // Answers every wait whose deadline has passed with a message naming what is
   // missing.
   void expire(TimePoint now) {
+    for (auto &[id, c] : conns_)
+      if (c.rank < 0 && !c.closing && !c.dead && now >= c.since + admit_window())
+        refuse(c, strformat("%s was not admitted within %s", c.peer.c_str(),
+                            seconds(admit_ms_).c_str()));
     auto due = [now](const Waiter &w) { return w.deadline <= now; };
     if (std::any_of(join_waiters_.begin(), join_waiters_.end(), due)) {
       std::vector<int> missing;
@@ -706,7 +834,9 @@ class StoreServer {
   }
 
   RendezvousConfig cfg_;
+  int64_t admit_ms_ = kMaxAdmitMs;
   Fd listen_fd_;
+  Fd spare_fd_;  // given up to accept (and close) a connection when out of descriptors
   Fd wake_fd_;
   std::string connect_host_;
   std::thread thread_;
@@ -718,6 +848,7 @@ class StoreServer {
   uint64_t next_id_ = 1;
   std::vector<std::string> joined_from_;  // peer address per joined rank, empty if not joined
   int joined_ = 0;
+  int refusals_ = 0;
   std::vector<Waiter> join_waiters_;
   std::unordered_map<std::string, std::string> kv_;
   std::unordered_map<std::string, std::vector<Waiter>> get_waiters_;
@@ -747,14 +878,49 @@ class TcpStore final : public Store {
     where_ = strformat("%s:%d", cfg_.addr.c_str(), cfg_.port);
     connect_until(host, deadline);
     std::lock_guard<std::mutex> lock(mu_);
-    request(Writer(static_cast<uint8_t>(Req::Hello))
-                .str(cfg_.token)
-                .i64(cfg_.rank)
-                .i64(cfg_.world)
-                .take(),
-            Clock::now() +
-                std::chrono::milliseconds(std::max<int64_t>(ms_until(deadline), 0) + kReplyGraceMs),
-            "HELLO");
+    const auto reply_by = [&] {
+      return Clock::now() + std::chrono::milliseconds(ms_until(deadline) + kReplyGraceMs);
+    };
+    const std::string nonce_c = random_bytes(kNonceBytes);
+    std::string body = request(Writer(static_cast<uint8_t>(Req::Hello))
+                                   .str(kProtocol)
+                                   .i64(cfg_.rank)
+                                   .i64(cfg_.world)
+                                   .str(nonce_c)
+                                   .take(),
+                               reply_by(), "HELLO");
+    Reader r(body.data(), body.size());
+    const std::string nonce_s = r.str();
+    const std::string tag = r.str();
+    protocol_check(r, "HELLO");
+    std::string proof;
+    if (!cfg_.token.empty()) {
+      CTR_REQUIRE(!tag.empty(), CTR_STATUS_COMM_ERROR,
+                  "rendezvous: rank 0 at %s runs without a job token but this rank has one "
+                  "(CTR_JOB_TOKEN must be the same on every rank)",
+                  where_.c_str());
+      CTR_REQUIRE(equal_secret(tag, server_tag(cfg_.token, nonce_c, nonce_s, cfg_.rank)),
+                  CTR_STATUS_COMM_ERROR,
+                  "rendezvous: the store at %s does not hold this job's token: it is not this "
+                  "job's rank 0, or CTR_JOB_TOKEN differs between ranks",
+                  where_.c_str());
+      proof = client_tag(cfg_.token, nonce_c, nonce_s, cfg_.rank);
+    } else {
+      CTR_REQUIRE(tag.empty(), CTR_STATUS_COMM_ERROR,
+                  "rendezvous: rank 0 at %s requires a job token: set CTR_JOB_TOKEN to the "
+                  "job's token on this rank",
+                  where_.c_str());
+      if (!cfg_.allow_no_token || loopback_) {
+        const long uid = loopback_peer_uid(fd_.get());
+        CTR_REQUIRE(uid == static_cast<long>(::getuid()), CTR_STATUS_COMM_ERROR,
+                    "rendezvous: the store at %s %s, and this job has no token to prove it is "
+                    "this job's rank 0 (set CTR_JOB_TOKEN on every rank)",
+                    where_.c_str(),
+                    uid < 0 ? "cannot be told apart from another user's"
+                            : strformat("belongs to another user (id %ld)", uid).c_str());
+      }
+    }
+    request(Writer(static_cast<uint8_t>(Req::Proof)).str(proof).take(), reply_by(), "PROOF");
     int64_t left = ms_until(deadline);
     request(Writer(static_cast<uint8_t>(Req::Join)).i64(left).take(),
             Clock::now() + std::chrono::milliseconds(left + kReplyGraceMs), "join");
@@ -787,6 +953,8 @@ class TcpStore final : public Store {
     protocol_check(r, "add");
     return v;
   }
+
+  const std::string &job_token() const override { return cfg_.token; }
 
   void barrier(const std::string &name, int64_t timeout_ms) override {
     timeout_ms = timeout_ms < 0 ? cfg_.timeout_ms : capped(timeout_ms);
@@ -822,6 +990,7 @@ class TcpStore final : public Store {
       if (e == 0) {
         set_nodelay(fd.get());
         fd_ = std::move(fd);
+        loopback_ = is_loopback(to.addr);
         return;
       }
       err = errno_text(e);
@@ -920,6 +1089,7 @@ class TcpStore final : public Store {
   std::string where_;
   std::mutex mu_;  // one request in flight per connection
   Fd fd_;
+  bool loopback_ = false;
   bool broken_ = false;
 };
 
@@ -936,6 +1106,22 @@ std::unique_ptr<Store> store_join(const RendezvousConfig &cfg) {
               "rendezvous: port %d is out of range", cfg.port);
   CTR_REQUIRE(cfg.timeout_ms >= 0, CTR_STATUS_INVALID_ARGUMENT,
               "rendezvous: negative timeout %lld ms", static_cast<long long>(cfg.timeout_ms));
+  {
+    Resolved to;
+    std::string err;
+    CTR_REQUIRE(resolve(cfg.addr, cfg.port, false, &to, &err), CTR_STATUS_INVALID_OPTION,
+                "rendezvous: cannot resolve rank 0's address '%s': %s", cfg.addr.c_str(),
+                err.c_str());
+    CTR_REQUIRE(!cfg.token.empty() || cfg.allow_no_token || is_loopback(to.addr),
+                CTR_STATUS_INVALID_OPTION,
+                "rendezvous: rank 0's address %s is not a loopback address and the job has no "
+                "token, so any process that reaches it could join: set CTR_JOB_TOKEN to the same "
+                "secret on every rank (for example `export CTR_JOB_TOKEN=$(od -An -tx1 -N16 "
+                "/dev/urandom | tr -d ' \\n')` before srun or torchrun), start the job with "
+                "`ctr launch`, which sets one, or on a trusted isolated network set "
+                "CTR_ALLOW_NO_TOKEN=1",
+                sockaddr_text(to.addr).c_str());
+  }
   std::unique_ptr<StoreServer> server;
   if (cfg.rank == 0) server = std::make_unique<StoreServer>(cfg);
   auto store = std::make_unique<TcpStore>(cfg, std::move(server));

@@ -71,6 +71,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/auth.h"
 #include "comm/comm.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
@@ -685,6 +686,55 @@ int watch_process(long pid, unsigned long long start) {
 
 std::string ucs_text(ucs_status_t st) { return ucs_status_string(st); }
 
+// Published worker addresses: the UCX library version, then the address.
+constexpr size_t kMaxAddressBytes = 64 * 1024;
+constexpr size_t kAddressPadding = 4096;
+
+std::string address_label(const std::string &ns, int rank) {
+  return strformat("%saddress of rank %d", ns.c_str(), rank);
+}
+
+uint32_t ucx_version() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return major << 24 | minor << 16 | (release & 0xffff);
+}
+
+std::string version_text(uint32_t v) {
+  return strformat("%u.%u.%u", v >> 24, (v >> 16) & 0xff, v & 0xffff);
+}
+
+std::string pack_address(const std::string &addr) {
+  const uint32_t v = ucx_version();
+  std::string out;
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  return out + addr;
+}
+
+// A peer's packed address is usable by this rank's UCX: the same library
+// version, a sane size, and the same address format (the version in the low
+// bits of the first byte, which UCX asserts on).
+bool check_address(const std::string &packed, const std::string &own, std::string *why) {
+  if (packed.size() < 5 || packed.size() - 4 > kMaxAddressBytes) {
+    *why = strformat("an address of %zu bytes", packed.size() < 4 ? 0 : packed.size() - 4);
+    return false;
+  }
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<uint8_t>(packed[i])) << (8 * i);
+  if (v != ucx_version()) {
+    *why = strformat("it comes from UCX %s and this rank runs UCX %s: every rank needs the same "
+                     "UCX version",
+                     version_text(v).c_str(), version_text(ucx_version()).c_str());
+    return false;
+  }
+  if (own.empty() || (packed[4] & 0x0f) != (own[0] & 0x0f)) {
+    *why = "its address format differs from this rank's (UCX_ADDRESS_VERSION must be the same on "
+           "every rank)";
+    return false;
+  }
+  return true;
+}
+
 void Transport::init(Store &store) {
   if (world_ == 1) return;  // no peers: every collective is a local copy
   // Keys are namespaced by how many worlds this process created, so a second
@@ -748,14 +798,27 @@ void Transport::init(Store &store) {
   st = ucp_worker_get_address(worker_, &addr, &addr_len);
   CTR_REQUIRE(st == UCS_OK, CTR_STATUS_COMM_ERROR, "ucx: ucp_worker_get_address: %s",
               ucs_text(st).c_str());
-  store.set(ns + "addr/" + std::to_string(rank_),
-            std::string(reinterpret_cast<const char *>(addr), addr_len));
+  const std::string own(reinterpret_cast<const char *>(addr), addr_len);
   ucp_worker_release_address(worker_, addr);
+  store.set(ns + "addr/" + std::to_string(rank_),
+            seal_record(store.job_token(), address_label(ns, rank_), pack_address(own)));
 
   for (int i = 0; i < world_; ++i) {
     Peer &p = peers_[i];
     if (i == rank_) continue;
-    std::string remote = store.get(ns + "addr/" + std::to_string(i));
+    // UCX parses an address without bounds and aborts or hangs on a forged one,
+    // so nothing reaches it that is not sealed with the job's token by the rank
+    // it claims to come from, of this UCX version and address format; and it is
+    // read from a zero-padded copy.
+    std::string remote;
+    std::string why;
+    std::string rec = store.get(ns + "addr/" + std::to_string(i));
+    CTR_REQUIRE(open_record(store.job_token(), address_label(ns, i), rec, &remote, &why) &&
+                    check_address(remote, own, &why),
+                CTR_STATUS_COMM_ERROR, "ucx: refusing the transport address published as rank %d: %s",
+                i, why.c_str());
+    remote.erase(0, 4);
+    remote.append(kAddressPadding, '\0');
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;

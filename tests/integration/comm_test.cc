@@ -587,7 +587,8 @@ int run_token(Env e) {
   if (e.rank == bad) {
     e.token += "-wrong";
     std::string msg =
-        expect_error("join with a wrong token", CTR_STATUS_COMM_ERROR, {"job token mismatch from"},
+        expect_error("join with a wrong token", CTR_STATUS_COMM_ERROR,
+                     {"does not hold this job's token", "CTR_JOB_TOKEN differs between ranks"},
                      [&] { ctr::store_join(rendezvous(e)); });
     std::fprintf(stderr, "comm_test: rank %d: refused as expected: %s\n", e.rank, msg.c_str());
   } else {
