@@ -341,6 +341,7 @@ class StoreServer {
                 "rendezvous: rank 0 cannot listen on port %d: %s", cfg.port,
                 errno_text(errno).c_str());
     spare_fd_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    loopback_ = is_loopback(local.addr);
     set_nonblocking(listen_fd_.get());
     connect_host_ = cfg.addr;
     wake_fd_ = Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
@@ -619,7 +620,7 @@ class StoreServer {
           refuse(c, strformat("rank %lld from %s already joined from %s",
                               static_cast<long long>(rank), c.peer.c_str(),
                               joined_from_[rank].c_str()));
-        } else if (std::string why; cfg_.token.empty() && !same_user(c, &why)) {
+        } else if (std::string why; cfg_.token.empty() && loopback_ && !same_user(c, &why)) {
           refuse(c, why);
         } else {
           c.claimed = static_cast<int>(rank);
@@ -835,6 +836,7 @@ class StoreServer {
 
   RendezvousConfig cfg_;
   int64_t admit_ms_ = kMaxAdmitMs;
+  bool loopback_ = false;  // listening on loopback: a tokenless job admits only its user
   Fd listen_fd_;
   Fd spare_fd_;  // given up to accept (and close) a connection when out of descriptors
   Fd wake_fd_;
