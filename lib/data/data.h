@@ -104,12 +104,15 @@ class TokenSource {
   // bit pattern: a negative id reads as an id >= 2^31, which the step's input
   // check rejects with its position.
   uint32_t token(int64_t i) const {
-    const Shard &s = shards_.size() == 1 ? shards_[0] : shard_of(i);
-    return load(s, i - s.begin);
+    uint32_t t = 0;
+    read(i, 1, &t);
+    return t;
   }
 
   // Tokens [start, start + count) into out; unchecked, crosses file boundaries.
   // The loader's inner loop: one file lookup per call instead of per token.
+  // Fails with CTR_STATUS_DATA_ERROR naming the file if it has become shorter
+  // since it was opened, and with CTR_STATUS_IO_ERROR if reading it fails.
   void read(int64_t start, int64_t count, uint32_t *out) const;
 
   // Largest token id in the source (0 if empty). Scans the whole source on the
@@ -137,10 +140,13 @@ class TokenSource {
   std::vector<File> files() const;
 
  private:
-  struct Memory;  // a mapping or owned bytes, released with the last shard using it
+  // An open file (read with pread, so a file truncated while in use is an
+  // error naming it rather than a fault) or owned bytes; released with the last
+  // shard using it.
+  struct Memory;
   struct Shard {
     std::shared_ptr<const Memory> memory;
-    const uint8_t *tokens = nullptr;  // first token
+    const uint8_t *tokens = nullptr;  // first token of owned bytes; null for a file
     int64_t begin = 0;                // index of the first token in the source
     int64_t size = 0;
     int width = 1;
@@ -151,16 +157,8 @@ class TokenSource {
   static Shard open_shard(const std::string &path, Format format);
   static std::unique_ptr<TokenSource> from_shards(std::vector<Shard> shards);
   const Shard &shard_of(int64_t i) const;
-  static uint32_t load(const Shard &s, int64_t i) {
-    const uint8_t *p = s.tokens + static_cast<size_t>(i) * static_cast<size_t>(s.width);
-    switch (s.width) {
-      case 1: return p[0];
-      case 2: return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8;
-      default:
-        return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
-               static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
-    }
-  }
+  // Tokens [off, off + n) of one shard into out.
+  static void read_shard(const Shard &s, int64_t off, int64_t n, uint32_t *out);
 
   std::string name_;
   std::string kind_;

@@ -318,8 +318,18 @@ void Loader::fill(int part, uint64_t sample, int32_t *tokens, int32_t *targets) 
     len = std::min(seq, p.boundary[doc + 1] - start);
   }
   p.src->read(start, len + 1, scratch_.data());
-  // Ids above INT32_MAX (possible only in uint32 and int32 files) turn negative
-  // here and are rejected, with their position, by the step's input check.
+  // Ids above INT32_MAX (possible only in uint32 files, or negative ids of int32
+  // .npy files) are no ids a step takes.
+  for (int64_t t = 0; t <= len; ++t) {
+    const uint32_t id = scratch_[static_cast<size_t>(t)];
+    if (id > static_cast<uint32_t>(INT32_MAX))
+      fail(CTR_STATUS_DATA_ERROR,
+           strformat("data '%s': token %lld is id %u (%d as a signed int32), which no vocabulary "
+                     "holds: token ids are int32 and at least 0; the file is damaged or was "
+                     "written with another dtype",
+                     p.src->name().c_str(), static_cast<long long>(start + t), id,
+                     static_cast<int32_t>(id)));
+  }
   for (int64_t t = 0; t < len; ++t) {
     tokens[t] = static_cast<int32_t>(scratch_[static_cast<size_t>(t)]);
     targets[t] = static_cast<int32_t>(scratch_[static_cast<size_t>(t) + 1]);

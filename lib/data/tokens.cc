@@ -20,7 +20,6 @@
 // text is a pure function of the seed.
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -78,14 +77,14 @@ std::string format_names() {
 // Files
 
 struct TokenSource::Memory {
-  void *map = nullptr;
-  size_t map_bytes = 0;
+  int fd = -1;                 // a token file, read with pread
+  int64_t file_bytes = 0;      // its size when opened
   std::vector<uint8_t> owned;  // the synthetic corpus
   Memory() = default;
   Memory(const Memory &) = delete;
   Memory &operator=(const Memory &) = delete;
   ~Memory() {
-    if (map != nullptr) ::munmap(map, map_bytes);
+    if (fd >= 0) ::close(fd);
   }
 };
 
@@ -98,16 +97,6 @@ uint32_t load_le32(const uint8_t *p) {
 }
 uint16_t load_le16(const uint8_t *p) { return static_cast<uint16_t>(p[0] | p[1] << 8); }
 
-class FdCloser {
- public:
-  explicit FdCloser(int fd) : fd_(fd) {}
-  ~FdCloser() { ::close(fd_); }
-  FdCloser(const FdCloser &) = delete;
-  FdCloser &operator=(const FdCloser &) = delete;
-
- private:
-  int fd_;
-};
 
 bool ends_with(const std::string &s, std::string_view tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
@@ -125,6 +114,46 @@ bool has_llmc_magic(const uint8_t *bytes, int64_t n) {
 bool has_npy_magic(const uint8_t *bytes, int64_t n) {
   return n >= static_cast<int64_t>(kNpyMagicBytes) &&
          std::memcmp(bytes, kNpyMagic, kNpyMagicBytes) == 0;
+}
+
+// Header bytes read to detect and check a file's format: enough for any .npy
+// header a token array has (a few hundred bytes in practice).
+constexpr int64_t kHeadBytes = 1 << 20;
+
+// Little-endian tokens of width bytes into ids.
+void decode(const uint8_t *p, int64_t n, int width, uint32_t *out) {
+  if (width == 1) {
+    for (int64_t k = 0; k < n; ++k) out[k] = p[k];
+  } else if (width == 2) {
+    for (int64_t k = 0; k < n; ++k) out[k] = load_le16(p + 2 * k);
+  } else {
+    for (int64_t k = 0; k < n; ++k) out[k] = load_le32(p + 4 * k);
+  }
+}
+
+// n bytes at offset `at` of an open token file. A file that has become shorter
+// than it was when opened (truncated or rewritten while a job reads it) is a
+// data error naming it: the order of the data would silently change.
+void read_file_at(int fd, int64_t file_bytes, const std::string &path, int64_t at, size_t n,
+                  uint8_t *out) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = ::pread(fd, out + got, n - got, static_cast<off_t>(at + static_cast<int64_t>(got)));
+    if (r < 0 && errno == EINTR) continue;
+    CTR_REQUIRE(r >= 0, CTR_STATUS_IO_ERROR, "reading data file '%s': %s", path.c_str(),
+                std::strerror(errno));
+    if (r == 0) {
+      struct stat st {};
+      const long long now = ::fstat(fd, &st) == 0 ? static_cast<long long>(st.st_size) : -1;
+      fail(CTR_STATUS_DATA_ERROR,
+           strformat("data file '%s' changed while in use: it had %lld bytes when opened and "
+                     "now has %lld, so bytes %lld..%lld cannot be read (do not truncate or "
+                     "rewrite a token file while a job reads it)",
+                     path.c_str(), static_cast<long long>(file_bytes), now,
+                     static_cast<long long>(at), static_cast<long long>(at + static_cast<int64_t>(n))));
+    }
+    got += static_cast<size_t>(r);
+  }
 }
 
 // Where the tokens of a file are and how wide they are.
@@ -310,6 +339,11 @@ Layout npy_layout(const std::string &path, const uint8_t *bytes, int64_t file_by
               "data file '%s': truncated .npy header: the file has only %lld bytes", path.c_str(),
               static_cast<long long>(file_bytes));
   const int64_t header_len = major == 1 ? load_le16(bytes + 8) : load_le32(bytes + 8);
+  CTR_REQUIRE(prefix + header_len <= kHeadBytes, CTR_STATUS_DATA_ERROR,
+              "data file '%s': a .npy header of %lld bytes is larger than a token array needs "
+              "(at most %lld)",
+              path.c_str(), static_cast<long long>(header_len),
+              static_cast<long long>(kHeadBytes - prefix));
   CTR_REQUIRE(prefix + header_len <= file_bytes, CTR_STATUS_DATA_ERROR,
               "data file '%s': truncated .npy header: it declares %lld header bytes, the file "
               "has %lld after the prefix",
@@ -386,27 +420,33 @@ Layout raw_layout(const std::string &path, int64_t file_bytes, int width) {
 }  // namespace
 
 TokenSource::Shard TokenSource::open_shard(const std::string &path, Format format) {
-  int fd = open_regular_file(path, "data file", CTR_STATUS_IO_ERROR);
-  FdCloser closer(fd);
+  auto memory = std::make_shared<Memory>();
+  memory->fd = open_regular_file(path, "data file", CTR_STATUS_IO_ERROR);
   struct stat st;
-  CTR_REQUIRE(::fstat(fd, &st) == 0, CTR_STATUS_IO_ERROR, "cannot stat data file '%s': %s",
-              path.c_str(), std::strerror(errno));
+  CTR_REQUIRE(::fstat(memory->fd, &st) == 0, CTR_STATUS_IO_ERROR,
+              "cannot stat data file '%s': %s", path.c_str(), std::strerror(errno));
   CTR_REQUIRE(S_ISREG(st.st_mode), CTR_STATUS_IO_ERROR, "data file '%s' is not a regular file",
               path.c_str());
   const auto file_bytes = static_cast<int64_t>(st.st_size);
+  memory->file_bytes = file_bytes;
 
-  // mmap rejects length 0; an empty file is simply a source of no tokens (when
-  // its format allows that), and the loader reports it as too short by name.
-  auto memory = std::make_shared<Memory>();
-  const uint8_t *bytes = nullptr;
-  if (file_bytes > 0) {
-    void *map = ::mmap(nullptr, static_cast<size_t>(file_bytes), PROT_READ, MAP_PRIVATE, fd, 0);
-    CTR_REQUIRE(map != MAP_FAILED, CTR_STATUS_IO_ERROR, "cannot map data file '%s': %s",
-                path.c_str(), std::strerror(errno));
-    memory->map = map;
-    memory->map_bytes = static_cast<size_t>(file_bytes);
-    bytes = static_cast<const uint8_t *>(map);
+  // The headers are read from the file's first bytes; an empty file is simply
+  // a source of no tokens (when its format allows that), and the loader
+  // reports it as too short by name.
+  constexpr int64_t kProbeBytes = 4096;
+  std::vector<uint8_t> head(static_cast<size_t>(std::min(file_bytes, kProbeBytes)));
+  read_file_at(memory->fd, file_bytes, path, 0, head.size(), head.data());
+  if (has_npy_magic(head.data(), static_cast<int64_t>(head.size())) && head.size() >= 12) {
+    // A .npy header may be longer than the probe: read all of it (within bounds).
+    const int64_t need = std::min(
+        {head[6] == 1 ? 10 + int64_t{load_le16(&head[8])} : 12 + int64_t{load_le32(&head[8])},
+         kHeadBytes, file_bytes});
+    if (need > static_cast<int64_t>(head.size())) {
+      head.resize(static_cast<size_t>(need));
+      read_file_at(memory->fd, file_bytes, path, 0, head.size(), head.data());
+    }
   }
+  const uint8_t *bytes = head.data();
 
   if (format == Format::Auto) {
     if (has_llmc_magic(bytes, file_bytes))
@@ -427,7 +467,6 @@ TokenSource::Shard TokenSource::open_shard(const std::string &path, Format forma
 
   Shard s;
   s.memory = std::move(memory);
-  s.tokens = bytes == nullptr ? nullptr : bytes + layout.header_bytes;
   s.size = layout.count;
   s.width = layout.width;
   s.file = {path, layout.kind, layout.count, layout.width, layout.header_bytes};
@@ -494,20 +533,34 @@ const TokenSource::Shard &TokenSource::shard_of(int64_t i) const {
   return *(it - 1);
 }
 
+void TokenSource::read_shard(const Shard &s, int64_t off, int64_t n, uint32_t *out) {
+  const auto width = static_cast<size_t>(s.width);
+  if (s.tokens != nullptr) {
+    decode(s.tokens + static_cast<size_t>(off) * width, n, s.width, out);
+    return;
+  }
+  // Through a buffer of whole tokens, so a long read stays in the cache.
+  constexpr int64_t kChunkBytes = 64 * 1024;
+  thread_local std::vector<uint8_t> buf;
+  const int64_t per = kChunkBytes / s.width;
+  buf.resize(static_cast<size_t>(std::min(n, per)) * width);
+  while (n > 0) {
+    const int64_t k = std::min(n, per);
+    read_file_at(s.memory->fd, s.memory->file_bytes, s.file.path,
+                 s.file.header_bytes + off * s.width, static_cast<size_t>(k) * width, buf.data());
+    decode(buf.data(), k, s.width, out);
+    off += k;
+    out += k;
+    n -= k;
+  }
+}
+
 void TokenSource::read(int64_t start, int64_t count, uint32_t *out) const {
   while (count > 0) {
     const Shard &s = shards_.size() == 1 ? shards_[0] : shard_of(start);
     const int64_t off = start - s.begin;
     const int64_t n = std::min(count, s.size - off);
-    const uint8_t *p = s.tokens + static_cast<size_t>(off) * static_cast<size_t>(s.width);
-    if (s.width == 1) {
-      for (int64_t k = 0; k < n; ++k) out[k] = p[k];
-    } else if (s.width == 2) {
-      for (int64_t k = 0; k < n; ++k)
-        out[k] = static_cast<uint32_t>(p[2 * k]) | static_cast<uint32_t>(p[2 * k + 1]) << 8;
-    } else {
-      for (int64_t k = 0; k < n; ++k) out[k] = load_le32(p + 4 * k);
-    }
+    read_shard(s, off, n, out);
     out += n;
     start += n;
     count -= n;
@@ -517,12 +570,12 @@ void TokenSource::read(int64_t start, int64_t count, uint32_t *out) const {
 uint32_t TokenSource::max_token() const {
   std::call_once(max_once_, [this] {
     uint32_t m = 0;
+    std::vector<uint32_t> block(size_t{1} << 16);
     for (const Shard &s : shards_) {
-      if (s.width == 1) {
-        // The common raw-text case: a plain byte loop the compiler vectorises.
-        for (int64_t i = 0; i < s.size; ++i) m = std::max<uint32_t>(m, s.tokens[i]);
-      } else {
-        for (int64_t i = 0; i < s.size; ++i) m = std::max(m, load(s, i));
+      for (int64_t at = 0; at < s.size; at += static_cast<int64_t>(block.size())) {
+        const int64_t n = std::min<int64_t>(static_cast<int64_t>(block.size()), s.size - at);
+        read_shard(s, at, n, block.data());
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, block[static_cast<size_t>(i)]);
       }
     }
     max_token_ = m;

@@ -418,6 +418,24 @@ def bad_graph_path():
 
 
 @test
+def data_file_truncated_while_in_use():
+    # A token file cut short while a loader reads it is a data error naming the file, not a
+    # fault that kills the process; the loader is still usable for an error-free call after.
+    tmp = tempfile.mkdtemp()
+    try:
+        path = os.path.join(tmp, "tokens.bin")
+        np.arange(1 << 16, dtype=np.uint16).astype("<u2").tofile(path)
+        with ctr.Loader(path, seq=SEQ, seed=0, format="u16") as loader:
+            loader.next(BATCH)
+            os.truncate(path, 64)
+            e = expect_error(lambda: [loader.next(BATCH) for _ in range(64)], ctr.Status.DATA_ERROR,
+                             path, "changed while in use", "now has 64")
+            assert e.function == "ctr_loader_next", e.function
+    finally:
+        shutil.rmtree(tmp)
+
+
+@test
 def unknown_option_key():
     with ctr.Mesh() as mesh, ctr.Graph.preset("gpt", **PRESET) as graph:
         expect_error(lambda: ctr.Step(mesh, graph, batch=BATCH, learning_rate=0.1),

@@ -231,6 +231,21 @@ def main():
     r = run("run", graph, "--data", p("noeot.json"), "--steps", "1", "--batch", "1", expect=1)
     error_line(r, "eot")
 
+    # Ids that no int32 vocabulary holds: a negative id of an int32 .npy file and a uint32 id
+    # above 2^31 are named as they are, without advice to build a 4-billion-token vocabulary.
+    import numpy as np
+    neg = np.full(4096, 5, dtype="<i4")
+    neg[::7] = -3
+    np.save(p("neg.npy"), neg)
+    r = run("run", graph, "--data", p("neg.npy"), "--steps", "1", "--batch", "2", "--seq", "16", expect=1)
+    error_line(r, p("neg.npy"), "is id 4294967293 (-3 as a signed int32)", "another dtype")
+    check("4294967294" not in r.stderr, f"vocabulary advice for a negative id: {r.stderr}")
+    big = np.full(4096, 5, dtype="<u4")
+    big[::7] = 3_000_000_000
+    np.save(p("big.npy"), big.astype("<u4"))
+    r = run("run", graph, "--data", p("big.npy"), "--steps", "1", "--batch", "2", "--seq", "16", expect=1)
+    error_line(r, p("big.npy"), "is id 3000000000 (")
+
     if failures:
         print(f"{len(failures)} failure(s):")
         for f in failures:

@@ -459,6 +459,11 @@ void set_inputs(ctr_step *step, const Batches &b, ctr_loader *loader, const std:
     if (s != CTR_STATUS_DATA_ERROR) throw ctr::Error(s, msg);
     int64_t max_token = 0;
     check(ctr_loader_info(loader, nullptr, &max_token));
+    if (max_token > INT32_MAX)
+      throw ToolError(s, msg,
+                      ctr::strformat("the data (%s) holds ids up to %lld, more than any int32 "
+                                     "token id: it is damaged or was written with another dtype",
+                                     what.c_str(), static_cast<long long>(max_token)));
     throw ToolError(
         s, msg,
         ctr::strformat("the data (%s) holds token ids up to %lld; the graph's vocabulary "
