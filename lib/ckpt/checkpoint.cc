@@ -4,7 +4,8 @@
 //   meta.json          format, step, the graph's parameters (full shapes), mesh,
 //                      options, loader state, and for every tensor (param, Adam m,
 //                      Adam v) which rows each shard file holds at which offset,
-//                      with an xxh3 checksum per block of rows
+//                      with an xxh3 checksum per block of rows; and a checksum of
+//                      all of that (xxh3 of its compact JSON without the key)
 //   rank00000.bin ...  one file per writing rank: its rows of every tensor
 //
 // Only the first replica of each shard writes (dp index 0), so HSDP does not
@@ -16,7 +17,11 @@
 // then swaps DIR.tmp into place with renames and fsyncs the parent. A crash at
 // any point leaves either the old DIR or the new one, never a partial one.
 // Loading reads and verifies everything into staging buffers first and commits
-// only when every rank succeeded, so a failed load changes nothing.
+// only when every rank succeeded, so a failed load changes nothing. Nothing in
+// the metadata is trusted before it is checked: its checksum first, then every
+// row range, offset and block size against the graph and the shard files' real
+// sizes, so damage is a CTR_STATUS_CHECKPOINT_ERROR naming it (and a resume
+// falls back to an older checkpoint) rather than an absurd allocation.
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -45,8 +50,14 @@ using nlohmann::json;
 namespace ctr {
 namespace {
 
-constexpr int kCheckpointVersion = 1;
+// Version 2 added the metadata checksum; version 1 checkpoints still load.
+constexpr int kCheckpointVersion = 2;
 constexpr int64_t kBlockBytes = 1 << 20;
+// Larger checksum blocks than any writer makes are refused before a buffer is
+// sized from them.
+constexpr int64_t kMaxBlockBytes = int64_t{64} << 20;
+// A step count past this is damage, not a long run.
+constexpr int64_t kMaxStep = int64_t{1} << 40;
 const char *kKinds[3] = {"param", "adam_m", "adam_v"};
 
 [[noreturn]] void ckpt_fail(const std::string &msg) { fail(CTR_STATUS_CHECKPOINT_ERROR, msg); }
@@ -86,6 +97,20 @@ void write_file(const std::string &path, const std::string &text) {
 std::string hex64(uint64_t v) { return strformat("%016llx", static_cast<unsigned long long>(v)); }
 
 std::string rank_file(int rank) { return strformat("rank%05d.bin", rank); }
+
+// The metadata's own checksum: xxh3 of its compact JSON without the "checksum" key.
+std::string meta_checksum(json meta) {
+  meta.erase("checksum");
+  const std::string text = meta.dump();
+  return hex64(XXH3_64bits(text.data(), text.size()));
+}
+
+// Rows of a tensor as checkpoints cut it (dim 0; one row for a scalar).
+int64_t pl_rows(const ShardView &v) {
+  int64_t elems = 1;
+  for (int64_t d : v.full_shape) elems *= d;
+  return v.row_elems > 0 ? elems / v.row_elems : 0;
+}
 
 // A fingerprint of what a checkpoint must match: parameter names and full shapes.
 json graph_params(const std::vector<ShardView> &shards) {
@@ -176,8 +201,7 @@ void Checkpointer::save(const CheckpointState &s, const CheckpointInfo &info, co
       err = e.message();
     }
   }
-  if (mesh_.any_rank(!err.empty()))
-    fail(CTR_STATUS_IO_ERROR, err.empty() ? "ctr_step_save: rank 0 could not create " + p->tmp : err);
+  if (std::string agreed = mesh_.first_error(err); !agreed.empty()) fail(CTR_STATUS_IO_ERROR, agreed);
 
   // Snapshot: this rank's rows of params and optimizer state, and the metadata.
   const std::vector<ShardView> shards = s.checkpoint_shards();
@@ -233,9 +257,7 @@ void Checkpointer::finish() {
   std::unique_ptr<PendingSave> p = std::move(pending_);
   if (p->thread.joinable()) p->thread.join();
   std::string err = p->err;
-  if (mesh_.any_rank(!err.empty()))
-    fail(CTR_STATUS_IO_ERROR,
-         err.empty() ? strformat("ctr_step_save: another rank failed writing %s", p->tmp.c_str()) : err);
+  if (std::string agreed = mesh_.first_error(err); !agreed.empty()) fail(CTR_STATUS_IO_ERROR, agreed);
   // Rank 0 merges the indexes into meta.json and swaps the directory in.
   if (mesh_.rank == 0) {
     try {
@@ -248,6 +270,7 @@ void Checkpointer::finish() {
         fs::remove(ip);
       }
       p->meta["shards"] = shards;
+      p->meta["checksum"] = meta_checksum(p->meta);
       write_file(p->tmp + "/meta.json", p->meta.dump(1));
       fsync_path(p->tmp, true);
       std::error_code ec;
@@ -265,9 +288,7 @@ void Checkpointer::finish() {
       err = strformat("ctr_step_save: %s: %s", p->dir.c_str(), e.what());
     }
   }
-  if (mesh_.any_rank(!err.empty()))
-    fail(CTR_STATUS_IO_ERROR,
-         err.empty() ? strformat("ctr_step_save: rank 0 failed to finish %s", p->dir.c_str()) : err);
+  if (std::string agreed = mesh_.first_error(err); !agreed.empty()) fail(CTR_STATUS_IO_ERROR, agreed);
 }
 
 void Checkpointer::abandon() {
@@ -304,11 +325,23 @@ void Checkpointer::load(CheckpointState &s, const CheckpointInfo &info, const st
       ckpt_fail(strformat("%s: corrupt metadata: %s", meta_path.c_str(), e.what()));
     }
     try {
-      if (meta.value("format", "") != "ctr-checkpoint")
+      if (!meta.is_object() || meta.value("format", "") != "ctr-checkpoint")
         ckpt_fail(strformat("%s: not a libctr checkpoint", meta_path.c_str()));
-      if (meta.value("version", 0) != kCheckpointVersion)
-        ckpt_fail(strformat("%s: unsupported checkpoint version %d", meta_path.c_str(), meta.value("version", 0)));
+      const int version = meta.value("version", 0);
+      if (version < 1 || version > kCheckpointVersion)
+        ckpt_fail(strformat("%s: unsupported checkpoint version %d (this library reads 1 to %d)", meta_path.c_str(),
+                            version, kCheckpointVersion));
+      if (version >= 2) {
+        if (!meta.contains("checksum") || !meta["checksum"].is_string())
+          ckpt_fail(strformat("%s: corrupt metadata: no checksum", meta_path.c_str()));
+        if (meta["checksum"].get<std::string>() != meta_checksum(meta))
+          ckpt_fail(strformat("%s: corrupt metadata: checksum mismatch (the file was damaged or edited)",
+                              meta_path.c_str()));
+      }
       step = meta.at("step").get<int64_t>();
+      if (step < 0 || step > kMaxStep)
+        ckpt_fail(strformat("%s: corrupt metadata: step %lld is out of range", meta_path.c_str(),
+                            static_cast<long long>(step)));
       // The graph must match: same parameters with the same full shapes.
       std::map<std::string, std::vector<int64_t>> saved;
       for (const auto &p : meta.at("params")) saved[p.at("name").get<std::string>()] = p.at("shape").get<std::vector<int64_t>>();
@@ -366,8 +399,30 @@ void Checkpointer::load(CheckpointState &s, const CheckpointInfo &info, const st
             const int64_t block_rows = e.at("block_rows").get<int64_t>();
             const auto &hashes = e.at("xxh3");
             const int64_t offset = e.at("offset").get<int64_t>();
-            if (block_rows < 1 || lo < 0 || hi <= lo || offset < 0)
-              ckpt_fail(strformat("%s: corrupt metadata for tensor '%s'", dir.c_str(), name.c_str()));
+            // Every number is checked before it sizes or places a read.
+            const int64_t total_rows = row_bytes > 0 ? pl_rows(pl) : 0;
+            if (block_rows < 1 || lo < 0 || hi <= lo || hi > total_rows || offset < 0 || !hashes.is_array())
+              ckpt_fail(strformat("%s: corrupt metadata for tensor '%s' (%s): rows %lld..%lld of %lld, offset %lld, "
+                                  "block of %lld rows",
+                                  dir.c_str(), name.c_str(), kKinds[k], static_cast<long long>(lo),
+                                  static_cast<long long>(hi), static_cast<long long>(total_rows),
+                                  static_cast<long long>(offset), static_cast<long long>(block_rows)));
+            if (block_rows > std::max<int64_t>(1, kMaxBlockBytes / row_bytes))
+              ckpt_fail(strformat("%s: corrupt metadata for tensor '%s' (%s): checksum blocks of %lld rows",
+                                  dir.c_str(), name.c_str(), kKinds[k], static_cast<long long>(block_rows)));
+            if (static_cast<int64_t>(hashes.size()) != (hi - lo + block_rows - 1) / block_rows)
+              ckpt_fail(strformat("%s: corrupt metadata for tensor '%s' (%s): %zu checksums for %lld blocks",
+                                  dir.c_str(), name.c_str(), kKinds[k], hashes.size(),
+                                  static_cast<long long>((hi - lo + block_rows - 1) / block_rows)));
+            struct stat fst {};
+            if (::fstat(fd, &fst) != 0 || offset > fst.st_size ||
+                (hi - lo) * row_bytes > static_cast<int64_t>(fst.st_size) - offset)
+              ckpt_fail(strformat("%s: truncated or corrupt: tensor '%s' (%s) rows %lld..%lld at offset %lld need "
+                                  "%lld bytes, the file has %lld",
+                                  path.c_str(), name.c_str(), kKinds[k], static_cast<long long>(lo),
+                                  static_cast<long long>(hi), static_cast<long long>(offset),
+                                  static_cast<long long>(offset + (hi - lo) * row_bytes),
+                                  static_cast<long long>(fst.st_size)));
             // Read the checksum blocks that overlap [a, b), verify, copy rows.
             int64_t b0 = (a - lo) / block_rows, b1 = (b - lo + block_rows - 1) / block_rows;
             std::vector<uint8_t> block;
@@ -413,11 +468,12 @@ void Checkpointer::load(CheckpointState &s, const CheckpointInfo &info, const st
     }
   } catch (const Error &e) {
     err = e.message();
+  } catch (const std::bad_alloc &) {
+    err = strformat("%s: out of memory while loading this checkpoint", dir.c_str());
   }
-  if (mesh_.any_rank(!err.empty())) {
+  if (std::string agreed = mesh_.first_error(err); !agreed.empty()) {
     if (restored_loader) loader->restore_json(old_loader);
-    fail(CTR_STATUS_CHECKPOINT_ERROR,
-         err.empty() ? strformat("%s: another rank failed to load this checkpoint (see its error)", dir.c_str()) : err);
+    fail(CTR_STATUS_CHECKPOINT_ERROR, agreed);
   }
 
   // Commit.

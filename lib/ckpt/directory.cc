@@ -213,11 +213,21 @@ Resumed resume_checkpoint(Step &step, const std::string &root_in, const std::str
   struct stat latest_st {};
   if (::stat(latest.c_str(), &latest_st) == 0 && !S_ISREG(latest_st.st_mode)) {
     pass_over(latest, "is not a regular file");
-  } else if (std::ifstream f(latest); f) {
-    std::getline(f, named);
+  } else if (std::ifstream f(latest, std::ios::binary); f) {
+    // A name is short; a damaged file of any size costs one small read.
+    char buf[256];
+    f.read(buf, sizeof buf);
+    named.assign(buf, static_cast<size_t>(f.gcount()));
+    if (size_t nl = named.find('\n'); nl != std::string::npos) named.resize(nl);
     while (!named.empty() && std::isspace(static_cast<unsigned char>(named.back()))) named.pop_back();
-    if (named.empty() || named == "." || named == ".." || named.find('/') != std::string::npos) {
-      pass_over(latest, strformat("names no checkpoint ('%s')", named.c_str()));
+    const bool printable = std::all_of(named.begin(), named.end(), [](char c) {
+      return std::isprint(static_cast<unsigned char>(c)) != 0;
+    });
+    if (named.empty() || named == "." || named == ".." || named.find('/') != std::string::npos ||
+        !printable || named.size() >= sizeof buf) {
+      pass_over(latest, printable && named.size() < 64
+                            ? strformat("names no checkpoint ('%s')", named.c_str())
+                            : std::string("is damaged (it holds no checkpoint name)"));
       named.clear();
     } else {
       candidates.push_back(join(root, named));

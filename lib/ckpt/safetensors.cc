@@ -107,8 +107,7 @@ void export_safetensors(Step &step, const std::string &path) {
       err = e.message();
     }
   }
-  if (mesh.any_rank(!err.empty()))
-    fail(CTR_STATUS_IO_ERROR, err.empty() ? "export_safetensors: rank 0 failed to write " + path : err);
+  if (std::string agreed = mesh.first_error(err); !agreed.empty()) fail(CTR_STATUS_IO_ERROR, agreed);
 }
 
 void import_safetensors(Step &step, const std::string &path, bool allow_extra) {
@@ -198,9 +197,8 @@ void import_safetensors(Step &step, const std::string &path, bool allow_extra) {
     err = e.message();
     code = e.code();
   }
-  if (step.mesh().any_rank(!err.empty()))
-    fail(code == CTR_STATUS_OK ? CTR_STATUS_DATA_ERROR : code,
-         err.empty() ? path + ": another rank failed to read this file" : err);
+  if (std::string agreed = step.mesh().first_error(err); !agreed.empty())
+    fail(code == CTR_STATUS_OK ? CTR_STATUS_DATA_ERROR : code, agreed);
   for (auto &[name, v] : values) step.set_param(name, v.data(), v.size());
 }
 

@@ -2,6 +2,9 @@
 
 #include "runtime/mesh.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "core/status.h"
 #include "passes/passes.h"
 
@@ -71,6 +74,29 @@ bool Mesh::any_rank(bool flag) const {
   comm_wait(world_comm, world_comm.iface->all_reduce(world_comm.ctx, &v, &v, 1, CTR_DTYPE_I32, ReduceOp::Max),
             timeout_ms);
   return v != 0;
+}
+
+std::string Mesh::first_error(const std::string &err) const {
+  if (world <= 1) return err;
+  int32_t who = err.empty() ? world : rank;
+  comm_wait(world_comm,
+            world_comm.iface->all_reduce(world_comm.ctx, &who, &who, 1, CTR_DTYPE_I32, ReduceOp::Min),
+            timeout_ms);
+  if (who >= world) return "";
+  // The message, cut to a bound every rank knows, from the rank that failed.
+  constexpr size_t kMaxMessage = 4096;
+  std::vector<char> buf(4 + kMaxMessage, '\0');
+  if (who == rank) {
+    const auto n = static_cast<uint32_t>(std::min(err.size(), kMaxMessage));
+    std::memcpy(buf.data(), &n, 4);
+    std::memcpy(buf.data() + 4, err.data(), n);
+  }
+  comm_wait(world_comm, world_comm.iface->broadcast(world_comm.ctx, buf.data(), buf.size(), who),
+            timeout_ms);
+  uint32_t n = 0;
+  std::memcpy(&n, buf.data(), 4);
+  std::string msg(buf.data() + 4, std::min<size_t>(n, kMaxMessage));
+  return who == rank ? msg : strformat("rank %d: %s", who, msg.c_str());
 }
 
 void Mesh::connect(const RendezvousConfig &rc) {

@@ -51,6 +51,11 @@ class Mesh {
   // Agreement across the world: true on every rank if any rank passes true
   // (collective; the flag itself on one rank).
   bool any_rank(bool flag) const;
+  // Agreement on failure: every rank passes its error ("" for none) and gets the
+  // lowest failing rank's message, prefixed "rank R: " where R is another rank,
+  // or "" when no rank failed. Collective. Lets every rank report what went
+  // wrong rather than that something did elsewhere.
+  std::string first_error(const std::string &err) const;
 
   // Connects a multi-rank mesh: joins the rendezvous, creates the world
   // communicator with the transport's factory and splits one per axis.

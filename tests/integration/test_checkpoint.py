@@ -5,6 +5,7 @@ crash safety of a save.
 
 usage: test_checkpoint.py CTR
 """
+import ctypes
 import json
 import os
 import shutil
@@ -50,6 +51,19 @@ def losses(path):
 def check(cond, msg):
     if not cond:
         failures.append(msg)
+
+
+_xxhash = ctypes.CDLL("libxxhash.so.0")
+_xxhash.XXH3_64bits.restype = ctypes.c_uint64
+_xxhash.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+
+
+def meta_checksum(meta):
+    """The checksum a checkpoint's meta.json carries: xxh3 of its compact JSON (sorted keys)
+    without the checksum key, as 16 hex digits."""
+    text = json.dumps({k: v for k, v in meta.items() if k != "checksum"}, separators=(",", ":"),
+                      sort_keys=True, ensure_ascii=False).encode()
+    return "%016x" % _xxhash.XXH3_64bits(text, len(text))
 
 
 def main():
@@ -149,6 +163,64 @@ def main():
     if p is not None:
         check("unusable" in p.stderr and "step_00000005" in p.stdout,
               f"fallback to the previous checkpoint did not happen:\n{p.stdout}\n{p.stderr}")
+    restore()
+
+    # Metadata is checked before it is believed: its checksum, then every size in it
+    # against the graph and the files. Edits with the checksum recomputed reach the
+    # size checks; a claim of 2^34 rows is refused by name, not met with an allocation.
+    meta_path = os.path.join(newest, "meta.json")
+    check(meta_checksum(json.load(open(meta_path))) == json.load(open(meta_path))["checksum"],
+          "this test's checksum does not reproduce the library's")
+
+    def edit_meta(change, fix_checksum=True):
+        meta = json.load(open(meta_path))
+        change(meta)
+        if fix_checksum:
+            meta["checksum"] = meta_checksum(meta)
+        json.dump(meta, open(meta_path, "w"))
+
+    edit_meta(lambda m: m["shards"][0].update(rows=[0, 2 ** 34]))
+    load_once(False, "rows 0..17179869184 of", "2^34 rows")
+    p = run(["run", graph, "--steps", str(STEPS), "--batch", str(GLOBAL_BATCH), "--log-every", "0",
+             "--resume", "latest", "--save-dir", d, "--stop-after", "1"])
+    if p is not None:
+        check("unusable" in p.stderr and "step_00000005" in p.stdout and "out of memory" not in p.stderr,
+              f"2^34 rows: no fallback to the previous checkpoint:\n{p.stdout}\n{p.stderr}")
+    restore()
+    edit_meta(lambda m: m["shards"][0].update(offset=1 << 40))
+    load_once(False, "the file has", "offset past the file")
+    restore()
+    edit_meta(lambda m: m.update(step=10 ** 15))
+    load_once(False, "step 1000000000000000 is out of range", "absurd step")
+    restore()
+    edit_meta(lambda m: m.update(step=7), fix_checksum=False)
+    load_once(False, "checksum mismatch (the file was damaged or edited)", "edited metadata")
+    restore()
+
+    # A damaged `latest` (garbage, or a megabyte of it) falls back to the newest complete one.
+    for junk in (b"\x00\xffnot a name\n", os.urandom(1 << 20)):
+        with open(os.path.join(d, "latest"), "wb") as f:
+            f.write(junk)
+        p = run(["run", graph, "--steps", str(STEPS), "--batch", str(GLOBAL_BATCH), "--log-every", "0",
+                 "--resume", "latest", "--save-dir", d, "--stop-after", "1"])
+        if p is not None:
+            check("step_00000010" in p.stdout and "latest" in p.stderr,
+                  f"damaged latest ({len(junk)} bytes): {p.stdout}\n{p.stderr}")
+    with open(os.path.join(d, "latest"), "w") as f:
+        f.write("step_00000010\n")
+
+    # When one of two ranks finds its shard damaged, both report that rank's own error.
+    with open(os.path.join(newest, "rank00001.bin"), "r+b") as f:
+        f.seek(64)
+        b = f.read(1)
+        f.seek(64)
+        f.write(bytes([b[0] ^ 0x01]))
+    p = run(["run", graph, "--steps", str(STEPS), "--batch", str(GLOBAL_BATCH // 2), "--log-every", "0",
+             "--mesh", "fsdp=2", "--resume", newest, "--stop-after", "1"], nprocs=2, expect=1)
+    if p is not None:
+        rank0 = [l for l in p.stderr.splitlines() if l.startswith("[0]") and "error" in l]
+        check(rank0 and "rank 1: " in rank0[0] and "rank00001.bin: checksum mismatch" in rank0[0],
+              f"rank 0 does not show rank 1's error: {p.stderr}")
     restore()
 
     # 4. A process killed in the middle of a save leaves the previous checkpoint
