@@ -27,7 +27,8 @@
 // confined to loopback, where each side checks that the other end belongs to
 // the same user (auth.h). Connections that have not been admitted are few
 // (capped, the oldest dropped first) and short-lived (a deadline to finish),
-// so strangers cannot exhaust rank 0's descriptors or memory.
+// so strangers cannot exhaust rank 0's descriptors or memory; once every rank
+// has joined, the store stops listening altogether.
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -431,8 +432,9 @@ class StoreServer {
         if (fds[1].revents & POLLIN) accept_all();
         for (size_t i = 0; i < ids.size(); ++i) {
           short re = fds[i + 2].revents;
-          Conn &c = conns_.at(ids[i]);
-          if (!re || c.dead) continue;
+          auto it = conns_.find(ids[i]);  // accepting may have dropped it for room
+          if (!re || it == conns_.end() || it->second.dead) continue;
+          Conn &c = it->second;
           if (re & (POLLIN | POLLHUP | POLLERR)) read_from(c);
           if (!c.dead) flush(c);
         }
@@ -457,9 +459,12 @@ class StoreServer {
       int fd = ::accept4(listen_fd_.get(), reinterpret_cast<sockaddr *>(&ss), &len,
                          SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0 && (errno == EMFILE || errno == ENFILE)) {
-        // Out of descriptors: the pending connection would keep the listening
-        // socket readable and the loop spinning. The spare descriptor makes
-        // room to take it off the queue and close it.
+        // Out of descriptors: the oldest connection not yet admitted makes room
+        // for the new one (a real rank connecting during a flood still gets
+        // in). Without one, the spare descriptor makes room to take the new
+        // connection off the queue and close it, so the listening socket does
+        // not stay readable and keep the loop spinning.
+        if (drop_oldest_pending()) continue;
         spare_fd_.reset();
         fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
         if (fd >= 0) ::close(fd);
@@ -495,6 +500,28 @@ class StoreServer {
       c.dead = true;
       --pending;
     }
+  }
+
+  // Every rank is in: nobody else may join, so the store stops listening and
+  // closes what is still waiting for admission before any rank goes on (their
+  // descriptors are free for the communicator the ranks create next).
+  void close_admission() {
+    listen_fd_.reset();
+    for (auto &[id, c] : conns_) {
+      if (c.rank >= 0 || c.dead) continue;
+      c.fd.reset();
+      c.dead = true;
+    }
+  }
+
+  bool drop_oldest_pending() {
+    for (auto &[id, c] : conns_) {
+      if (c.rank >= 0) continue;
+      note_refusal(strformat("%s: dropped to make room, out of file descriptors", c.peer.c_str()));
+      drop(id);  // at once: its descriptor is what the new connection needs
+      return true;
+    }
+    return false;
   }
 
   // Prints the first few refusals; the rest are counted, so that a flood does
@@ -652,6 +679,7 @@ class StoreServer {
           c.rank = rank;
           joined_from_[rank] = c.peer;
           ++joined_;
+          if (joined_ == cfg_.world) close_admission();
           send(c, ok_reply());
           if (joined_ == cfg_.world) {
             for (auto &w : join_waiters_) reply(w.conn, ok_reply());

@@ -114,11 +114,12 @@ RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
-def start_rank(rank, port, timeout_s, token):
+def start_rank(rank, port, timeout_s, token, nofile=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CTR_") or k == "CTR_LIBRARY"}
     env["CTR_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = BINDING
-    return subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(rank), str(port), str(timeout_s), token],
+    limit = ["prlimit", f"--nofile={nofile}:{nofile}"] if nofile else []
+    return subprocess.Popen([*limit, sys.executable, "-c", RANK_SCRIPT, str(rank), str(port), str(timeout_s), token],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
 
@@ -224,6 +225,33 @@ def strangers_against_a_token_job():
         check(p.returncode == 0 and "trained" in out, f"rank {r} after the flood: {p.returncode} {out} {err}")
     for s in flood:
         s.close()
+
+
+def out_of_descriptors():
+    """Rank 0 limited to few descriptors (a hard limit it cannot raise) and flooded: the
+    strangers' connections give way, and the real rank 1 still joins and trains."""
+    port, token = free_port(), "fd-token"
+    r0 = start_rank(0, port, 30.0, token, nofile=NOFILE)
+    check(wait_listening(port), "rank 0 never listened")
+    flood = []
+    for _ in range(3 * NOFILE):
+        try:
+            flood.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        except OSError:
+            break
+    r1 = start_rank(1, port, 30.0, token)
+    for p, name in ((r0, "rank 0"), (r1, "rank 1")):
+        line = p.stdout.readline()
+        check(line.strip() == "joined", f"{name} did not join past the flood: {line!r}")
+    for s in flood:
+        s.close()
+    outs = finish_ranks([r0, r1])
+    for r, (p, (out, err)) in enumerate(zip([r0, r1], outs)):
+        check(p.returncode == 0 and "trained" in out, f"rank {r} out of descriptors: {p.returncode} {out} {err}")
+    check("out of file descriptors" in outs[0][1], f"rank 0 never ran out of descriptors: {outs[0][1]}")
+
+
+NOFILE = 64
 
 
 class FakeStore(threading.Thread):
@@ -404,7 +432,7 @@ def main():
         GRAPH = os.path.join(d, "g.ctrg")
         subprocess.run([CTR, "graph", "build", "--preset", "gpt", "--layers", "1", "--dim", "16", "--heads", "2",
                         "--vocab", "256", "--seq", "8", "-o", GRAPH], check=True, capture_output=True)
-        for part in (strangers_against_a_token_job, impostors, forged_address_from_a_stranger, other_user,
+        for part in (strangers_against_a_token_job, out_of_descriptors, impostors, forged_address_from_a_stranger, other_user,
                      addresses):
             t0 = time.monotonic()
             part()
