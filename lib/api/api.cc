@@ -492,7 +492,12 @@ extern "C" ctr_status ctr_step_set_input(ctr_step *step, const char *name, const
 extern "C" ctr_status ctr_step_run(ctr_step *step, ctr_step_metrics *metrics) {
   CTR_API_BEGIN
   STEP_ARG("ctr_step_run");
-  step->impl->run(metrics);
+  try {
+    step->impl->run(metrics);
+  } catch (const ctr::Error &e) {
+    step->impl->mesh().note_failure(e.code());
+    throw;
+  }
   CTR_API_END
 }
 

@@ -136,6 +136,9 @@ class Store {
   // The job token every member proved it holds (empty for a tokenless job):
   // the key for tagging what a rank publishes through the store.
   virtual const std::string &job_token() const = 0;
+  // The job has failed: rank 0 stops serving at once instead of waiting for the
+  // other ranks to leave (some may be stopped or hung). No-op elsewhere.
+  virtual void abandon() = 0;
 };
 
 // Joins the job: rank 0 serves the store on exactly cfg.addr and every rank

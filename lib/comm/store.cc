@@ -986,6 +986,10 @@ class TcpStore final : public Store {
 
   const std::string &job_token() const override { return cfg_.token; }
 
+  void abandon() override {
+    if (server_) server_->stop(0);
+  }
+
   void barrier(const std::string &name, int64_t timeout_ms) override {
     timeout_ms = timeout_ms < 0 ? cfg_.timeout_ms : capped(timeout_ms);
     std::lock_guard<std::mutex> lock(mu_);

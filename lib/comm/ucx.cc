@@ -528,6 +528,7 @@ struct Peer {
   Transport *t = nullptr;
   int rank = -1;
   int pidfd = -1;  // a peer on this host: readable once its process has exited
+  bool silent = false;  // a collective timed out waiting for it (stopped or hung)
 };
 
 class Transport {
@@ -602,6 +603,7 @@ class Transport {
   bool stop_ = false;
   bool broken_ = false;  // the progress thread died
   std::atomic<bool> any_failure_{false};
+  std::atomic<bool> any_silent_{false};  // some peer stopped answering
 
   // Progress thread only.
   std::vector<Coll *> active_;
@@ -1254,7 +1256,11 @@ void Transport::timed_out(Coll *c, int64_t timeout_ms) {
   }
   std::string msg =
       strformat("%s: timed out after %s", c->label().c_str(), seconds(timeout_ms).c_str());
-  if (owed >= 0) msg += strformat(" waiting for rank %d", owed);
+  if (owed >= 0) {
+    msg += strformat(" waiting for rank %d", owed);
+    peers_[owed].silent = true;
+    any_silent_ = true;
+  }
   if (c->lost >= 0) msg += " (" + peer_reason(c->lost) + ")";
   fail(c, CTR_STATUS_TIMEOUT, msg);
 }
@@ -1345,7 +1351,10 @@ void Transport::shutdown() {
     // rank only announces that it leaves: the job is ending, a dead peer would
     // make it wait for nothing, and a live one that still enters the barrier
     // should not wait for this rank either.
-    {
+    // A peer that stopped answering would not take even an announcement: skip
+    // the barrier and close its endpoint by force, so that the error reaches the
+    // caller without waiting on it again.
+    if (!any_silent_) {
       const bool announce_only = any_failure_;
       auto g = std::make_shared<Group>();
       for (int i = 0; i < world_; ++i) g->members.push_back(i);
@@ -1374,7 +1383,7 @@ void Transport::shutdown() {
     thread_.join();
   }
   if (worker_) {
-    for (int i = 0; i < world_; ++i) close_ep(i, peers_[i].failed != UCS_OK);
+    for (int i = 0; i < world_; ++i) close_ep(i, peers_[i].failed != UCS_OK || peers_[i].silent);
     TimePoint deadline = Clock::now() + std::chrono::milliseconds(kCloseTimeoutMs);
     while (!closing_.empty() && Clock::now() < deadline) {
       ucp_worker_progress(worker_);

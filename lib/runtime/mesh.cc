@@ -21,6 +21,7 @@ Mesh::~Mesh() {
     }
     c = Comm{};
   };
+  if (failed_ && store) store->abandon();
   for (auto &kv : axis_comm) destroy(kv.second);
   destroy(world_comm);
 }

@@ -7,6 +7,7 @@
 // the mesh. The last axis varies fastest across ranks.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
@@ -57,9 +58,19 @@ class Mesh {
   // wrong rather than that something did elsewhere.
   std::string first_error(const std::string &err) const;
 
+  // A step on this mesh failed for a reason of the job (a peer died or stopped
+  // answering, status COMM_ERROR or TIMEOUT): the mesh's teardown then does not
+  // wait for peers (rank 0's store stops serving at once).
+  void note_failure(ctr_status code) const {
+    if (code == CTR_STATUS_COMM_ERROR || code == CTR_STATUS_TIMEOUT) failed_ = true;
+  }
+
   // Connects a multi-rank mesh: joins the rendezvous, creates the world
   // communicator with the transport's factory and splits one per axis.
   void connect(const RendezvousConfig &rc);
+
+ private:
+  mutable std::atomic<bool> failed_{false};
 };
 
 }  // namespace ctr

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <csignal>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -95,18 +96,24 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   options_json_ = options_json(options);
 
   // CTR_FAULT_INJECT="exit_at_step:N:rank:R" or "hang_at_step:N:rank:R" makes
-  // rank R exit (or block forever) when it starts step N; "exitcomm_at_step:..."
+  // rank R exit (or block forever) when it starts step N; "kill_at_step:..."
+  // kills it with SIGKILL; "exitcomm_at_step:..."
   // makes it exit in step N with a collective in flight. The failure tests use
-  // them to check that the other ranks end the job naming that rank.
-  if (const char *f = std::getenv("CTR_FAULT_INJECT")) {
+  // them to check that the other ranks end the job naming that rank. Only the
+  // first attempt of a job is affected (CTR_RESTART_COUNT unset or 0), so that a
+  // restarted job runs through.
+  const char *restart = std::getenv("CTR_RESTART_COUNT");
+  const bool first_attempt = restart == nullptr || std::strcmp(restart, "0") == 0;
+  if (const char *f = std::getenv("CTR_FAULT_INJECT"); f && first_attempt) {
     long long n = 0, fr = 0;
     char kind[16] = {0};
     if (std::sscanf(f, "%15[a-z]_at_step:%lld:rank:%lld", kind, &n, &fr) == 3 && fr == mesh.rank &&
         (std::strcmp(kind, "exit") == 0 || std::strcmp(kind, "hang") == 0 ||
-         std::strcmp(kind, "exitcomm") == 0)) {
+         std::strcmp(kind, "exitcomm") == 0 || std::strcmp(kind, "kill") == 0)) {
       fault_step_ = n;
       fault_hang_ = std::strcmp(kind, "hang") == 0;
       fault_in_comm_ = std::strcmp(kind, "exitcomm") == 0;
+      fault_kill_ = std::strcmp(kind, "kill") == 0;
     }
   }
   for (size_t pos = 0; pos < keep.size();) {
@@ -354,6 +361,7 @@ void Step::run(ctr_step_metrics *metrics) {
     if (fault_in_comm_) {
       exec_->exit_after_collectives(3);
     } else {
+      if (fault_kill_) ::raise(SIGKILL);
       if (!fault_hang_) _exit(87);
       for (;;) pause();
     }

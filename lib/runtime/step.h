@@ -139,6 +139,7 @@ class Step : private CheckpointState {
   // Fault injection for the failure tests (CTR_FAULT_INJECT, see step.cc).
   int64_t fault_step_ = -1;
   bool fault_hang_ = false;
+  bool fault_kill_ = false;
   bool fault_in_comm_ = false;
   std::string options_json_;  // the options the step was created with, for checkpoints
   std::vector<int> kept_;     // tensors named in option "keep"

@@ -85,7 +85,7 @@ def main():
     graph = os.path.join(tempfile.mkdtemp(prefix="ctr_launch_"), "g.ctrg")
     subprocess.run([CTR, "graph", "build", "--preset", "gpt", "--layers", "1", "--dim", "32",
                     "--heads", "2", "--seq", "16", "-o", graph], check=True, capture_output=True, timeout=60)
-    for kind, want_status, needle in [("hang", 1, "waiting for rank 1"), ("exit", 87, "rank 1 exited with status 87")]:
+    for kind, want_status, needle in [("hang", 75, "waiting for rank 1"), ("exit", 87, "rank 1 exited with status 87")]:
         t0 = time.monotonic()
         p = subprocess.run([CTR, "launch", "-n", "2", "--grace-ms", "2000", "--", CTR, "run", graph,
                             "--mesh", "fsdp=2", "--steps", "20", "--batch", "2", "--log-every", "0",

@@ -5,8 +5,18 @@
 // random CTR_JOB_TOKEN). Its stdout and stderr come back through pipes and are
 // printed line by line behind a "[rank] " prefix. SIGINT/SIGTERM/SIGHUP are
 // forwarded. When a rank fails, the others are asked to stop (SIGTERM, then
-// SIGKILL after a grace period) and the launcher exits with the failed rank's
-// status, so a scheduler sees the job fail as a whole.
+// SIGKILL after a grace period; a stopped rank is continued so it can act on
+// them) and the launcher exits with the failed rank's status, so a scheduler
+// sees the job fail as a whole. A rank stopped by a signal for longer than
+// --stopped-ms counts as failed. Ranks die with the launcher, even when it is
+// killed with SIGKILL (PR_SET_PDEATHSIG), so nothing is left behind.
+//
+// With --max-restarts R, a job that failed in a way a restart may get past (a
+// rank exited with status 75, see `ctr run`, or was killed by a signal) is
+// started again, up to R times, with a fresh port and token and
+// CTR_RESTART_COUNT set to the attempt; the command resumes itself (`ctr run
+// --resume latest --save-dir DIR`, a fresh start when there is no checkpoint).
+// Any other failure, or a signal to the launcher, ends it.
 //
 // Everything is driven by one poll loop over the output pipes and a self-pipe
 // written by the signal handler, so no output is lost and no wait is a sleep.
@@ -18,10 +28,12 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -72,6 +84,8 @@ std::string random_token() {
 }
 
 struct Rank {
+  std::chrono::steady_clock::time_point stopped_since = std::chrono::steady_clock::time_point::max();
+  int stop_signal = 0;
   pid_t pid = -1;
   int out_fd = -1, err_fd = -1;
   std::string out_buf, err_buf;
@@ -98,6 +112,20 @@ int exit_code(int status) {
   return 1;
 }
 
+constexpr int kExitRetry = 75;  // as `ctr run`: a failure a restart may get past
+
+// Whether a rank's exit status is worth a restart.
+bool retryable(int status) {
+  return (WIFEXITED(status) && WEXITSTATUS(status) == kExitRetry) || WIFSIGNALED(status);
+}
+
+struct Outcome {
+  int code = 0;        // the launcher's exit status for this attempt
+  bool retry = false;  // failed in a way a restart may get past
+};
+
+Outcome run_once(const LaunchOptions &opt, int attempt);
+
 }  // namespace
 
 int launch(const LaunchOptions &opt) {
@@ -109,13 +137,6 @@ int launch(const LaunchOptions &opt) {
     std::fprintf(stderr, "ctr: error: launch: no command given (ctr launch -n N -- COMMAND ...)\n");
     return 2;
   }
-  int port = opt.port > 0 ? opt.port : free_port();
-  if (port <= 0) {
-    std::fprintf(stderr, "ctr: error: launch: cannot find a free TCP port on 127.0.0.1\n");
-    return 1;
-  }
-  std::string token = random_token();
-
   if (pipe2(g_sig_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
     std::fprintf(stderr, "ctr: error: launch: pipe: %s\n", std::strerror(errno));
     return 1;
@@ -126,19 +147,46 @@ int launch(const LaunchOptions &opt) {
   sa.sa_flags = SA_RESTART;
   for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaction(s, &sa, nullptr);
 
+  Outcome out;
+  for (int attempt = 0;; ++attempt) {
+    out = run_once(opt, attempt);
+    if (out.code == 0 || !out.retry || attempt >= opt.max_restarts) break;
+    std::fprintf(stderr, "ctr: launch: restarting the job (restart %d of %d)\n", attempt + 1,
+                 opt.max_restarts);
+  }
+  close(g_sig_pipe[0]);
+  close(g_sig_pipe[1]);
+  return out.code;
+}
+
+namespace {
+
+Outcome run_once(const LaunchOptions &opt, int attempt) {
+  // A restart gets a fresh port unless one was given: the old one may linger.
+  int port = opt.port > 0 ? opt.port : free_port();
+  if (port <= 0) {
+    std::fprintf(stderr, "ctr: error: launch: cannot find a free TCP port on 127.0.0.1\n");
+    return {1, false};
+  }
+  const std::string token = random_token();
+  const pid_t launcher = getpid();
+
   std::vector<Rank> ranks(static_cast<size_t>(opt.nprocs));
   for (int r = 0; r < opt.nprocs; ++r) {
     int out[2], err[2];
     if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
       std::fprintf(stderr, "ctr: error: launch: pipe: %s\n", std::strerror(errno));
-      return 1;
+      return {1, false};
     }
     pid_t pid = fork();
     if (pid < 0) {
       std::fprintf(stderr, "ctr: error: launch: fork: %s\n", std::strerror(errno));
-      return 1;
+      return {1, false};
     }
     if (pid == 0) {
+      // Die with the launcher; if it is already gone, do not start at all.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != launcher) _exit(128 + SIGKILL);
       dup2(out[1], STDOUT_FILENO);
       dup2(err[1], STDERR_FILENO);
       for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) signal(s, SIG_DFL);
@@ -148,6 +196,7 @@ int launch(const LaunchOptions &opt) {
       setenv("CTR_MASTER_ADDR", "127.0.0.1", 1);
       setenv("CTR_MASTER_PORT", std::to_string(port).c_str(), 1);
       setenv("CTR_JOB_TOKEN", token.c_str(), 1);
+      setenv("CTR_RESTART_COUNT", std::to_string(attempt).c_str(), 1);
       std::vector<char *> argv;
       for (const auto &a : opt.command) argv.push_back(const_cast<char *>(a.c_str()));
       argv.push_back(nullptr);
@@ -164,8 +213,9 @@ int launch(const LaunchOptions &opt) {
   }
 
   int failed_rank = -1, failed_code = 0;
-  bool stopping = false;
-  auto stop_deadline = std::chrono::steady_clock::time_point::max();
+  bool retry = false, stopping = false, signalled = false;
+  using Clock = std::chrono::steady_clock;
+  auto stop_deadline = Clock::time_point::max();
   auto stop_all = [&](int sig) {
     for (auto &rk : ranks)
       if (rk.running) kill(rk.pid, sig);
@@ -174,26 +224,55 @@ int launch(const LaunchOptions &opt) {
     if (stopping) return;
     stopping = true;
     stop_all(SIGTERM);
-    stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(opt.grace_ms);
+    stop_all(SIGCONT);  // a stopped rank acts on SIGTERM only once continued
+    stop_deadline = Clock::now() + std::chrono::milliseconds(opt.grace_ms);
   };
 
   for (;;) {
-    // Reap exited ranks.
+    // Reap exited ranks; note stopped and continued ones.
     for (int r = 0; r < opt.nprocs; ++r) {
       Rank &rk = ranks[r];
       if (!rk.running) continue;
       int st = 0;
-      pid_t p = waitpid(rk.pid, &st, WNOHANG);
-      if (p == rk.pid) {
-        rk.running = false;
-        rk.status = st;
-        int code = exit_code(st);
-        if (code != 0 && failed_rank < 0 && !stopping) {
-          failed_rank = r;
-          failed_code = code;
-          std::fprintf(stderr, "ctr: launch: rank %d exited with status %d; stopping the job\n", r, code);
-          begin_stop();
-        }
+      pid_t p = waitpid(rk.pid, &st, WNOHANG | WUNTRACED | WCONTINUED);
+      if (p != rk.pid) continue;
+      if (WIFSTOPPED(st)) {
+        rk.stopped_since = Clock::now();
+        rk.stop_signal = WSTOPSIG(st);
+        continue;
+      }
+      if (WIFCONTINUED(st)) {
+        rk.stopped_since = Clock::time_point::max();
+        continue;
+      }
+      rk.running = false;
+      rk.status = st;
+      int code = exit_code(st);
+      if (code != 0 && failed_rank < 0 && !stopping) {
+        failed_rank = r;
+        failed_code = code;
+        retry = retryable(st);
+        std::fprintf(stderr, "ctr: launch: rank %d exited with status %d; stopping the job\n", r, code);
+        begin_stop();
+      }
+    }
+    // A rank stopped too long is as good as hung: it ends the job (a restart may help).
+    auto wake_at = Clock::time_point::max();
+    for (int r = 0; r < opt.nprocs && !stopping; ++r) {
+      Rank &rk = ranks[r];
+      if (!rk.running || rk.stopped_since == Clock::time_point::max()) continue;
+      const auto limit = rk.stopped_since + std::chrono::milliseconds(opt.stopped_ms);
+      if (Clock::now() >= limit) {
+        failed_rank = r;
+        failed_code = kExitRetry;
+        retry = true;
+        std::fprintf(stderr,
+                     "ctr: launch: rank %d has been stopped (signal %d) for %.1f s; stopping the "
+                     "job\n",
+                     r, rk.stop_signal, opt.stopped_ms / 1000.0);
+        begin_stop();
+      } else {
+        wake_at = std::min(wake_at, limit);
       }
     }
     bool any_running = false, any_open = false;
@@ -218,6 +297,9 @@ int launch(const LaunchOptions &opt) {
       }
     }
     int timeout = -1;
+    if (wake_at != Clock::time_point::max())
+      timeout = static_cast<int>(std::max<int64_t>(
+          1, std::chrono::duration_cast<std::chrono::milliseconds>(wake_at - Clock::now()).count()));
     if (stopping && any_running) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
                       stop_deadline - std::chrono::steady_clock::now())
@@ -250,10 +332,12 @@ int launch(const LaunchOptions &opt) {
           if (sig == SIGCHLD) continue;
           std::fprintf(stderr, "ctr: launch: received signal %d, forwarding to all ranks\n", sig);
           stop_all(sig);
+          stop_all(SIGCONT);
+          signalled = true;
           if (!stopping) {
             stopping = true;
             failed_code = 128 + sig;
-            stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(opt.grace_ms);
+            stop_deadline = Clock::now() + std::chrono::milliseconds(opt.grace_ms);
           }
         }
         continue;
@@ -279,13 +363,14 @@ int launch(const LaunchOptions &opt) {
       waitpid(rk.pid, &rk.status, 0);
     }
   }
-  close(g_sig_pipe[0]);
-  close(g_sig_pipe[1]);
-  if (failed_rank >= 0) return failed_code;
-  if (failed_code) return failed_code;
+  if (signalled) return {failed_code, false};  // the launcher was told to stop
+  if (failed_rank >= 0) return {failed_code, retry};
+  if (failed_code) return {failed_code, false};
   for (auto &rk : ranks)
-    if (exit_code(rk.status) != 0) return exit_code(rk.status);
-  return 0;
+    if (exit_code(rk.status) != 0) return {exit_code(rk.status), retryable(rk.status)};
+  return {0, false};
 }
+
+}  // namespace
 
 }  // namespace ctr_tool

@@ -10,6 +10,8 @@ struct LaunchOptions {
   int nprocs = 1;
   int port = 0;           // 0: pick a free port on 127.0.0.1
   int grace_ms = 5000;    // SIGTERM -> SIGKILL delay when stopping ranks
+  int max_restarts = 0;   // restarts after a retryable failure
+  int stopped_ms = 60000; // a rank stopped (SIGSTOP, SIGTSTP) this long fails the job
   std::vector<std::string> command;
 };
 

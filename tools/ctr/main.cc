@@ -53,6 +53,28 @@ class ToolError : public ctr::Error {
   std::string note_;
 };
 
+// Exit statuses: 0 done, 1 a failure that a retry would meet again (bad input,
+// data, checkpoint, options), 2 a usage error, kExitRetry a failure of the job's
+// machinery that a restart from the last checkpoint may get past (a rank that
+// died, hung or could not be reached). Launchers and schedulers read it:
+// `ctr launch --max-restarts` restarts only on kExitRetry or a rank killed by a
+// signal.
+constexpr int kExitRetry = 75;
+
+int exit_status(ctr_status code) {
+  return code == CTR_STATUS_COMM_ERROR || code == CTR_STATUS_TIMEOUT ? kExitRetry : 1;
+}
+
+// A failure already printed (while the mesh was still up, so that it is seen at
+// once rather than after the communicator's teardown); carries the exit status.
+struct Reported {
+  int status;
+};
+
+void print_error(const ctr::Error &e) {
+  std::fprintf(stderr, "ctr: error: %s: %s\n", ctr_status_string(e.code()), e.message().c_str());
+}
+
 // Turns a failed C call into an exception carrying its status and message. The
 // message is copied at once: ctr_last_error() is only valid until the next call.
 void check(ctr_status status) {
@@ -498,274 +520,311 @@ int cmd_run(const RunArgs &a) {
   ctr_mesh *raw_mesh = nullptr;
   check(ctr_mesh_create_from_env(mesh_opts.get(), &raw_mesh));
   Mesh mesh(raw_mesh);
-  const int rank = ctr_mesh_rank(mesh.get());
-  const int world = ctr_mesh_world_size(mesh.get());
-  const bool lead = rank == 0;  // one rank speaks for the job
+  // Errors are printed here, before the mesh is torn down (which after a failure
+  // may take a few seconds): the peer that failed is named at once.
+  auto train = [&]() -> int {
+    const int rank = ctr_mesh_rank(mesh.get());
+    const int world = ctr_mesh_world_size(mesh.get());
+    const bool lead = rank == 0;  // one rank speaks for the job
 
-  // Opened before the (possibly slow) compile so that a bad path fails at once.
-  // Only rank 0 writes: the ranks of a job may share one file system.
-  std::ofstream metrics;
-  if (lead && !a.metrics.empty()) {
-    metrics.open(a.metrics, std::ios::out | std::ios::trunc);
-    if (!metrics)
-      throw ctr::Error(CTR_STATUS_IO_ERROR,
-                       ctr::strformat("cannot open metrics file '%s': %s", a.metrics.c_str(),
-                                      std::strerror(errno)));
-  }
-
-  Options step_opts = new_options();
-  set_int(step_opts.get(), "batch", a.batch);
-  set_int(step_opts.get(), "seq", seq);
-  set_int(step_opts.get(), "micro_batches", a.micro_batches);
-  set_int(step_opts.get(), "seed", a.seed);
-  set_float(step_opts.get(), "lr", a.lr);
-  if (a.min_lr_opt->count() > 0) set_float(step_opts.get(), "min_lr", a.min_lr);
-  set_int(step_opts.get(), "warmup_steps", a.warmup);
-  set_int(step_opts.get(), "decay_steps", std::max<int64_t>(0, a.steps - a.warmup));
-  set_string(step_opts.get(), "schedule", a.schedule);
-  set_float(step_opts.get(), "weight_decay", a.weight_decay);
-  if (a.beta1_opt->count() > 0) set_float(step_opts.get(), "beta1", a.beta1);
-  if (a.beta2_opt->count() > 0) set_float(step_opts.get(), "beta2", a.beta2);
-  set_float(step_opts.get(), "grad_clip", a.grad_clip);
-  a.collectives.set(step_opts.get());
-  if (a.async_save) {
-    set_int(step_opts.get(), "async_save", 1);
-    set_int(step_opts.get(), "async_save_lag", kAsyncSaveLag);
-  }
-  ctr_step *raw_step = nullptr;
-  check(ctr_step_create(mesh.get(), graph.get(), step_opts.get(), &raw_step));
-  Step step(raw_step);
-
-  const int64_t local_rows = a.batch * a.micro_batches;
-  Loader train_loader = open_loader(a.data, seq, static_cast<uint64_t>(a.data_seed));
-  Batches batches(train_loader.get(), seq, local_rows, rank, world);
-  // The loader's position goes into checkpoints with the step.
-  check(ctr_step_attach_loader(step.get(), train_loader.get()));
-
-  if (!a.init_safetensors.empty()) {
-    check(ctr_step_import_safetensors(step.get(), a.init_safetensors.c_str(), nullptr));
-    if (lead) std::printf("parameters from %s\n", a.init_safetensors.c_str());
-  }
-  int64_t first_step = 1;
-  if (!a.resume.empty()) {
-    // "latest" falls back past damaged checkpoints to older ones; a path loads just that.
-    const char *loaded = nullptr, *skipped = nullptr;
-    const ctr_status st =
-        ctr_step_resume(step.get(), a.save_dir.c_str(), a.resume.c_str(), &loaded, &skipped);
-    if (st == CTR_STATUS_NOT_FOUND && a.resume == "latest")
-      throw ctr::Error(CTR_STATUS_CHECKPOINT_ERROR,
-                       ctr::strformat("--resume latest: no checkpoint in '%s'", a.save_dir.c_str()));
-    check(st);
-    if (lead) {
-      if (skipped) warn_skipped(a.save_dir, skipped, loaded);
-      std::printf("resumed from %s at step %" PRId64 "\n", loaded, ctr_step_count(step.get()));
-    }
-    first_step = ctr_step_count(step.get()) + 1;
-  }
-  Options save_opts = new_options();
-  set_int(save_opts.get(), "keep", a.keep);
-  // A background save in flight: the library publishes it (and moves `latest`)
-  // kAsyncSaveLag runs later or at the final wait; the tool only says so.
-  std::string pending_save;
-  int64_t pending_runs = 0;
-  auto save = [&]() {
-    const auto t0 = Clock::now();
-    const char *path = nullptr;
-    check(ctr_step_save_checkpoint(step.get(), a.save_dir.c_str(), save_opts.get(), &path));
-    const std::string saved = path;
-    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-    if (a.async_save) {
-      pending_save = saved;
-      pending_runs = 0;
-      if (lead) {
-        std::printf("saving %s in the background (stall %.1f ms)\n", saved.c_str(), ms);
-        std::fflush(stdout);
-      }
-      return;
-    }
-    if (lead) {
-      std::printf("saved %s (%.0f ms)\n", saved.c_str(), ms);
-      std::fflush(stdout);
-    }
-  };
-
-  // Evaluation batches are the same every time, so successive eval losses are
-  // comparable: a fresh loader with a fixed seed over held-out text (the
-  // built-in corpus of another seed) or, for a file, over the training data.
-  const std::string eval_what = a.data.empty() ? "batches of held-out synthetic text"
-                                               : "batches of the training data (no held-out file)";
-
-  int64_t arena = 0, param_bytes = 0, opt_bytes = 0;
-  check(ctr_step_memory(step.get(), &arena, &param_bytes, &opt_bytes));
-  const int64_t params = param_count(graph.get());
-  const double flops = flops_per_token(graph.get(), seq);
-
-  if (lead) {
-    int64_t data_tokens = 0;
-    check(ctr_loader_info(train_loader.get(), &data_tokens, nullptr));
-    const std::string kind = data_kind.empty() ? "" : data_kind + ", ";
-    std::string shape = ctr::strformat("batch %" PRId64 " x seq %" PRId64, a.batch, seq);
-    if (a.micro_batches > 1) shape += ctr::strformat(" x %" PRId64 " micro", a.micro_batches);
-    if (world > 1) shape += ctr::strformat(" x %d ranks", world);
-    const std::string recompute =
-        a.collectives.recompute == "none" ? "" : ", recompute " + a.collectives.recompute;
-    std::printf("%s: %s params | data %s: %s%s tokens | %s | memory%s %.1f MiB (arena %.1f%s, "
-                "params %.1f, gradients %.1f, optimizer %.1f)\n",
-                a.graph.c_str(), human(static_cast<double>(params)).c_str(),
-                data_name.c_str(), kind.c_str(), human(static_cast<double>(data_tokens)).c_str(),
-                shape.c_str(), world > 1 ? " per rank" : "", mib(arena + 2 * param_bytes + opt_bytes),
-                mib(arena), recompute.c_str(), mib(param_bytes), mib(param_bytes), mib(opt_bytes));
-    std::fflush(stdout);
-  }
-
-  auto evaluate = [&](int64_t at) -> double {
-    Loader eval_loader = a.data.empty() ? open_loader("", seq, 0, kEvalCorpusBytes, kEvalCorpusSeed)
-                                        : open_loader(a.data, seq, 0);
-    Batches eval(eval_loader.get(), seq, local_rows, rank, world);
-    double sum = 0;
-    for (int64_t i = 0; i < a.eval_batches; ++i) {
-      eval.next();
-      set_inputs(step.get(), eval, eval_loader.get(), data_what);
-      double loss = 0;
-      check(ctr_step_evaluate(step.get(), &loss));
-      sum += loss;
-    }
-    const double mean = sum / static_cast<double>(a.eval_batches);
-    if (lead) {
-      std::printf("eval %*" PRId64 "/%" PRId64 " | loss %.4f | %" PRId64 " %s\n",
-                  static_cast<int>(std::to_string(a.steps).size()), at, a.steps, mean,
-                  a.eval_batches, eval_what.c_str());
-      std::fflush(stdout);
-    }
-    return mean;
-  };
-
-  const int width = static_cast<int>(std::to_string(a.steps).size());
-  double last_loss = NAN;
-  double total_ms = 0, total_tokens = 0;
-  double total_compute_ms = 0, total_comm_ms = 0, total_exposed_ms = 0;
-  int64_t total_steps = 0;
-  // Figures since the previous progress line, so each line describes the
-  // recent rate rather than a whole-run average dominated by the first steps.
-  double window_ms = 0, window_tokens = 0, window_wall = 0;
-  double window_comm_ms = 0, window_exposed_ms = 0;
-  int64_t window_steps = 0;
-  const auto run_start = Clock::now();
-
-  for (int64_t i = first_step; i <= a.steps; ++i) {
-    const auto t0 = Clock::now();
-    batches.next();
-    set_inputs(step.get(), batches, train_loader.get(), data_what);
-    ctr_step_metrics m;
-    std::memset(&m, 0, sizeof m);
-    m.size = sizeof m;
-    check(ctr_step_run(step.get(), &m));
-    if (!pending_save.empty() && ++pending_runs >= kAsyncSaveLag) {
-      // This run published the background save (the step option's lag).
-      if (lead) {
-        std::printf("saved %s (the step waited %.1f ms for the writer)\n", pending_save.c_str(),
-                    m.save_wait_ms);
-        std::fflush(stdout);
-      }
-      pending_save.clear();
-    }
-    const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
-
-    last_loss = m.loss;
-    total_ms += m.step_ms;
-    total_tokens += static_cast<double>(m.tokens);
-    total_compute_ms += m.compute_ms;
-    total_comm_ms += m.comm_ms;
-    total_exposed_ms += m.exposed_comm_ms;
-    ++total_steps;
-    window_ms += m.step_ms;
-    window_tokens += static_cast<double>(m.tokens);
-    window_wall += wall;
-    window_comm_ms += m.comm_ms;
-    window_exposed_ms += m.exposed_comm_ms;
-    ++window_steps;
-
-    const bool log = a.log_every > 0 && (i == 1 || i % a.log_every == 0 || i == a.steps);
-    if (lead && log) {
-      const double n = static_cast<double>(window_steps);
-      const double ms = window_ms / n;
-      const double tok_s = window_ms > 0 ? window_tokens / (window_ms / 1000.0) : 0;
-      const double eta = window_wall / n * static_cast<double>(a.steps - i);
-      // One rank has no collectives: its communication figures are zero.
-      const std::string comm =
-          world > 1 ? ctr::strformat(" | comm %.1f ms (exposed %.1f)", window_comm_ms / n,
-                                     window_exposed_ms / n)
-                    : std::string();
-      std::printf("step %*" PRId64 "/%" PRId64 " | loss %.4f | grad %.3f | lr %.2e | %s tok/s | "
-                  "%.0f ms/step | ETA %s%s\n",
-                  width, i, a.steps, m.loss, m.grad_norm, m.lr, human(tok_s).c_str(), ms,
-                  clock_time(eta).c_str(), comm.c_str());
-      std::fflush(stdout);
-      window_ms = window_tokens = window_wall = 0;
-      window_comm_ms = window_exposed_ms = 0;
-      window_steps = 0;
-    }
-
-    std::optional<double> eval_loss;
-    if (a.eval_every > 0 && (i % a.eval_every == 0 || i == a.steps)) eval_loss = evaluate(i);
-
-    if (metrics.is_open()) {
-      nlohmann::json j = {
-          {"step", m.step},
-          {"loss", m.loss},
-          {"grad_norm", m.grad_norm},
-          {"lr", m.lr},
-          {"step_ms", m.step_ms},
-          {"forward_ms", m.forward_ms},
-          {"backward_ms", m.backward_ms},
-          {"optimizer_ms", m.optimizer_ms},
-          {"tokens_per_s", m.tokens_per_s},
-          {"peak_bytes", m.peak_bytes},
-          {"flops_per_token", flops},
-          {"tokens", m.tokens},
-          {"save_wait_ms", m.save_wait_ms},
-          {"compute_ms", m.compute_ms},
-          {"comm_ms", m.comm_ms},
-          {"exposed_comm_ms", m.exposed_comm_ms},
-      };
-      if (eval_loss) j["eval_loss"] = *eval_loss;
-      metrics << j.dump() << '\n';
-      metrics.flush();
+    // Opened before the (possibly slow) compile so that a bad path fails at once.
+    // Only rank 0 writes: the ranks of a job may share one file system.
+    std::ofstream metrics;
+    if (lead && !a.metrics.empty()) {
+      metrics.open(a.metrics, std::ios::out | std::ios::app);  // trimmed once the start is known
       if (!metrics)
         throw ctr::Error(CTR_STATUS_IO_ERROR,
-                         ctr::strformat("cannot write metrics file '%s'", a.metrics.c_str()));
+                         ctr::strformat("cannot open metrics file '%s': %s", a.metrics.c_str(),
+                                        std::strerror(errno)));
     }
-    const bool stopping = a.stop_after > 0 && i - first_step + 1 >= a.stop_after;
-    if (a.save_every > 0 && (i % a.save_every == 0 || i == a.steps || stopping)) save();
-    if (stopping) break;
-  }
-  if (!pending_save.empty()) {
-    const auto tw = Clock::now();
-    check(ctr_step_wait_save(step.get()));
-    if (lead)
-      std::printf("saved %s (waited %.0f ms at the end)\n", pending_save.c_str(),
-                  std::chrono::duration<double, std::milli>(Clock::now() - tw).count());
-    pending_save.clear();
-  }
-  if (!a.export_safetensors.empty()) {
-    check(ctr_step_export_safetensors(step.get(), a.export_safetensors.c_str()));
-    if (lead) std::printf("wrote %s\n", a.export_safetensors.c_str());
-  }
 
-  if (lead) {
-    const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
-    // Means over the steps this invocation ran (not those before a resume).
-    const double n = static_cast<double>(std::max<int64_t>(1, total_steps));
-    std::string per_step = ctr::strformat(" | compute %.1f ms", total_compute_ms / n);
-    if (world > 1)
-      per_step += ctr::strformat(", comm %.1f ms (exposed %.1f)", total_comm_ms / n,
-                                 total_exposed_ms / n);
-    std::printf("done: %" PRId64 " steps in %s | final loss %.4f | mean %s tok/s%s per step\n",
-                a.steps, clock_time(elapsed).c_str(), last_loss,
-                human(total_ms > 0 ? total_tokens / (total_ms / 1000.0) : 0).c_str(),
-                per_step.c_str());
+    Options step_opts = new_options();
+    set_int(step_opts.get(), "batch", a.batch);
+    set_int(step_opts.get(), "seq", seq);
+    set_int(step_opts.get(), "micro_batches", a.micro_batches);
+    set_int(step_opts.get(), "seed", a.seed);
+    set_float(step_opts.get(), "lr", a.lr);
+    if (a.min_lr_opt->count() > 0) set_float(step_opts.get(), "min_lr", a.min_lr);
+    set_int(step_opts.get(), "warmup_steps", a.warmup);
+    set_int(step_opts.get(), "decay_steps", std::max<int64_t>(0, a.steps - a.warmup));
+    set_string(step_opts.get(), "schedule", a.schedule);
+    set_float(step_opts.get(), "weight_decay", a.weight_decay);
+    if (a.beta1_opt->count() > 0) set_float(step_opts.get(), "beta1", a.beta1);
+    if (a.beta2_opt->count() > 0) set_float(step_opts.get(), "beta2", a.beta2);
+    set_float(step_opts.get(), "grad_clip", a.grad_clip);
+    a.collectives.set(step_opts.get());
+    if (a.async_save) {
+      set_int(step_opts.get(), "async_save", 1);
+      set_int(step_opts.get(), "async_save_lag", kAsyncSaveLag);
+    }
+    ctr_step *raw_step = nullptr;
+    check(ctr_step_create(mesh.get(), graph.get(), step_opts.get(), &raw_step));
+    Step step(raw_step);
+
+    const int64_t local_rows = a.batch * a.micro_batches;
+    Loader train_loader = open_loader(a.data, seq, static_cast<uint64_t>(a.data_seed));
+    Batches batches(train_loader.get(), seq, local_rows, rank, world);
+    // The loader's position goes into checkpoints with the step.
+    check(ctr_step_attach_loader(step.get(), train_loader.get()));
+
+    if (!a.init_safetensors.empty()) {
+      check(ctr_step_import_safetensors(step.get(), a.init_safetensors.c_str(), nullptr));
+      if (lead) std::printf("parameters from %s\n", a.init_safetensors.c_str());
+    }
+    int64_t first_step = 1;
+    if (!a.resume.empty()) {
+      // "latest" falls back past damaged checkpoints to older ones; a path loads just that.
+      const char *loaded = nullptr, *skipped = nullptr;
+      const ctr_status st =
+          ctr_step_resume(step.get(), a.save_dir.c_str(), a.resume.c_str(), &loaded, &skipped);
+      // Nothing to resume from is a fresh start, so one command serves the first
+      // attempt of a job and every restart.
+      if (st == CTR_STATUS_NOT_FOUND && a.resume == "latest") {
+        if (lead)
+          std::printf("no checkpoint in %s yet: starting from step 0\n", a.save_dir.c_str());
+      } else {
+        check(st);
+        if (lead) {
+          if (skipped) warn_skipped(a.save_dir, skipped, loaded);
+          std::printf("resumed from %s at step %" PRId64 "\n", loaded, ctr_step_count(step.get()));
+        }
+      }
+      first_step = ctr_step_count(step.get()) + 1;
+    }
+    if (metrics.is_open()) {
+      // A resumed run continues the file of the run it resumes: its lines up to
+      // the checkpoint's step stay, later ones (written after that checkpoint by
+      // a run that then failed) are replaced by this run's.
+      metrics.close();
+      std::vector<std::string> kept;
+      if (first_step > 1) {
+        std::ifstream old(a.metrics);
+        for (std::string line; std::getline(old, line);) {
+          const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+          if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+              j["step"].get<int64_t>() < first_step)
+            kept.push_back(line);
+        }
+      }
+      metrics.open(a.metrics, std::ios::out | std::ios::trunc);
+      for (const std::string &line : kept) metrics << line << '\n';
+      metrics.flush();
+    }
+    Options save_opts = new_options();
+    set_int(save_opts.get(), "keep", a.keep);
+    // A background save in flight: the library publishes it (and moves `latest`)
+    // kAsyncSaveLag runs later or at the final wait; the tool only says so.
+    std::string pending_save;
+    int64_t pending_runs = 0;
+    auto save = [&]() {
+      const auto t0 = Clock::now();
+      const char *path = nullptr;
+      check(ctr_step_save_checkpoint(step.get(), a.save_dir.c_str(), save_opts.get(), &path));
+      const std::string saved = path;
+      const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      if (a.async_save) {
+        pending_save = saved;
+        pending_runs = 0;
+        if (lead) {
+          std::printf("saving %s in the background (stall %.1f ms)\n", saved.c_str(), ms);
+          std::fflush(stdout);
+        }
+        return;
+      }
+      if (lead) {
+        std::printf("saved %s (%.0f ms)\n", saved.c_str(), ms);
+        std::fflush(stdout);
+      }
+    };
+
+    // Evaluation batches are the same every time, so successive eval losses are
+    // comparable: a fresh loader with a fixed seed over held-out text (the
+    // built-in corpus of another seed) or, for a file, over the training data.
+    const std::string eval_what = a.data.empty() ? "batches of held-out synthetic text"
+                                                 : "batches of the training data (no held-out file)";
+
+    int64_t arena = 0, param_bytes = 0, opt_bytes = 0;
+    check(ctr_step_memory(step.get(), &arena, &param_bytes, &opt_bytes));
+    const int64_t params = param_count(graph.get());
+    const double flops = flops_per_token(graph.get(), seq);
+
+    if (lead) {
+      int64_t data_tokens = 0;
+      check(ctr_loader_info(train_loader.get(), &data_tokens, nullptr));
+      const std::string kind = data_kind.empty() ? "" : data_kind + ", ";
+      std::string shape = ctr::strformat("batch %" PRId64 " x seq %" PRId64, a.batch, seq);
+      if (a.micro_batches > 1) shape += ctr::strformat(" x %" PRId64 " micro", a.micro_batches);
+      if (world > 1) shape += ctr::strformat(" x %d ranks", world);
+      const std::string recompute =
+          a.collectives.recompute == "none" ? "" : ", recompute " + a.collectives.recompute;
+      std::printf("%s: %s params | data %s: %s%s tokens | %s | memory%s %.1f MiB (arena %.1f%s, "
+                  "params %.1f, gradients %.1f, optimizer %.1f)\n",
+                  a.graph.c_str(), human(static_cast<double>(params)).c_str(),
+                  data_name.c_str(), kind.c_str(), human(static_cast<double>(data_tokens)).c_str(),
+                  shape.c_str(), world > 1 ? " per rank" : "", mib(arena + 2 * param_bytes + opt_bytes),
+                  mib(arena), recompute.c_str(), mib(param_bytes), mib(param_bytes), mib(opt_bytes));
+      std::fflush(stdout);
+    }
+
+    auto evaluate = [&](int64_t at) -> double {
+      Loader eval_loader = a.data.empty() ? open_loader("", seq, 0, kEvalCorpusBytes, kEvalCorpusSeed)
+                                          : open_loader(a.data, seq, 0);
+      Batches eval(eval_loader.get(), seq, local_rows, rank, world);
+      double sum = 0;
+      for (int64_t i = 0; i < a.eval_batches; ++i) {
+        eval.next();
+        set_inputs(step.get(), eval, eval_loader.get(), data_what);
+        double loss = 0;
+        check(ctr_step_evaluate(step.get(), &loss));
+        sum += loss;
+      }
+      const double mean = sum / static_cast<double>(a.eval_batches);
+      if (lead) {
+        std::printf("eval %*" PRId64 "/%" PRId64 " | loss %.4f | %" PRId64 " %s\n",
+                    static_cast<int>(std::to_string(a.steps).size()), at, a.steps, mean,
+                    a.eval_batches, eval_what.c_str());
+        std::fflush(stdout);
+      }
+      return mean;
+    };
+
+    const int width = static_cast<int>(std::to_string(a.steps).size());
+    double last_loss = NAN;
+    double total_ms = 0, total_tokens = 0;
+    double total_compute_ms = 0, total_comm_ms = 0, total_exposed_ms = 0;
+    int64_t total_steps = 0;
+    // Figures since the previous progress line, so each line describes the
+    // recent rate rather than a whole-run average dominated by the first steps.
+    double window_ms = 0, window_tokens = 0, window_wall = 0;
+    double window_comm_ms = 0, window_exposed_ms = 0;
+    int64_t window_steps = 0;
+    const auto run_start = Clock::now();
+
+    for (int64_t i = first_step; i <= a.steps; ++i) {
+      const auto t0 = Clock::now();
+      batches.next();
+      set_inputs(step.get(), batches, train_loader.get(), data_what);
+      ctr_step_metrics m;
+      std::memset(&m, 0, sizeof m);
+      m.size = sizeof m;
+      check(ctr_step_run(step.get(), &m));
+      if (!pending_save.empty() && ++pending_runs >= kAsyncSaveLag) {
+        // This run published the background save (the step option's lag).
+        if (lead) {
+          std::printf("saved %s (the step waited %.1f ms for the writer)\n", pending_save.c_str(),
+                      m.save_wait_ms);
+          std::fflush(stdout);
+        }
+        pending_save.clear();
+      }
+      const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+
+      last_loss = m.loss;
+      total_ms += m.step_ms;
+      total_tokens += static_cast<double>(m.tokens);
+      total_compute_ms += m.compute_ms;
+      total_comm_ms += m.comm_ms;
+      total_exposed_ms += m.exposed_comm_ms;
+      ++total_steps;
+      window_ms += m.step_ms;
+      window_tokens += static_cast<double>(m.tokens);
+      window_wall += wall;
+      window_comm_ms += m.comm_ms;
+      window_exposed_ms += m.exposed_comm_ms;
+      ++window_steps;
+
+      const bool log = a.log_every > 0 && (i == 1 || i % a.log_every == 0 || i == a.steps);
+      if (lead && log) {
+        const double n = static_cast<double>(window_steps);
+        const double ms = window_ms / n;
+        const double tok_s = window_ms > 0 ? window_tokens / (window_ms / 1000.0) : 0;
+        const double eta = window_wall / n * static_cast<double>(a.steps - i);
+        // One rank has no collectives: its communication figures are zero.
+        const std::string comm =
+            world > 1 ? ctr::strformat(" | comm %.1f ms (exposed %.1f)", window_comm_ms / n,
+                                       window_exposed_ms / n)
+                      : std::string();
+        std::printf("step %*" PRId64 "/%" PRId64 " | loss %.4f | grad %.3f | lr %.2e | %s tok/s | "
+                    "%.0f ms/step | ETA %s%s\n",
+                    width, i, a.steps, m.loss, m.grad_norm, m.lr, human(tok_s).c_str(), ms,
+                    clock_time(eta).c_str(), comm.c_str());
+        std::fflush(stdout);
+        window_ms = window_tokens = window_wall = 0;
+        window_comm_ms = window_exposed_ms = 0;
+        window_steps = 0;
+      }
+
+      std::optional<double> eval_loss;
+      if (a.eval_every > 0 && (i % a.eval_every == 0 || i == a.steps)) eval_loss = evaluate(i);
+
+      if (metrics.is_open()) {
+        nlohmann::json j = {
+            {"step", m.step},
+            {"loss", m.loss},
+            {"grad_norm", m.grad_norm},
+            {"lr", m.lr},
+            {"step_ms", m.step_ms},
+            {"forward_ms", m.forward_ms},
+            {"backward_ms", m.backward_ms},
+            {"optimizer_ms", m.optimizer_ms},
+            {"tokens_per_s", m.tokens_per_s},
+            {"peak_bytes", m.peak_bytes},
+            {"flops_per_token", flops},
+            {"tokens", m.tokens},
+            {"save_wait_ms", m.save_wait_ms},
+            {"compute_ms", m.compute_ms},
+            {"comm_ms", m.comm_ms},
+            {"exposed_comm_ms", m.exposed_comm_ms},
+        };
+        if (eval_loss) j["eval_loss"] = *eval_loss;
+        metrics << j.dump() << '\n';
+        metrics.flush();
+        if (!metrics)
+          throw ctr::Error(CTR_STATUS_IO_ERROR,
+                           ctr::strformat("cannot write metrics file '%s'", a.metrics.c_str()));
+      }
+      const bool stopping = a.stop_after > 0 && i - first_step + 1 >= a.stop_after;
+      if (a.save_every > 0 && (i % a.save_every == 0 || i == a.steps || stopping)) save();
+      if (stopping) break;
+    }
+    if (!pending_save.empty()) {
+      const auto tw = Clock::now();
+      check(ctr_step_wait_save(step.get()));
+      if (lead)
+        std::printf("saved %s (waited %.0f ms at the end)\n", pending_save.c_str(),
+                    std::chrono::duration<double, std::milli>(Clock::now() - tw).count());
+      pending_save.clear();
+    }
+    if (!a.export_safetensors.empty()) {
+      check(ctr_step_export_safetensors(step.get(), a.export_safetensors.c_str()));
+      if (lead) std::printf("wrote %s\n", a.export_safetensors.c_str());
+    }
+
+    if (lead) {
+      const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
+      // Means over the steps this invocation ran (not those before a resume).
+      const double n = static_cast<double>(std::max<int64_t>(1, total_steps));
+      std::string per_step = ctr::strformat(" | compute %.1f ms", total_compute_ms / n);
+      if (world > 1)
+        per_step += ctr::strformat(", comm %.1f ms (exposed %.1f)", total_comm_ms / n,
+                                   total_exposed_ms / n);
+      std::printf("done: %" PRId64 " steps in %s | final loss %.4f | mean %s tok/s%s per step\n",
+                  a.steps, clock_time(elapsed).c_str(), last_loss,
+                  human(total_ms > 0 ? total_tokens / (total_ms / 1000.0) : 0).c_str(),
+                  per_step.c_str());
+    }
+    return 0;
+  };
+  try {
+    return train();
+  } catch (const ToolError &e) {
+    print_error(e);
+    if (!e.note().empty()) std::fprintf(stderr, "ctr: note: %s\n", e.note().c_str());
+    throw Reported{exit_status(e.code())};
+  } catch (const ctr::Error &e) {
+    print_error(e);
+    throw Reported{exit_status(e.code())};
   }
-  return 0;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -822,9 +881,6 @@ CLI::Validator at_least(double min, const std::string &name) {
 const CLI::Validator kPositive = at_least(1, "POSITIVE");
 const CLI::Validator kNonNegative = at_least(0, "NONNEGATIVE");
 
-void print_error(const ctr::Error &e) {
-  std::fprintf(stderr, "ctr: error: %s: %s\n", ctr_status_string(e.code()), e.message().c_str());
-}
 
 int run_main(int argc, char **argv) {
   CLI::App app{"ctr: build, inspect and train libctr graphs"};
@@ -970,6 +1026,16 @@ int run_main(int argc, char **argv) {
                          "After a rank fails, time the others get to exit before SIGKILL")
       ->capture_default_str()
       ->check(kNonNegative);
+  launch_cmd->add_option("--max-restarts", launch.max_restarts,
+                         "Restart the job up to this many times after a failure a restart may "
+                         "get past (a rank exiting with status 75 or killed by a signal); the "
+                         "command resumes itself, e.g. ctr run ... --resume latest --save-dir D")
+      ->capture_default_str()
+      ->check(kNonNegative);
+  launch_cmd->add_option("--stopped-ms", launch.stopped_ms,
+                         "A rank stopped by a signal (SIGSTOP) this long fails the job")
+      ->capture_default_str()
+      ->check(kPositive);
   launch_cmd->add_option("command", launch.command, "The command each rank runs (after --)")
       ->required();
   launch_cmd->positionals_at_end(true);
@@ -1012,11 +1078,15 @@ int run_main(int argc, char **argv) {
 int main(int argc, char **argv) {
   try {
     return run_main(argc, argv);
+  } catch (const Reported &r) {
+    return r.status;
   } catch (const ToolError &e) {
     print_error(e);
     if (!e.note().empty()) std::fprintf(stderr, "ctr: note: %s\n", e.note().c_str());
+    return exit_status(e.code());
   } catch (const ctr::Error &e) {
     print_error(e);
+    return exit_status(e.code());
   } catch (const std::bad_alloc &) {
     std::fprintf(stderr, "ctr: error: %s: out of memory\n",
                  ctr_status_string(CTR_STATUS_OUT_OF_MEMORY));

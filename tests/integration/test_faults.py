@@ -1,0 +1,301 @@
+#!/usr/bin/python3
+"""Failures of a running job: a rank killed at a random step, a stopped rank, a killed
+launcher, and automatic restart from the last checkpoint. Every check has a time bound and
+looks for processes left behind.
+
+usage: test_faults.py CTR
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+CTR = os.path.abspath(sys.argv[1])
+TIMEOUT_S = 4.0  # the mesh timeout the jobs run with
+failures = []
+
+
+def check(cond, msg):
+    if not cond:
+        failures.append(msg)
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CTR_")}
+    env["CTR_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def processes_marked(mark):
+    """Pids of live processes whose environment carries CTR_TEST_MARK=mark."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"CTR_TEST_MARK={mark}".encode() in f.read().split(b"\0"):
+                    with open(f"/proc/{pid}/stat") as s:
+                        if s.read().split(") ")[-1].startswith("Z"):
+                            continue  # exited, not yet reaped
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def rank_pids(launcher_pid, n, limit_s=20):
+    """{rank: pid} of a launcher's children, once all n have started."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        pids = {}
+        out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout
+        for pid in out.split():
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            for e in env:
+                if e.startswith(b"CTR_RANK="):
+                    pids[int(e[9:])] = int(pid)
+        if len(pids) == n:
+            return pids
+        time.sleep(0.02)
+    return {}
+
+
+class Drain:
+    """Reads a pipe on a thread, keeping each line with the time it arrived."""
+
+    def __init__(self, pipe):
+        import threading
+        self.lines, self.cv = [], threading.Condition()
+        self.thread = threading.Thread(target=self._run, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _run(self, pipe):
+        for line in pipe:
+            with self.cv:
+                self.lines.append((time.monotonic(), line))
+                self.cv.notify_all()
+
+    def wait_for(self, pred, limit_s):
+        with self.cv:
+            return self.cv.wait_for(lambda: any(pred(l) for _, l in self.lines), limit_s)
+
+    def time_of(self, pred):
+        self.thread.join(5)
+        return next((t for t, l in self.lines if pred(l)), None)
+
+
+def train_args(graph, world, steps, extra=(), timeout_s=TIMEOUT_S):
+    return [CTR, "run", graph, "--mesh", f"fsdp={world}", "--batch", "2", "--steps", str(steps),
+            "--timeout", str(timeout_s), "--log-every", "1", *extra]
+
+
+def killed_ranks(graph):
+    """kill -9 of a random rank at a random step: every other rank ends with an error naming
+    it within the timeout, the launcher reports it, nothing is left behind."""
+    rng = random.Random(1234)
+    for rnd in range(3):
+        world, step, victim = 3, rng.randint(3, 25), rng.randrange(3)
+        mark = uuid.uuid4().hex
+        t0 = time.monotonic()
+        p = subprocess.run([CTR, "launch", "-n", str(world), "--grace-ms", "20000", "--",
+                            *train_args(graph, world, 60)],
+                           capture_output=True, text=True, timeout=120,
+                           env=clean_env(CTR_TEST_MARK=mark,
+                                         CTR_FAULT_INJECT=f"kill_at_step:{step}:rank:{victim}"))
+        elapsed = time.monotonic() - t0
+        check(p.returncode != 0, f"round {rnd}: the job survived a killed rank")
+        check(f"rank {victim} exited with status 137" in p.stderr,
+              f"round {rnd}: launcher did not name rank {victim}: {p.stderr[-2000:]}")
+        for r in range(world):
+            if r == victim:
+                continue
+            lines = [l for l in p.stderr.splitlines() if l.startswith(f"[{r}] ctr: error:")]
+            # A survivor may be stopped by the launcher before its own error; one that
+            # reports must name the killed rank.
+            check(all(f"rank {victim}" in l for l in lines),
+                  f"round {rnd}: rank {r} reported without naming rank {victim}: {lines}")
+        check(elapsed < TIMEOUT_S + 15, f"round {rnd}: the job took {elapsed:.1f} s to end")
+        check(not processes_marked(mark), f"round {rnd}: processes left behind: {processes_marked(mark)}")
+
+
+def killed_rank_without_launcher(graph):
+    """Without a launcher to stop them (torchrun, Slurm), the survivors of a killed rank find
+    out for themselves: each exits with status 75 and an error naming it, within the timeout."""
+    import socket
+    rng = random.Random(99)
+    for rnd in range(2):
+        world, step, victim = 3, rng.randint(3, 25), rng.randrange(3)
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        mark = uuid.uuid4().hex
+        procs = []
+        for r in range(world):
+            env = clean_env(CTR_RANK=str(r), CTR_WORLD_SIZE=str(world), CTR_MASTER_PORT=str(port),
+                            CTR_JOB_TOKEN="t" + mark, CTR_TEST_MARK=mark,
+                            CTR_FAULT_INJECT=f"kill_at_step:{step}:rank:{victim}")
+            procs.append(subprocess.Popen(train_args(graph, world, 100000), stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True, env=env))
+        procs[victim].wait(timeout=60)
+        t_kill = time.monotonic()
+        for r, p in enumerate(procs):
+            if r == victim:
+                continue
+            try:
+                _, err = p.communicate(timeout=TIMEOUT_S + 10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, err = p.communicate()
+            took = time.monotonic() - t_kill
+            check(p.returncode == 75 and f"rank {victim}" in err,
+                  f"round {rnd}: survivor {r} exited {p.returncode} after rank {victim} died: {err[-1500:]}")
+            check(took <= TIMEOUT_S + 2.0, f"round {rnd}: survivor {r} took {took:.1f} s to end")
+        check(not processes_marked(mark), f"round {rnd}: processes left behind")
+
+
+def stopped_rank(graph):
+    """SIGSTOP of a rank mid-training: the others name it within the timeout (plus a margin
+    of 2 s), and the job ends."""
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([CTR, "launch", "-n", "2", "--", *train_args(graph, 2, 100000)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(CTR_TEST_MARK=mark))
+    out, err = Drain(proc.stdout), Drain(proc.stderr)
+    pids = rank_pids(proc.pid, 2)
+    check(len(pids) == 2, "ranks did not start")
+    # Let it train a little, then stop rank 1.
+    out.wait_for(lambda l: "step" in l and "loss" in l, 60)
+    os.kill(pids[1], signal.SIGSTOP)
+    t_stop = time.monotonic()
+    proc.wait(timeout=60)
+    ended = time.monotonic() - t_stop
+    named_at = err.time_of(lambda l: l.startswith("[0] ctr: error:") and "rank 1" in l)
+    named_at = None if named_at is None else named_at - t_stop
+    check(named_at is not None and named_at <= TIMEOUT_S + 2.0,
+          f"a stopped rank was named after {named_at} s (timeout {TIMEOUT_S} s)")
+    check(proc.returncode == 75, f"job with a stopped rank exited {proc.returncode}")
+    check(ended <= TIMEOUT_S + 5.0, f"the job ended {ended:.1f} s after the stop")
+    check(not processes_marked(mark), f"stopped rank: processes left behind: {processes_marked(mark)}")
+
+    # The launcher itself ends a job whose rank stays stopped (--stopped-ms), before any
+    # collective times out.
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([CTR, "launch", "-n", "2", "--stopped-ms", "1000", "--",
+                             *train_args(graph, 2, 100000, timeout_s=30)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(CTR_TEST_MARK=mark))
+    out, err_lines = Drain(proc.stdout), Drain(proc.stderr)
+    pids = rank_pids(proc.pid, 2)
+    out.wait_for(lambda l: "loss" in l, 60)
+    os.kill(pids[1], signal.SIGSTOP)
+    t_stop = time.monotonic()
+    proc.wait(timeout=60)
+    err_lines.thread.join(5)
+    err = "".join(l for _, l in err_lines.lines)
+    ended = time.monotonic() - t_stop
+    check("rank 1 has been stopped (signal 19) for 1.0 s" in err, f"launcher did not name the stopped rank: {err}")
+    check(ended < 1.0 + 6.0, f"launcher took {ended:.1f} s to end a job with a stopped rank")
+    check(not processes_marked(mark), f"stopped-ms: processes left behind: {processes_marked(mark)}")
+
+
+def killed_launcher(graph):
+    """SIGKILL of `ctr launch`: its ranks die with it (within 2 s)."""
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([CTR, "launch", "-n", "2", "--", *train_args(graph, 2, 100000)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=clean_env(CTR_TEST_MARK=mark))
+    out = Drain(proc.stdout)
+    pids = rank_pids(proc.pid, 2)
+    out.wait_for(lambda l: "loss" in l, 60)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    t0 = time.monotonic()
+    while processes_marked(mark) and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    left = processes_marked(mark)
+    check(not left and time.monotonic() - t0 < 2.0,
+          f"ranks outlived a killed launcher by {time.monotonic() - t0:.1f} s: {left}")
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    check(len(pids) == 2, "ranks did not start")
+
+
+def final_loss(metrics):
+    lines = [json.loads(l) for l in open(metrics)]
+    return lines[-1]["step"], lines[-1]["loss"], [l["step"] for l in lines]
+
+
+def restart(graph, tmp):
+    """--max-restarts: a job whose rank is killed resumes from its last checkpoint and ends
+    with the uninterrupted run's final loss, bit for bit; the metrics file is continuous."""
+    steps = 24
+    results = {}
+    for name, inject, restarts in (("plain", None, 0), ("killed", "kill_at_step:13:rank:1", 2)):
+        d = os.path.join(tmp, name)
+        metrics = os.path.join(tmp, name + ".jsonl")
+        env = clean_env(CTR_TEST_MARK=uuid.uuid4().hex)
+        if inject:
+            env["CTR_FAULT_INJECT"] = inject
+        p = subprocess.run([CTR, "launch", "-n", "2", "--max-restarts", str(restarts), "--",
+                            *train_args(graph, 2, steps, ["--save-every", "5", "--save-dir", d,
+                                                          "--resume", "latest", "--metrics", metrics])],
+                           capture_output=True, text=True, timeout=240, env=env)
+        check(p.returncode == 0, f"{name} run exited {p.returncode}: {p.stderr[-3000:]}")
+        if p.returncode == 0:
+            results[name] = final_loss(metrics)
+        if inject:
+            check("restarting the job (restart 1 of 2)" in p.stderr, f"no restart: {p.stderr[-2000:]}")
+            check("resumed from" in p.stdout and "step_00000010" in p.stdout,
+                  f"the restart did not resume from step 10: {p.stdout[-2000:]}")
+        else:
+            check("no checkpoint in" in p.stdout, f"--resume latest without a checkpoint: {p.stdout[-1000:]}")
+    if len(results) == 2:
+        check(results["plain"][:2] == results["killed"][:2],
+              f"final step/loss differ: uninterrupted {results['plain'][:2]}, restarted {results['killed'][:2]}")
+        check(results["killed"][2] == list(range(1, steps + 1)),
+              f"metrics of the restarted run are not one step each: {results['killed'][2]}")
+
+    # A failure a restart cannot fix (exit status 1) is not retried.
+    p = subprocess.run([CTR, "launch", "-n", "2", "--max-restarts", "3", "--", CTR, "run", "/nonexistent.ctrg",
+                        "--steps", "5", "--batch", "2"],
+                       capture_output=True, text=True, timeout=60, env=clean_env())
+    check(p.returncode == 1 and "restarting" not in p.stderr, f"permanent failure retried: {p.stderr}")
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="ctr_faults_")
+    try:
+        graph = os.path.join(tmp, "g.ctrg")
+        subprocess.run([CTR, "graph", "build", "--preset", "gpt", "--layers", "2", "--dim", "32", "--heads", "2",
+                        "--vocab", "256", "--seq", "16", "-o", graph], check=True, capture_output=True)
+        for part in (killed_ranks, killed_rank_without_launcher, stopped_rank, killed_launcher):
+            t0 = time.monotonic()
+            part(graph)
+            print(f"faults: {part.__name__} done in {time.monotonic() - t0:.1f} s", flush=True)
+        t0 = time.monotonic()
+        restart(graph, tmp)
+        print(f"faults: restart done in {time.monotonic() - t0:.1f} s", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if failures:
+        print(f"{len(failures)} failure(s):")
+        for f in failures:
+            print(" -", f)
+        return 1
+    print("faults: all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
