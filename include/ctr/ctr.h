@@ -47,7 +47,7 @@ extern "C" {
 /* Version                                                                   */
 
 #define CTR_VERSION_MAJOR 0
-#define CTR_VERSION_MINOR 2
+#define CTR_VERSION_MINOR 3
 #define CTR_VERSION_PATCH 0
 
 /* The ABI version: bumped only when a shipped declaration changes meaning. It is
@@ -254,6 +254,10 @@ typedef struct ctr_step ctr_step;
  *   "check_finite" int       fail a step whose loss or gradient norm is not finite
  *                            with CTR_STATUS_NUMERIC_ERROR, leaving the
  *                            parameters unchanged (1)
+ *   "on_nonfinite" string    with check_finite: "fail" (default, as above) or
+ *                            "skip": the step counts (the schedule moves on) but
+ *                            the parameters and optimizer state are not updated;
+ *                            metrics.skipped_steps counts such steps
  *   "reshard_after_forward" int  free gathered parameters after forward and gather
  *                            them again for backward (1); 0 keeps them
  *   "keep" string            comma-separated forward tensors to keep readable with
@@ -311,6 +315,9 @@ typedef struct ctr_step_metrics {
   double compute_ms;       /* forward and backward, less exposed_comm_ms */
   double comm_ms;          /* time collectives were in flight on the comm stream */
   double exposed_comm_ms;  /* time compute waited for communication (not hidden) */
+  /* Since 0.3: */
+  int64_t skipped_steps;   /* steps so far whose update was skipped for a non-finite
+                              loss or gradient (step option on_nonfinite "skip") */
 } ctr_step_metrics;
 
 /* Runs forward, backward and the optimizer update on the inputs last set (all

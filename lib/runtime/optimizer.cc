@@ -22,6 +22,7 @@ OptimizerConfig read_optimizer_options(OptionReader &r) {
   c.weight_decay = r.get_float("weight_decay", 0.1, 0, 10);
   c.grad_clip = r.get_float("grad_clip", 1.0, 0);
   c.check_finite = r.get_int("check_finite", 1, 0, 1) != 0;
+  c.skip_nonfinite = r.get_string("on_nonfinite", "fail", {"fail", "skip"}) == "skip";
   return c;
 }
 

@@ -27,6 +27,7 @@ struct OptimizerConfig {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
   double grad_clip = 1.0;
   bool check_finite = true;
+  bool skip_nonfinite = false;  // on_nonfinite "skip": no update instead of a failure
   bool lr_override = false;
   double lr_fixed = 0;
 };

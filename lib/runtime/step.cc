@@ -97,7 +97,8 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
 
   // CTR_FAULT_INJECT="exit_at_step:N:rank:R" or "hang_at_step:N:rank:R" makes
   // rank R exit (or block forever) when it starts step N; "kill_at_step:..."
-  // kills it with SIGKILL; "exitcomm_at_step:..."
+  // kills it with SIGKILL; "nan_at_step:..." makes step N's loss NaN (once per
+  // process), for the non-finite handling; "exitcomm_at_step:..."
   // makes it exit in step N with a collective in flight. The failure tests use
   // them to check that the other ranks end the job naming that rank. Only the
   // first attempt of a job is affected (CTR_RESTART_COUNT unset or 0), so that a
@@ -109,11 +110,13 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     char kind[16] = {0};
     if (std::sscanf(f, "%15[a-z]_at_step:%lld:rank:%lld", kind, &n, &fr) == 3 && fr == mesh.rank &&
         (std::strcmp(kind, "exit") == 0 || std::strcmp(kind, "hang") == 0 ||
-         std::strcmp(kind, "exitcomm") == 0 || std::strcmp(kind, "kill") == 0)) {
+         std::strcmp(kind, "exitcomm") == 0 || std::strcmp(kind, "kill") == 0 ||
+         std::strcmp(kind, "nan") == 0)) {
       fault_step_ = n;
       fault_hang_ = std::strcmp(kind, "hang") == 0;
       fault_in_comm_ = std::strcmp(kind, "exitcomm") == 0;
       fault_kill_ = std::strcmp(kind, "kill") == 0;
+      fault_nan_ = std::strcmp(kind, "nan") == 0;
     }
   }
   for (size_t pos = 0; pos < keep.size();) {
@@ -357,7 +360,7 @@ int64_t Step::full_numel(int t) const {
 
 void Step::run(ctr_step_metrics *metrics) {
   check_inputs_set("ctr_step_run");
-  if (fault_step_ == step_ + 1) {
+  if (fault_step_ == step_ + 1 && !fault_nan_) {
     if (fault_in_comm_) {
       exec_->exit_after_collectives(3);
     } else {
@@ -394,6 +397,10 @@ void Step::run(ctr_step_metrics *metrics) {
     bwd_ms += ms_since(tb);
   }
   double loss = loss_sum / static_cast<double>(k);
+  if (fault_nan_ && fault_step_ == step_ + 1) {
+    loss = NAN;  // on one rank: the all-reduce carries it to every rank
+    fault_step_ = -1;  // once: a rewound run gets past it
+  }
   if (mesh_.world > 1) {
     // Every rank reports (and checks) the same global mean loss.
     const Comm &wc = mesh_.world_comm;
@@ -408,7 +415,8 @@ void Step::run(ctr_step_metrics *metrics) {
     comm_wait(fc, fc.iface->all_reduce(fc.ctx, &sq, &sq, 1, CTR_DTYPE_F64, ReduceOp::Sum), mesh_.timeout_ms);
   }
   double norm = std::sqrt(sq);
-  if (oc_.check_finite && (!std::isfinite(loss) || !std::isfinite(norm)))
+  const bool nonfinite = oc_.check_finite && (!std::isfinite(loss) || !std::isfinite(norm));
+  if (nonfinite && !oc_.skip_nonfinite)
     fail(CTR_STATUS_NUMERIC_ERROR,
          strformat("ctr_step_run: step %lld: loss %g, gradient norm %g is not finite; "
                    "parameters were not updated",
@@ -417,7 +425,11 @@ void Step::run(ctr_step_metrics *metrics) {
   if (oc_.grad_clip > 0 && norm > oc_.grad_clip) scale = oc_.grad_clip / (norm + 1e-6);
   double lr = schedule_lr(oc_, step_);
   int64_t t = step_ + 1;
-  opt_->update(oc_, lr, scale, t);
+  // Every rank sees the same all-reduced loss and norm, so all skip together.
+  if (nonfinite)
+    ++skipped_steps_;
+  else
+    opt_->update(oc_, lr, scale, t);
   be_.iface->synchronize(be_.ctx, 0);
   double opt_ms = ms_since(to);
   step_ = t;
@@ -442,6 +454,7 @@ void Step::run(ctr_step_metrics *metrics) {
     m.exposed_comm_ms = exec_->take_exposed_ms();
     m.comm_ms = exec_->take_comm_ms();
     m.compute_ms = std::max(0.0, fwd_ms + bwd_ms - m.exposed_comm_ms);
+    m.skipped_steps = skipped_steps_;
     std::memcpy(metrics, &m, std::min(sizeof m, metrics->size));
   }
 }

@@ -140,6 +140,8 @@ class Step : private CheckpointState {
   int64_t fault_step_ = -1;
   bool fault_hang_ = false;
   bool fault_kill_ = false;
+  bool fault_nan_ = false;
+  int64_t skipped_steps_ = 0;  // updates skipped for a non-finite loss or gradient
   bool fault_in_comm_ = false;
   std::string options_json_;  // the options the step was created with, for checkpoints
   std::vector<int> kept_;     // tensors named in option "keep"

@@ -169,7 +169,7 @@ def metrics_and_lr():
         m = step.run()
         want = {"step", "loss", "grad_norm", "lr", "step_ms", "forward_ms", "backward_ms",
                 "optimizer_ms", "tokens_per_s", "tokens", "peak_bytes", "save_wait_ms",
-                "compute_ms", "comm_ms", "exposed_comm_ms"}
+                "compute_ms", "comm_ms", "exposed_comm_ms", "skipped_steps"}
         assert set(m) == want, set(m) ^ want
         assert m["step"] == 1 and m["tokens"] == BATCH * SEQ, m
         # One rank: no collectives, so compute is the forward and backward time.

@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """Failures of a running job: a rank killed at a random step, a stopped rank, a killed
-launcher, and automatic restart from the last checkpoint. Every check has a time bound and
+launcher, a non-finite loss under each configured behaviour, and automatic restart from the
+last checkpoint. Every check has a time bound and
 looks for processes left behind.
 
 usage: test_faults.py CTR
@@ -273,6 +274,46 @@ def restart(graph, tmp):
     check(p.returncode == 1 and "restarting" not in p.stderr, f"permanent failure retried: {p.stderr}")
 
 
+def nonfinite(graph, tmp):
+    """A NaN loss injected at step 4, under each --on-nonfinite behaviour."""
+    def run_with(name, args, inject="nan_at_step:4:rank:0", world=1):
+        metrics = os.path.join(tmp, f"nf_{name}.jsonl")
+        cmd = [CTR, "run", graph, "--batch", "2", "--steps", "10", "--log-every", "1", "--metrics", metrics,
+               "--mesh", f"fsdp={world}", *args]
+        if world > 1:
+            cmd = [CTR, "launch", "-n", str(world), "--", *cmd]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env(CTR_FAULT_INJECT=inject))
+        lines = [json.loads(l) for l in open(metrics)] if os.path.exists(metrics) else []
+        return p, lines
+
+    p, ref = run_with("ref", [], inject="")
+    check(p.returncode == 0 and len(ref) == 10, f"reference run: {p.returncode} {p.stderr[-500:]}")
+    check(all(0 < l["mfu"] < 1 for l in ref), f"MFU out of range: {[l.get('mfu') for l in ref]}")
+
+    p, lines = run_with("stop", [])
+    check(p.returncode == 1 and "step 4: loss nan" in p.stderr and "not finite" in p.stderr,
+          f"stop: {p.returncode} {p.stderr[-800:]}")
+    check([l["step"] for l in lines] == [1, 2, 3], f"stop: metrics of steps {[l['step'] for l in lines]}")
+
+    p, lines = run_with("skip", ["--on-nonfinite", "skip"])
+    check(p.returncode == 0 and "1 skipped (non-finite)" in p.stdout, f"skip: {p.returncode} {p.stdout[-800:]}")
+    check([l["skipped_steps"] for l in lines] == [0, 0, 0] + [1] * 7, f"skip: {[l['skipped_steps'] for l in lines]}")
+    check([l["loss"] for l in lines[:3]] == [l["loss"] for l in ref[:3]], "skip: steps before the NaN differ")
+    p, lines = run_with("skip2", ["--on-nonfinite", "skip"], inject="nan_at_step:4:rank:1", world=2)
+    check(p.returncode == 0 and lines and lines[-1]["skipped_steps"] == 1,
+          f"skip on one of two ranks: {p.returncode} {p.stderr[-800:]}")
+
+    d = os.path.join(tmp, "nf_ckpt")
+    p, lines = run_with("rewind", ["--on-nonfinite", "rewind", "--save-every", "2", "--save-dir", d])
+    check(p.returncode == 0 and "step 4: not finite; rewound to" in p.stdout and "(step 2)" in p.stdout
+          and "step 4: passing over the batch" in p.stdout, f"rewind: {p.returncode} {p.stdout[-1500:]} {p.stderr[-500:]}")
+    check([l["step"] for l in lines] == list(range(1, 11)), f"rewind: metrics steps {[l['step'] for l in lines]}")
+    check([l["loss"] for l in lines[:3]] == [l["loss"] for l in ref[:3]], "rewind: steps before the NaN differ")
+    check(all(l["skipped_steps"] == 0 for l in lines), "rewind counted a skipped update")
+    p, _ = run_with("rewind0", ["--on-nonfinite", "rewind", "--save-dir", os.path.join(tmp, "none")])
+    check(p.returncode == 1 and "needs a checkpoint" in p.stderr, f"rewind without a checkpoint: {p.stderr[-500:]}")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="ctr_faults_")
     try:
@@ -283,6 +324,9 @@ def main():
             t0 = time.monotonic()
             part(graph)
             print(f"faults: {part.__name__} done in {time.monotonic() - t0:.1f} s", flush=True)
+        t0 = time.monotonic()
+        nonfinite(graph, tmp)
+        print(f"faults: nonfinite done in {time.monotonic() - t0:.1f} s", flush=True)
         t0 = time.monotonic()
         restart(graph, tmp)
         print(f"faults: restart done in {time.monotonic() - t0:.1f} s", flush=True)

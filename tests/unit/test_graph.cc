@@ -96,7 +96,7 @@ std::vector<int32_t> random_ids(size_t n, int vocab, uint32_t seed) {
 
 TEST(Abi, VersionAndStatusStrings) {
   EXPECT_EQ(ctr_abi_version(), CTR_ABI_VERSION);
-  EXPECT_STREQ(ctr_version(), "0.2.0");
+  EXPECT_STREQ(ctr_version(), "0.3.0");
   EXPECT_STREQ(ctr_status_string(CTR_STATUS_OK), "ok");
   EXPECT_STREQ(ctr_status_string(CTR_STATUS_INVALID_GRAPH), "invalid graph");
   EXPECT_STREQ(ctr_status_string(static_cast<ctr_status>(999)), "unknown status");

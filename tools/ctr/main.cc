@@ -25,10 +25,12 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "api/internal.h"
+#include "cpu/kernels.h"
 #include "passes/passes.h"
 #include "core/status.h"
 #include "ctr/ctr.h"
@@ -367,8 +369,29 @@ struct RunArgs {
               *beta2_opt = nullptr, *threads_opt = nullptr, *device_opt = nullptr,
               *mesh_opt = nullptr, *timeout_opt = nullptr;
   double timeout = 60;
+  std::string on_nonfinite = "stop";
+  double peak_flops = 0;  // per rank; 0: measured
   ScheduleArgs collectives;
 };
+
+// The sgemm rate of this process (FLOP/s): the peak MFU is reported against when
+// none is given. Square products through the same GEMM the CPU kernels use, on
+// the same thread pool, for about a fifth of a second after a warm-up.
+double measured_peak_flops() {
+  constexpr int64_t n = 512;
+  std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n);
+  auto product = [&] { ctr::cpu::gemm(false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n); };
+  product();
+  const auto t0 = std::chrono::steady_clock::now();
+  int64_t runs = 0;
+  double s = 0;
+  do {
+    product();
+    ++runs;
+    s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } while (s < 0.2);
+  return 2.0 * n * n * n * static_cast<double>(runs) / s;
+}
 
 // Without --data, `ctr run` trains on the built-in corpus of seed 0 (the loader's
 // default), the same text everywhere; --data-seed changes only the order.
@@ -548,6 +571,7 @@ int cmd_run(const RunArgs &a) {
     set_int(step_opts.get(), "warmup_steps", a.warmup);
     set_int(step_opts.get(), "decay_steps", std::max<int64_t>(0, a.steps - a.warmup));
     set_string(step_opts.get(), "schedule", a.schedule);
+  if (a.on_nonfinite == "skip") set_string(step_opts.get(), "on_nonfinite", "skip");
     set_float(step_opts.get(), "weight_decay", a.weight_decay);
     if (a.beta1_opt->count() > 0) set_float(step_opts.get(), "beta1", a.beta1);
     if (a.beta2_opt->count() > 0) set_float(step_opts.get(), "beta2", a.beta2);
@@ -591,25 +615,27 @@ int cmd_run(const RunArgs &a) {
       }
       first_step = ctr_step_count(step.get()) + 1;
     }
-    if (metrics.is_open()) {
-      // A resumed run continues the file of the run it resumes: its lines up to
-      // the checkpoint's step stay, later ones (written after that checkpoint by
-      // a run that then failed) are replaced by this run's.
+    // A resumed (or rewound) run continues the metrics file of the run it
+    // resumes: its lines before step `from` stay, later ones (written after that
+    // checkpoint by a run that then failed or rewound) are replaced.
+    auto restart_metrics_at = [&](int64_t from) {
+      if (!metrics.is_open()) return;
       metrics.close();
       std::vector<std::string> kept;
-      if (first_step > 1) {
+      if (from > 1) {
         std::ifstream old(a.metrics);
         for (std::string line; std::getline(old, line);) {
           const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
           if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
-              j["step"].get<int64_t>() < first_step)
+              j["step"].get<int64_t>() < from)
             kept.push_back(line);
         }
       }
       metrics.open(a.metrics, std::ios::out | std::ios::trunc);
       for (const std::string &line : kept) metrics << line << '\n';
       metrics.flush();
-    }
+    };
+    restart_metrics_at(first_step);
     Options save_opts = new_options();
     set_int(save_opts.get(), "keep", a.keep);
     // A background save in flight: the library publishes it (and moves `latest`)
@@ -647,6 +673,11 @@ int cmd_run(const RunArgs &a) {
     check(ctr_step_memory(step.get(), &arena, &param_bytes, &opt_bytes));
     const int64_t params = param_count(graph.get());
     const double flops = flops_per_token(graph.get(), seq);
+    const double peak = a.peak_flops > 0 ? a.peak_flops : measured_peak_flops();
+    // Model FLOPs per second of one rank over its peak.
+    auto mfu = [&](const ctr_step_metrics &m) {
+      return m.step_ms > 0 ? flops * static_cast<double>(m.tokens) / world / (m.step_ms / 1000.0) / peak : 0.0;
+    };
 
     if (lead) {
       int64_t data_tokens = 0;
@@ -700,14 +731,48 @@ int cmd_run(const RunArgs &a) {
     int64_t window_steps = 0;
     const auto run_start = Clock::now();
 
+    // --on-nonfinite rewind: steps whose batch is passed over once the run has
+    // gone back to the checkpoint before them; a bound on how often.
+    std::set<int64_t> skip_batch_at;
+    int rewinds = 0;
+    constexpr int kMaxRewinds = 8;
     for (int64_t i = first_step; i <= a.steps; ++i) {
       const auto t0 = Clock::now();
       batches.next();
+      if (skip_batch_at.count(i)) {
+        batches.next();  // the batch that made step i non-finite, passed over
+        if (lead) std::printf("step %" PRId64 ": passing over the batch that was not finite\n", i);
+      }
       set_inputs(step.get(), batches, train_loader.get(), data_what);
       ctr_step_metrics m;
       std::memset(&m, 0, sizeof m);
       m.size = sizeof m;
-      check(ctr_step_run(step.get(), &m));
+      const ctr_status run_status = ctr_step_run(step.get(), &m);
+      if (run_status == CTR_STATUS_NUMERIC_ERROR && a.on_nonfinite == "rewind") {
+        const std::string why = ctr_last_error();
+        if (++rewinds > kMaxRewinds || skip_batch_at.count(i))
+          throw ctr::Error(run_status, why + ctr::strformat(" (after %d rewinds)", rewinds - 1));
+        const char *loaded = nullptr, *skipped_dirs = nullptr;
+        const ctr_status st =
+            ctr_step_resume(step.get(), a.save_dir.c_str(), "latest", &loaded, &skipped_dirs);
+        if (st == CTR_STATUS_NOT_FOUND)
+          throw ToolError(run_status, why,
+                          ctr::strformat("--on-nonfinite rewind needs a checkpoint in '%s' "
+                                         "(--save-every)", a.save_dir.c_str()));
+        check(st);
+        const int64_t at = ctr_step_count(step.get());
+        skip_batch_at.insert(i);
+        if (lead) {
+          if (skipped_dirs) warn_skipped(a.save_dir, skipped_dirs, loaded);
+          std::printf("step %" PRId64 ": not finite; rewound to %s (step %" PRId64 "), its batch "
+                      "will be passed over\n", i, loaded, at);
+          std::fflush(stdout);
+        }
+        restart_metrics_at(at + 1);
+        i = at;  // the loop goes on with step at + 1
+        continue;
+      }
+      check(run_status);
       if (!pending_save.empty() && ++pending_runs >= kAsyncSaveLag) {
         // This run published the background save (the step option's lag).
         if (lead) {
@@ -744,10 +809,14 @@ int cmd_run(const RunArgs &a) {
             world > 1 ? ctr::strformat(" | comm %.1f ms (exposed %.1f)", window_comm_ms / n,
                                        window_exposed_ms / n)
                       : std::string();
+        const double window_mfu = ms > 0 ? flops * tok_s / world / peak : 0;
+        const std::string skipped =
+            m.skipped_steps > 0 ? ctr::strformat(" | %" PRId64 " skipped (non-finite)", m.skipped_steps)
+                                : std::string();
         std::printf("step %*" PRId64 "/%" PRId64 " | loss %.4f | grad %.3f | lr %.2e | %s tok/s | "
-                    "%.0f ms/step | ETA %s%s\n",
-                    width, i, a.steps, m.loss, m.grad_norm, m.lr, human(tok_s).c_str(), ms,
-                    clock_time(eta).c_str(), comm.c_str());
+                    "MFU %.1f%% | %.0f ms/step | ETA %s%s%s\n",
+                    width, i, a.steps, m.loss, m.grad_norm, m.lr, human(tok_s).c_str(),
+                    100.0 * window_mfu, ms, clock_time(eta).c_str(), comm.c_str(), skipped.c_str());
         std::fflush(stdout);
         window_ms = window_tokens = window_wall = 0;
         window_comm_ms = window_exposed_ms = 0;
@@ -770,6 +839,8 @@ int cmd_run(const RunArgs &a) {
             {"tokens_per_s", m.tokens_per_s},
             {"peak_bytes", m.peak_bytes},
             {"flops_per_token", flops},
+            {"mfu", mfu(m)},
+            {"skipped_steps", m.skipped_steps},
             {"tokens", m.tokens},
             {"save_wait_ms", m.save_wait_ms},
             {"compute_ms", m.compute_ms},
@@ -992,6 +1063,16 @@ int run_main(int argc, char **argv) {
                         ->check(kPositive);
   run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default), or a backend plugin's device such as cuda (libctr-DEVICE.so)");
   run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4");
+  run_cmd->add_option("--on-nonfinite", run.on_nonfinite,
+                      "A step whose loss or gradient is not finite: stop (the run fails), skip "
+                      "(no update; the run goes on), or rewind (back to the latest checkpoint, "
+                      "passing over that batch)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"stop", "skip", "rewind"}));
+  run_cmd->add_option("--peak-flops", run.peak_flops,
+                      "Peak FLOP/s of one rank that MFU is reported against (default: this "
+                      "process's measured sgemm rate)")
+      ->check(CLI::PositiveNumber);
   run.timeout_opt = run_cmd->add_option("--timeout", run.timeout,
                                         "Seconds a rank waits for its peers before the job "
                                         "fails naming the missing rank (60)")

@@ -161,6 +161,7 @@ class StepMetrics(ctypes.Structure):
         ("compute_ms", c_double),
         ("comm_ms", c_double),
         ("exposed_comm_ms", c_double),
+        ("skipped_steps", c_int64),
     ]
 
 
