@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <csignal>
 #include <cstring>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "core/options.h"
@@ -106,6 +107,10 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   const char *restart = std::getenv("CTR_RESTART_COUNT");
   const bool first_attempt = restart == nullptr || std::strcmp(restart, "0") == 0;
   if (const char *f = std::getenv("CTR_FAULT_INJECT"); f && first_attempt) {
+    // "slow:MS:rank:R": rank R spends MS more milliseconds of compute in every
+    // step (a straggler, for the tests that must name it).
+    long long ms = 0, sr = 0;
+    if (std::sscanf(f, "slow:%lld:rank:%lld", &ms, &sr) == 2 && sr == mesh.rank && ms > 0) fault_slow_ms_ = ms;
     long long n = 0, fr = 0;
     char kind[16] = {0};
     if (std::sscanf(f, "%15[a-z]_at_step:%lld:rank:%lld", kind, &n, &fr) == 3 && fr == mesh.rank &&
@@ -387,6 +392,7 @@ void Step::run(ctr_step_metrics *metrics) {
   for (int64_t mb = 0; mb < k; ++mb) {
     bind_micro_batch(mb);
     auto tf = Clock::now();
+    if (fault_slow_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(fault_slow_ms_));
     exec_->run(Executor::Phase::Forward);
     ran_forward_ = true;
     fwd_ms += ms_since(tf);

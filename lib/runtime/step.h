@@ -141,6 +141,7 @@ class Step : private CheckpointState {
   bool fault_hang_ = false;
   bool fault_kill_ = false;
   bool fault_nan_ = false;
+  int64_t fault_slow_ms_ = 0;
   int64_t skipped_steps_ = 0;  // updates skipped for a non-finite loss or gradient
   bool fault_in_comm_ = false;
   std::string options_json_;  // the options the step was created with, for checkpoints

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """Failures of a running job: a rank killed at a random step, a stopped rank, a killed
-launcher, a non-finite loss under each configured behaviour, and automatic restart from the
+launcher, a straggler, a non-finite loss under each configured behaviour, and automatic restart from the
 last checkpoint. Every check has a time bound and
 looks for processes left behind.
 
@@ -314,6 +314,25 @@ def nonfinite(graph, tmp):
     check(p.returncode == 1 and "needs a checkpoint" in p.stderr, f"rewind without a checkpoint: {p.stderr[-500:]}")
 
 
+def stragglers(graph, tmp):
+    """A rank slowed by an injected delay is named as a straggler in the log and the
+    metrics; an even job names nobody."""
+    for inject, want in (("slow:60:rank:2", [2]), ("", [])):
+        metrics = os.path.join(tmp, "strag.jsonl")
+        p = subprocess.run([CTR, "launch", "-n", "3", "--", *train_args(graph, 3, 20, [
+            "--straggler-every", "5", "--straggler-factor", "3", "--metrics", metrics])],
+                           capture_output=True, text=True, timeout=120, env=clean_env(CTR_FAULT_INJECT=inject))
+        check(p.returncode == 0, f"straggler run ({inject}): {p.returncode} {p.stderr[-800:]}")
+        lines = [json.loads(l) for l in open(metrics)] if os.path.exists(metrics) else []
+        named = [l["stragglers"] for l in lines if l["step"] % 5 == 0]
+        if want:
+            check("straggler at step 5: rank 2:" in p.stderr, f"slow rank not named: {p.stderr[-800:]}")
+            check(named and all(n == want for n in named), f"stragglers in the metrics: {named}")
+        else:
+            check("straggler" not in p.stderr and all(n == [] for n in named),
+                  f"an even job named a straggler: {named} {p.stderr[-500:]}")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="ctr_faults_")
     try:
@@ -324,6 +343,9 @@ def main():
             t0 = time.monotonic()
             part(graph)
             print(f"faults: {part.__name__} done in {time.monotonic() - t0:.1f} s", flush=True)
+        t0 = time.monotonic()
+        stragglers(graph, tmp)
+        print(f"faults: stragglers done in {time.monotonic() - t0:.1f} s", flush=True)
         t0 = time.monotonic()
         nonfinite(graph, tmp)
         print(f"faults: nonfinite done in {time.monotonic() - t0:.1f} s", flush=True)

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "api/handles.h"
 #include "api/internal.h"
 #include "cpu/kernels.h"
 #include "passes/passes.h"
@@ -370,6 +371,8 @@ struct RunArgs {
               *mesh_opt = nullptr, *timeout_opt = nullptr;
   double timeout = 60;
   std::string on_nonfinite = "stop";
+  int64_t straggler_every = 50;     // steps between straggler checks (0: none)
+  double straggler_factor = 1.5;    // slower than the median by this: named
   double peak_flops = 0;  // per rank; 0: measured
   ScheduleArgs collectives;
 };
@@ -377,6 +380,40 @@ struct RunArgs {
 // The sgemm rate of this process (FLOP/s): the peak MFU is reported against when
 // none is given. Square products through the same GEMM the CPU kernels use, on
 // the same thread pool, for about a fifth of a second after a warm-up.
+// Stragglers: every rank's own time per step (compute, data and optimizer; not
+// the time it waited for others) gathered on every rank; a rank slower than the
+// median by `factor` is named. Collective over the world.
+struct StragglerReport {
+  std::vector<int> ranks;  // the slow ones
+  std::string text;        // "rank 1: 45.1 ms/step (median 20.3 ms)" per slow rank
+};
+
+constexpr double kStragglerMinGapMs = 5.0;
+
+StragglerReport find_stragglers(const ctr_mesh *mesh, double own_ms_per_step, double factor) {
+  const ctr::Mesh &m = *mesh;
+  StragglerReport out;
+  if (m.world <= 1) return out;
+  std::vector<double> all(static_cast<size_t>(m.world));
+  ctr::comm_wait(m.world_comm,
+                 m.world_comm.iface->all_gather(m.world_comm.ctx, &own_ms_per_step, all.data(), sizeof(double)),
+                 m.timeout_ms);
+  std::vector<double> sorted = all;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+  for (int r = 0; r < m.world; ++r) {
+    // Both relative and absolute: a few milliseconds of jitter on a short step
+    // is not a straggler.
+    const double t = all[static_cast<size_t>(r)];
+    if (median <= 0 || t <= factor * median || t - median < kStragglerMinGapMs) continue;
+    out.ranks.push_back(r);
+    out.text += ctr::strformat("%srank %d: %.1f ms/step of its own work (median %.1f ms)",
+                               out.text.empty() ? "" : "; ", r, all[static_cast<size_t>(r)], median);
+  }
+  return out;
+}
+
 double measured_peak_flops() {
   constexpr int64_t n = 512;
   std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n);
@@ -736,6 +773,9 @@ int cmd_run(const RunArgs &a) {
     std::set<int64_t> skip_batch_at;
     int rewinds = 0;
     constexpr int kMaxRewinds = 8;
+    double own_ms = 0;  // this rank's own work since the last straggler check
+    int64_t own_steps = 0;
+    std::vector<int> stragglers;
     for (int64_t i = first_step; i <= a.steps; ++i) {
       const auto t0 = Clock::now();
       batches.next();
@@ -783,6 +823,20 @@ int cmd_run(const RunArgs &a) {
         pending_save.clear();
       }
       const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+      // Own work: the step less the time it waited for others, plus the data.
+      own_ms += std::max(0.0, wall * 1000.0 - m.step_ms) + m.compute_ms + m.optimizer_ms;
+      ++own_steps;
+      if (a.straggler_every > 0 && i % a.straggler_every == 0) {
+        const StragglerReport rep =
+            find_stragglers(mesh.get(), own_ms / static_cast<double>(own_steps), a.straggler_factor);
+        stragglers = rep.ranks;
+        if (lead && !rep.ranks.empty()) {
+          std::fprintf(stderr, "ctr: warning: straggler at step %" PRId64 ": %s\n", i, rep.text.c_str());
+          std::fflush(stderr);
+        }
+        own_ms = 0;
+        own_steps = 0;
+      }
 
       last_loss = m.loss;
       total_ms += m.step_ms;
@@ -840,6 +894,7 @@ int cmd_run(const RunArgs &a) {
             {"peak_bytes", m.peak_bytes},
             {"flops_per_token", flops},
             {"mfu", mfu(m)},
+            {"stragglers", stragglers},
             {"skipped_steps", m.skipped_steps},
             {"tokens", m.tokens},
             {"save_wait_ms", m.save_wait_ms},
@@ -1069,6 +1124,14 @@ int run_main(int argc, char **argv) {
                       "passing over that batch)")
       ->capture_default_str()
       ->check(CLI::IsMember({"stop", "skip", "rewind"}));
+  run_cmd->add_option("--straggler-every", run.straggler_every,
+                      "Steps between checks for a rank slower than the others (0: none)")
+      ->capture_default_str()
+      ->check(kNonNegative);
+  run_cmd->add_option("--straggler-factor", run.straggler_factor,
+                      "A rank whose own time per step exceeds the median by this factor is named")
+      ->capture_default_str()
+      ->check(CLI::Range(1.0, 1000.0));
   run_cmd->add_option("--peak-flops", run.peak_flops,
                       "Peak FLOP/s of one rank that MFU is reported against (default: this "
                       "process's measured sgemm rate)")
