@@ -181,6 +181,17 @@ CTR_API int ctr_mesh_axis_size(const ctr_mesh *mesh, const char *axis);
 /* "cpu" or "cuda"; owned by the mesh. */
 CTR_API const char *ctr_mesh_device(const ctr_mesh *mesh);
 
+/* Since 0.3. The job's failure as far as this rank knows it, learnt in the
+ * background while a call on this mesh's steps may be blocked (the manner of
+ * ncclCommGetAsyncError): CTR_STATUS_OK while there is none; otherwise
+ * CTR_STATUS_COMM_ERROR with *message (may be NULL) naming it, for example
+ * "rank 3 sent no heartbeat for 60.0 s (stopped, hung or cut off)", valid
+ * until this thread's next call. Every rank of a multi-rank mesh sends rank 0 a
+ * heartbeat eight times per mesh timeout; a rank silent for the timeout is the
+ * job's failure, as is the first failure any rank reports. Safe to call from
+ * any thread, concurrently with other calls. */
+CTR_API ctr_status ctr_mesh_async_error(const ctr_mesh *mesh, const char **message);
+
 /* ------------------------------------------------------------------------ */
 /* Graph: what to train                                                      */
 

@@ -267,6 +267,16 @@ extern "C" const char *ctr_mesh_device(const ctr_mesh *mesh) {
   return mesh ? mesh->device.c_str() : "";
 }
 
+extern "C" ctr_status ctr_mesh_async_error(const ctr_mesh *mesh, const char **message) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(mesh != nullptr, "ctr_mesh_async_error: mesh is NULL");
+  thread_local std::string text;
+  const ctr_status st = mesh->async_error(&text);
+  if (message) *message = text.c_str();
+  return st;
+  CTR_API_END
+}
+
 // ---------------------------------------------------------------------------
 // Graph
 
@@ -495,8 +505,13 @@ extern "C" ctr_status ctr_step_run(ctr_step *step, ctr_step_metrics *metrics) {
   try {
     step->impl->run(metrics);
   } catch (const ctr::Error &e) {
-    step->impl->mesh().note_failure(e.code());
-    throw;
+    const ctr::Mesh &mesh = step->impl->mesh();
+    mesh.note_failure(e.code());
+    if (e.code() != CTR_STATUS_COMM_ERROR && e.code() != CTR_STATUS_TIMEOUT) throw;
+    // What the ranks' flight recorders say goes with the error.
+    const std::string found = mesh.forensics(e.message());
+    if (found.empty()) throw;
+    throw ctr::Error(e.code(), e.message() + "; flight recorder: " + found);
   }
   CTR_API_END
 }

@@ -92,12 +92,34 @@ struct CommIface {
   // communicator shares this one's transport.
   Comm (*split)(void *ctx, const std::vector<int> &members);
   void (*destroy)(void *ctx);
+  // The flight recorder of the process's transport (shared by every
+  // communicator split from the same world), as JSON: the last collectives
+  // issued, oldest first, each {"comm", "seq", "what", "bytes", "issued_ms",
+  // "done_ms" (-1 while in flight), "state" ("in flight", "done", "failed")}.
+  // Optional (null when the transport keeps none).
+  std::string (*flight)(void *ctx);
 };
 
 struct Comm {
   const CommIface *iface = nullptr;
   void *ctx = nullptr;
   explicit operator bool() const { return iface != nullptr; }
+};
+
+// Names the collectives this thread issues while it is in scope, for the
+// flight recorder ("all_gather 'bucket.layers.0'"); nests.
+class CollectiveName {
+ public:
+  explicit CollectiveName(std::string name);
+  ~CollectiveName();
+  CollectiveName(const CollectiveName &) = delete;
+  CollectiveName &operator=(const CollectiveName &) = delete;
+  // The innermost name in scope on this thread, or "".
+  static const std::string &current();
+
+ private:
+  std::string name_;
+  const std::string *outer_;
 };
 
 // Convenience: issue and wait.
@@ -139,6 +161,13 @@ class Store {
   // The job has failed: rank 0 stops serving at once instead of waiting for the
   // other ranks to leave (some may be stopped or hung). No-op elsewhere.
   virtual void abandon() = 0;
+  // Liveness: tells rank 0 this rank is alive and returns the job's failure as
+  // rank 0 knows it ("" while there is none). Once a rank has sent one, rank 0
+  // declares it failed when it sends none for the job timeout (a stopped, hung
+  // or cut-off process). Cheap; never waits on other ranks.
+  virtual std::string heartbeat() = 0;
+  // Records a failure this rank saw (the first one reported is the job's).
+  virtual void report_failure(const std::string &message) = 0;
 };
 
 // Joins the job: rank 0 serves the store on exactly cfg.addr and every rank

@@ -9,6 +9,19 @@
 
 namespace ctr {
 
+namespace {
+thread_local const std::string *t_collective_name = nullptr;
+const std::string kNoName;
+}  // namespace
+
+CollectiveName::CollectiveName(std::string name) : name_(std::move(name)), outer_(t_collective_name) {
+  t_collective_name = &name_;
+}
+CollectiveName::~CollectiveName() { t_collective_name = outer_; }
+const std::string &CollectiveName::current() {
+  return t_collective_name ? *t_collective_name : kNoName;
+}
+
 std::vector<std::string> comm_transports() {
   std::vector<std::string> out;
   if (ucx_available()) out.push_back("ucx");

@@ -93,7 +93,9 @@ constexpr int64_t kMaxTimeoutMs = int64_t{1} << 40;
 
 int64_t capped(int64_t ms) { return std::clamp<int64_t>(ms, 0, kMaxTimeoutMs); }
 
-enum class Req : uint8_t { Hello = 1, Join = 2, Set = 3, Get = 4, Add = 5, Barrier = 6, Proof = 7 };
+enum class Req : uint8_t {
+  Hello = 1, Join = 2, Set = 3, Get = 4, Add = 5, Barrier = 6, Proof = 7, Heartbeat = 8, Failure = 9
+};
 
 std::string seconds(int64_t ms) { return strformat("%.1f s", static_cast<double>(ms) / 1000.0); }
 
@@ -407,6 +409,9 @@ class StoreServer {
         for (auto &w : b.waiters) next = std::min(next, w.deadline);
       for (auto &[id, c] : conns_)
         if (c.rank < 0 && !c.closing) next = std::min(next, c.since + admit_window());
+      if (failure_.empty())
+        for (auto &[rank, at] : last_beat_)
+          next = std::min(next, at + std::chrono::milliseconds(cfg_.timeout_ms));
 
       fds.clear();
       ids.clear();
@@ -610,6 +615,10 @@ class StoreServer {
     };
     purge(join_waiters_);
     for (auto &[k, ws] : get_waiters_) purge(ws);
+    // A rank that closed its connection has left (a dead one is the
+    // communicator's to report): its silence is no failure.
+    if (auto it = conns_.find(id); it != conns_.end() && it->second.rank >= 0)
+      last_beat_.erase(it->second.rank);
     for (auto &[k, b] : barriers_) purge(b.waiters);
     conns_.erase(id);
   }
@@ -686,6 +695,19 @@ class StoreServer {
             join_waiters_.clear();
           }
         }
+        return;
+      }
+      case Req::Heartbeat: {
+        if (!check(c, r)) return;
+        last_beat_[c.rank] = Clock::now();
+        send(c, Writer(CTR_STATUS_OK).str(failure_).take());
+        return;
+      }
+      case Req::Failure: {
+        std::string what = r.str();
+        if (!check(c, r)) return;
+        if (failure_.empty()) failure_ = strformat("rank %d: %s", c.rank, what.c_str());
+        send(c, ok_reply());
         return;
       }
       case Req::Join: {
@@ -801,6 +823,12 @@ class StoreServer {
   // Answers every wait whose deadline has passed with a message naming what is
   // missing.
   void expire(TimePoint now) {
+    // A rank that has been sending heartbeats and stops is the job's failure.
+    for (auto &[rank, at] : last_beat_) {
+      if (!failure_.empty() || now < at + std::chrono::milliseconds(cfg_.timeout_ms)) continue;
+      failure_ = strformat("rank %d sent no heartbeat for %s (stopped, hung or cut off)", rank,
+                           seconds(cfg_.timeout_ms).c_str());
+    }
     for (auto &[id, c] : conns_)
       if (c.rank < 0 && !c.closing && !c.dead && now >= c.since + admit_window())
         refuse(c, strformat("%s was not admitted within %s", c.peer.c_str(),
@@ -879,6 +907,8 @@ class StoreServer {
   std::vector<std::string> joined_from_;  // peer address per joined rank, empty if not joined
   int joined_ = 0;
   int refusals_ = 0;
+  std::map<int, TimePoint> last_beat_;  // ranks that send heartbeats: the last one
+  std::string failure_;                 // the job's first failure, once known
   std::vector<Waiter> join_waiters_;
   std::unordered_map<std::string, std::string> kv_;
   std::unordered_map<std::string, std::vector<Waiter>> get_waiters_;
@@ -988,6 +1018,22 @@ class TcpStore final : public Store {
 
   void abandon() override {
     if (server_) server_->stop(0);
+  }
+
+  std::string heartbeat() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::string body = request(Writer(static_cast<uint8_t>(Req::Heartbeat)).take(),
+                               Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms), "heartbeat");
+    Reader r(body.data(), body.size());
+    std::string failure = r.str();
+    protocol_check(r, "heartbeat");
+    return failure;
+  }
+
+  void report_failure(const std::string &message) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    request(Writer(static_cast<uint8_t>(Req::Failure)).str(message).take(),
+            Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms), "failure report");
   }
 
   void barrier(const std::string &name, int64_t timeout_ms) override {

@@ -297,6 +297,7 @@ struct Coll {
   bool network = false;     // has sends or receives
   bool global_src = false;  // tags carry world ranks, not group indices (split agreement)
   bool tolerant = false;    // operations with failed peers are skipped, not fatal (destroy)
+  uint64_t flight_id = 0;   // its entry in the flight recorder (issue order, from 1)
 
   // Progress thread only.
   size_t scan_from = 0;     // first operation that may still be waiting
@@ -605,6 +606,28 @@ class Transport {
   std::atomic<bool> any_failure_{false};
   std::atomic<bool> any_silent_{false};  // some peer stopped answering
 
+ public:
+  // The flight recorder: the last kFlightEntries collectives this process
+  // issued, kept whatever their outcome, for the forensics of a failure.
+  struct FlightEntry {
+    uint64_t id = 0;
+    std::string comm, what;
+    uint32_t seq = 0;
+    size_t bytes = 0;
+    TimePoint issued{}, done{};
+    int state = 0;  // 0 in flight, 1 done, 2 failed
+  };
+  static constexpr size_t kFlightEntries = 256;
+  void flight_issue(Coll *c);
+  void flight_end(const Coll *c, bool ok);
+  std::string flight_json();
+
+ private:
+  std::mutex flight_mu_;
+  std::vector<FlightEntry> flight_ = std::vector<FlightEntry>(kFlightEntries);
+  uint64_t flight_next_ = 1;
+  TimePoint flight_epoch_ = Clock::now();
+
   // Progress thread only.
   std::vector<Coll *> active_;
   std::vector<Coll *> dirty_;
@@ -841,7 +864,57 @@ void Transport::wake() {
   [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof one);
 }
 
+void Transport::flight_issue(Coll *c) {
+  std::lock_guard<std::mutex> lock(flight_mu_);
+  c->flight_id = flight_next_++;
+  FlightEntry &e = flight_[c->flight_id % kFlightEntries];
+  e.id = c->flight_id;
+  e.comm = c->group->name;
+  const std::string &name = CollectiveName::current();
+  e.what = name.empty() ? c->what : name + ": " + c->what;
+  e.seq = static_cast<uint32_t>((c->tag >> 16) & 0xffffff);
+  e.bytes = 0;
+  for (const Op &op : c->ops)
+    if (op.kind == Op::kSend) e.bytes += op.bytes;
+  e.issued = Clock::now();
+  e.done = TimePoint{};
+  e.state = 0;
+}
+
+void Transport::flight_end(const Coll *c, bool ok) {
+  std::lock_guard<std::mutex> lock(flight_mu_);
+  FlightEntry &e = flight_[c->flight_id % kFlightEntries];
+  if (e.id != c->flight_id || e.state != 0) return;  // overwritten by newer entries, or ended
+  e.done = Clock::now();
+  e.state = ok ? 1 : 2;
+}
+
+std::string Transport::flight_json() {
+  std::lock_guard<std::mutex> lock(flight_mu_);
+  auto ms = [this](TimePoint t) {
+    return std::chrono::duration<double, std::milli>(t - flight_epoch_).count();
+  };
+  std::string out = "[";
+  const uint64_t first = flight_next_ > kFlightEntries ? flight_next_ - kFlightEntries : 1;
+  for (uint64_t id = first; id < flight_next_; ++id) {
+    const FlightEntry &e = flight_[id % kFlightEntries];
+    if (e.id != id) continue;
+    std::string what;
+    for (char ch : e.what) {
+      if (ch == '"' || ch == '\\') what += '\\';
+      if (static_cast<unsigned char>(ch) >= 0x20) what += ch;
+    }
+    out += strformat("%s{\"comm\":\"%s\",\"seq\":%u,\"what\":\"%s\",\"bytes\":%zu,"
+                     "\"issued_ms\":%.3f,\"done_ms\":%.3f,\"state\":\"%s\"}",
+                     out.size() > 1 ? "," : "", e.comm.c_str(), e.seq, what.c_str(), e.bytes,
+                     ms(e.issued), e.state == 0 ? -1.0 : ms(e.done),
+                     e.state == 0 ? "in flight" : e.state == 1 ? "done" : "failed");
+  }
+  return out + "]";
+}
+
 CommWork *Transport::issue(Coll *c) {
+  if (c->group->id != kTeardownCommId) flight_issue(c);
   if (!c->network) {
     // A group of one, or nothing to move: run it here, synchronously.
     for (Op &op : c->ops) {
@@ -852,6 +925,7 @@ CommWork *Transport::issue(Coll *c) {
       op.state = Op::kDone;
     }
     c->finished = true;
+    flight_end(c, true);
     release(c);  // the progress thread's reference
     return to_handle(c);
   }
@@ -983,6 +1057,7 @@ void Transport::run() {
           c->error = msg;
         }
         c->finished = true;
+        flight_end(c, false);
       }
       c->cv.notify_all();
       // Not released: UCP may still hold requests that point into it.
@@ -1025,6 +1100,7 @@ void Transport::loop() {
       {
         std::lock_guard<std::mutex> lock(c->mu);
         c->finished = true;
+        flight_end(c, c->code == CTR_STATUS_OK);
       }
       c->cv.notify_all();
       release(c);
@@ -1670,10 +1746,12 @@ uint64_t hash_members(const std::vector<int> &m) {
 
 Comm c_split(void *ctx, const std::vector<int> &members);
 
+std::string c_flight(void *ctx) { return ctx_of(ctx)->t->flight_json(); }
+
 const CommIface kIface = {
     "ucx",        c_rank,         c_size,      c_global_rank, c_all_gather, c_reduce_scatter,
     c_all_reduce, c_all_to_all_v, c_broadcast, c_barrier,     c_batch,      c_wait,
-    c_test,       c_split,      c_destroy,
+    c_test,       c_split,      c_destroy,    c_flight,
 };
 
 Comm c_split(void *ctx, const std::vector<int> &members) {

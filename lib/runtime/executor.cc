@@ -148,6 +148,7 @@ void Executor::run_collective(void *user) {
   const auto t0 = Clock::now();
   try {
     const CommIface *ci = c->comm.iface;
+    const CollectiveName name(strformat("%s '%s'", c->node->op.c_str(), c->node->name.c_str()));
     CommWork *w = nullptr;
     if (c->src.size() > 1) {
       std::vector<CollDesc> d(c->src.size());

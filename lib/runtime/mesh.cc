@@ -3,14 +3,28 @@
 #include "runtime/mesh.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <nlohmann/json.hpp>
 
 #include "core/status.h"
 #include "passes/passes.h"
 
 namespace ctr {
 
+namespace {
+int64_t heartbeat_ms(int64_t timeout_ms) { return std::clamp<int64_t>(timeout_ms / 8, 50, 5000); }
+}  // namespace
+
 Mesh::~Mesh() {
+  if (heartbeat_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(hb_mu_);
+      hb_stop_ = true;
+    }
+    hb_cv_.notify_all();
+    heartbeat_.join();
+  }
   // Destructors are noexcept: a failure while tearing a communicator down (a
   // peer already gone) must not end the host process.
   auto destroy = [](Comm &c) {
@@ -104,6 +118,133 @@ void Mesh::connect(const RendezvousConfig &rc) {
   store = store_join(rc);
   world_comm = comm_create(transport, *store, rank, world, timeout_ms);
   for (const auto &a : axes) axis_comm[a.first] = world_comm.iface->split(world_comm.ctx, axis_group(a.first));
+  heartbeat_ = std::thread([this] { heartbeat_loop(); });
+}
+
+// Liveness: a heartbeat to rank 0 eight times per timeout. The reply carries the
+// job's failure once rank 0 knows one; this rank then keeps it for
+// async_error() and publishes its flight recorder for rank 0's forensics.
+void Mesh::heartbeat_loop() {
+  const auto interval = std::chrono::milliseconds(heartbeat_ms(timeout_ms));
+  std::unique_lock<std::mutex> lock(hb_mu_);
+  while (!hb_stop_) {
+    lock.unlock();
+    std::string failure;
+    try {
+      failure = store->heartbeat();
+    } catch (const Error &e) {
+      failure = "the rendezvous store (rank 0) cannot be reached: " + e.message();
+    }
+    if (!failure.empty()) {
+      try {
+        publish_flight();
+      } catch (const Error &) {
+      }
+    }
+    lock.lock();
+    if (!failure.empty() && async_error_.empty()) async_error_ = failure;
+    if (!failure.empty()) break;  // nothing more to learn; the job is ending
+    hb_cv_.wait_for(lock, interval, [this] { return hb_stop_; });
+  }
+}
+
+ctr_status Mesh::async_error(std::string *message) const {
+  std::lock_guard<std::mutex> lock(hb_mu_);
+  if (message) *message = async_error_;
+  return async_error_.empty() ? CTR_STATUS_OK : CTR_STATUS_COMM_ERROR;
+}
+
+void Mesh::publish_flight() const {
+  {
+    std::lock_guard<std::mutex> lock(hb_mu_);
+    if (published_) return;
+    published_ = true;
+  }
+  const std::string record =
+      world_comm.iface->flight ? world_comm.iface->flight(world_comm.ctx) : std::string("[]");
+  store->set(strformat("ctr/flight/%d", rank), record);
+}
+
+namespace {
+
+// What the ranks' flight records say together. For every communicator, the
+// newest collective any member issued; a member whose last one on it is older
+// never issued it, and one whose last is still in flight never finished it.
+std::string compare_records(const std::map<int, nlohmann::json> &records, int world) {
+  using nlohmann::json;
+  struct Last {
+    uint32_t seq = 0;
+    std::string what, state;
+  };
+  std::map<std::string, std::map<int, Last>> last;  // comm -> rank -> its newest entry
+  std::map<std::string, std::map<uint32_t, std::string>> named;  // comm -> seq -> what
+  for (const auto &[r, rec] : records) {
+    if (!rec.is_array()) continue;
+    for (const json &e : rec) {
+      if (!e.is_object() || !e.contains("comm") || !e.contains("seq")) continue;
+      const std::string comm = e["comm"].get<std::string>();
+      Last &l = last[comm][r];
+      const auto seq = e["seq"].get<uint32_t>();
+      named[comm][seq] = e.value("what", "");
+      if (seq >= l.seq) l = {seq, e.value("what", ""), e.value("state", "")};
+    }
+  }
+  std::string out;
+  auto add = [&out](const std::string &s) { out += (out.empty() ? "" : "; ") + s; };
+  for (const auto &[comm, ranks] : last) {
+    const Last *newest = nullptr;
+    for (const auto &[r, l] : ranks)
+      if (!newest || l.seq > newest->seq) newest = &l;
+    for (const auto &[r, l] : ranks) {
+      if (l.seq < newest->seq) {
+        // The first collective it did not issue, as the others recorded it.
+        const auto it = named[comm].find(l.seq + 1);
+        const uint32_t seq = it != named[comm].end() ? l.seq + 1 : newest->seq;
+        const std::string &what = it != named[comm].end() ? it->second : newest->what;
+        add(strformat("rank %d never issued #%u %s on %s (its last there: #%u %s)", r, seq,
+                      what.c_str(), comm.c_str(), l.seq, l.what.c_str()));
+      }
+      else if (l.state != "done")
+        add(strformat("rank %d was waiting in #%u %s on %s", r, l.seq, l.what.c_str(), comm.c_str()));
+    }
+  }
+  std::vector<int> silent;
+  for (int r = 0; r < world; ++r)
+    if (!records.count(r)) silent.push_back(r);
+  if (!silent.empty()) {
+    std::string list;
+    for (int r : silent) list += (list.empty() ? "" : ", ") + std::to_string(r);
+    add(strformat("no record from rank%s %s (dead, stopped or hung)", silent.size() > 1 ? "s" : "",
+                  list.c_str()));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string Mesh::forensics(const std::string &failure) const {
+  if (world <= 1 || !store) return "";
+  try {
+    store->report_failure(failure);
+    publish_flight();
+  } catch (const Error &) {
+    return "";  // rank 0's store is gone: nothing to compare with
+  }
+  // The others publish theirs when their heartbeat brings them the failure,
+  // within an interval; a rank that sends none by then is named as such.
+  const int64_t budget = heartbeat_ms(timeout_ms) + std::clamp<int64_t>(timeout_ms / 16, 50, 500);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(budget);
+  std::map<int, nlohmann::json> records;
+  for (int r = 0; r < world; ++r) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          deadline - std::chrono::steady_clock::now())
+                          .count();
+    try {
+      records[r] = nlohmann::json::parse(store->get(strformat("ctr/flight/%d", r), std::max<int64_t>(left, 1)));
+    } catch (const std::exception &) {
+    }
+  }
+  return compare_records(records, world);
 }
 
 }  // namespace ctr

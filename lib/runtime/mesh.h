@@ -8,7 +8,10 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <map>
+#include <mutex>
+#include <thread>
 #include <memory>
 #include <string>
 #include <utility>
@@ -65,12 +68,35 @@ class Mesh {
     if (code == CTR_STATUS_COMM_ERROR || code == CTR_STATUS_TIMEOUT) failed_ = true;
   }
 
+  // The job's failure as rank 0 knows it, learnt by this rank's heartbeat
+  // thread while the caller may be blocked in a step (in the manner of
+  // ncclCommGetAsyncError): CTR_STATUS_OK and "" while there is none.
+  // Thread-safe.
+  ctr_status async_error(std::string *message) const;
+
+  // Forensics of a failure this rank saw (a collective that failed or timed
+  // out): reports it to rank 0, publishes this rank's flight recorder, and
+  // returns what the ranks' recorders say together: which rank is behind and
+  // the collective it never issued or never finished, and which ranks sent no
+  // record. Waits a bounded time for the others' records. "" on one rank.
+  std::string forensics(const std::string &failure) const;
+
   // Connects a multi-rank mesh: joins the rendezvous, creates the world
   // communicator with the transport's factory and splits one per axis.
   void connect(const RendezvousConfig &rc);
 
  private:
+  void heartbeat_loop();
+  void publish_flight() const;
+
   mutable std::atomic<bool> failed_{false};
+  // The heartbeat thread (multi-rank meshes) and what it learnt.
+  std::thread heartbeat_;
+  mutable std::mutex hb_mu_;
+  std::condition_variable hb_cv_;
+  bool hb_stop_ = false;
+  std::string async_error_;
+  mutable bool published_ = false;
 };
 
 }  // namespace ctr

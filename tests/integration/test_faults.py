@@ -165,9 +165,63 @@ def killed_rank_without_launcher(graph):
         check(not processes_marked(mark), f"round {rnd}: processes left behind")
 
 
+def skipped_collective(graph):
+    """A rank that hangs before issuing a step's collectives (it skips them) is named by the
+    flight recorders, with the collective it never issued; the others' errors say so."""
+    p = subprocess.run([CTR, "launch", "-n", "2", "--", *train_args(graph, 2, 40)], capture_output=True,
+                       text=True, timeout=120, env=clean_env(CTR_FAULT_INJECT="hang_at_step:6:rank:1"))
+    err = [l for l in p.stderr.splitlines() if l.startswith("[0] ctr: error:")]
+    check(p.returncode == 75 and err and "flight recorder: " in err[0] and "rank 1 never issued #" in err[0]
+          and "all_gather 'bucket.all_gather" in err[0].split("never issued")[1],
+          f"skipped collective: {p.returncode} {p.stderr[-1500:]}")
+
+
+def async_error(graph):
+    """ctr_mesh_async_error: a rank stopped with SIGSTOP is reported to the others in the
+    background while they do nothing on the mesh, within the timeout plus two heartbeats."""
+    binding = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bindings", "python")
+    code = (
+        "import sys, time, ctr\n"
+        "m = ctr.Mesh.from_env(timeout=%s)\n"
+        "print('joined', flush=True)\n"
+        "if m.rank == 0:\n"
+        "    t0 = time.monotonic()\n"
+        "    while time.monotonic() - t0 < 60:\n"
+        "        e = m.async_error()\n"
+        "        if e: print('async', round(time.monotonic() - t0, 2), e, flush=True); break\n"
+        "        time.sleep(0.05)\n"
+        "else:\n"
+        "    time.sleep(120)\n" % TIMEOUT_S)
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    procs = []
+    for r in range(2):
+        env = clean_env(CTR_RANK=str(r), CTR_WORLD_SIZE="2", CTR_MASTER_PORT=str(port), PYTHONPATH=binding,
+                        CTR_LIBRARY=os.environ.get("CTR_LIBRARY", ""))
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env))
+    for p in procs:
+        p.stdout.readline()
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    try:
+        out, err = procs[0].communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        out, err = procs[0].communicate()
+    procs[1].kill()
+    procs[1].communicate()
+    check("async" in out and "rank 1 sent no heartbeat" in out, f"async error: {out} {err[-800:]}")
+    if "async" in out:
+        took = float(out.split()[1])
+        check(took <= TIMEOUT_S * 1.25 + 1.0, f"async error after {took} s (timeout {TIMEOUT_S} s)")
+
+
 def stopped_rank(graph):
-    """SIGSTOP of a rank mid-training: the others name it within the timeout (plus a margin
-    of 2 s), and the job ends."""
+    """SIGSTOP of a rank mid-training: the others name it within the timeout plus 3 s (the
+    transport's grace to cancel transfers and the wait for the ranks' flight records), and
+    the job ends."""
     mark = uuid.uuid4().hex
     proc = subprocess.Popen([CTR, "launch", "-n", "2", "--", *train_args(graph, 2, 100000)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -183,7 +237,7 @@ def stopped_rank(graph):
     ended = time.monotonic() - t_stop
     named_at = err.time_of(lambda l: l.startswith("[0] ctr: error:") and "rank 1" in l)
     named_at = None if named_at is None else named_at - t_stop
-    check(named_at is not None and named_at <= TIMEOUT_S + 2.0,
+    check(named_at is not None and named_at <= TIMEOUT_S + 3.0,
           f"a stopped rank was named after {named_at} s (timeout {TIMEOUT_S} s)")
     check(proc.returncode == 75, f"job with a stopped rank exited {proc.returncode}")
     check(ended <= TIMEOUT_S + 5.0, f"the job ended {ended:.1f} s after the stop")
@@ -339,7 +393,8 @@ def main():
         graph = os.path.join(tmp, "g.ctrg")
         subprocess.run([CTR, "graph", "build", "--preset", "gpt", "--layers", "2", "--dim", "32", "--heads", "2",
                         "--vocab", "256", "--seq", "16", "-o", graph], check=True, capture_output=True)
-        for part in (killed_ranks, killed_rank_without_launcher, stopped_rank, killed_launcher):
+        for part in (killed_ranks, killed_rank_without_launcher, stopped_rank, skipped_collective, async_error,
+                     killed_launcher):
             t0 = time.monotonic()
             part(graph)
             print(f"faults: {part.__name__} done in {time.monotonic() - t0:.1f} s", flush=True)

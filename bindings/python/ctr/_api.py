@@ -246,6 +246,13 @@ class Mesh(_Handle):
     def device(self):
         return _dec(_L.mesh_device(self._p()))
 
+    def async_error(self):
+        """The job's failure as this rank knows it (learnt in the background, e.g. a rank
+        that stopped sending heartbeats), or None. Safe to call from any thread."""
+        msg = ctypes.c_char_p()
+        status = _L.mesh_async_error(self._p(), ctypes.byref(msg))
+        return None if status == 0 else _dec(msg.value)
+
     def __repr__(self):
         if self._closed:
             return "<ctr.Mesh closed>"

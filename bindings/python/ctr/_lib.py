@@ -184,6 +184,8 @@ _FUNCTIONS = {
     "ctr_mesh_world_size": (c_int, [c_void_p]),
     "ctr_mesh_axis_size": (c_int, [c_void_p, c_char_p]),
     "ctr_mesh_device": (c_char_p, [c_void_p]),
+    # A status that is a result, not a failure: no errcheck.
+    "ctr_mesh_async_error": (c_int, [c_void_p, P(c_char_p)]),
     "ctr_graph_load_file": (_STATUS, [c_char_p, P(c_void_p)]),
     "ctr_graph_load_buffer": (_STATUS, [c_void_p, c_size_t, P(c_void_p)]),
     "ctr_graph_create_preset": (_STATUS, [c_char_p, c_void_p, P(c_void_p)]),
