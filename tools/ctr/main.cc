@@ -4,6 +4,7 @@
 //   ctr graph inspect tiny.ctrg --after autodiff
 //   ctr run tiny.ctrg --data corpus.bin --steps 1000 --batch 8
 //   ctr data tokenize notes.txt -o corpus.bin
+//   ctr plot m.jsonl -o m.svg
 //   ctr version
 //
 // Training goes through the public C ABI only, exactly as any host program
@@ -36,6 +37,7 @@
 #include "text.h"
 #include "data_cmd.h"
 #include "launch.h"
+#include "plot_cmd.h"
 
 namespace {
 
@@ -1052,6 +1054,9 @@ int run_main(int argc, char **argv) {
   // data ------------------------------------------------------------------------------------
   ctr_tool::DataCommand data_cmd(app);
 
+  // plot ------------------------------------------------------------------------------------
+  ctr_tool::PlotCommand plot_cmd(app);
+
   CLI::App *version_cmd = app.add_subcommand("version", "Print the library and ABI version");
 
   try {
@@ -1069,6 +1074,7 @@ int run_main(int argc, char **argv) {
   if (version_cmd->parsed()) return cmd_version();
   if (launch_cmd->parsed()) return ctr_tool::launch(launch);
   if (data_cmd.parsed()) return data_cmd.run();
+  if (plot_cmd.parsed()) return plot_cmd.run();
   if (export_cmd->parsed()) return cmd_export(exp);
   return 2;
 }
