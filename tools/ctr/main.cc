@@ -4,13 +4,18 @@
 //   ctr graph inspect tiny.ctrg --after autodiff
 //   ctr run tiny.ctrg --data corpus.bin --steps 1000 --batch 8
 //   ctr data tokenize notes.txt -o corpus.bin
+//   ctr plot m.jsonl -o m.svg
+//   ctr launch -n 4 -- ctr check --mesh dp=2,fsdp=2
 //   ctr version
 //
 // Training goes through the public C ABI only, exactly as any host program
 // would, so the tool doubles as the reference user of include/ctr/ctr.h; only
 // `graph inspect` reaches into the library (lib/api/internal.h) for the pass
-// dumps no host needs. Every failure is one line on stderr,
-// "ctr: error: <status>: <message>", and exit status 1; bad usage exits 2.
+// dumps no host needs, and `check` (check_cmd.cc) into the mesh's communicators,
+// which no host drives directly. Every failure is one line on stderr,
+// "ctr: error: <status>: <message>", and exit status 1, or 75 for a failure of
+// the job's machinery (exit_status below); bad usage exits 2, and `check` exits
+// 3 for a slow rank.
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -37,8 +42,10 @@
 #include "ctr/ctr.h"
 #include "data/data.h"
 #include "text.h"
+#include "check_cmd.h"
 #include "data_cmd.h"
 #include "launch.h"
+#include "plot_cmd.h"
 
 namespace {
 
@@ -1196,6 +1203,10 @@ int run_main(int argc, char **argv) {
   // data ------------------------------------------------------------------------------------
   ctr_tool::DataCommand data_cmd(app);
 
+  // plot, check -----------------------------------------------------------------------------
+  ctr_tool::PlotCommand plot_cmd(app);
+  ctr_tool::CheckCommand check_cmd(app);
+
   CLI::App *version_cmd = app.add_subcommand("version", "Print the library and ABI version");
 
   try {
@@ -1213,6 +1224,8 @@ int run_main(int argc, char **argv) {
   if (version_cmd->parsed()) return cmd_version();
   if (launch_cmd->parsed()) return ctr_tool::launch(launch);
   if (data_cmd.parsed()) return data_cmd.run();
+  if (plot_cmd.parsed()) return plot_cmd.run();
+  if (check_cmd.parsed()) return check_cmd.run();
   if (export_cmd->parsed()) return cmd_export(exp);
   return 2;
 }
