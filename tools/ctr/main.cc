@@ -738,6 +738,8 @@ int cmd_run(const RunArgs &a) {
                   data_name.c_str(), kind.c_str(), human(static_cast<double>(data_tokens)).c_str(),
                   shape.c_str(), world > 1 ? " per rank" : "", mib(arena + 2 * param_bytes + opt_bytes),
                   mib(arena), recompute.c_str(), mib(param_bytes), mib(param_bytes), mib(opt_bytes));
+      std::printf("MFU against %s FLOP/s per rank (%s)\n", human(peak).c_str(),
+                  a.peak_flops > 0 ? "--peak-flops" : "this process's measured sgemm rate");
       std::fflush(stdout);
     }
 
