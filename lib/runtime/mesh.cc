@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -162,6 +164,14 @@ void Mesh::publish_flight() const {
   }
   const std::string record =
       world_comm.iface->flight ? world_comm.iface->flight(world_comm.ctx) : std::string("[]");
+  // The whole record, for a person: CTR_FLIGHT_DIR/flight-rank<R>.json.
+  if (const char *dir = std::getenv("CTR_FLIGHT_DIR"); dir && *dir) {
+    const std::string path = strformat("%s/flight-rank%05d.json", dir, rank);
+    if (std::FILE *f = std::fopen(path.c_str(), "w")) {
+      std::fwrite(record.data(), 1, record.size(), f);
+      std::fclose(f);
+    }
+  }
   store->set(strformat("ctr/flight/%d", rank), record);
 }
 

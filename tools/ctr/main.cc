@@ -397,14 +397,23 @@ struct StragglerReport {
 
 constexpr double kStragglerMinGapMs = 5.0;
 
-StragglerReport find_stragglers(const ctr_mesh *mesh, double own_ms_per_step, double factor) {
+// Per-step phase times of one rank, in ms: its own work (compute, data, optimizer)
+// and the time it waited for communication.
+struct PhaseTimes {
+  double compute = 0, data = 0, optimizer = 0, exposed = 0;
+  double own() const { return compute + data + optimizer; }
+};
+
+StragglerReport find_stragglers(const ctr_mesh *mesh, const PhaseTimes &mine, double factor) {
   const ctr::Mesh &m = *mesh;
   StragglerReport out;
   if (m.world <= 1) return out;
-  std::vector<double> all(static_cast<size_t>(m.world));
+  std::vector<PhaseTimes> ranks(static_cast<size_t>(m.world));
   ctr::comm_wait(m.world_comm,
-                 m.world_comm.iface->all_gather(m.world_comm.ctx, &own_ms_per_step, all.data(), sizeof(double)),
+                 m.world_comm.iface->all_gather(m.world_comm.ctx, &mine, ranks.data(), sizeof(PhaseTimes)),
                  m.timeout_ms);
+  std::vector<double> all;
+  for (const PhaseTimes &p : ranks) all.push_back(p.own());
   std::vector<double> sorted = all;
   std::sort(sorted.begin(), sorted.end());
   const size_t n = sorted.size();
@@ -415,8 +424,11 @@ StragglerReport find_stragglers(const ctr_mesh *mesh, double own_ms_per_step, do
     const double t = all[static_cast<size_t>(r)];
     if (median <= 0 || t <= factor * median || t - median < kStragglerMinGapMs) continue;
     out.ranks.push_back(r);
-    out.text += ctr::strformat("%srank %d: %.1f ms/step of its own work (median %.1f ms)",
-                               out.text.empty() ? "" : "; ", r, all[static_cast<size_t>(r)], median);
+    const PhaseTimes &p = ranks[static_cast<size_t>(r)];
+    out.text += ctr::strformat("%srank %d: %.1f ms/step of its own work (median %.1f ms): compute "
+                               "%.1f, data %.1f, optimizer %.1f; waiting for communication %.1f",
+                               out.text.empty() ? "" : "; ", r, t, median, p.compute, p.data,
+                               p.optimizer, p.exposed);
   }
   return out;
 }
@@ -782,7 +794,7 @@ int cmd_run(const RunArgs &a) {
     std::set<int64_t> skip_batch_at;
     int rewinds = 0;
     constexpr int kMaxRewinds = 8;
-    double own_ms = 0;  // this rank's own work since the last straggler check
+    PhaseTimes own;  // this rank's phase times since the last straggler check (sums)
     int64_t own_steps = 0;
     std::vector<int> stragglers;
     for (int64_t i = first_step; i <= a.steps; ++i) {
@@ -833,17 +845,21 @@ int cmd_run(const RunArgs &a) {
       }
       const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
       // Own work: the step less the time it waited for others, plus the data.
-      own_ms += std::max(0.0, wall * 1000.0 - m.step_ms) + m.compute_ms + m.optimizer_ms;
+      own.data += std::max(0.0, wall * 1000.0 - m.step_ms);
+      own.compute += m.compute_ms;
+      own.optimizer += m.optimizer_ms;
+      own.exposed += m.exposed_comm_ms;
       ++own_steps;
       if (a.straggler_every > 0 && i % a.straggler_every == 0) {
-        const StragglerReport rep =
-            find_stragglers(mesh.get(), own_ms / static_cast<double>(own_steps), a.straggler_factor);
+        const double n = static_cast<double>(own_steps);
+        const PhaseTimes mean{own.compute / n, own.data / n, own.optimizer / n, own.exposed / n};
+        const StragglerReport rep = find_stragglers(mesh.get(), mean, a.straggler_factor);
         stragglers = rep.ranks;
         if (lead && !rep.ranks.empty()) {
           std::fprintf(stderr, "ctr: warning: straggler at step %" PRId64 ": %s\n", i, rep.text.c_str());
           std::fflush(stderr);
         }
-        own_ms = 0;
+        own = PhaseTimes{};
         own_steps = 0;
       }
 
