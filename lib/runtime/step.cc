@@ -163,6 +163,15 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
                 total / 1073741824.0, plan_.arena_bytes / 1073741824.0, plan_.param_bytes / 1073741824.0,
                 opt / 1073741824.0, memory_limit / 1073741824.0);
   }
+  // A failure from here to the end of the constructor frees what was allocated
+  // (the destructor does not run for an object never constructed).
+  struct FreeOnThrow {
+    Step *s;
+    bool armed = true;
+    ~FreeOnThrow() {
+      if (armed) s->free_buffers();
+    }
+  } free_on_throw{this};
   arena_ = must_alloc(be_, plan_.arena_bytes, "the activation arena");
   params_ = must_alloc(be_, plan_.param_bytes, "parameters");
   grads_ = must_alloc(be_, plan_.param_bytes, "gradients");
@@ -240,18 +249,20 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   exec_ = std::make_unique<Executor>(g_, prog_, mesh_, be_, std::move(addr));
   ckpt_ = std::make_unique<Checkpointer>(mesh_, async_save_lag_);
   init_params(seed);
+  free_on_throw.armed = false;
 }
 
-Step::~Step() {
+void Step::free_buffers() {
   ckpt_.reset();  // a background write ends; nothing is published
   exec_.reset();
   opt_.reset();
-  be_.iface->free(be_.ctx, arena_);
-  be_.iface->free(be_.ctx, params_);
-  be_.iface->free(be_.ctx, grads_);
-  be_.iface->free(be_.ctx, inputs_);
-  be_.iface->free(be_.ctx, consts_);
+  for (void **p : {&arena_, &params_, &grads_, &inputs_, &consts_}) {
+    if (*p) be_.iface->free(be_.ctx, *p);
+    *p = nullptr;
+  }
 }
+
+Step::~Step() { free_buffers(); }
 
 float *Step::param_ptr(int t) const { return static_cast<float *>(exec_->addr(t)); }
 

@@ -122,6 +122,7 @@ class Step : private CheckpointState {
   BackendHandle backend_;
   Backend be_;
   void *arena_ = nullptr, *params_ = nullptr, *grads_ = nullptr, *inputs_ = nullptr, *consts_ = nullptr;
+  void free_buffers();  // the executor, optimizer, checkpointer and every allocation
   std::unique_ptr<Executor> exec_;
   std::unique_ptr<FlatOptimizer> opt_;
   std::vector<ParamSlot> slots_;
