@@ -52,6 +52,9 @@ def base_env(build):
 
 def rust_env(build, work, cargo):
     env = base_env(build)
+    # rustc does not start under a preloaded sanitizer runtime, which
+    # tools/sanitize.sh gives the programs that load libctr: cargo builds without.
+    env.pop("LD_PRELOAD", None)
     env["PATH"] = os.path.dirname(cargo) + ":" + env.get("PATH", "")
     env["CARGO_TARGET_DIR"] = os.path.join(work, "rust-target")
     env["CARGO_NET_OFFLINE"] = "true"
