@@ -15,14 +15,14 @@
 #
 # Every part runs even after another failed; the exit status is 0 only if all
 # passed. Environment: SAN_BUILD_DIR (default build-san); FUZZ_SECONDS (per
-# target, default 60); FUZZ_TARGETS (default: graph files checkpoint store
+# target, default 45); FUZZ_TARGETS (default: graph files checkpoint store
 # options); FUZZ_JOBS (targets run at once, default: the number of CPUs).
 set -eu
 
 cd "$(dirname "$0")/.."
 SRC=$(pwd)
 BUILD=${SAN_BUILD_DIR:-build-san}
-FUZZ_SECONDS=${FUZZ_SECONDS:-60}
+FUZZ_SECONDS=${FUZZ_SECONDS:-45}
 FUZZ_TARGETS=${FUZZ_TARGETS:-graph files checkpoint store options}
 FUZZ_JOBS=${FUZZ_JOBS:-$(nproc)}
 parts=${*:-tests fuzz}
@@ -61,8 +61,9 @@ case " $parts " in
     ASAN_OPTIONS="$ASAN_BASE:abort_on_error=1:detect_leaks=1" \
       run_suites unit-integration --suite unit --suite integration
     # Python, Go and Rust programs load the sanitized libctr.so into a process
-    # that was not built with the runtime, so it is preloaded (run_rust.sh and
-    # xlang keep it away from cargo: rustc does not start under it). Leak
+    # that was not built with the runtime, so it is preloaded (the binding
+    # drivers keep it away from cargo, go and cc: rustc does not start under
+    # it, the others only slow down). Leak
     # checking is off here: CPython leaves hundreds of its own allocations
     # unreachable at exit, which would fail every Python test. libctr's own
     # leaks are checked by the suites above and by the fuzzers.
