@@ -17,7 +17,7 @@
 // With CTR_FUZZ_SEEDS=DIR set, the target only writes the checkpoint it saved as
 // two seed inputs, DIR/meta and DIR/shard, and exits (make_corpus.py uses this).
 //
-//   build-san/tests/fuzz/fuzz_checkpoint -max_total_time=60 CORPUS_DIR tests/fuzz/corpus/checkpoint
+//   FUZZ_TARGETS=checkpoint FUZZ_SECONDS=600 tools/sanitize.sh fuzz  (README: Hardening)
 
 #include <xxhash.h>
 

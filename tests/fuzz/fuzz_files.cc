@@ -6,7 +6,7 @@
 // holds a fixed data.txt (read as bytes) for the seed manifests to name, so that
 // a manifest input reaches the loader's reading of its files.
 //
-//   build-san/tests/fuzz/fuzz_files -max_total_time=60 CORPUS_DIR tests/fuzz/corpus/files
+//   FUZZ_TARGETS=files FUZZ_SECONDS=600 tools/sanitize.sh fuzz  (README: Hardening)
 
 #include <cstdint>
 #include <string>

@@ -20,7 +20,7 @@
 // - a step is run once only when batch * micro_batches is at most 64.
 // A preset graph is saved and loaded back: a graph the library built must load.
 //
-//   build-san/tests/fuzz/fuzz_options -max_total_time=60 CORPUS_DIR tests/fuzz/corpus/options
+//   FUZZ_TARGETS=options FUZZ_SECONDS=600 tools/sanitize.sh fuzz  (README: Hardening)
 
 #include <cerrno>
 #include <cmath>

@@ -22,7 +22,7 @@
 // The wire format is in lib/comm/store.cc; tests/fuzz/make_corpus.py writes seed
 // frames. All socket calls have deadlines: no input can hang the harness itself.
 //
-//   build-san/tests/fuzz/fuzz_store -max_total_time=60 CORPUS_DIR tests/fuzz/corpus/store
+//   FUZZ_TARGETS=store FUZZ_SECONDS=600 tools/sanitize.sh fuzz  (README: Hardening)
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
