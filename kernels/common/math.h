@@ -88,7 +88,10 @@ CTR_HOST_DEVICE float exp_fast(float x) {
   p = fmadd(p, r, 0.5f);
   p = fmadd(p, r, 1.0f);
   p = fmadd(p, r, 1.0f);
-  float s = bits_to_float((static_cast<int32_t>(n) + 127) << 23);
+  // NaN has no integer value (converting it is undefined behaviour); any
+  // exponent does, since p is already NaN and carries it into y.
+  const float nn = n == n ? n : 0.0f;
+  float s = bits_to_float((static_cast<int32_t>(nn) + 127) << 23);
   float y = p * s;
   return x < lo ? 0.0f : y;
 }

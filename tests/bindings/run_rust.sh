@@ -51,12 +51,23 @@ export PKG_CONFIG_PATH="$BUILD/meson-uninstalled:$BUILD/meson-private${PKG_CONFI
 export CTR_NUM_THREADS="${CTR_NUM_THREADS:-2}"
 export RUST_BACKTRACE=1
 
+# A preloaded sanitizer runtime (tools/sanitize.sh) is for the programs that load
+# libctr, and rustc does not start under it: cargo runs without it and hands it
+# to the test binaries and the example through a runner.
+PRELOADED=${LD_PRELOAD:-}
+if [ -n "$PRELOADED" ]; then
+  export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$PRELOADED"
+  unset LD_PRELOAD
+fi
+
 echo "run_rust: $("$CARGO_BIN" --version), libctr from $CTR_LIB_DIR"
 "$CARGO_BIN" test --offline --workspace --manifest-path "$SRC/bindings/rust/Cargo.toml"
 
-# Leaks at the boundary: the integration tests again, under LeakSanitizer.
+# Leaks at the boundary: the integration tests again, under LeakSanitizer. Not
+# when a sanitizer runtime is preloaded already (tools/sanitize.sh): one process
+# takes one runtime, and that one checks more than leaks.
 LSAN=/usr/lib/x86_64-linux-gnu/liblsan.so.0
-if [ -e "$LSAN" ]; then
+if [ -e "$LSAN" ] && [ -z "$PRELOADED" ]; then
   for t in "$CARGO_TARGET_DIR"/debug/deps/train-*; do
     [ -f "$t" ] && [ -x "$t" ] || continue
     echo "run_rust: $(basename "$t") under LeakSanitizer"

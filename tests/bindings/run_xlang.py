@@ -72,7 +72,8 @@ def main():
     c_bin = os.path.join(out_dir, "xlang_c")
     err = tc.run_build([cc, "-std=c99", "-Wall", "-Wextra", "-I",
                         os.path.join(tc.SRC, "include"), os.path.join(HERE, "xlang.c"),
-                        "-L", os.path.join(build, "lib"), "-lctr", "-o", c_bin], env)
+                        "-L", os.path.join(build, "lib"), "-lctr", "-o", c_bin],
+                       tc.compiler_env(build))
     if err:
         print(f"xlang: C: build failed: {err}")
         return 1

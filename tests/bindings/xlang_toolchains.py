@@ -50,8 +50,17 @@ def base_env(build):
     return env
 
 
-def rust_env(build, work, cargo):
+def compiler_env(build):
+    """base_env without a preloaded sanitizer runtime, which tools/sanitize.sh
+    gives the programs that load libctr: rustc does not start under it, and go
+    and cc only slow down."""
     env = base_env(build)
+    env.pop("LD_PRELOAD", None)
+    return env
+
+
+def rust_env(build, work, cargo):
+    env = compiler_env(build)
     env["PATH"] = os.path.dirname(cargo) + ":" + env.get("PATH", "")
     env["CARGO_TARGET_DIR"] = os.path.join(work, "rust-target")
     env["CARGO_NET_OFFLINE"] = "true"
@@ -59,7 +68,7 @@ def rust_env(build, work, cargo):
 
 
 def go_env(build, work):
-    env = base_env(build)
+    env = compiler_env(build)
     out = os.path.join(work, "go")
     env.update({
         "GOPATH": os.path.join(out, "path"), "GOCACHE": os.path.join(out, "cache"),

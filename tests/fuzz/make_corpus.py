@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Writes the fuzzers' seed corpora, tests/fuzz/corpus/<target>/, from scratch.
+
+    tests/fuzz/make_corpus.py BUILD_DIR [OUT_DIR]
+
+BUILD_DIR is a configured and built meson build directory; its `ctr` tool makes
+the graph files, token files and safetensors weights, and, in a -Dfuzz=true
+build, fuzz_checkpoint writes a real checkpoint of its model. Rendezvous frames
+and option strings are written here by hand (the store's wire format is
+described in lib/comm/store.cc). OUT_DIR defaults to tests/fuzz/corpus; each
+target's directory is emptied first, so the result depends only on the sources.
+
+The small model is the one of tests/fuzz/fuzz_common.h (GPT, 1 layer, width 8,
+2 heads, vocabulary 16, 4 positions): the safetensors and checkpoint seeds only
+reach the deep paths when their tensors match it.
+"""
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+SMALL = ["--layers", "1", "--dim", "8", "--heads", "2", "--vocab", "16", "--seq", "4"]
+
+
+def run(*args, env=None):
+    subprocess.run([str(a) for a in args], check=True, stdout=subprocess.DEVNULL, env=env)
+
+
+def put(directory, name, data):
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(data)
+
+
+# ---------------------------------------------------------------------------
+# Files made by the ctr tool
+
+
+def graphs(ctr, out, tmp):
+    for name, args in [
+        ("gpt", ["--preset", "gpt"] + SMALL),
+        ("gpt_untied_2layers", ["--preset", "gpt", "--layers", "2", "--dim", "8", "--heads", "2",
+                                "--vocab", "16", "--seq", "4", "--untied"]),
+        ("llama_gqa", ["--preset", "llama", "--layers", "1", "--dim", "8", "--heads", "2",
+                       "--kv-heads", "1", "--vocab", "16", "--seq", "4", "--ffn-dim", "16"]),
+    ]:
+        path = os.path.join(tmp, name + ".ctrg")
+        run(ctr, "graph", "build", *args, "-o", path)
+        shutil.copy(path, os.path.join(out, name + ".ctrg"))
+
+
+def files(ctr, out, tmp):
+    """fuzz_files: the first byte picks .bin (0), .npy (1), .json (2), .safetensors (3)."""
+    text = os.path.join(tmp, "text.txt")
+    with open(text, "w") as f:
+        f.write("A few short lines of text.\nEach byte is one token.\n" * 3)
+    made = {}
+    for fmt, ext in [("llmc", "bin"), ("npy", "npy")]:
+        path = os.path.join(tmp, f"tokens.{ext}")
+        run(ctr, "data", "tokenize", text, "-o", path, "--format", fmt, "--eot", "256")
+        made[fmt] = path
+        wide = os.path.join(tmp, f"tokens4.{ext}")
+        run(ctr, "data", "convert", path, "-o", wide, "--to", fmt, "--width", "4")
+        made[fmt + "4"] = wide
+    for key, head in [("llmc", 0), ("llmc4", 0), ("npy", 1), ("npy4", 1)]:
+        with open(made[key], "rb") as f:
+            put(out, f"{key}", bytes([head]) + f.read())
+    # The harness keeps a data.txt next to the manifest.
+    manifests = {
+        "manifest_windows": {"datasets": [{"files": ["data.txt"], "weight": 0.7},
+                                          {"files": ["data.txt", "data.txt"], "weight": 0.3,
+                                           "name": "twice", "format": "bytes"}],
+                             "format": "auto", "mode": "windows"},
+        "manifest_documents": {"datasets": [{"files": ["data.txt"]}], "mode": "documents",
+                               "eot": 10},
+    }
+    for name, m in manifests.items():
+        put(out, name, bytes([2]) + json.dumps(m).encode())
+    graph = os.path.join(tmp, "small.ctrg")
+    run(ctr, "graph", "build", "--preset", "gpt", *SMALL, "-o", graph)
+    weights = os.path.join(tmp, "small.safetensors")
+    run(ctr, "export", graph, "--safetensors", weights)
+    with open(weights, "rb") as f:
+        put(out, "safetensors", bytes([3]) + f.read())
+
+
+def checkpoint(build, out):
+    """fuzz_checkpoint writes the checkpoint it saved (first byte 0: meta.json, 1: shard)."""
+    exe = os.path.join(build, "tests", "fuzz", "fuzz_checkpoint")
+    if not os.path.exists(exe):
+        sys.exit(f"make_corpus: {exe} is missing: build with -Dfuzz=true (clang)")
+    env = dict(os.environ, CTR_FUZZ_SEEDS=out)
+    # Linked with the shared AddressSanitizer runtime (as tools/sanitize.sh
+    # builds it), the fuzzer has libFuzzer's C++ library ahead of that runtime,
+    # which must come first: preload it.
+    ldd = subprocess.run(["ldd", exe], capture_output=True, text=True).stdout
+    for line in ldd.splitlines():
+        if "libclang_rt.asan" in line and "=>" in line:
+            env["LD_PRELOAD"] = line.split("=>")[1].split("(")[0].strip()
+    run(exe, env=env)
+
+
+# ---------------------------------------------------------------------------
+# Rendezvous frames: u32 length, then a u8 request kind and its fields
+# (strings are a u32 length and bytes, integers little-endian i64).
+
+HELLO, JOIN, SET, GET, ADD, BARRIER = 1, 2, 3, 4, 5, 6
+TOKEN = b"fuzz-token"  # as in fuzz_store.cc
+
+
+def frame(body):
+    return struct.pack("<I", len(body)) + body
+
+
+def s(b):
+    return struct.pack("<I", len(b)) + b
+
+
+def i64(v):
+    return struct.pack("<q", v)
+
+
+def hello(token=TOKEN, rank=1, world=2):
+    return frame(bytes([HELLO]) + s(token) + i64(rank) + i64(world))
+
+
+def req(kind, *fields):
+    return frame(bytes([kind]) + b"".join(fields))
+
+
+def store(out):
+    seeds = {
+        # A whole session of rank 1.
+        "session": hello() + req(JOIN, i64(1000)) + req(SET, s(b"key"), s(b"value")) +
+                   req(GET, s(b"key"), i64(100)) + req(ADD, s(b"count"), i64(5)) +
+                   req(ADD, s(b"count"), i64(-2)) + req(GET, s(b"count"), i64(100)),
+        "get_missing_parks": hello() + req(GET, s(b"nobody-sets-this"), i64(50)),
+        "barrier_alone": hello() + req(BARRIER, s(b"b"), i64(50)),
+        "barrier_twice": hello() + req(BARRIER, s(b"b"), i64(50)) + req(BARRIER, s(b"b"), i64(50)),
+        "add_to_text": hello() + req(SET, s(b"k"), s(b"text")) + req(ADD, s(b"k"), i64(1)),
+        "add_wraps": hello() + req(ADD, s(b"n"), i64(2**63 - 1)) + req(ADD, s(b"n"), i64(1)),
+        "timeout_huge": hello() + req(GET, s(b"x"), i64(2**62)),
+        "timeout_negative": hello() + req(BARRIER, s(b"x"), i64(-5)),
+        "wrong_token": hello(token=b"guess-token"),
+        "empty_token": hello(token=b""),
+        "wrong_world": hello(world=3),
+        "rank_out_of_range": hello(rank=7),
+        "rank_negative": hello(rank=-1),
+        "rank_zero_taken": hello(rank=0),
+        "hello_twice": hello() + hello(),
+        "request_before_hello": req(SET, s(b"k"), s(b"v")),
+        "unknown_request": hello() + req(99, i64(0)),
+        "empty_frame": frame(b""),
+        "set_string_overruns": hello() + req(SET, struct.pack("<I", 1000) + b"short"),
+        "trailing_bytes": hello() + req(JOIN, i64(10) + b"extra"),
+        "truncated_frame": hello()[:9],
+        "length_over_limit_before_hello": struct.pack("<I", 64 * 1024 + 1) + b"\x01",
+        "length_over_limit": hello() + struct.pack("<I", (256 << 20) + 1) + bytes([SET]),
+        "length_max": struct.pack("<I", 0xFFFFFFFF),
+        "garbage": bytes(range(256)),
+    }
+    for name, data in seeds.items():
+        put(out, name, data)
+
+
+# ---------------------------------------------------------------------------
+# Option strings: first byte 0 mesh, 1 preset, 2 step; then "key=value" lines.
+
+
+def options(out):
+    seeds = {
+        "mesh_all_keys": (0, "world=1\nrank=0\nmesh=fsdp=1\nthreads=2\ncomm_nice=0\ndevice=cpu\n"
+                             "transport=ucx\nmaster_addr=127.0.0.1\nmaster_port=29500\n"
+                             "job_token=token\ntimeout=5.5"),
+        "mesh_axes": (0, "mesh=dp=1,fsdp=1,ep=1,tp=1,pp=1"),
+        "mesh_bad_axis": (0, "mesh=dp=1,zz=1"),
+        "mesh_no_plugin": (0, "device=nosuch"),
+        "mesh_wrong_type": (0, "rank=\"zero\"\ntimeout=\"long\""),
+        "mesh_unknown_key": (0, "wrold=1"),
+        "preset_gpt": (1, "preset=gpt\nlayers=2\ndim=16\nheads=2\nvocab=32\nseq=8\nffn_dim=32\n"
+                          "tied=1\ninit_std=0.02\nnorm_eps=1e-5"),
+        "preset_llama": (1, "preset=llama\nlayers=1\ndim=16\nheads=4\nkv_heads=2\nvocab=32\nseq=8\n"
+                            "rope_theta=10000.5"),
+        "preset_unknown": (1, "preset=bert"),
+        "preset_heads_do_not_divide": (1, "dim=10\nheads=3"),
+        "step_optimizer": (2, "batch=2\nseq=4\nmicro_batches=2\nseed=1\nlr=0.001\nmin_lr=0.0001\n"
+                              "warmup_steps=1\ndecay_steps=10\nschedule=linear\nbeta1=0.9\n"
+                              "beta2=0.95\neps=1e-8\nweight_decay=0.1\ngrad_clip=1.5\n"
+                              "check_finite=1"),
+        "step_schedule": (2, "recompute=selective\nbucket=bytes\nbucket_bytes=1024\nprefetch=2\n"
+                             "defer_reduce=0\nmemory_budget=100000\noverlap=0\n"
+                             "reshard_after_forward=0\nkeep=logits\nasync_save=1\n"
+                             "async_save_lag=3"),
+        "step_large_batch": (2, "batch=1048576\nmicro_batches=65536"),
+        "step_small_limit": (2, "memory_limit=1000"),
+        "step_seq_too_long": (2, "seq=5"),
+    }
+    for name, (head, text) in seeds.items():
+        put(out, name, bytes([head]) + text.encode())
+
+
+def main():
+    if len(sys.argv) not in (2, 3):
+        sys.exit(__doc__.strip().splitlines()[2].strip())
+    build = os.path.abspath(sys.argv[1])
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.abspath(sys.argv[2]) if len(sys.argv) == 3 else os.path.join(here, "corpus")
+    ctr = os.path.join(build, "tools", "ctr")
+    targets = {"graph": None, "files": None, "checkpoint": None, "store": None, "options": None}
+    for t in targets:
+        d = os.path.join(root, t)
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        targets[t] = d
+    with tempfile.TemporaryDirectory() as tmp:
+        graphs(ctr, targets["graph"], tmp)
+        files(ctr, targets["files"], tmp)
+    checkpoint(build, targets["checkpoint"])
+    store(targets["store"])
+    options(targets["options"])
+    total = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(root) for f in fs)
+    print(f"make_corpus: wrote {root} ({total / 1024:.0f} KiB)")
+
+
+if __name__ == "__main__":
+    main()
