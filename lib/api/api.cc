@@ -43,7 +43,12 @@ extern "C" const char *ctr_version(void) {
 extern "C" int ctr_abi_version(void) { return CTR_ABI_VERSION; }
 
 extern "C" const char *ctr_status_string(ctr_status status) {
-  switch (status) {
+  // Any int may arrive from C; read it as one (in C++ an enum object holds only
+  // the values of its enumerators, so switching on it directly is undefined).
+  int code = 0;
+  static_assert(sizeof code == sizeof status);
+  std::memcpy(&code, &status, sizeof code);
+  switch (code) {
     case CTR_STATUS_OK: return "ok";
     case CTR_STATUS_INVALID_ARGUMENT: return "invalid argument";
     case CTR_STATUS_INVALID_OPTION: return "invalid option";
@@ -65,7 +70,12 @@ extern "C" const char *ctr_status_string(ctr_status status) {
 
 extern "C" const char *ctr_last_error(void) { return ctr::last_error().c_str(); }
 
-extern "C" size_t ctr_dtype_size(ctr_dtype dtype) { return ctr::dtype_size(dtype); }
+extern "C" size_t ctr_dtype_size(ctr_dtype dtype) {
+  int code = 0;  // as ctr_status_string: any int may arrive from C
+  static_assert(sizeof code == sizeof dtype);
+  std::memcpy(&code, &dtype, sizeof code);
+  return code >= 0 && code <= CTR_DTYPE_F64 ? ctr::dtype_size(static_cast<ctr_dtype>(code)) : 0;
+}
 
 // ---------------------------------------------------------------------------
 // Options
