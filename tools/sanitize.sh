@@ -9,7 +9,8 @@
 #          corpus (tests/fuzz/corpus/<target>, copied to a temporary directory,
 #          so the run never writes into the source tree); any crash, leak,
 #          timeout or sanitizer report fails it, and the input that did it is
-#          kept under BUILD/fuzz-artifacts/<target>/.
+#          kept under BUILD/fuzz-artifacts/<target>/. The inputs that once
+#          failed, tests/fuzz/crashes/<target>/, are run first.
 #
 #   tools/sanitize.sh [tests] [fuzz]      (default: both)
 #
@@ -35,10 +36,11 @@ echo "sanitize: build ready in $(($(now) - t0)) s"
 RUNTIME=$(clang -print-file-name=libclang_rt.asan-x86_64.so)
 # Any report ends the process with an error: AddressSanitizer stops at the first
 # one, and UndefinedBehaviorSanitizer, whose checks otherwise print and go on,
-# is told to as well. tests/sanitize/ubsan.supp lists known findings whose fix
-# is pending.
+# is told to as well. tests/sanitize/{ubsan,lsan}.supp list known findings whose
+# fix is pending.
 ASAN_BASE="halt_on_error=1:check_initialization_order=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$SRC/tests/sanitize/ubsan.supp"
+export LSAN_OPTIONS="suppressions=$SRC/tests/sanitize/lsan.supp:print_suppressions=0"
 failed=""
 
 # ------------------------------------------------------------------------------------------
@@ -88,6 +90,10 @@ fuzz_one() {
   seeds=$(ls "$work/corpus" | wc -l)
   dict=""
   [ -f "tests/fuzz/$target.dict" ] && dict="-dict=tests/fuzz/$target.dict"
+  # Inputs that once failed are run first, and only read (new inputs go to the
+  # first directory).
+  crashes=""
+  [ -d "tests/fuzz/crashes/$target" ] && crashes="tests/fuzz/crashes/$target"
   status=0
   # libFuzzer's C++ library is linked ahead of the runtime, which must come
   # first: preloaded. stderr of the target is closed (-close_fd_mask=2; the
@@ -96,7 +102,7 @@ fuzz_one() {
   # shellcheck disable=SC2086
   TMPDIR=$work LD_PRELOAD=$RUNTIME ASAN_OPTIONS="$ASAN_BASE:detect_leaks=1" \
     "$exe" -max_total_time="$FUZZ_SECONDS" -timeout=10 -rss_limit_mb=4096 -malloc_limit_mb=4096 \
-    -close_fd_mask=2 -print_final_stats=1 -artifact_prefix="$artifacts" $dict "$work/corpus" \
+    -close_fd_mask=2 -print_final_stats=1 -artifact_prefix="$artifacts" $dict "$work/corpus" $crashes \
     >"$log" 2>&1 || status=$?
   done_line=$(sed -n 's/^Done \([0-9]*\) runs in \([0-9]*\) second.*/\1 runs in \2 s/p' "$log")
   inputs=$(ls "$work/corpus" | wc -l)
