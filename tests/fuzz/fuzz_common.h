@@ -12,22 +12,32 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
+#include <system_error>
 
 #include "ctr/ctr.h"
 
 namespace fuzz {
 
 // A directory of this process's own under $TMPDIR (default /tmp), created on
-// first use. Fuzzers run in parallel (-jobs) must not share files.
+// first use and removed at a normal exit. Fuzzers run in parallel (-jobs) must
+// not share files.
 inline const std::string &scratch_dir() {
-  static const std::string dir = [] {
-    const char *tmp = std::getenv("TMPDIR");
-    std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/ctr_fuzz_XXXXXX";
-    if (!mkdtemp(tmpl.data())) std::abort();
-    return tmpl;
-  }();
-  return dir;
+  struct Dir {
+    std::string path;
+    Dir() {
+      const char *tmp = std::getenv("TMPDIR");
+      path = std::string(tmp && *tmp ? tmp : "/tmp") + "/ctr_fuzz_XXXXXX";
+      if (!mkdtemp(path.data())) std::abort();
+    }
+    ~Dir() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  };
+  static const Dir dir;
+  return dir.path;
 }
 
 // Replaces the file at path with size bytes of data.
