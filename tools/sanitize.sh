@@ -10,7 +10,7 @@
 #          so the run never writes into the source tree); any crash, leak,
 #          timeout or sanitizer report fails it, and the input that did it is
 #          kept under BUILD/fuzz-artifacts/<target>/. The inputs that once
-#          failed, tests/fuzz/crashes/<target>/, are run first.
+#          failed, tests/fuzz/crashes/<target>/, are each run once first.
 #
 #   tools/sanitize.sh [tests] [fuzz]      (default: both)
 #
@@ -90,20 +90,25 @@ fuzz_one() {
   seeds=$(ls "$work/corpus" | wc -l)
   dict=""
   [ -f "tests/fuzz/$target.dict" ] && dict="-dict=tests/fuzz/$target.dict"
-  # Inputs that once failed are run first, and only read (new inputs go to the
-  # first directory).
-  crashes=""
-  [ -d "tests/fuzz/crashes/$target" ] && crashes="tests/fuzz/crashes/$target"
   status=0
+  : >"$log"
+  # Inputs that once failed are run once each first; they are not mutated (a
+  # finding whose fix is pending and suppressed would lead straight to its
+  # next symptom).
+  if [ -d "tests/fuzz/crashes/$target" ]; then
+    TMPDIR=$work LD_PRELOAD=$RUNTIME ASAN_OPTIONS="$ASAN_BASE:detect_leaks=1" \
+      "$exe" -timeout=10 -rss_limit_mb=4096 -malloc_limit_mb=4096 -close_fd_mask=2 \
+      -artifact_prefix="$artifacts" "tests/fuzz/crashes/$target"/* >>"$log" 2>&1 || status=$?
+  fi
   # libFuzzer's C++ library is linked ahead of the runtime, which must come
   # first: preloaded. stderr of the target is closed (-close_fd_mask=2; the
   # rendezvous server logs every refusal there); libFuzzer and the sanitizers
   # still report to the log. The scratch files of the targets go to $work.
   # shellcheck disable=SC2086
-  TMPDIR=$work LD_PRELOAD=$RUNTIME ASAN_OPTIONS="$ASAN_BASE:detect_leaks=1" \
+  [ $status -ne 0 ] || TMPDIR=$work LD_PRELOAD=$RUNTIME ASAN_OPTIONS="$ASAN_BASE:detect_leaks=1" \
     "$exe" -max_total_time="$FUZZ_SECONDS" -timeout=10 -rss_limit_mb=4096 -malloc_limit_mb=4096 \
-    -close_fd_mask=2 -print_final_stats=1 -artifact_prefix="$artifacts" $dict "$work/corpus" $crashes \
-    >"$log" 2>&1 || status=$?
+    -close_fd_mask=2 -print_final_stats=1 -artifact_prefix="$artifacts" $dict "$work/corpus" \
+    >>"$log" 2>&1 || status=$?
   done_line=$(sed -n 's/^Done \([0-9]*\) runs in \([0-9]*\) second.*/\1 runs in \2 s/p' "$log")
   inputs=$(ls "$work/corpus" | wc -l)
   rm -rf "$work"
