@@ -46,12 +46,16 @@ failed=""
 # ------------------------------------------------------------------------------------------
 # Test suites
 
+# run_suites NAME ASAN_OPTIONS PRELOAD MESON_TEST_ARGS...
 run_suites() {
   name=$1
-  shift
+  asan=$2
+  preload=$3
+  shift 3
   t=$(now)
   status=0
-  meson test -C "$BUILD" --no-rebuild --print-errorlogs --timeout-multiplier 2 \
+  env ASAN_OPTIONS="$asan" ${preload:+LD_PRELOAD=$preload} \
+    meson test -C "$BUILD" --no-rebuild --print-errorlogs --timeout-multiplier 2 \
     --logbase "sanitize-$name" "$@" || status=$?
   echo "sanitize: suites $name: $([ $status -eq 0 ] && echo passed || echo FAILED) in $(($(now) - t)) s"
   [ $status -eq 0 ] || failed="$failed $name"
@@ -60,17 +64,17 @@ run_suites() {
 case " $parts " in
   *" tests "*)
     # The C and C++ test programs link the runtime first; leaks fail them.
-    ASAN_OPTIONS="$ASAN_BASE:abort_on_error=1:detect_leaks=1" \
-      run_suites unit-integration --suite unit --suite integration
+    run_suites unit-integration "$ASAN_BASE:abort_on_error=1:detect_leaks=1" "" \
+      --suite unit --suite integration
     # Python, Go and Rust programs load the sanitized libctr.so into a process
     # that was not built with the runtime, so it is preloaded (the binding
     # drivers keep it away from cargo, go and cc: rustc does not start under
-    # it, the others only slow down). Leak
-    # checking is off here: CPython leaves hundreds of its own allocations
-    # unreachable at exit, which would fail every Python test. libctr's own
-    # leaks are checked by the suites above and by the fuzzers.
-    LD_PRELOAD=$RUNTIME ASAN_OPTIONS="$ASAN_BASE:abort_on_error=1:detect_leaks=0" \
-      run_suites bindings --suite bindings
+    # it, the others only slow down). Leak checking is off here: CPython leaves
+    # hundreds of its own allocations unreachable at exit, which would fail
+    # every Python test. libctr's own leaks are checked by the suites above
+    # and by the fuzzers.
+    run_suites bindings "$ASAN_BASE:abort_on_error=1:detect_leaks=0" "$RUNTIME" \
+      --suite bindings
     ;;
 esac
 
