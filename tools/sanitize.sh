@@ -9,7 +9,8 @@
 #          corpus (tests/fuzz/corpus/<target>, copied to a temporary directory,
 #          so the run never writes into the source tree); any crash, leak,
 #          timeout or sanitizer report fails it, and the input that did it is
-#          kept under BUILD/fuzz-artifacts/<target>/.
+#          kept under BUILD/fuzz-artifacts/<target>/. The inputs that once
+#          failed, tests/fuzz/crashes/<target>/, are each run once first.
 #
 #   tools/sanitize.sh [tests] [fuzz]      (default: both)
 #
@@ -35,21 +36,26 @@ echo "sanitize: build ready in $(($(now) - t0)) s"
 RUNTIME=$(clang -print-file-name=libclang_rt.asan-x86_64.so)
 # Any report ends the process with an error: AddressSanitizer stops at the first
 # one, and UndefinedBehaviorSanitizer, whose checks otherwise print and go on,
-# is told to as well. tests/sanitize/ubsan.supp lists known findings whose fix
-# is pending.
+# is told to as well. tests/sanitize/{ubsan,lsan}.supp list known findings whose
+# fix is pending.
 ASAN_BASE="halt_on_error=1:check_initialization_order=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$SRC/tests/sanitize/ubsan.supp"
+export LSAN_OPTIONS="suppressions=$SRC/tests/sanitize/lsan.supp:print_suppressions=0"
 failed=""
 
 # ------------------------------------------------------------------------------------------
 # Test suites
 
+# run_suites NAME ASAN_OPTIONS PRELOAD MESON_TEST_ARGS...
 run_suites() {
   name=$1
-  shift
+  asan=$2
+  preload=$3
+  shift 3
   t=$(now)
   status=0
-  meson test -C "$BUILD" --no-rebuild --print-errorlogs --timeout-multiplier 2 \
+  env ASAN_OPTIONS="$asan" ${preload:+LD_PRELOAD=$preload} \
+    meson test -C "$BUILD" --no-rebuild --print-errorlogs --timeout-multiplier 2 \
     --logbase "sanitize-$name" "$@" || status=$?
   echo "sanitize: suites $name: $([ $status -eq 0 ] && echo passed || echo FAILED) in $(($(now) - t)) s"
   [ $status -eq 0 ] || failed="$failed $name"
@@ -58,20 +64,19 @@ run_suites() {
 case " $parts " in
   *" tests "*)
     # The C and C++ test programs link the runtime first; leaks fail them.
-    ASAN_OPTIONS="$ASAN_BASE:abort_on_error=1:detect_leaks=1" \
-      run_suites unit-integration --suite unit --suite integration --no-suite hosted
+    # The 'hosted' integration tests (faults, rendezvous) start many ranks as
+    # Python processes; they run in the regular suites only.
+    run_suites unit-integration "$ASAN_BASE:abort_on_error=1:detect_leaks=1" "" \
+      --suite unit --suite integration --no-suite hosted
     # Python, Go and Rust programs load the sanitized libctr.so into a process
     # that was not built with the runtime, so it is preloaded (the binding
     # drivers keep it away from cargo, go and cc: rustc does not start under
-    # it, the others only slow down). Leak
-    # checking is off here: CPython leaves hundreds of its own allocations
-    # unreachable at exit, which would fail every Python test. libctr's own
-    # leaks are checked by the suites above and by the fuzzers.
-    # The 'hosted' integration tests (faults, rendezvous) are left out: they
-    # start many ranks as Python processes, which under the preloaded runtime
-    # do not yet run reliably here; they run in the regular suites.
-    LD_PRELOAD=$RUNTIME ASAN_OPTIONS="$ASAN_BASE:abort_on_error=1:detect_leaks=0" \
-      run_suites bindings --suite bindings
+    # it, the others only slow down). Leak checking is off here: CPython leaves
+    # hundreds of its own allocations unreachable at exit, which would fail
+    # every Python test. libctr's own leaks are checked by the suites above
+    # and by the fuzzers.
+    run_suites bindings "$ASAN_BASE:abort_on_error=1:detect_leaks=0" "$RUNTIME" \
+      --suite bindings
     ;;
 esac
 
@@ -92,15 +97,24 @@ fuzz_one() {
   dict=""
   [ -f "tests/fuzz/$target.dict" ] && dict="-dict=tests/fuzz/$target.dict"
   status=0
+  : >"$log"
+  # Inputs that once failed are run once each first; they are not mutated (a
+  # finding whose fix is pending and suppressed would lead straight to its
+  # next symptom).
+  if [ -d "tests/fuzz/crashes/$target" ]; then
+    TMPDIR=$work LD_PRELOAD=$RUNTIME ASAN_OPTIONS="$ASAN_BASE:detect_leaks=1" \
+      "$exe" -timeout=10 -rss_limit_mb=4096 -malloc_limit_mb=4096 -close_fd_mask=2 \
+      -artifact_prefix="$artifacts" "tests/fuzz/crashes/$target"/* >>"$log" 2>&1 || status=$?
+  fi
   # libFuzzer's C++ library is linked ahead of the runtime, which must come
   # first: preloaded. stderr of the target is closed (-close_fd_mask=2; the
   # rendezvous server logs every refusal there); libFuzzer and the sanitizers
   # still report to the log. The scratch files of the targets go to $work.
   # shellcheck disable=SC2086
-  TMPDIR=$work LD_PRELOAD=$RUNTIME ASAN_OPTIONS="$ASAN_BASE:detect_leaks=1" \
+  [ $status -ne 0 ] || TMPDIR=$work LD_PRELOAD=$RUNTIME ASAN_OPTIONS="$ASAN_BASE:detect_leaks=1" \
     "$exe" -max_total_time="$FUZZ_SECONDS" -timeout=10 -rss_limit_mb=4096 -malloc_limit_mb=4096 \
     -close_fd_mask=2 -print_final_stats=1 -artifact_prefix="$artifacts" $dict "$work/corpus" \
-    >"$log" 2>&1 || status=$?
+    >>"$log" 2>&1 || status=$?
   done_line=$(sed -n 's/^Done \([0-9]*\) runs in \([0-9]*\) second.*/\1 runs in \2 s/p' "$log")
   inputs=$(ls "$work/corpus" | wc -l)
   rm -rf "$work"

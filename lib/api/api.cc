@@ -23,7 +23,7 @@
 #include "runtime/step.h"
 
 namespace ctr {
-const std::string &last_error();
+const char *last_error();
 }
 
 using ctr::fail;
@@ -68,7 +68,7 @@ extern "C" const char *ctr_status_string(ctr_status status) {
   return "unknown status";
 }
 
-extern "C" const char *ctr_last_error(void) { return ctr::last_error().c_str(); }
+extern "C" const char *ctr_last_error(void) { return ctr::last_error(); }
 
 extern "C" size_t ctr_dtype_size(ctr_dtype dtype) {
   int code = 0;  // as ctr_status_string: any int may arrive from C
@@ -142,6 +142,7 @@ std::vector<std::pair<std::string, int>> parse_axes(const std::string &spec, int
   std::vector<std::pair<std::string, int>> axes;
   if (spec.empty()) return {{"fsdp", world}};
   size_t pos = 0;
+  constexpr int64_t kProductCap = int64_t{1} << 40;
   int64_t product = 1;
   while (pos <= spec.size()) {
     size_t comma = spec.find(',', pos);
@@ -164,14 +165,17 @@ std::vector<std::pair<std::string, int>> parse_axes(const std::string &spec, int
            strformat("mesh option 'mesh': axis '%s' has invalid size '%s'", name.c_str(),
                      part.c_str() + eq + 1));
     axes.emplace_back(name, static_cast<int>(size));
-    product *= size;
+    // Sizes are at most 2^20, so the product stays exact up to 2^60; past
+    // 2^40 it stops growing, which no number of axes can overflow.
+    if (product <= kProductCap) product *= size;
     if (comma == std::string::npos) break;
     pos = comma + 1;
   }
   if (product != world)
     fail(CTR_STATUS_INVALID_OPTION,
-         strformat("mesh option 'mesh': axes '%s' multiply to %lld, but the world has %d ranks",
-                   spec.c_str(), static_cast<long long>(product), world));
+         strformat("mesh option 'mesh': axes '%s' multiply to %s%lld, but the world has %d ranks",
+                   spec.c_str(), product > kProductCap ? "more than " : "",
+                   static_cast<long long>(product > kProductCap ? kProductCap : product), world));
   return axes;
 }
 

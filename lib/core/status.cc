@@ -3,11 +3,17 @@
 #include "core/status.h"
 
 #include <cstdarg>
+#include <cstring>
 #include <vector>
 
 namespace ctr {
 namespace {
-thread_local std::string t_last_error;
+// A fixed buffer, not a std::string: it has no destructor, so a ctr_* call made
+// from a host's static destructor at exit (after this thread's thread_local
+// objects with destructors are gone) still finds it intact. Longer messages
+// are cut, marked as such.
+constexpr size_t kLastErrorCap = 16384;
+thread_local char t_last_error[kLastErrorCap];
 }
 
 std::string strformat(const char *fmt, ...) {
@@ -29,9 +35,21 @@ std::string strformat(const char *fmt, ...) {
 
 void fail(ctr_status code, const std::string &msg) { throw Error(code, msg); }
 
-void set_last_error(const std::string &msg) { t_last_error = msg; }
-void clear_last_error() { t_last_error.clear(); }
-const std::string &last_error() { return t_last_error; }
+void set_last_error(const std::string &msg) {
+  static constexpr char kCut[] = " ... (message cut)";
+  size_t n = msg.size();
+  if (n < kLastErrorCap) {
+    std::memcpy(t_last_error, msg.data(), n);
+  } else {
+    n = kLastErrorCap - sizeof(kCut);
+    std::memcpy(t_last_error, msg.data(), n);
+    std::memcpy(t_last_error + n, kCut, sizeof(kCut) - 1);
+    n += sizeof(kCut) - 1;
+  }
+  t_last_error[n] = '\0';
+}
+void clear_last_error() { t_last_error[0] = '\0'; }
+const char *last_error() { return t_last_error; }
 
 ctr_status status_from_current_exception() {
   try {

@@ -46,19 +46,15 @@ struct Fixture {
     ctr_options_set_int(o, "seq", fuzz::SmallModel::kSeq);
     ctr_options_set_int(o, "corpus_bytes", 4096);
     if (ctr_loader_create(nullptr, o, &loader) != CTR_STATUS_OK ||
-        ctr_step_attach_loader(model.step, loader) != CTR_STATUS_OK) {
-      std::fprintf(stderr, "fuzz: cannot attach a loader: %s\n", ctr_last_error());
-      std::abort();
-    }
+        ctr_step_attach_loader(model.step, loader) != CTR_STATUS_OK)
+      fuzz::fail(std::string("cannot attach a loader: ") + ctr_last_error());
     ctr_options_free(o);
     // Advance the loader so that the saved position is not all zeros.
     int32_t tok[2 * fuzz::SmallModel::kSeq], tgt[2 * fuzz::SmallModel::kSeq];
     ctr_loader_next(loader, 2, tok, tgt);
     dir = fuzz::scratch_dir() + "/ckpt";
-    if (ctr_step_save(model.step, dir.c_str()) != CTR_STATUS_OK) {
-      std::fprintf(stderr, "fuzz: cannot save the checkpoint: %s\n", ctr_last_error());
-      std::abort();
-    }
+    if (ctr_step_save(model.step, dir.c_str()) != CTR_STATUS_OK)
+      fuzz::fail(std::string("cannot save the checkpoint: ") + ctr_last_error());
     meta = fuzz::read_file(dir + "/meta.json");
     shard = fuzz::read_file(dir + "/rank00000.bin");
   }

@@ -6,27 +6,38 @@
 // execution costs only what the input itself makes the library do.
 #pragma once
 
+#include <sanitizer/common_interface_defs.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
+#include <system_error>
 
 #include "ctr/ctr.h"
 
 namespace fuzz {
 
 // A directory of this process's own under $TMPDIR (default /tmp), created on
-// first use. Fuzzers run in parallel (-jobs) must not share files.
+// first use and removed at a normal exit. Fuzzers run in parallel (-jobs) must
+// not share files.
 inline const std::string &scratch_dir() {
-  static const std::string dir = [] {
-    const char *tmp = std::getenv("TMPDIR");
-    std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/ctr_fuzz_XXXXXX";
-    if (!mkdtemp(tmpl.data())) std::abort();
-    return tmpl;
-  }();
-  return dir;
+  struct Dir {
+    std::string path;
+    Dir() {
+      const char *tmp = std::getenv("TMPDIR");
+      path = std::string(tmp && *tmp ? tmp : "/tmp") + "/ctr_fuzz_XXXXXX";
+      if (!mkdtemp(path.data())) std::abort();
+    }
+    ~Dir() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  };
+  static const Dir dir;
+  return dir.path;
 }
 
 // Replaces the file at path with size bytes of data.
@@ -49,13 +60,21 @@ inline std::string read_file(const std::string &path) {
   return out;
 }
 
+// Ends the run with a finding the sanitizers cannot see themselves. The message
+// goes to stderr and, as the report's summary line, to wherever the sanitizer
+// reports go (libFuzzer keeps those when -close_fd_mask=2 closes stderr).
+[[noreturn]] inline void fail(const std::string &msg) {
+  std::fprintf(stderr, "fuzz: %s\n", msg.c_str());
+  __sanitizer_report_error_summary(("fuzz: " + msg).c_str());
+  std::abort();
+}
+
 // CTR_STATUS_INTERNAL is by the header's contract a bug in libctr, so a target
 // that sees it stops with the library's message; every other status is an
 // answer the caller can act on.
 inline void check_status(ctr_status st, const char *call) {
-  if (st != CTR_STATUS_INTERNAL) return;
-  std::fprintf(stderr, "fuzz: %s returned CTR_STATUS_INTERNAL: %s\n", call, ctr_last_error());
-  std::abort();
+  if (st == CTR_STATUS_INTERNAL)
+    fail(std::string(call) + " returned CTR_STATUS_INTERNAL: " + ctr_last_error());
 }
 
 // The model of the fuzzers that need a step: GPT, 1 layer, width 8, 2 heads,
@@ -80,10 +99,8 @@ struct SmallModel {
     ctr_options_set_int(so, "batch", 1);
     if (ctr_mesh_create(nullptr, &mesh) != CTR_STATUS_OK ||
         ctr_graph_create_preset("gpt", go, &graph) != CTR_STATUS_OK ||
-        ctr_step_create(mesh, graph, so, &step) != CTR_STATUS_OK) {
-      std::fprintf(stderr, "fuzz: cannot build the small model: %s\n", ctr_last_error());
-      std::abort();
-    }
+        ctr_step_create(mesh, graph, so, &step) != CTR_STATUS_OK)
+      fail(std::string("cannot build the small model: ") + ctr_last_error());
     ctr_options_free(go);
     ctr_options_free(so);
   }

@@ -159,10 +159,8 @@ void fuzz_preset(const std::vector<Entry> &es) {
     fuzz::check_status(st, "ctr_graph_save_file");
     if (st == CTR_STATUS_OK) {
       ctr_graph *back = nullptr;
-      if (ctr_graph_load_file(path.c_str(), &back) != CTR_STATUS_OK) {
-        std::fprintf(stderr, "fuzz: a preset graph does not load back: %s\n", ctr_last_error());
-        std::abort();
-      }
+      if (ctr_graph_load_file(path.c_str(), &back) != CTR_STATUS_OK)
+        fuzz::fail(std::string("a preset graph does not load back: ") + ctr_last_error());
       ctr_graph_free(back);
     }
     ctr_graph_free(g);

@@ -1,26 +1,27 @@
-// libFuzzer target: arbitrary bytes sent to the rendezvous store as a peer would.
+// libFuzzer target: bytes sent to the rendezvous store by a peer, before and
+// after admission.
 //
-// Rank 0 of a two-rank job runs in a background thread through ctr::store_join,
-// as any rank 0 does, and serves the store on a free local port. Each input goes
-// out over a fresh TCP connection; the store must keep serving whatever arrives
-// (frames of any length, requests before HELLO, wrong tokens, ranks out of range,
-// half-written frames, requests that park until a deadline).
+// Every input meets a fresh store of a three-rank job: rank 0 runs through
+// ctr::store_join on a thread, as any rank 0 does, and serves a free local port.
+// The first byte of the input picks who sends the rest:
 //
-// To know when the server is done with an input without waiting for a timeout,
-// a second connection then sends a HELLO with a wrong job token, which the
-// server always refuses with a reply. The server reads its connections in the
-// order they were opened, so once that refusal arrives the input has been read
-// and handled. No refusal within kAnswerMs means the server stopped serving,
-// which is a finding (abort), unless rank 0 was restarting meanwhile.
+//   even  a stranger, on a new connection that has not been admitted (frames of
+//         any length, HELLOs of any protocol, PROOFs out of turn, ...);
+//   odd   rank 1 itself, over a connection the harness has taken through the
+//         whole admission (HELLO with a nonce, rank 0's tag checked, PROOF with
+//         the job token's tag), so the bytes reach the requests only admitted
+//         ranks may make (JOIN, SET, GET, ADD, BARRIER, HEARTBEAT, FAILURE).
 //
-// A HELLO with the right token takes its rank for the life of the server (a rank
-// that left cannot come back under the same number), after which the same input
-// would only be refused. So once rank 1 has joined, rank 0 leaves and a new
-// server is started before the next input; every input meets a store in which
-// only rank 0 has joined.
+// Then the store must still be serving: a HELLO of another protocol version is
+// refused with a reply (the server reads its connections in the order they were
+// opened, so once that refusal arrives the input has been handled), rank 1 is
+// admitted by the harness if the input was a stranger's, and rank 2 joins
+// through ctr::store_join, which ends rank 0's join. Any other outcome within
+// kAnswerMs is a finding. The three-rank world keeps the store listening while
+// the input and the probe run (it stops listening once every rank has joined).
 //
 // The wire format is in lib/comm/store.cc; tests/fuzz/make_corpus.py writes seed
-// frames. All socket calls have deadlines: no input can hang the harness itself.
+// inputs. All socket calls have deadlines: no input can hang the harness itself.
 //
 //   FUZZ_TARGETS=store FUZZ_SECONDS=600 tools/sanitize.sh fuzz  (README: Hardening)
 
@@ -33,108 +34,80 @@
 
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
+#include "comm/auth.h"
 #include "comm/comm.h"
+#include "fuzz_common.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
 constexpr const char *kToken = "fuzz-token";
-// How long the refusal of the probe may take before the server counts as stuck.
+constexpr const char *kProtocol = "ctr-rendezvous/2";  // as lib/comm/store.cc speaks
+constexpr int kWorld = 3;
+// How long the store may take to answer the harness at any point before it
+// counts as stuck; below libFuzzer's -timeout, so that the finding names itself.
 constexpr int kAnswerMs = 5000;
-// How long a (re)starting server may take to listen.
-constexpr int kStartMs = 10000;
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr *>(&a), sizeof a) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr *>(&a), &len) != 0)
+    std::abort();
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+ctr::RendezvousConfig config(int rank, int port) {
+  ctr::RendezvousConfig cfg;
+  cfg.rank = rank;
+  cfg.world = kWorld;
+  cfg.addr = "127.0.0.1";
+  cfg.port = port;
+  cfg.token = kToken;
+  cfg.timeout_ms = kAnswerMs;
+  return cfg;
+}
 
 // ------------------------------------------------------------------------------------------
-// Rank 0
+// Frames
 
-class RankZero {
- public:
-  RankZero() : port_(free_port()) {
-    // Detached and never destroyed: the server lives until the process exits.
-    std::thread([this] { serve(); }).detach();
-  }
+void put_u32(std::string &s, uint32_t v) {
+  for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void put_i64(std::string &s, int64_t v) {
+  for (int i = 0; i < 8; ++i) s.push_back(static_cast<char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff));
+}
+void put_str(std::string &s, const std::string &v) {
+  put_u32(s, static_cast<uint32_t>(v.size()));
+  s += v;
+}
+std::string frame(const std::string &body) {
+  std::string f;
+  put_u32(f, static_cast<uint32_t>(body.size()));
+  return f + body;
+}
 
-  int port() const { return port_; }
-
-  // A server generation: changes whenever rank 0 starts over.
-  uint64_t generation() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return generation_;
-  }
-
-  // Before an input: if rank 1 joined the current server, has rank 0 leave and
-  // start a fresh server, and waits until the old one is gone.
-  void ensure_fresh() {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!joined_) return;
-    restart_ = true;
-    cv_.notify_all();
-    cv_.wait(lock, [this] { return !restart_; });
-  }
-
- private:
-  static int free_port() {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr *>(&a), sizeof a) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr *>(&a), &len) != 0)
-      std::abort();
-    ::close(fd);
-    return ntohs(a.sin_port);
-  }
-
-  void serve() {
-    ctr::RendezvousConfig cfg;
-    cfg.rank = 0;
-    cfg.world = 2;
-    cfg.addr = "127.0.0.1";
-    cfg.port = port_;
-    cfg.token = kToken;
-    cfg.timeout_ms = int64_t{1} << 40;  // wait for rank 1 as long as the run lasts
-    for (;;) {
-      std::unique_ptr<ctr::Store> store;
-      try {
-        store = ctr::store_join(cfg);  // returns once an input joined as rank 1
-      } catch (const std::exception &) {
-        // An input took rank 0 before rank 0 itself said HELLO, and the server
-        // is gone already: start over at once.
-        std::lock_guard<std::mutex> lock(mu_);
-        ++generation_;
-        continue;
-      }
-      std::unique_lock<std::mutex> lock(mu_);
-      joined_ = true;
-      cv_.wait(lock, [this] { return restart_; });
-      lock.unlock();
-      store.reset();  // closes rank 0's connection and stops the server
-      lock.lock();
-      joined_ = false;
-      restart_ = false;
-      ++generation_;
-      cv_.notify_all();
-    }
-  }
-
-  const int port_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool joined_ = false;
-  bool restart_ = false;
-  uint64_t generation_ = 0;
-};
+std::string hello(const std::string &protocol, int rank, const std::string &nonce) {
+  std::string body(1, '\x01');  // HELLO
+  put_str(body, protocol);
+  put_i64(body, rank);
+  put_i64(body, kWorld);
+  put_str(body, nonce);
+  return frame(body);
+}
 
 // ------------------------------------------------------------------------------------------
 // Client side, every call bounded
@@ -144,13 +117,16 @@ class Socket {
   Socket() = default;
   Socket(const Socket &) = delete;
   Socket &operator=(const Socket &) = delete;
-  ~Socket() {
+  ~Socket() { close(); }
+
+  void close() {
     if (fd_ < 0) return;
-    // Reset rather than close gracefully: no TIME_WAIT pile-up over millions of
-    // connections.
+    // Reset rather than close gracefully: no TIME_WAIT pile-up over many
+    // thousands of connections.
     linger l{1, 0};
     ::setsockopt(fd_, SOL_SOCKET, SO_LINGER, &l, sizeof l);
     ::close(fd_);
+    fd_ = -1;
   }
 
   // Connects to 127.0.0.1:port, retrying refusals (a server starting) until
@@ -173,11 +149,12 @@ class Socket {
       ::close(fd_);
       fd_ = -1;
       if (Clock::now() >= deadline) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
 
   // Sends what the server takes; a server that closed or stopped reading ends it.
+  void send_all(const std::string &s) { send_all(reinterpret_cast<const uint8_t *>(s.data()), s.size()); }
   void send_all(const uint8_t *p, size_t n) {
     while (n > 0) {
       ssize_t k = ::send(fd_, p, n, MSG_NOSIGNAL);
@@ -207,60 +184,110 @@ class Socket {
     return out;
   }
 
-  // Reads and drops whatever has already arrived.
-  void drain() {
-    char buf[4096];
-    while (::recv(fd_, buf, sizeof buf, MSG_DONTWAIT) > 0) {
-    }
+  // One whole reply frame (its body), or nothing by the deadline.
+  bool read_frame(std::string *body, Clock::time_point deadline) {
+    const std::string head = read_some(4, deadline);
+    if (head.size() != 4) return false;
+    uint32_t n = 0;
+    for (int i = 0; i < 4; ++i) n |= static_cast<uint32_t>(static_cast<uint8_t>(head[i])) << (8 * i);
+    if (n == 0 || n > (1u << 20)) return false;
+    *body = read_some(n, deadline);
+    return body->size() == n;
   }
 
  private:
   int fd_ = -1;
 };
 
-// A HELLO the server must refuse: a token of the right length but wrong bytes.
-std::string refused_hello() {
-  std::string body;
-  body.push_back(1);  // HELLO
-  const std::string token(std::char_traits<char>::length(kToken), 'x');
-  for (int i = 0; i < 4; ++i) body.push_back(static_cast<char>((token.size() >> (8 * i)) & 0xff));
-  body += token;
-  for (int64_t v : {int64_t{1}, int64_t{2}})  // rank, world
-    for (int i = 0; i < 8; ++i) body.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-  std::string frame;
-  for (int i = 0; i < 4; ++i) frame.push_back(static_cast<char>((body.size() >> (8 * i)) & 0xff));
-  return frame + body;
+// Reads a string field of a reply at *pos.
+bool take_str(const std::string &b, size_t *pos, std::string *out) {
+  if (b.size() - *pos < 4) return false;
+  uint32_t n = 0;
+  for (int i = 0; i < 4; ++i) n |= static_cast<uint32_t>(static_cast<uint8_t>(b[*pos + i])) << (8 * i);
+  *pos += 4;
+  if (b.size() - *pos < n) return false;
+  *out = b.substr(*pos, n);
+  *pos += n;
+  return true;
+}
+
+// Takes `s` through admission as `rank`, as a real rank does; a store that does
+// not admit it is a finding.
+void admit(Socket &s, int rank, Clock::time_point deadline) {
+  const std::string nonce_c = ctr::random_bytes(ctr::kNonceBytes);
+  s.send_all(hello(kProtocol, rank, nonce_c));
+  std::string reply, nonce_s, tag;
+  size_t pos = 1;
+  if (!s.read_frame(&reply, deadline) || reply[0] != CTR_STATUS_OK || !take_str(reply, &pos, &nonce_s) ||
+      !take_str(reply, &pos, &tag))
+    fuzz::fail("the rendezvous store did not answer rank " + std::to_string(rank) + "'s HELLO");
+  if (!ctr::equal_secret(tag, ctr::job_mac(kToken, "ctr store: rank 0", nonce_c, nonce_s, std::to_string(rank))))
+    fuzz::fail("rank 0's tag in its answer to HELLO does not prove the job token");
+  std::string proof(1, '\x07');  // PROOF
+  put_str(proof, ctr::job_mac(kToken, "ctr store: rank", nonce_s, nonce_c, std::to_string(rank)));
+  s.send_all(frame(proof));
+  if (!s.read_frame(&reply, deadline) || reply[0] != CTR_STATUS_OK)
+    fuzz::fail("the rendezvous store refused rank " + std::to_string(rank) + "'s PROOF");
+}
+
+// A HELLO the store must refuse with a reply: another protocol version.
+void expect_refusal(int port, Clock::time_point deadline) {
+  Socket check;
+  if (!check.connect_to(port, deadline))
+    fuzz::fail("the rendezvous store on port " + std::to_string(port) + " stopped accepting connections");
+  check.send_all(hello("ctr-rendezvous/0", 2, std::string(ctr::kNonceBytes, 'n')));
+  std::string reply;
+  if (!check.read_frame(&reply, deadline))
+    fuzz::fail("the rendezvous store did not answer within " + std::to_string(kAnswerMs) + " ms");
+  if (static_cast<uint8_t>(reply[0]) != CTR_STATUS_COMM_ERROR)
+    fuzz::fail("the rendezvous store answered a HELLO of another protocol with status " +
+               std::to_string(static_cast<uint8_t>(reply[0])));
 }
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  static RankZero *rank0 = new RankZero;
-  static const std::string probe = refused_hello();
-  rank0->ensure_fresh();
-  const uint64_t gen = rank0->generation();
-
-  Socket input;
-  if (!input.connect_to(rank0->port(), Clock::now() + std::chrono::milliseconds(kStartMs))) {
-    std::fprintf(stderr, "fuzz: the rendezvous server on port %d does not accept connections\n",
-                 rank0->port());
-    std::abort();
-  }
-  input.send_all(data, size);
-
-  Socket check;
-  bool answered = false;
+  if (size == 0) return 0;
+  const bool as_rank = data[0] & 1;
+  ++data;
+  --size;
+  const int port = free_port();
   const auto deadline = Clock::now() + std::chrono::milliseconds(kAnswerMs);
-  if (check.connect_to(rank0->port(), deadline)) {
-    check.send_all(reinterpret_cast<const uint8_t *>(probe.data()), probe.size());
-    // A refusal: u32 length, status COMM_ERROR, u32 length, message.
-    std::string head = check.read_some(5, deadline);
-    answered = head.size() == 5 && static_cast<uint8_t>(head[4]) == CTR_STATUS_COMM_ERROR;
+
+  std::unique_ptr<ctr::Store> rank0;
+  std::string rank0_error;
+  std::thread server([&] {
+    try {
+      rank0 = ctr::store_join(config(0, port));
+    } catch (const std::exception &e) {
+      rank0_error = e.what();
+    }
+  });
+
+  Socket rank1;
+  if (!rank1.connect_to(port, deadline)) fuzz::fail("the rendezvous store does not accept connections");
+  Socket stranger;
+  if (as_rank) {
+    admit(rank1, 1, deadline);
+    rank1.send_all(data, size);
+  } else {
+    if (!stranger.connect_to(port, deadline)) fuzz::fail("the rendezvous store does not accept connections");
+    stranger.send_all(data, size);
   }
-  input.drain();
-  if (!answered && rank0->generation() == gen) {
-    std::fprintf(stderr, "fuzz: the rendezvous server did not answer within %d ms\n", kAnswerMs);
-    std::abort();
+  expect_refusal(port, deadline);
+  if (!as_rank) admit(rank1, 1, deadline);
+
+  std::string rank2_error;
+  try {
+    auto rank2 = ctr::store_join(config(2, port));
+  } catch (const std::exception &e) {
+    rank2_error = e.what();
   }
+  rank1.close();
+  stranger.close();
+  server.join();
+  if (!rank2_error.empty()) fuzz::fail("rank 2 could not join after the input: " + rank2_error);
+  if (!rank0_error.empty()) fuzz::fail("rank 0's join failed after the input: " + rank0_error);
+  rank0.reset();
   return 0;
 }

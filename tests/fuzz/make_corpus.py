@@ -107,8 +107,11 @@ def checkpoint(build, out):
 # Rendezvous frames: u32 length, then a u8 request kind and its fields
 # (strings are a u32 length and bytes, integers little-endian i64).
 
-HELLO, JOIN, SET, GET, ADD, BARRIER = 1, 2, 3, 4, 5, 6
-TOKEN = b"fuzz-token"  # as in fuzz_store.cc
+HELLO, JOIN, SET, GET, ADD, BARRIER, PROOF, HEARTBEAT, FAILURE = 1, 2, 3, 4, 5, 6, 7, 8, 9
+PROTOCOL = b"ctr-rendezvous/2"  # as lib/comm/store.cc speaks
+WORLD = 3  # as in fuzz_store.cc
+# The first byte of a seed: who sends the rest (see fuzz_store.cc).
+STRANGER, RANK1 = b"\x00", b"\x01"
 
 
 def frame(body):
@@ -123,8 +126,8 @@ def i64(v):
     return struct.pack("<q", v)
 
 
-def hello(token=TOKEN, rank=1, world=2):
-    return frame(bytes([HELLO]) + s(token) + i64(rank) + i64(world))
+def hello(protocol=PROTOCOL, rank=1, world=WORLD, nonce=b"n" * 16):
+    return frame(bytes([HELLO]) + s(protocol) + i64(rank) + i64(world) + s(nonce))
 
 
 def req(kind, *fields):
@@ -132,38 +135,55 @@ def req(kind, *fields):
 
 
 def store(out):
-    seeds = {
-        # A whole session of rank 1.
-        "session": hello() + req(JOIN, i64(1000)) + req(SET, s(b"key"), s(b"value")) +
-                   req(GET, s(b"key"), i64(100)) + req(ADD, s(b"count"), i64(5)) +
-                   req(ADD, s(b"count"), i64(-2)) + req(GET, s(b"count"), i64(100)),
-        "get_missing_parks": hello() + req(GET, s(b"nobody-sets-this"), i64(50)),
-        "barrier_alone": hello() + req(BARRIER, s(b"b"), i64(50)),
-        "barrier_twice": hello() + req(BARRIER, s(b"b"), i64(50)) + req(BARRIER, s(b"b"), i64(50)),
-        "add_to_text": hello() + req(SET, s(b"k"), s(b"text")) + req(ADD, s(b"k"), i64(1)),
-        "add_wraps": hello() + req(ADD, s(b"n"), i64(2**63 - 1)) + req(ADD, s(b"n"), i64(1)),
-        "timeout_huge": hello() + req(GET, s(b"x"), i64(2**62)),
-        "timeout_negative": hello() + req(BARRIER, s(b"x"), i64(-5)),
-        "wrong_token": hello(token=b"guess-token"),
-        "empty_token": hello(token=b""),
-        "wrong_world": hello(world=3),
+    stranger = {
+        "hello_only": hello(),
+        "hello_then_forged_proof": hello() + req(PROOF, s(b"\0" * 32)),
+        "hello_then_empty_proof": hello() + req(PROOF, s(b"")),
+        "proof_before_hello": req(PROOF, s(b"x" * 32)),
+        "old_protocol": frame(bytes([HELLO]) + s(b"fuzz-token") + i64(1) + i64(WORLD)),
+        "other_protocol": hello(protocol=b"ctr-rendezvous/9"),
+        "wrong_world": hello(world=WORLD + 1),
         "rank_out_of_range": hello(rank=7),
         "rank_negative": hello(rank=-1),
-        "rank_zero_taken": hello(rank=0),
+        "claims_rank_zero": hello(rank=0),
+        "claims_rank_two": hello(rank=2),
+        "short_nonce": hello(nonce=b"n"),
         "hello_twice": hello() + hello(),
-        "request_before_hello": req(SET, s(b"k"), s(b"v")),
-        "unknown_request": hello() + req(99, i64(0)),
+        "request_before_admission": req(SET, s(b"k"), s(b"v")),
+        "join_before_admission": req(JOIN, i64(100)),
         "empty_frame": frame(b""),
-        "set_string_overruns": hello() + req(SET, struct.pack("<I", 1000) + b"short"),
-        "trailing_bytes": hello() + req(JOIN, i64(10) + b"extra"),
         "truncated_frame": hello()[:9],
         "length_over_limit_before_hello": struct.pack("<I", 64 * 1024 + 1) + b"\x01",
-        "length_over_limit": hello() + struct.pack("<I", (256 << 20) + 1) + bytes([SET]),
         "length_max": struct.pack("<I", 0xFFFFFFFF),
         "garbage": bytes(range(256)),
     }
-    for name, data in seeds.items():
-        put(out, name, data)
+    rank1 = {
+        "session": req(JOIN, i64(1000)) + req(SET, s(b"key"), s(b"value")) +
+                   req(GET, s(b"key"), i64(100)) + req(ADD, s(b"count"), i64(5)) +
+                   req(ADD, s(b"count"), i64(-2)) + req(GET, s(b"count"), i64(100)),
+        "heartbeats": req(HEARTBEAT) + req(HEARTBEAT) + req(HEARTBEAT, i64(1)),
+        "failure": req(FAILURE, s(b"rank 1 saw a NaN")) + req(HEARTBEAT),
+        "failure_malformed": req(FAILURE, struct.pack("<I", 99) + b"x"),
+        "get_missing_parks": req(GET, s(b"nobody-sets-this"), i64(50)),
+        "barrier_alone": req(BARRIER, s(b"b"), i64(50)),
+        "barrier_twice": req(BARRIER, s(b"b"), i64(50)) + req(BARRIER, s(b"b"), i64(50)),
+        "add_to_text": req(SET, s(b"k"), s(b"text")) + req(ADD, s(b"k"), i64(1)),
+        "add_wraps": req(ADD, s(b"n"), i64(2**63 - 1)) + req(ADD, s(b"n"), i64(1)),
+        "timeout_huge": req(GET, s(b"x"), i64(2**62)),
+        "timeout_negative": req(BARRIER, s(b"x"), i64(-5)),
+        "hello_again": hello(),
+        "proof_again": req(PROOF, s(b"x" * 32)),
+        "unknown_request": req(99, i64(0)),
+        "set_string_overruns": req(SET, struct.pack("<I", 1000) + b"short"),
+        "trailing_bytes": req(JOIN, i64(10) + b"extra"),
+        "length_over_limit": struct.pack("<I", (256 << 20) + 1) + bytes([SET]),
+        "empty_frame": frame(b""),
+        "garbage": bytes(range(256)),
+    }
+    for name, data in stranger.items():
+        put(out, "stranger_" + name, STRANGER + data)
+    for name, data in rank1.items():
+        put(out, "rank1_" + name, RANK1 + data)
 
 
 # ---------------------------------------------------------------------------
