@@ -52,6 +52,11 @@ typedef struct ctr_moe_loss_params {
   float coef;             /* "coef", default 0.01 (aux) or 0.001 (z) */
 } ctr_moe_loss_params;
 
+/* moe_grouped_linear, moe_grouped_linear_bwd */
+typedef struct ctr_grouped_linear_params {
+  float weight_grad_scale; /* "weight_grad_scale", default 1: the weight gradient's factor */
+} ctr_grouped_linear_params;
+
 #ifdef __cplusplus
 }
 #endif

@@ -167,13 +167,21 @@ void moe_unpermute_fwd(const float *yp, const int32_t *slots, const float *weigh
 // dyp[slots[n*k+j]] = weights[n,j] dy[n] (other rows zero); dweights[n,j] = <dy[n], yp[slot]>.
 void moe_unpermute_bwd(const float *dy, const float *yp, const int32_t *slots, const float *weights,
                        float *dyp, float *dweights, int64_t N, int64_t k, int64_t D, int64_t M);
-// y[M,N]: expert e's rows of x[M,K] times w[e]^T (w[E,N,K]); counts[E] rows
-// per expert in order, clamped to M; rows past the last counted one are zero.
-void grouped_linear_fwd(const float *x, const int32_t *counts, const float *w, float *y, int64_t M,
+// y[M,N]: segment s of x[M,K] (counts[S] rows per segment, in order, clamped
+// to M) times w[s % E]^T (w[E,N,K]); rows past the last counted one are zero.
+void grouped_linear_fwd(const float *x, const int32_t *counts, int64_t S, const float *w, float *y, int64_t M,
                         int64_t K, int64_t N, int64_t E);
-// dx[M,K] and dw[E,N,K] overwritten (an expert without rows gets zero).
-void grouped_linear_bwd(const float *dy, const float *x, const int32_t *counts, const float *w, float *dx,
-                        float *dw, int64_t M, int64_t K, int64_t N, int64_t E);
+// dx[M,K] and dw[E,N,K] overwritten (an expert without rows gets zero); dw is
+// multiplied by weight_grad_scale.
+void grouped_linear_bwd(const float *dy, const float *x, const int32_t *counts, int64_t S, const float *w,
+                        float *dx, float *dw, int64_t M, int64_t K, int64_t N, int64_t E, float weight_grad_scale);
+// stats[2E+1]: assignments per expert, softmax sums per expert, token count N.
+void moe_aux_stats(const float *logits, const int32_t *experts, float *stats, int64_t N, int64_t E, int64_t k);
+// The load-balancing loss of statistics summed over every rank, and this
+// rank's share of its gradient (see moe.cc).
+void moe_aux_loss_global_fwd(const float *stats, float *loss, int64_t E, int64_t k, float coef);
+void moe_aux_loss_global_bwd(float dloss, const float *logits, const float *stats, float *dlogits, int64_t N,
+                             int64_t E, int64_t k, float coef);
 
 // ---------------------------------------------------------------------------
 // Layout.

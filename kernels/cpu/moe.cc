@@ -269,29 +269,79 @@ void moe_unpermute_bwd(const float *dy, const float *yp, const int32_t *slots, c
 }
 
 // ---------------------------------------------------------------------------
-// Grouped GEMMs: expert e's rows [off[e], off[e+1]) times its own weight.
+// Grouped GEMMs: segment s (rows [off[s], off[s+1])) times the weight of expert
+// s % E. On one rank there is a segment per expert; under expert parallelism a
+// segment per (source rank, local expert).
 
-void grouped_linear_fwd(const float *x, const int32_t *counts, const float *w, float *y, int64_t M,
+void grouped_linear_fwd(const float *x, const int32_t *counts, int64_t S, const float *w, float *y, int64_t M,
                         int64_t K, int64_t N, int64_t E) {
   std::vector<int64_t> off;
-  expert_offsets(counts, E, M, off);
-  for (int64_t e = 0; e < E; ++e)
-    if (off[e + 1] > off[e])
-      linear_fwd(x + off[e] * K, w + e * N * K, nullptr, y + off[e] * N, off[e + 1] - off[e], K, N);
-  std::memset(y + off[E] * N, 0, static_cast<size_t>((M - off[E]) * N) * sizeof(float));
+  expert_offsets(counts, S, M, off);
+  for (int64_t s = 0; s < S; ++s)
+    if (off[s + 1] > off[s])
+      linear_fwd(x + off[s] * K, w + (s % E) * N * K, nullptr, y + off[s] * N, off[s + 1] - off[s], K, N);
+  std::memset(y + off[S] * N, 0, static_cast<size_t>((M - off[S]) * N) * sizeof(float));
 }
 
-void grouped_linear_bwd(const float *dy, const float *x, const int32_t *counts, const float *w, float *dx,
-                        float *dw, int64_t M, int64_t K, int64_t N, int64_t E) {
+void grouped_linear_bwd(const float *dy, const float *x, const int32_t *counts, int64_t S, const float *w,
+                        float *dx, float *dw, int64_t M, int64_t K, int64_t N, int64_t E, float weight_grad_scale) {
   std::vector<int64_t> off;
-  expert_offsets(counts, E, M, off);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t rows = off[e + 1] - off[e];
-    if (rows > 0) linear_bwd_x(dy + off[e] * N, w + e * N * K, dx + off[e] * K, rows, K, N);
-    // An expert that received no rows gets a zero gradient (an empty sum).
-    linear_bwd_w(dy + off[e] * N, x + off[e] * K, dw + e * N * K, rows, K, N, false);
+  expert_offsets(counts, S, M, off);
+  // An expert that received no rows gets a zero gradient; one with several
+  // segments sums them in segment order.
+  std::memset(dw, 0, static_cast<size_t>(E * N * K) * sizeof(float));
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t rows = off[s + 1] - off[s];
+    if (rows <= 0) continue;
+    linear_bwd_x(dy + off[s] * N, w + (s % E) * N * K, dx + off[s] * K, rows, K, N);
+    gemm(true, false, N, K, rows, weight_grad_scale, dy + off[s] * N, N, x + off[s] * K, K, 1.0f,
+         dw + (s % E) * N * K, K);
   }
-  std::memset(dx + off[E] * K, 0, static_cast<size_t>((M - off[E]) * K) * sizeof(float));
+  std::memset(dx + off[S] * K, 0, static_cast<size_t>((M - off[S]) * K) * sizeof(float));
+}
+
+// ---------------------------------------------------------------------------
+// Load balance over every rank's batch
+
+void moe_aux_stats(const float *logits, const int32_t *experts, float *stats, int64_t N, int64_t E, int64_t k) {
+  std::vector<double> acc(static_cast<size_t>(2 * E), 0.0);
+  for (int64_t i = 0; i < N * k; ++i)
+    if (experts[i] >= 0 && experts[i] < E) acc[experts[i]] += 1.0;
+  std::vector<float> p(static_cast<size_t>(E));
+  for (int64_t n = 0; n < N; ++n) {
+    softmax_row(logits + n * E, p.data(), E);
+    for (int64_t e = 0; e < E; ++e) acc[E + e] += p[e];
+  }
+  for (int64_t i = 0; i < 2 * E; ++i) stats[i] = static_cast<float>(acc[i]);
+  stats[2 * E] = static_cast<float>(N);
+}
+
+void moe_aux_loss_global_fwd(const float *stats, float *loss, int64_t E, int64_t k, float coef) {
+  const double n = std::max(1.0, static_cast<double>(stats[2 * E]));
+  double acc = 0;
+  for (int64_t e = 0; e < E; ++e) acc += (stats[e] / (n * static_cast<double>(k))) * (stats[E + e] / n);
+  loss[0] = static_cast<float>(coef * static_cast<double>(E) * acc);
+}
+
+void moe_aux_loss_global_bwd(float dloss, const float *logits, const float *stats, float *dlogits, int64_t N,
+                             int64_t E, int64_t k, float coef) {
+  // The loss is the same on every rank, but each rank's gradient is averaged
+  // with the others' (divided by the number of ranks, world): so each rank
+  // scales its own tokens' share by its local token count, not the global one.
+  const double n = std::max(1.0, static_cast<double>(stats[2 * E]));
+  std::vector<double> c(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e)
+    c[e] = static_cast<double>(dloss) * coef * static_cast<double>(E) * (stats[e] / (n * static_cast<double>(k))) /
+           static_cast<double>(std::max<int64_t>(N, 1));
+  ctr::parallel_for(N, token_grain(E), [&](int64_t n0, int64_t n1) {
+    std::vector<float> p(static_cast<size_t>(E));
+    for (int64_t t = n0; t < n1; ++t) {
+      softmax_row(logits + t * E, p.data(), E);
+      double dot = 0;
+      for (int64_t e = 0; e < E; ++e) dot += c[e] * p[e];
+      for (int64_t e = 0; e < E; ++e) dlogits[t * E + e] = static_cast<float>(p[e] * (c[e] - dot));
+    }
+  });
 }
 
 }  // namespace ctr::cpu

@@ -767,9 +767,11 @@ std::string inspect_graph(const ctr_graph *graph, const ctr_options *options, co
   // The placement of one rank of a mesh, to see what the shard pass makes of it.
   const int64_t fsdp = r.get_int("fsdp", 1, 1, 1 << 20);
   const int64_t dp = r.get_int("dp", 1, 1, 1 << 20);
-  const int64_t rank = r.get_int("rank", 0, 0, fsdp * dp - 1);
+  const int64_t ep = r.get_int("ep", 1, 1, 1 << 20);
+  const int64_t rank = r.get_int("rank", 0, 0, fsdp * dp * ep - 1);
   r.finish();
-  o.mesh.axes = {{"dp", dp, rank / fsdp}, {"fsdp", fsdp, rank % fsdp}};
+  // Axes in the order dp, ep, fsdp (fsdp innermost), as "dp=..,ep=..,fsdp=..".
+  o.mesh.axes = {{"dp", dp, rank / (fsdp * ep)}, {"ep", ep, (rank / fsdp) % ep}, {"fsdp", fsdp, rank % fsdp}};
   Graph g = graph->graph;  // loaded and verified
   if (until.at_load) return dump_graph(g);
   Backend be = cpu_backend_create(false);

@@ -8,8 +8,9 @@
 //                      all of that (xxh3 of its compact JSON without the key)
 //   rank00000.bin ...  one file per writing rank: its rows of every tensor
 //
-// Only the first replica of each shard writes (dp index 0), so HSDP does not
-// write dp copies. Checksums cover blocks of about 1 MiB of rows, so a rank that
+// Only the first replica of each shard writes its rows (dp index 0; for the
+// replicated parts of an expert-parallel mesh, one rank of each group), so no
+// row is written twice. Checksums cover blocks of about 1 MiB of rows, so a rank that
 // loads a different slice (another fsdp degree) reads only the blocks it
 // overlaps and still verifies everything it reads.
 //
@@ -207,11 +208,12 @@ void Checkpointer::save(const CheckpointState &s, const CheckpointInfo &info, co
   const std::vector<ShardView> shards = s.checkpoint_shards();
   if (p->writer) {
     int64_t total = 0;
-    for (const ShardView &v : shards) total += 3 * v.valid_rows * v.row_elems * 4;
+    for (const ShardView &v : shards)
+      if (v.write) total += 3 * v.valid_rows * v.row_elems * 4;
     p->bytes.resize(static_cast<size_t>(total));
     int64_t offset = 0;
     for (const ShardView &v : shards) {
-      if (v.valid_rows <= 0) continue;
+      if (v.valid_rows <= 0 || !v.write) continue;
       const int64_t row_bytes = v.row_elems * 4;
       const int64_t bytes = v.valid_rows * row_bytes;
       for (int k = 0; k < 3; ++k) {

@@ -29,6 +29,7 @@ struct ShardView {
   int64_t n = 0;  // floats held locally, padding rows included
   int64_t first_row = 0, valid_rows = 0, row_elems = 0;
   void *buffers[3] = {nullptr, nullptr, nullptr};  // param, adam_m, adam_v (device)
+  bool write = true;  // this rank saves these rows (false: a replica elsewhere does)
 };
 
 class CheckpointState {
@@ -48,7 +49,7 @@ struct CheckpointInfo {
   std::string options_json;  // the step's options, for the record
   data::Loader *loader = nullptr;  // its position is saved and restored
   int64_t loader_seq = 0;
-  bool writer = true;        // this rank writes its rows (the first dp replica)
+  bool writer = true;        // this rank writes a shard file (some of its rows are no replica's)
 };
 
 class Checkpointer {

@@ -437,7 +437,10 @@ void moe_grouped_linear_infer(const Graph &g, const Node &n, std::vector<OutInfo
   if (x.size() != 2) shape_mismatch(g, n, 0, "[rows, in]");
   if (w.size() != 3 || w[2] != x[1])
     shape_mismatch(g, n, 1, strformat("[experts, out, %lld]", static_cast<long long>(x[1])));
-  if (S(g, n, 2) != std::vector<int64_t>{w[0]}) shape_mismatch(g, n, 2, shape_string({w[0]}));
+  const auto &cnt = S(g, n, 2);
+  if (cnt.size() != 1 || cnt[0] < w[0] || cnt[0] % w[0] != 0)
+    shape_mismatch(g, n, 2, strformat("[a multiple of %lld] (row counts per expert, segment s for expert s %% %lld)",
+                                      static_cast<long long>(w[0]), static_cast<long long>(w[0])));
   out = {f32({x[0], w[1]})};
 }
 
@@ -456,6 +459,67 @@ void moe_unpermute_infer(const Graph &g, const Node &n, std::vector<OutInfo> &ou
   auto s = leading(w);
   s.push_back(yp[1]);
   out = {f32(s)};
+}
+
+// Expert parallelism (inserted by the expert pass, not in files): ranks = the
+// ep group's size P; experts are split into P contiguous blocks of E/P.
+// moe_dispatch(xp[M, D], counts[E]) -> xr[P*M, D], seg_counts[E] (i32): each
+//   rank sends its rows for block j to rank j and receives, from each rank p in
+//   order, p's rows for its own experts; seg_counts[p*E/P + e] counts the rows
+//   of p for local expert e.
+// moe_combine(yr[P*M, D], counts[E], seg_counts[E]) -> yp[M, D]: the reverse.
+// moe_dispatch_rows(y[M, D], counts[E], seg_counts[E]) -> [P*M, D]: dispatch of
+//   rows with both counts known (the combine's gradient).
+// moe_aux_stats(logits[..., E], experts[..., k]) -> [2E + 1]: per-expert
+//   assignment counts, per-expert sums of the softmax, and the token count.
+// moe_aux_loss_global(logits, experts, stats[2E + 1]): moe_aux_loss over the
+//   statistics of every rank's batch (stats summed over the world).
+
+void moe_dispatch_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  const auto &x = S(g, n, 0);
+  const int64_t P = n.attr_int("ranks", 1);
+  out = {f32({P * x[0], x[1]}), OutInfo{CTR_DTYPE_I32, S(g, n, 1)}};
+}
+
+void moe_combine_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  const auto &x = S(g, n, 0);
+  const int64_t P = n.attr_int("ranks", 1);
+  out = {f32({x[0] / P, x[1]})};
+}
+
+void moe_dispatch_rows_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  const auto &x = S(g, n, 0);
+  out = {f32({n.attr_int("ranks", 1) * x[0], x[1]})};
+}
+
+void moe_aux_stats_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  out = {f32({2 * S(g, n, 0).back() + 1})};
+}
+
+void all_reduce_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  out.clear();
+  for (int in : n.inputs) out.push_back(OutInfo{g.tensors[in].dtype, g.tensors[in].shape});
+}
+
+void moe_dispatch_vjp(VjpBuilder &b, const Node &n) {
+  int gy = b.grad(n.outputs[0]);
+  if (gy < 0 || !b.needs(n.inputs[0])) return;
+  int gx = b.new_grad_tensor(n.inputs[0], "grad");
+  b.emit("moe_combine", {gy, n.inputs[1], n.outputs[1]}, {gx}, n.attrs, n.block);
+  b.accumulate(n.inputs[0], gx);
+}
+
+void moe_combine_vjp(VjpBuilder &b, const Node &n) {
+  int gy = b.grad(n.outputs[0]);
+  if (gy < 0 || !b.needs(n.inputs[0])) return;
+  int gx = b.new_grad_tensor(n.inputs[0], "grad");
+  b.emit("moe_dispatch_rows", {gy, n.inputs[1], n.inputs[2]}, {gx}, n.attrs, n.block);
+  b.accumulate(n.inputs[0], gx);
+}
+
+void moe_grouped_linear_decode(const Graph &, const Node &n, void *out) {
+  static_cast<ctr_grouped_linear_params *>(out)->weight_grad_scale =
+      static_cast<float>(n.attr_float("weight_grad_scale", 1.0));
 }
 
 void moe_router_decode(const Graph &, const Node &n, void *out) {
@@ -642,7 +706,26 @@ std::vector<OpDef> library_ops() {
   OpDef gl = with_bwd(fwd("moe_grouped_linear", 3, 3, moe_grouped_linear_infer, moe_grouped_linear_flops),
                       "moe_grouped_linear_bwd", {G(0), In(0), In(1), In(2)}, 2);
   gl.id_range = moe_count_ids;
-  v.push_back(gl);
+  v.push_back(with_params<ctr_grouped_linear_params>(gl, moe_grouped_linear_decode));
+  OpDef disp = fwd("moe_dispatch", 2, 2, moe_dispatch_infer, zero_flops);
+  disp.num_outputs = 2;
+  disp.internal = true;
+  disp.vjp = moe_dispatch_vjp;
+  v.push_back(disp);
+  OpDef comb = fwd("moe_combine", 3, 3, moe_combine_infer, zero_flops);
+  comb.internal = true;
+  comb.vjp = moe_combine_vjp;
+  v.push_back(comb);
+  OpDef drows = fwd("moe_dispatch_rows", 3, 3, moe_dispatch_rows_infer, zero_flops);
+  drows.internal = true;
+  v.push_back(drows);
+  OpDef stats = fwd("moe_aux_stats", 2, 2, moe_aux_stats_infer, elementwise_flops);
+  stats.internal = true;
+  v.push_back(stats);
+  OpDef auxg = with_bwd(fwd("moe_aux_loss_global", 3, 3, moe_aux_loss_infer, elementwise_flops),
+                        "moe_aux_loss_global_bwd", {G(0), In(0), In(1), In(2)}, 1);
+  auxg.internal = true;
+  v.push_back(with_params<ctr_moe_loss_params>(auxg, moe_loss_decode<10>));
   OpDef unperm = with_bwd(fwd("moe_unpermute", 3, 3, moe_unpermute_infer, elementwise_flops),
                           "moe_unpermute_bwd", {G(0), In(0), In(2), In(1)}, 2);
   unperm.id_range = moe_slot_ids;
@@ -677,13 +760,17 @@ std::vector<OpDef> library_ops() {
   v.push_back(with_params<ctr_moe_loss_params>(internal("moe_aux_loss_bwd", 3, 1), moe_loss_decode<10>));
   v.push_back(with_params<ctr_moe_loss_params>(internal("moe_z_loss_bwd", 2, 1), moe_loss_decode<1>));
   v.push_back(internal("moe_permute_bwd", 2, 1));
-  v.push_back(internal("moe_grouped_linear_bwd", 4, 2));
+  v.push_back(with_params<ctr_grouped_linear_params>(internal("moe_grouped_linear_bwd", 4, 2),
+                                                     moe_grouped_linear_decode));
+  v.push_back(with_params<ctr_moe_loss_params>(internal("moe_aux_loss_global_bwd", 4, 1), moe_loss_decode<10>));
   v.push_back(internal("moe_unpermute_bwd", 4, 2));
   // Collectives inserted by the shard pass (one output per input; the bucket
   // pass merges several into one node); the executor runs them on the comm stream.
   for (const char *name : {"all_gather", "reduce_scatter", "all_reduce"}) {
     OpDef c = internal(name, 1, 1);
     c.max_inputs = 1 << 20;
+    // The expert pass inserts an all-reduce before shapes are final.
+    if (std::string(name) == "all_reduce") c.infer = all_reduce_infer;
     v.push_back(c);
   }
   return v;

@@ -69,7 +69,7 @@ void bucket_phase(Graph &g, int begin, int end, const CompileOptions &opt, std::
   std::map<int, size_t> group_of;
   for (int ni = begin; ni < end; ++ni) {
     const Node &n = g.nodes[ni];
-    if (!is_collective(n.op) || n.inputs.size() != 1) continue;
+    if (!is_collective(n.op) || n.inputs.size() != 1 || n.has_attr("reduce")) continue;
     const std::string axis = n.attr_string("axis", "");
     const int64_t bytes = g.tensors[static_cast<size_t>(n.outputs[0])].alloc_size();
     size_t gi;

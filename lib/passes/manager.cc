@@ -30,6 +30,7 @@ void read_plan(OptionReader &r, CompileOptions &o) { o.micro_batches = r.get_int
 void run_nothing(PassContext &) {}
 void run_verify(PassContext &c) { pass_verify(c.graph); }
 void run_infer_shapes(PassContext &c) { pass_infer_shapes(c.graph, c.opt); }
+void run_expert(PassContext &c) { pass_expert(c.graph, c.opt); }
 void run_autodiff(PassContext &c) { pass_autodiff(c.graph); }
 void run_recompute(PassContext &c) { pass_recompute(c.graph, c.opt); }
 void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }
@@ -71,6 +72,8 @@ const std::vector<PassDef> &pass_list() {
       {"load", "the graph file as read", true, nullptr, run_nothing, nullptr},
       {"verify", "semantic checks and a topological order", true, nullptr, run_verify, nullptr},
       {"infer_shapes", "symbolic dims bound, every shape known", false, read_shapes, run_infer_shapes, nullptr},
+      {"expert", "experts split over ep, token exchanges and global load balance inserted", false, nullptr,
+       run_expert, nullptr},
       {"autodiff", "the backward graph appended", false, nullptr, run_autodiff, nullptr},
       {"recompute", "activation checkpointing: block forwards copied into backward", false,
        read_recompute_options, run_recompute, nullptr},

@@ -140,6 +140,12 @@ void pass_infer_shapes(Graph &g, const CompileOptions &opt);
 // "loss.grad". Afterwards each param with a gradient has tensors[grad].grad_of == param.
 void pass_autodiff(Graph &g);
 
+// Mixture-of-experts layers placed on the mesh (expert.cc): with an ep axis,
+// the token exchanges around each layer's experts and this rank's block of
+// expert weights; with more than one rank, load-balancing statistics summed
+// over the world. Runs before autodiff.
+void pass_expert(Graph &g, const CompileOptions &opt);
+
 // recompute.cc: activation checkpointing per block: the block's forward nodes
 // copied into backward (all of them, or with selective only the cheap ones),
 // backward reading the copies, so the originals die after forward.
@@ -156,6 +162,9 @@ void pass_shard(Graph &g, const CompileOptions &opt);
 
 // True for the collective ops the shard pass inserts.
 bool is_collective(const std::string &op);
+// The expert exchanges (all-to-all of tokens), a kind of collective that
+// compute reads at once: never bucketed or moved.
+bool is_exchange(const std::string &op);
 
 // segments.cc: the compute nodes of a phase [begin, end) cut into segments,
 // maximal runs of nodes of one block; bucket and reorder place collectives by

@@ -18,6 +18,9 @@
 //   reordered nodes) and, while the plan is over the budget, tries shallower
 //   prefetch, then no deferral, down to the shard pass's placement.
 //
+// Collectives whose result compute reads at once (expert exchanges, summed
+// statistics) stay right behind the node they read.
+//
 // Collectives keep their relative order within each kind of move, every node
 // still follows what it reads, and no arithmetic changes: losses are bitwise
 // the same for every setting.
@@ -56,6 +59,16 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
   for (int ni = begin; ni < end; ++ni) {
     const Node &n = g.nodes[ni];
     if (!is_collective(n.op)) continue;
+    // Collectives that compute of this phase reads at once (an expert exchange,
+    // summed load-balancing statistics) stay right behind what they read.
+    if (is_exchange(n.op) || n.has_attr("reduce")) {
+      int prod = -1;
+      for (int in : n.inputs)
+        if (auto p = producer.find(in); p != producer.end()) prod = std::max(prod, p->second);
+      CTR_CHECK(prod >= 0);
+      after_node[prod].push_back(ni);
+      continue;
+    }
     // A collective reading another's output (an all-reduce behind a
     // reduce-scatter) stays right behind it.
     int head = -1;

@@ -1,4 +1,5 @@
-// Pass 4, shard: FSDP / HSDP placement of the parameters (see passes.h).
+// Pass shard: FSDP / HSDP placement of the parameters (see passes.h), and the
+// gradient reductions of expert weights placed by the expert pass.
 //
 // The pass runs after autodiff, on the whole training graph, so it sees every
 // use of a parameter — forward and backward — and can decide where each full
@@ -16,20 +17,27 @@
 namespace ctr {
 
 bool is_collective(const std::string &op) {
-  return op == "all_gather" || op == "reduce_scatter" || op == "all_reduce";
+  return op == "all_gather" || op == "reduce_scatter" || op == "all_reduce" || is_exchange(op);
+}
+
+bool is_exchange(const std::string &op) {
+  return op == "moe_dispatch" || op == "moe_combine" || op == "moe_dispatch_rows";
 }
 
 
 void pass_shard(Graph &g, const CompileOptions &opt) {
   CTR_CHECK(g.num_forward >= 0);
+  bool has_experts = false;
+  for (const Tensor &t : g.tensors) has_experts |= t.placed_on == "ep";
   for (const MeshPlacement::Axis &a : opt.mesh.axes)
-    CTR_REQUIRE(a.size == 1 || a.name == "fsdp" || a.name == "dp", CTR_STATUS_UNSUPPORTED,
+    CTR_REQUIRE(a.size == 1 || a.name == "fsdp" || a.name == "dp" || (a.name == "ep" && has_experts),
+                CTR_STATUS_UNSUPPORTED,
                 "shard: mesh axis '%s' has size %lld, but graph '%s' has nothing to place on it (%s); "
                 "use dp and fsdp",
                 a.name.c_str(), static_cast<long long>(a.size), g.name.c_str(),
                 a.name == "ep" ? "no expert layers" : "no tensor- or pipeline-parallel layout");
-  const int64_t fsdp = opt.mesh.size("fsdp"), dp = opt.mesh.size("dp");
-  if (fsdp <= 1 && dp <= 1) return;
+  const int64_t fsdp = opt.mesh.size("fsdp"), dp = opt.mesh.size("dp"), ep = opt.mesh.size("ep");
+  if (fsdp <= 1 && dp <= 1 && ep <= 1) return;
   const int F = static_cast<int>(fsdp);
 
   // New node order: collectives are inserted in front of the node that first
@@ -52,7 +60,10 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
     for (int t = 0; t < ntensors; ++t)
       if (g.tensors[t].grad_of == p) grad = t;
 
-    if (F > 1) {
+    // Expert weights were split over ep by the expert pass; they stay whole
+    // over fsdp (each fsdp rank of an ep group keeps its experts).
+    const bool expert = g.tensors[p].placed_on == "ep";
+    if (F > 1 && !expert) {
       // The param itself becomes this rank's shard.
       Tensor &pt = g.tensors[p];
       pt.full_rows = N0;
@@ -133,12 +144,17 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
       return out;
     };
     int cur = grad;
-    if (F > 1) {
+    if (F > 1 && expert) {
+      cur = reduce(cur, "all_reduce", ".grad_fsdp", {{"axis", Attr::of_string("fsdp")}});
+    } else if (F > 1) {
       g.tensors[grad].alloc_bytes = padded_bytes;
       cur = reduce(cur, "reduce_scatter", ".grad_shard",
                    {{"axis", Attr::of_string("fsdp")}, {"rows", Attr::of_int(N0)}});
     }
     if (dp > 1) cur = reduce(cur, "all_reduce", ".grad_dp", {{"axis", Attr::of_string("dp")}});
+    // Every rank of an ep group holds the same non-expert weights and computed
+    // their gradient from its own tokens.
+    if (ep > 1 && !expert) cur = reduce(cur, "all_reduce", ".grad_ep", {{"axis", Attr::of_string("ep")}});
     g.tensors[grad].grad_of = -1;
     g.tensors[cur].grad_of = p;
   }

@@ -30,6 +30,11 @@ struct Executor::Collective {
   CollDesc::Kind kind = CollDesc::AllGather;
   std::vector<ctr_tensor_ref> src, dst;  // sized once: rebind points into them
   std::vector<size_t> count;             // all_gather: bytes per member; else elements
+  ReduceOp reduce = ReduceOp::Avg;       // reductions: gradients are averaged
+  // Expert exchanges (moe_dispatch, moe_combine, moe_dispatch_rows): every
+  // input and output of the node, in order.
+  enum class Exchange { None, Dispatch, Combine, DispatchRows } exchange = Exchange::None;
+  std::vector<ctr_tensor_ref> ins, outs;
   int64_t timeout_ms = -1;
 };
 
@@ -88,6 +93,18 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
       c->node = &n;
       c->comm = mesh_.comm(n.attr_string("axis", ""));
       c->timeout_ms = mesh_.timeout_ms;
+      if (is_exchange(n.op)) {
+        c->exchange = n.op == "moe_dispatch"  ? Collective::Exchange::Dispatch
+                      : n.op == "moe_combine" ? Collective::Exchange::Combine
+                                              : Collective::Exchange::DispatchRows;
+        for (int t : n.inputs) c->ins.push_back(make_ref(g.tensors[static_cast<size_t>(t)], addr_[static_cast<size_t>(t)]));
+        for (int t : n.outputs) c->outs.push_back(make_ref(g.tensors[static_cast<size_t>(t)], addr_[static_cast<size_t>(t)]));
+        for (size_t i = 0; i < n.inputs.size(); ++i) refs_of_[static_cast<size_t>(n.inputs[i])].push_back(&c->ins[i]);
+        for (size_t i = 0; i < n.outputs.size(); ++i) refs_of_[static_cast<size_t>(n.outputs[i])].push_back(&c->outs[i]);
+        colls_[ni] = std::move(c);
+        return;
+      }
+      if (n.attr_string("reduce", "avg") == "sum") c->reduce = ReduceOp::Sum;
       CTR_CHECK(!n.inputs.empty() && n.inputs.size() == n.outputs.size());
       if (n.op == "all_gather") {
         c->kind = CollDesc::AllGather;
@@ -150,7 +167,9 @@ void Executor::run_collective(void *user) {
     const CommIface *ci = c->comm.iface;
     const CollectiveName name(strformat("%s '%s'", c->node->op.c_str(), c->node->name.c_str()));
     CommWork *w = nullptr;
-    if (c->src.size() > 1) {
+    if (c->exchange != Collective::Exchange::None) {
+      ex.run_exchange(*c);
+    } else if (c->src.size() > 1) {
       std::vector<CollDesc> d(c->src.size());
       for (size_t j = 0; j < d.size(); ++j) {
         d[j].kind = c->kind;
@@ -158,21 +177,21 @@ void Executor::run_collective(void *user) {
         d[j].recv = c->dst[j].data;
         d[j].count = c->count[j];
       }
-      w = ci->batch(c->comm.ctx, d.data(), d.size(), CTR_DTYPE_F32, ReduceOp::Avg);
+      w = ci->batch(c->comm.ctx, d.data(), d.size(), CTR_DTYPE_F32, c->reduce);
     } else {
       switch (c->kind) {
         case CollDesc::AllGather: w = ci->all_gather(c->comm.ctx, c->src[0].data, c->dst[0].data, c->count[0]); break;
         case CollDesc::ReduceScatter:
           w = ci->reduce_scatter(c->comm.ctx, c->src[0].data, c->dst[0].data, c->count[0], CTR_DTYPE_F32,
-                                 ReduceOp::Avg);
+                                 c->reduce);
           break;
         case CollDesc::AllReduce:
-          w = ci->all_reduce(c->comm.ctx, c->src[0].data, c->dst[0].data, c->count[0], CTR_DTYPE_F32, ReduceOp::Avg);
+          w = ci->all_reduce(c->comm.ctx, c->src[0].data, c->dst[0].data, c->count[0], CTR_DTYPE_F32, c->reduce);
           break;
       }
     }
     if (ex.exit_countdown_.load() > 0 && --ex.exit_countdown_ == 0) _exit(87);
-    ci->wait(c->comm.ctx, w, c->timeout_ms);
+    if (w) ci->wait(c->comm.ctx, w, c->timeout_ms);
   } catch (const Error &e) {
     std::lock_guard<std::mutex> lock(ex.err_mu_);
     ex.err_code_ = e.code();
@@ -185,6 +204,66 @@ void Executor::run_collective(void *user) {
     ex.failed_.store(true, std::memory_order_release);
   }
   ex.comm_ns_ += ns_since(t0);
+}
+
+// An expert exchange over the ep group (P ranks, this one q): experts are in P
+// blocks of E/P. Row counts are read from the step's buffers (the comm stream
+// runs after the kernels that wrote them); a dispatch first learns from every
+// rank how many of its rows are coming (an all-to-all of counts), then moves
+// the rows. Rows past the counted ones in an output are zeroed.
+void Executor::run_exchange(Collective &c) {
+  const CommIface *ci = c.comm.iface;
+  const size_t P = static_cast<size_t>(ci->size(c.comm.ctx));
+  const ctr_tensor_ref &x = c.ins[0], &cnt = c.ins[1];
+  const ctr_tensor_ref &y = c.outs[0];
+  const size_t E = static_cast<size_t>(cnt.numel), El = E / P;
+  const size_t row = static_cast<size_t>(x.shape[1]);  // floats per row
+  const int32_t *counts = static_cast<const int32_t *>(cnt.data);
+  const int32_t *seg = nullptr;
+  std::vector<size_t> ones(P, El), blocks(P);
+  for (size_t j = 0; j < P; ++j) blocks[j] = j * El;
+  if (c.exchange == Collective::Exchange::Dispatch) {
+    int32_t *received = static_cast<int32_t *>(c.outs[1].data);
+    ci->wait(c.comm.ctx,
+             ci->all_to_all_v(c.comm.ctx, counts, ones.data(), blocks.data(), received, ones.data(), blocks.data(), 4),
+             c.timeout_ms);
+    seg = received;
+  } else {
+    seg = static_cast<const int32_t *>(c.ins[2].data);
+  }
+  // Rows per peer: by destination block of the local counts, and by source of
+  // the received segment counts.
+  auto block_rows = [&](const int32_t *v, std::vector<size_t> &rows) {
+    rows.assign(P, 0);
+    for (size_t j = 0; j < P; ++j)
+      for (size_t e = 0; e < El; ++e) {
+        const int32_t n = v[j * El + e];
+        CTR_REQUIRE(n >= 0, CTR_STATUS_COMM_ERROR, "expert exchange: negative row count %d", static_cast<int>(n));
+        rows[j] += static_cast<size_t>(n);
+      }
+  };
+  std::vector<size_t> local, remote;
+  block_rows(counts, local);
+  block_rows(seg, remote);
+  const bool to_experts = c.exchange != Collective::Exchange::Combine;
+  const std::vector<size_t> &send_rows = to_experts ? local : remote, &recv_rows = to_experts ? remote : local;
+  std::vector<size_t> sc(P), sd(P), rc(P), rd(P);
+  size_t so = 0, ro = 0;
+  for (size_t j = 0; j < P; ++j) {
+    sc[j] = send_rows[j] * row;
+    sd[j] = so;
+    so += sc[j];
+    rc[j] = recv_rows[j] * row;
+    rd[j] = ro;
+    ro += rc[j];
+  }
+  CTR_REQUIRE(so <= static_cast<size_t>(x.numel) && ro <= static_cast<size_t>(y.numel), CTR_STATUS_COMM_ERROR,
+              "expert exchange: row counts (%zu rows out, %zu in) exceed the buffers (%lld, %lld rows)", so / row,
+              ro / row, static_cast<long long>(x.numel) / static_cast<long long>(row),
+              static_cast<long long>(y.numel) / static_cast<long long>(row));
+  ci->wait(c.comm.ctx, ci->all_to_all_v(c.comm.ctx, x.data, sc.data(), sd.data(), y.data, rc.data(), rd.data(), 4),
+           c.timeout_ms);
+  std::memset(static_cast<float *>(y.data) + ro, 0, (static_cast<size_t>(y.numel) - ro) * sizeof(float));
 }
 
 void Executor::raise_if_failed() {

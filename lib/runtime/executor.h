@@ -61,6 +61,7 @@ class Executor {
   struct Call;        // a kernel launch, resolved
   struct Collective;  // a collective, resolved
   static void run_collective(void *user);
+  void run_exchange(Collective &c);
   void raise_if_failed();
 
   const Graph &g_;

@@ -73,6 +73,7 @@ std::vector<int> Mesh::axis_group(const std::string &name) const {
 }
 
 const Comm &Mesh::comm(const std::string &axis) const {
+  if (axis == "world") return world_comm;
   auto it = axis_comm.find(axis);
   CTR_REQUIRE(it != axis_comm.end() && it->second, CTR_STATUS_INVALID_STATE,
               "the mesh has no communicator for axis '%s'", axis.c_str());

@@ -49,7 +49,8 @@ class Mesh {
   int axis_index(const std::string &name) const;
   // Global ranks of this rank's group along the named axis, in axis order.
   std::vector<int> axis_group(const std::string &name) const;
-  // The communicator of an axis; fails naming the axis when the mesh has none.
+  // The communicator of an axis ("world": every rank); fails naming the axis
+  // when the mesh has none.
   const Comm &comm(const std::string &axis) const;
   MeshPlacement placement() const;
   // Agreement across the world: true on every rank if any rank passes true

@@ -426,10 +426,26 @@ void Step::run(ctr_step_metrics *metrics) {
 
   auto to = Clock::now();
   double sq = opt_->sum_squares();
+  // Expert weights split over ep: each ep rank holds other experts' gradients
+  // (and the whole of them over fsdp), so their squares sum over ep instead.
+  double sq_expert = 0;
+  const bool ep = copt_.mesh.size("ep") > 1;
+  if (ep) {
+    for (const ParamSlot &s : slots_)
+      if (s.grad >= 0 && g_.tensors[s.tensor].placed_on == "ep")
+        sq_expert += be_.iface->sum_squares(be_.ctx, opt_->grads() + g_.tensors[s.tensor].offset / 4, s.n, 0);
+    sq -= sq_expert;
+  }
   if (copt_.mesh.size("fsdp") > 1) {
     // Shards of the (dp-replicated) gradient: the global norm sums over fsdp.
     const Comm &fc = mesh_.comm("fsdp");
     comm_wait(fc, fc.iface->all_reduce(fc.ctx, &sq, &sq, 1, CTR_DTYPE_F64, ReduceOp::Sum), mesh_.timeout_ms);
+  }
+  if (ep) {
+    const Comm &ec = mesh_.comm("ep");
+    comm_wait(ec, ec.iface->all_reduce(ec.ctx, &sq_expert, &sq_expert, 1, CTR_DTYPE_F64, ReduceOp::Sum),
+              mesh_.timeout_ms);
+    sq += sq_expert;
   }
   double norm = std::sqrt(sq);
   const bool nonfinite = oc_.check_finite && (!std::isfinite(loss) || !std::isfinite(norm));
@@ -497,7 +513,8 @@ CheckpointInfo Step::checkpoint_info() const {
   i.options_json = options_json_;
   i.loader = loader_;
   i.loader_seq = loader_seq_;
-  i.writer = copt_.mesh.index("dp") == 0;  // dp replicas hold the same rows
+  i.writer = false;
+  for (const ShardView &v : checkpoint_shards()) i.writer |= v.write;
   return i;
 }
 
@@ -523,6 +540,11 @@ std::vector<ShardView> Step::checkpoint_shards() const {
     v.row_elems = r.row_elems;
     v.first_row = r.first_row;
     v.valid_rows = r.valid_rows;
+    // One copy of each row is written: dp replicas hold the same rows, and so
+    // do the ep ranks (other than expert weights) and the fsdp ranks of an ep
+    // group (expert weights).
+    const bool expert = t.placed_on == "ep";
+    v.write = copt_.mesh.index("dp") == 0 && copt_.mesh.index(expert ? "fsdp" : "ep") == 0;
     v.buffers[0] = param_ptr(s.tensor);
     v.buffers[1] = s.m;
     v.buffers[2] = s.v;
@@ -587,12 +609,13 @@ void Step::get_param(const std::string &name, float *out, size_t count) {
     be_.iface->copy_d2h(be_.ctx, out, param_ptr(t), count * 4, 0);
     return;
   }
-  // Sharded: this rank's shard to the host, then gather the fsdp group's shards
-  // (a collective call over host memory).
+  // Sharded: this rank's shard to the host, then gather the shards of its group
+  // (fsdp, or ep for expert weights; a collective call over host memory).
   std::vector<float> shard(static_cast<size_t>(x.numel()));
   be_.iface->copy_d2h(be_.ctx, shard.data(), param_ptr(t), static_cast<size_t>(x.bytes()), 0);
-  const Comm &c = mesh_.comm("fsdp");
-  std::vector<float> full(static_cast<size_t>(x.numel() * copt_.mesh.size("fsdp")));
+  const std::string axis = x.placed_on.empty() ? "fsdp" : x.placed_on;
+  const Comm &c = mesh_.comm(axis);
+  std::vector<float> full(static_cast<size_t>(x.numel() * copt_.mesh.size(axis)));
   comm_wait(c, c.iface->all_gather(c.ctx, shard.data(), full.data(), static_cast<size_t>(x.bytes())),
             mesh_.timeout_ms);
   std::memcpy(out, full.data(), count * 4);

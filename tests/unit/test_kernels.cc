@@ -1149,7 +1149,7 @@ TEST(Moe, SkewedRoutingSendsEveryTokenToOneExpert) {
   I counts(E), slots(N);
   ctr::cpu::moe_permute_fwd(x.data(), ex.data(), xp.data(), counts.data(), slots.data(), N, k, D, E);
   EXPECT_EQ(counts, (I{0, 0, static_cast<int32_t>(N), 0}));
-  ctr::cpu::grouped_linear_fwd(xp.data(), counts.data(), w.data(), y.data(), N, D, F_, E);
+  ctr::cpu::grouped_linear_fwd(xp.data(), counts.data(), E, w.data(), y.data(), N, D, F_, E);
   for (int64_t r = 0; r < N; ++r)
     for (int64_t o = 0; o < F_; ++o) {
       double ref = 0;
@@ -1163,7 +1163,7 @@ TEST(Moe, GroupedLinearMatchesPerRowReference) {
   const int64_t M = 13, K = 7, N = 6, E = 4;
   I counts = {3, 0, 6, 2};  // 11 rows counted; rows 11 and 12 are not
   F x = random_vec(M * K, 41), w = random_vec(E * N * K, 42), y(M * N, 9.0f);
-  ctr::cpu::grouped_linear_fwd(x.data(), counts.data(), w.data(), y.data(), M, K, N, E);
+  ctr::cpu::grouped_linear_fwd(x.data(), counts.data(), E, w.data(), y.data(), M, K, N, E);
   auto expert_of = [&](int64_t r) { return r < 3 ? 0 : r < 9 ? 2 : r < 11 ? 3 : -1; };
   for (int64_t r = 0; r < M; ++r)
     for (int64_t o = 0; o < N; ++o) {
@@ -1175,7 +1175,7 @@ TEST(Moe, GroupedLinearMatchesPerRowReference) {
     }
   // Backward: dx by the transpose, dw zero for the empty expert.
   F dy = random_vec(M * N, 43), dx(M * K, 9.0f), dw(E * N * K, 9.0f);
-  ctr::cpu::grouped_linear_bwd(dy.data(), x.data(), counts.data(), w.data(), dx.data(), dw.data(), M, K, N, E);
+  ctr::cpu::grouped_linear_bwd(dy.data(), x.data(), counts.data(), E, w.data(), dx.data(), dw.data(), M, K, N, E, 1.0f);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t d = 0; d < K; ++d) {
       const int64_t e = expert_of(r);
@@ -1188,7 +1188,7 @@ TEST(Moe, GroupedLinearMatchesPerRowReference) {
   // Counts that claim more rows than exist are clamped, not read past the end.
   I huge = {1, 1 << 30, 5, 7};
   F y2(M * N);
-  ctr::cpu::grouped_linear_fwd(x.data(), huge.data(), w.data(), y2.data(), M, K, N, E);
+  ctr::cpu::grouped_linear_fwd(x.data(), huge.data(), E, w.data(), y2.data(), M, K, N, E);
   for (int64_t o = 0; o < N; ++o) EXPECT_NEAR(y2[o], y[o], 1e-6);
 }
 

@@ -310,7 +310,7 @@ struct ScheduleArgs {
 
 struct InspectArgs {
   std::string file, after = "verify";
-  int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, rank = 0;
+  int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, ep = 1, rank = 0;
   bool keep_params = false;
   ScheduleArgs schedule;
   CLI::Option *after_opt = nullptr, *seq_opt = nullptr;
@@ -357,6 +357,7 @@ int cmd_graph_inspect(const InspectArgs &a) {
   if (a.seq_opt->count() > 0) set_int(opts.get(), "seq", a.seq);
   set_int(opts.get(), "fsdp", a.fsdp);
   set_int(opts.get(), "dp", a.dp);
+  set_int(opts.get(), "ep", a.ep);
   set_int(opts.get(), "rank", a.rank);
   set_int(opts.get(), "reshard_after_forward", a.keep_params ? 0 : 1);
   a.schedule.set(opts.get());
@@ -1105,6 +1106,8 @@ int run_main(int argc, char **argv) {
   inspect_cmd->add_option("--fsdp", inspect.fsdp, "Shard over this many ranks (shard pass)")
       ->check(kPositive);
   inspect_cmd->add_option("--dp", inspect.dp, "Replicate over this many ranks (shard pass)")
+      ->check(kPositive);
+  inspect_cmd->add_option("--ep", inspect.ep, "Split experts over this many ranks (expert pass; mesh dp,ep,fsdp)")
       ->check(kPositive);
   inspect_cmd->add_option("--rank", inspect.rank, "Which rank's placement to show")
       ->check(kNonNegative);

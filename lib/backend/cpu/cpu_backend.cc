@@ -308,13 +308,27 @@ void k_moe_permute_bwd(const Args &c) {
 }
 void k_moe_grouped_linear(const Args &c) {
   const auto &x = c.in_shape(0), &w = c.in_shape(1);
-  cpu::grouped_linear_fwd(c.in<float>(0), c.in<int32_t>(2), c.in<float>(1), c.out<float>(0), x[0], x[1], w[1],
-                          w[0]);
+  cpu::grouped_linear_fwd(c.in<float>(0), c.in<int32_t>(2), c.in_shape(2)[0], c.in<float>(1), c.out<float>(0), x[0],
+                          x[1], w[1], w[0]);
 }
 void k_moe_grouped_linear_bwd(const Args &c) {
   const auto &x = c.in_shape(1), &w = c.in_shape(2);
-  cpu::grouped_linear_bwd(c.in<float>(0), c.in<float>(1), c.in<int32_t>(3), c.in<float>(2), c.out<float>(0),
-                          c.out<float>(1), x[0], x[1], w[1], w[0]);
+  cpu::grouped_linear_bwd(c.in<float>(0), c.in<float>(1), c.in<int32_t>(3), c.in_shape(3)[0], c.in<float>(2),
+                          c.out<float>(0), c.out<float>(1), x[0], x[1], w[1], w[0],
+                          c.params<ctr_grouped_linear_params>().weight_grad_scale);
+}
+void k_moe_aux_stats(const Args &c) {
+  const int64_t E = c.in_shape(0).back(), k = c.in_shape(1).back();
+  cpu::moe_aux_stats(c.in<float>(0), c.in<int32_t>(1), c.out<float>(0), numel(c.in_shape(0)) / E, E, k);
+}
+void k_moe_aux_loss_global(const Args &c) {
+  const int64_t E = c.in_shape(0).back(), k = c.in_shape(1).back();
+  cpu::moe_aux_loss_global_fwd(c.in<float>(2), c.out<float>(0), E, k, c.params<ctr_moe_loss_params>().coef);
+}
+void k_moe_aux_loss_global_bwd(const Args &c) {
+  const int64_t E = c.in_shape(1).back(), k = c.in_shape(2).back();
+  cpu::moe_aux_loss_global_bwd(*c.in<float>(0), c.in<float>(1), c.in<float>(3), c.out<float>(0),
+                               numel(c.in_shape(1)) / E, E, k, c.params<ctr_moe_loss_params>().coef);
 }
 void k_moe_unpermute(const Args &c) {
   const auto &yp = c.in_shape(0);
@@ -385,6 +399,9 @@ void register_library_kernels() {
         {"moe_unpermute", bind<k_moe_unpermute>}, {"moe_unpermute_bwd", bind<k_moe_unpermute_bwd>},
         {"moe_grouped_linear", bind<k_moe_grouped_linear>},
         {"moe_grouped_linear_bwd", bind<k_moe_grouped_linear_bwd>},
+        {"moe_aux_stats", bind<k_moe_aux_stats>},
+        {"moe_aux_loss_global", bind<k_moe_aux_loss_global>},
+        {"moe_aux_loss_global_bwd", bind<k_moe_aux_loss_global_bwd>},
     };
     for (const auto &[name, fn] : k) set_kernel(name, fn);
   });
