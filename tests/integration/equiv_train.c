@@ -1,6 +1,7 @@
 /* One rank of a data-parallel training run, through the public C ABI only.
  *
  * usage: equiv_train PRESET MESH GLOBAL_BATCH STEPS OUT_FILE [reshard(0/1)] [micro_batches]
+ *   PRESET: gpt, llama or moe (4 experts, top-2, a shared expert)
  *                    [KEY=VALUE,...]   (more step options, e.g. prefetch=2,recompute=all)
  *
  * Rank and world come from the environment (ctr launch sets them). Every rank
@@ -65,7 +66,13 @@ int main(int argc, char **argv) {
   CHECK(ctr_options_set_int(go, "layers", 2));
   CHECK(ctr_options_set_int(go, "dim", 32));
   CHECK(ctr_options_set_int(go, "heads", 4));
-  if (strcmp(preset, "llama") == 0) CHECK(ctr_options_set_int(go, "kv_heads", 2));
+  if (strcmp(preset, "gpt") != 0) CHECK(ctr_options_set_int(go, "kv_heads", 2));
+  if (strcmp(preset, "moe") == 0) {
+    CHECK(ctr_options_set_int(go, "experts", 4));
+    CHECK(ctr_options_set_int(go, "top_k", 2));
+    CHECK(ctr_options_set_int(go, "ffn_dim", 32));
+    CHECK(ctr_options_set_int(go, "shared_ffn_dim", 16));
+  }
   CHECK(ctr_options_set_int(go, "vocab", V));
   CHECK(ctr_options_set_int(go, "seq", T));
   CHECK(ctr_graph_create_preset(preset, go, &graph));
@@ -124,12 +131,14 @@ int main(int argc, char **argv) {
     if (out) fprintf(out, "%.17g %.17g\n", met.loss, met.grad_norm);
   }
   {
-    /* Every rank takes part in gathering sharded parameters. */
-    size_t n = (size_t)(V * 32);
+    /* Every rank takes part in gathering sharded parameters (for moe an
+     * expert weight, split over ep: 4 experts x [32, 32]). */
+    const int moe = strcmp(preset, "moe") == 0;
+    size_t n = (size_t)(moe ? 4 * 32 * 32 : V * 32);
     float *w = malloc(sizeof(float) * n);
     double sum = 0;
     size_t i;
-    const char *name = strcmp(preset, "llama") == 0 ? "output.weight" : "wte";
+    const char *name = moe ? "layers.1.moe.experts.w2" : strcmp(preset, "llama") == 0 ? "output.weight" : "wte";
     CHECK(ctr_step_get_param(step, name, w, n));
     for (i = 0; i < n; ++i) sum += w[i] * (double)(i % 7 + 1);
     if (out) fprintf(out, "param %.17g\n", sum);
