@@ -2,6 +2,8 @@
  *
  * usage: equiv_train PRESET MESH GLOBAL_BATCH STEPS OUT_FILE [reshard(0/1)] [micro_batches]
  *   PRESET: gpt, llama or moe (4 experts, top-2, a shared expert)
+ *   Options of the program itself in the list: top_k=K (moe), zero_router=1 (moe:
+ *   router weights set to zero, so every token ties and goes to experts 0..K-1). 
  *                    [KEY=VALUE,...]   (more step options, e.g. prefetch=2,recompute=all)
  *
  * Rank and world come from the environment (ctr launch sets them). Every rank
@@ -32,7 +34,7 @@ int main(int argc, char **argv) {
   ctr_mesh *mesh;
   ctr_graph *graph;
   ctr_step *step;
-  int rank, world, local, r, t, s;
+  int rank, world, local, r, t, s, zero_router = 0, top_k = 2;
   int32_t *tok, *tgt;
   FILE *out = NULL;
 
@@ -61,6 +63,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   local = global_batch / world / micro;
+  if (strstr(extra, "top_k=")) top_k = atoi(strstr(extra, "top_k=") + 6);
 
   CHECK(ctr_options_create(&go));
   CHECK(ctr_options_set_int(go, "layers", 2));
@@ -69,7 +72,7 @@ int main(int argc, char **argv) {
   if (strcmp(preset, "gpt") != 0) CHECK(ctr_options_set_int(go, "kv_heads", 2));
   if (strcmp(preset, "moe") == 0) {
     CHECK(ctr_options_set_int(go, "experts", 4));
-    CHECK(ctr_options_set_int(go, "top_k", 2));
+    CHECK(ctr_options_set_int(go, "top_k", top_k));
     CHECK(ctr_options_set_int(go, "ffn_dim", 32));
     CHECK(ctr_options_set_int(go, "shared_ffn_dim", 16));
   }
@@ -95,7 +98,11 @@ int main(int argc, char **argv) {
       return 2;
     }
     number = strtol(value, &end, 10);
-    if (*end == '\0')
+    if (strcmp(key, "zero_router") == 0)
+      zero_router = (int)number;
+    else if (strcmp(key, "top_k") == 0)
+      ;
+    else if (*end == '\0')
       CHECK(ctr_options_set_int(so, key, number));
     else
       CHECK(ctr_options_set_string(so, key, value));
@@ -103,6 +110,11 @@ int main(int argc, char **argv) {
     if (*extra == ',') ++extra;
   }
   CHECK(ctr_step_create(mesh, graph, so, &step));
+  if (zero_router) {
+    float zeros[4 * 32] = {0};
+    CHECK(ctr_step_set_param(step, "layers.0.moe.router.weight", zeros, 4 * 32));
+    CHECK(ctr_step_set_param(step, "layers.1.moe.router.weight", zeros, 4 * 32));
+  }
 
   tok = malloc(sizeof(int32_t) * (size_t)(local * micro * T));
   tgt = malloc(sizeof(int32_t) * (size_t)(local * micro * T));

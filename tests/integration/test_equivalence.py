@@ -18,9 +18,9 @@ STEPS, BATCH = 20, 8
 TIME_LIMIT = 240  # seconds per launched job; a hang fails the test instead of blocking CI
 
 
-def run(preset, nprocs, mesh, out, reshard=1, micro=1):
+def run(preset, nprocs, mesh, out, reshard=1, micro=1, extra=None):
     cmd = [CTR, "launch", "-n", str(nprocs), "--", PROG, preset, mesh, str(BATCH), str(STEPS),
-           out, str(reshard), str(micro)]
+           out, str(reshard), str(micro)] + ([extra] if extra else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIME_LIMIT)
     except subprocess.TimeoutExpired:
@@ -90,6 +90,29 @@ def main():
                 failures.append(f"{label}: final weights differ: {param} vs {ref_param}")
             print(f"{label}: max relative loss difference {worst:.2e}, "
                   f"weights {param:.9g} vs {ref_param:.9g}, params+optimizer {mem} of {ref_mem} bytes")
+    # Skewed routing: a zero router (and no learning, so it stays zero) sends every
+    # token of every rank to expert 0 (top-1) or experts 0 and 1 (top-2), all on
+    # ep rank 0. Nothing may be dropped: each mesh trains as one rank does.
+    for k in (1, 2):
+        extra = f"top_k={k},zero_router=1,lr=0"
+        ref_path = os.path.join(tmp, f"skew{k}_1.txt")
+        err = run("moe", 1, "fsdp=1", ref_path, extra=extra)
+        if err:
+            failures.append(f"skew top-{k}: {err}")
+            continue
+        ref, _, _ = read(ref_path)
+        for n, mesh in [(2, "ep=2"), (4, "ep=4"), (4, "dp=2,ep=2")]:
+            path = os.path.join(tmp, f"skew{k}_{mesh}.txt")
+            err = run("moe", n, mesh, path, extra=extra)
+            if err:
+                failures.append(f"skew top-{k} {mesh}: {err}")
+                continue
+            got, _, _ = read(path)
+            worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref)) if got and ref else 1.0
+            if len(got) != STEPS or worst > 1e-5:
+                failures.append(f"skew top-{k} {mesh}: losses differ from 1 rank by {worst:.2e} relative")
+            print(f"moe, every token to expert{'s 0, 1' if k == 2 else ' 0'}, {mesh}: "
+                  f"max relative loss difference {worst:.2e}")
     if failures:
         print(f"{len(failures)} failure(s):")
         for f in failures:

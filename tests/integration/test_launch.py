@@ -114,6 +114,23 @@ def main():
     check("rank 1" in outs[0][1], f"exitcomm: rank 0 did not name rank 1: {outs[0][1][-600:]}")
     check(elapsed < 10, f"exitcomm: rank 0 took {elapsed:.1f} s to fail (timeout 10 s)")
 
+    # The same inside a mixture-of-experts layer split over ep=2: rank 1 dies as
+    # the token exchange (an all-to-all) starts; rank 0, inside it, names rank 1.
+    # (Without the load-balancing loss, the exchanges are the only collectives.)
+    moe = os.path.join(os.path.dirname(graph), "moe.ctrg")
+    subprocess.run([CTR, "graph", "build", "--preset", "moe", "--layers", "2", "--dim", "32", "--heads", "2",
+                    "--seq", "16", "--experts", "4", "--ffn-dim", "32", "--aux-loss", "0", "-o", moe],
+                   check=True, capture_output=True, timeout=60)
+    t0 = time.monotonic()
+    procs, outs, _ = run_two_ranks(moe, rank_env, ["--steps", "20", "--log-every", "0", "--timeout", "10"], 60,
+                                   mesh="ep=2")
+    elapsed = time.monotonic() - t0
+    check(procs[1].returncode == 87, f"moe exitcomm: rank 1 exited {procs[1].returncode}, expected 87")
+    check(procs[0].returncode not in (0, None), "moe exitcomm: rank 0 did not fail")
+    check("rank 1" in outs[0][1] and "moe_" in outs[0][1],
+          f"moe exitcomm: rank 0 did not name rank 1 and the exchange: {outs[0][1][-600:]}")
+    check(elapsed < 10, f"moe exitcomm: rank 0 took {elapsed:.1f} s to fail (timeout 10 s)")
+
     # A clean fsdp=2 job: every step gathers parameters and reduces gradients, so
     # rank 0's metrics show communication; the part compute waited for is within
     # the step (it may exceed comm_ms slightly: the two are timed on different
@@ -159,8 +176,8 @@ def main():
     return finish()
 
 
-def run_two_ranks(graph, rank_env, args, limit_s):
-    """Starts `ctr run GRAPH --mesh fsdp=2 --batch 2 ARGS` as two ranks without a launcher,
+def run_two_ranks(graph, rank_env, args, limit_s, mesh="fsdp=2"):
+    """Starts `ctr run GRAPH --mesh MESH --batch 2 ARGS` as two ranks without a launcher,
     rank_env(rank, port) giving each its variables (the CTR_ ones of this process are
     dropped), and waits limit_s for each. Returns (procs, [(stdout, stderr)], any killed)."""
     import socket
@@ -171,7 +188,7 @@ def run_two_ranks(graph, rank_env, args, limit_s):
     for r in range(2):
         env = {k: v for k, v in os.environ.items() if not k.startswith("CTR_")}
         env.update(rank_env(r, port))
-        procs.append(subprocess.Popen([CTR, "run", graph, "--mesh", "fsdp=2", "--batch", "2", *args],
+        procs.append(subprocess.Popen([CTR, "run", graph, "--mesh", mesh, "--batch", "2", *args],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     outs, hung = [], False
     for pr in procs:
