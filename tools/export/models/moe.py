@@ -41,7 +41,7 @@ equal to libctr's counter-based RNG.
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -77,9 +77,19 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))  # down
         self.swiglu = SwiGLU()
 
-    def forward(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        """Expert e on rows h [n, C]."""
-        return self.swiglu(h @ self.w1[e].t(), h @ self.w3[e].t()) @ self.w2[e].t()
+    def unstacked(self) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Each expert's (w1, w3, w2), as views of the stacked weights.
+
+        Taken once per forward with unbind rather than as w1[e] inside the expert loop: the
+        backward of unbind stacks the E gradients once, where each of E separate indexings
+        would add a zero-filled gradient of the whole [E, ...] tensor."""
+        return list(zip(self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)))
+
+    def forward(self, weights: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                h: torch.Tensor) -> torch.Tensor:
+        """One expert, given its (w1, w3, w2) from unstacked(), on rows h [n, C]."""
+        w1, w3, w2 = weights
+        return self.swiglu(h @ w1.t(), h @ w3.t()) @ w2.t()
 
 
 class MoEFeedForward(nn.Module):
@@ -120,11 +130,11 @@ class MoEFeedForward(nn.Module):
         weights, idx = self.route(logits)
 
         y = torch.zeros_like(h)
-        for e in range(cfg.experts):
+        for e, expert in enumerate(self.experts.unstacked()):
             token, slot = torch.where(idx == e)  # the (token, slot) pairs routed to e
             if token.numel() == 0:
                 continue
-            out = self.experts(e, h.index_select(0, token))
+            out = self.experts(expert, h.index_select(0, token))
             y.index_add_(0, token, out * weights[token, slot].unsqueeze(-1))
         if self.shared is not None:
             y = y + self.shared(h)
