@@ -40,6 +40,18 @@ typedef struct ctr_transpose_params {
   int32_t perm[8];        /* "perm" */
 } ctr_transpose_params;
 
+/* moe_router, moe_router_bwd */
+typedef struct ctr_moe_router_params {
+  int64_t top_k;          /* "top_k", required */
+  int32_t sigmoid;        /* "score": "softmax" (default) 0, "sigmoid" 1 */
+  int32_t renorm;         /* "renorm", default 1 when top_k > 1 */
+} ctr_moe_router_params;
+
+/* moe_aux_loss, moe_z_loss and their backward ops */
+typedef struct ctr_moe_loss_params {
+  float coef;             /* "coef", default 0.01 (aux) or 0.001 (z) */
+} ctr_moe_loss_params;
+
 #ifdef __cplusplus
 }
 #endif

@@ -136,6 +136,46 @@ void cross_entropy_bwd(const float *logits, const int32_t *targets, const float 
                        float dloss, int64_t count, float *dlogits, int64_t R, int64_t V);
 
 // ---------------------------------------------------------------------------
+// Mixture of experts (moe.cc). N tokens, E experts, k experts per token, D the
+// width; slots[n*k + j] is the row of the permuted buffer xp[M = N*k, D] that
+// holds token n's j-th choice, rows grouped by expert in slot order.
+
+// scores = softmax or sigmoid of logits[N,E]; experts[N,k] the k best (ties to
+// the lower index), weights[N,k] their scores, divided by their sum if renorm.
+void moe_router_fwd(const float *logits, float *weights, int32_t *experts, float *scores, int64_t N,
+                    int64_t E, int64_t k, bool sigmoid, bool renorm);
+void moe_router_bwd(const float *dweights, const float *scores, const int32_t *experts, float *dlogits,
+                    int64_t N, int64_t E, int64_t k, bool sigmoid, bool renorm);
+// loss = coef * E * sum_e f_e P_e: f_e the fraction of the N*k assignments to
+// expert e, P_e the mean softmax probability of e. Gradient through P only.
+void moe_aux_loss_fwd(const float *logits, const int32_t *experts, float *loss, int64_t N, int64_t E,
+                      int64_t k, float coef);
+void moe_aux_loss_bwd(float dloss, const float *logits, const int32_t *experts, float *dlogits, int64_t N,
+                      int64_t E, int64_t k, float coef);
+// loss = coef * mean over tokens of logsumexp(logits)^2.
+void moe_z_loss_fwd(const float *logits, float *loss, int64_t N, int64_t E, float coef);
+void moe_z_loss_bwd(float dloss, const float *logits, float *dlogits, int64_t N, int64_t E, float coef);
+// xp[slots[i]] = x[i / k]; counts[E] the rows per expert.
+void moe_permute_fwd(const float *x, const int32_t *experts, float *xp, int32_t *counts, int32_t *slots,
+                     int64_t N, int64_t k, int64_t D, int64_t E);
+// dx[n] = sum_j dxp[slots[n*k + j]] (dx overwritten).
+void moe_permute_bwd(const float *dxp, const int32_t *slots, float *dx, int64_t N, int64_t k, int64_t D,
+                     int64_t M);
+// y[n] = sum_j weights[n,j] * yp[slots[n*k + j]].
+void moe_unpermute_fwd(const float *yp, const int32_t *slots, const float *weights, float *y, int64_t N,
+                       int64_t k, int64_t D, int64_t M);
+// dyp[slots[n*k+j]] = weights[n,j] dy[n] (other rows zero); dweights[n,j] = <dy[n], yp[slot]>.
+void moe_unpermute_bwd(const float *dy, const float *yp, const int32_t *slots, const float *weights,
+                       float *dyp, float *dweights, int64_t N, int64_t k, int64_t D, int64_t M);
+// y[M,N]: expert e's rows of x[M,K] times w[e]^T (w[E,N,K]); counts[E] rows
+// per expert in order, clamped to M; rows past the last counted one are zero.
+void grouped_linear_fwd(const float *x, const int32_t *counts, const float *w, float *y, int64_t M,
+                        int64_t K, int64_t N, int64_t E);
+// dx[M,K] and dw[E,N,K] overwritten (an expert without rows gets zero).
+void grouped_linear_bwd(const float *dy, const float *x, const int32_t *counts, const float *w, float *dx,
+                        float *dw, int64_t M, int64_t K, int64_t N, int64_t E);
+
+// ---------------------------------------------------------------------------
 // Layout.
 
 // y = x permuted: x has shape dims[0..ndim), y has shape dims[perm[i]]; ndim <= 6.

@@ -349,6 +349,18 @@ extern "C" ctr_status ctr_graph_create_preset(const char *preset, const ctr_opti
   c.rope_theta = r.get_float("rope_theta", c.rope_theta, 1e-3, 1e12);
   c.norm_eps = r.get_float("norm_eps", c.norm_eps, 0, 1);
   c.init_std = r.get_float("init_std", c.init_std, 0, 10);
+  if (std::string(preset) != "moe")
+    for (const char *key : {"experts", "top_k", "shared_ffn_dim", "router_score", "router_renorm", "aux_loss", "z_loss"})
+      if (r.has(key))
+        fail(CTR_STATUS_INVALID_OPTION,
+             strformat("ctr_graph_create_preset: option '%s' is for the moe preset, not '%s'", key, preset));
+  c.experts = r.get_int("experts", c.experts, 1, 4096);
+  c.top_k = r.get_int("top_k", c.top_k, 1, 4096);
+  c.shared_ffn_dim = r.get_int("shared_ffn_dim", 0, 0, 1 << 20);
+  c.router_score = r.get_string("router_score", c.router_score, {"softmax", "sigmoid"});
+  c.router_renorm = r.has("router_renorm") ? static_cast<int>(r.get_int("router_renorm", 0, 0, 1)) : -1;
+  c.aux_loss = r.get_float("aux_loss", c.aux_loss, 0, 1e3);
+  c.z_loss = r.get_float("z_loss", c.z_loss, 0, 1e3);
   r.finish();
   ctr_graph *g = wrap_graph(ctr::build_preset(preset, c));
   *out = g;

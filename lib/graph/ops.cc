@@ -366,6 +366,131 @@ void take_rows_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
 }
 
 // ---------------------------------------------------------------------------
+// Mixture of experts. N tokens (leading dims), E experts, k choices per token.
+//
+// moe_router(logits[..., E]) attrs top_k, score, renorm
+//   -> weights[..., k], experts[..., k] (i32), saved scores[..., E]
+// moe_aux_loss(logits[..., E], experts[..., k]) attr coef -> scalar
+// moe_z_loss(logits[..., E]) attr coef -> scalar
+// moe_permute(x[..., D], experts[..., k]) attr experts
+//   -> xp[N*k, D], counts[E] (i32), slots[..., k] (i32)
+// moe_grouped_linear(x[M, K], w[E, N, K], counts[E]) -> [M, N]
+// moe_unpermute(yp[M, D], weights[..., k], slots[..., k]) -> [..., D]
+
+std::vector<int64_t> leading(const std::vector<int64_t> &s) { return {s.begin(), s.end() - 1}; }
+
+void need_leading(const Graph &g, const Node &n, int i, const std::vector<int64_t> &rows, int64_t last) {
+  auto want = rows;
+  want.push_back(last);
+  if (S(g, n, i) != want) shape_mismatch(g, n, i, shape_string(want));
+}
+
+void moe_router_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  need_dtype(g, n, 0, CTR_DTYPE_F32);
+  need_rank_at_least(g, n, 0, 1);
+  const auto &l = S(g, n, 0);
+  const int64_t E = l.back(), k = n.attr_int("top_k", 0);
+  if (k < 1 || k > E)
+    bad_node(g, n, strformat("attribute top_k=%lld must be in 1..%lld (the experts of the logits' last dim)",
+                             static_cast<long long>(k), static_cast<long long>(E)));
+  const std::string score = n.attr_string("score", "softmax");
+  if (score != "softmax" && score != "sigmoid")
+    bad_node(g, n, strformat("attribute score='%s' is not softmax or sigmoid", score.c_str()));
+  auto ks = leading(l);
+  ks.push_back(k);
+  out = {f32(ks), OutInfo{CTR_DTYPE_I32, ks}, f32(l)};
+}
+
+void moe_aux_loss_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  need_dtype(g, n, 0, CTR_DTYPE_F32);
+  need_dtype(g, n, 1, CTR_DTYPE_I32);
+  need_rank_at_least(g, n, 0, 1);
+  need_rank_at_least(g, n, 1, 1);
+  need_leading(g, n, 1, leading(S(g, n, 0)), S(g, n, 1).back());
+  out = {f32({})};
+}
+
+void moe_z_loss_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  need_dtype(g, n, 0, CTR_DTYPE_F32);
+  need_rank_at_least(g, n, 0, 1);
+  out = {f32({})};
+}
+
+void moe_permute_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  need_dtype(g, n, 0, CTR_DTYPE_F32);
+  need_dtype(g, n, 1, CTR_DTYPE_I32);
+  need_rank_at_least(g, n, 0, 1);
+  need_rank_at_least(g, n, 1, 1);
+  const auto &x = S(g, n, 0), &ex = S(g, n, 1);
+  need_leading(g, n, 1, leading(x), ex.back());
+  const int64_t E = n.attr_int("experts", 0);
+  if (E < 1 || E > (int64_t{1} << 20))
+    bad_node(g, n, strformat("attribute experts=%lld must be in 1..2^20", static_cast<long long>(E)));
+  out = {f32({numel(ex), x.back()}), OutInfo{CTR_DTYPE_I32, {E}}, OutInfo{CTR_DTYPE_I32, ex}};
+}
+
+void moe_grouped_linear_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  need_dtype(g, n, 0, CTR_DTYPE_F32);
+  need_dtype(g, n, 1, CTR_DTYPE_F32);
+  need_dtype(g, n, 2, CTR_DTYPE_I32);
+  const auto &x = S(g, n, 0), &w = S(g, n, 1);
+  if (x.size() != 2) shape_mismatch(g, n, 0, "[rows, in]");
+  if (w.size() != 3 || w[2] != x[1])
+    shape_mismatch(g, n, 1, strformat("[experts, out, %lld]", static_cast<long long>(x[1])));
+  if (S(g, n, 2) != std::vector<int64_t>{w[0]}) shape_mismatch(g, n, 2, shape_string({w[0]}));
+  out = {f32({x[0], w[1]})};
+}
+
+double moe_grouped_linear_flops(const Graph &g, const Node &n) {
+  return 2.0 * static_cast<double>(numel(S(g, n, 0))) * static_cast<double>(S(g, n, 1)[1]);
+}
+
+void moe_unpermute_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  need_dtype(g, n, 0, CTR_DTYPE_F32);
+  need_dtype(g, n, 1, CTR_DTYPE_F32);
+  need_dtype(g, n, 2, CTR_DTYPE_I32);
+  const auto &yp = S(g, n, 0), &w = S(g, n, 1);
+  if (yp.size() != 2) shape_mismatch(g, n, 0, "[rows, dim]");
+  need_rank_at_least(g, n, 1, 1);
+  if (S(g, n, 2) != w) shape_mismatch(g, n, 2, shape_string(w));
+  auto s = leading(w);
+  s.push_back(yp[1]);
+  out = {f32(s)};
+}
+
+void moe_router_decode(const Graph &, const Node &n, void *out) {
+  auto *p = static_cast<ctr_moe_router_params *>(out);
+  p->top_k = n.attr_int("top_k", 1);
+  p->sigmoid = n.attr_string("score", "softmax") == "sigmoid";
+  p->renorm = n.attr_int("renorm", p->top_k > 1) != 0;
+}
+
+template <int PerMille>
+void moe_loss_decode(const Graph &, const Node &n, void *out) {
+  static_cast<ctr_moe_loss_params *>(out)->coef = static_cast<float>(n.attr_float("coef", PerMille / 1000.0));
+}
+
+// Expert ids index the experts; slots index the permuted rows; counts are row counts.
+bool moe_expert_ids(const Graph &g, const Node &n, int input, int64_t *lo, int64_t *hi) {
+  if (input != 1) return false;
+  *lo = 0;
+  *hi = n.op == "moe_permute" ? n.attr_int("experts", 1) : S(g, n, 0).back();
+  return true;
+}
+bool moe_slot_ids(const Graph &g, const Node &n, int input, int64_t *lo, int64_t *hi) {
+  if (input != 2) return false;
+  *lo = 0;
+  *hi = S(g, n, 0)[0];
+  return true;
+}
+bool moe_count_ids(const Graph &g, const Node &n, int input, int64_t *lo, int64_t *hi) {
+  if (input != 2) return false;
+  *lo = 0;
+  *hi = S(g, n, 0)[0] + 1;
+  return true;
+}
+
+// ---------------------------------------------------------------------------
 // Attribute decoding and id ranges
 
 void norm_decode(const Graph &, const Node &n, void *out) {
@@ -497,11 +622,37 @@ std::vector<OpDef> library_ops() {
   tr.vjp = transpose_vjp;
   v.push_back(with_params<ctr_transpose_params>(tr, transpose_decode));
   v.push_back(with_bwd(fwd("take_rows", 2, 2, take_rows_infer, zero_flops), "take_rows_bwd", {G(0)}, 1));
+  OpDef router = with_bwd(fwd("moe_router", 1, 1, moe_router_infer, elementwise_flops), "moe_router_bwd",
+                          {G(0), Out(2), Out(1)});
+  router.num_outputs = 2;
+  router.saved = {"scores"};
+  v.push_back(with_params<ctr_moe_router_params>(router, moe_router_decode));
+  OpDef aux = with_bwd(fwd("moe_aux_loss", 2, 2, moe_aux_loss_infer, elementwise_flops), "moe_aux_loss_bwd",
+                       {G(0), In(0), In(1)}, 1);
+  aux.id_range = moe_expert_ids;
+  v.push_back(with_params<ctr_moe_loss_params>(aux, moe_loss_decode<10>));
+  v.push_back(with_params<ctr_moe_loss_params>(
+      with_bwd(fwd("moe_z_loss", 1, 1, moe_z_loss_infer, elementwise_flops), "moe_z_loss_bwd", {G(0), In(0)}),
+      moe_loss_decode<1>));
+  OpDef perm = with_bwd(fwd("moe_permute", 2, 2, moe_permute_infer, zero_flops), "moe_permute_bwd",
+                        {G(0), Out(2)}, 1);
+  perm.num_outputs = 3;
+  perm.id_range = moe_expert_ids;
+  v.push_back(perm);
+  OpDef gl = with_bwd(fwd("moe_grouped_linear", 3, 3, moe_grouped_linear_infer, moe_grouped_linear_flops),
+                      "moe_grouped_linear_bwd", {G(0), In(0), In(1), In(2)}, 2);
+  gl.id_range = moe_count_ids;
+  v.push_back(gl);
+  OpDef unperm = with_bwd(fwd("moe_unpermute", 3, 3, moe_unpermute_infer, elementwise_flops),
+                          "moe_unpermute_bwd", {G(0), In(0), In(2), In(1)}, 2);
+  unperm.id_range = moe_slot_ids;
+  v.push_back(unperm);
 
   // Cheap to recompute: everything but GEMMs, attention and lookups.
   for (OpDef &d : v)
     d.cheap_to_recompute = d.name != "linear" && d.name != "matmul" && d.name != "attention" &&
-                           d.name != "embedding" && d.name != "cross_entropy";
+                           d.name != "embedding" && d.name != "cross_entropy" &&
+                           d.name != "moe_grouped_linear";
 
   // Internal ops emitted by autodiff.
   v.push_back(internal("embedding_bwd", 2, 1));
@@ -522,6 +673,12 @@ std::vector<OpDef> library_ops() {
   v.push_back(internal("cross_entropy_bwd", 5, 1));
   v.push_back(internal("add_same", 2, 1));
   v.push_back(internal("take_rows_bwd", 1, 1));
+  v.push_back(with_params<ctr_moe_router_params>(internal("moe_router_bwd", 3, 1), moe_router_decode));
+  v.push_back(with_params<ctr_moe_loss_params>(internal("moe_aux_loss_bwd", 3, 1), moe_loss_decode<10>));
+  v.push_back(with_params<ctr_moe_loss_params>(internal("moe_z_loss_bwd", 2, 1), moe_loss_decode<1>));
+  v.push_back(internal("moe_permute_bwd", 2, 1));
+  v.push_back(internal("moe_grouped_linear_bwd", 4, 2));
+  v.push_back(internal("moe_unpermute_bwd", 4, 2));
   // Collectives inserted by the shard pass (one output per input; the bucket
   // pass merges several into one node); the executor runs them on the comm stream.
   for (const char *name : {"all_gather", "reduce_scatter", "all_reduce"}) {

@@ -41,18 +41,25 @@ class Builder {
 
   int op(const std::string &op, std::vector<int> in, const std::string &out, int block = -1,
          std::map<std::string, Attr> attrs = {}) {
-    Tensor t;
-    t.name = out;
-    int id = g.add_tensor(std::move(t));
+    return ops(op, std::move(in), {out}, block, std::move(attrs))[0];
+  }
+
+  // A node with several outputs, named in order.
+  std::vector<int> ops(const std::string &op, std::vector<int> in, const std::vector<std::string> &outs,
+                       int block = -1, std::map<std::string, Attr> attrs = {}) {
     Node n;
     n.op = op;
-    n.name = out;
+    n.name = outs[0];
+    for (const std::string &name : outs) {
+      Tensor t;
+      t.name = name;
+      n.outputs.push_back(g.add_tensor(std::move(t)));
+    }
     n.inputs = std::move(in);
-    n.outputs = {id};
     n.attrs = std::move(attrs);
     n.block = block;
-    g.add_node(std::move(n));
-    return id;
+    g.add_node(n);
+    return n.outputs;
   }
 };
 
@@ -60,11 +67,53 @@ void check(bool ok, const std::string &msg) {
   if (!ok) fail(CTR_STATUS_INVALID_OPTION, msg);
 }
 
+// The mixture-of-experts feed-forward of one block on h[B, T, C]; appends the
+// block's auxiliary losses to aux. Tensors named PREFIX... ("layers.N.moe."):
+// router.weight [E, C]; experts.w1, experts.w3 [E, F, C] and experts.w2 [E, C, F];
+// shared.{w1,w3,w2}.weight when there is a shared expert; counts [E], the tokens
+// each expert received (metrics read it).
+int moe_ffn(Builder &b, const PresetConfig &c, int h, const std::string &p, int bl, int64_t F, float std,
+            float proj_std, std::vector<int> &aux) {
+  const int64_t C = c.dim, E = c.experts;
+  int rw = b.param(p + "router.weight", {E, C}, InitKind::Normal, std);
+  int logits = b.op("linear", {h, rw}, p + "router.logits", bl);
+  std::map<std::string, Attr> route = {{"top_k", Attr::of_int(c.top_k)},
+                                       {"score", Attr::of_string(c.router_score)}};
+  if (c.router_renorm >= 0) route["renorm"] = Attr::of_int(c.router_renorm);
+  auto r = b.ops("moe_router", {logits}, {p + "router.weights", p + "router.experts"}, bl, route);
+  auto pm = b.ops("moe_permute", {h, r[1]}, {p + "permuted", p + "counts", p + "slots"}, bl,
+                  {{"experts", Attr::of_int(E)}});
+  int w1 = b.param(p + "experts.w1", {E, F, C}, InitKind::Normal, std);
+  int w3 = b.param(p + "experts.w3", {E, F, C}, InitKind::Normal, std);
+  int w2 = b.param(p + "experts.w2", {E, C, F}, InitKind::Normal, proj_std);
+  int gt = b.op("moe_grouped_linear", {pm[0], w1, pm[1]}, p + "experts.gate", bl);
+  int up = b.op("moe_grouped_linear", {pm[0], w3, pm[1]}, p + "experts.up", bl);
+  int s = b.op("swiglu", {gt, up}, p + "experts.swiglu", bl);
+  int dn = b.op("moe_grouped_linear", {s, w2, pm[1]}, p + "experts.down", bl);
+  int y = b.op("moe_unpermute", {dn, r[0], pm[2]}, p + "combined", bl);
+  if (c.shared_ffn_dim > 0) {
+    const int64_t Fs = c.shared_ffn_dim;
+    int s1 = b.param(p + "shared.w1.weight", {Fs, C}, InitKind::Normal, std);
+    int s3 = b.param(p + "shared.w3.weight", {Fs, C}, InitKind::Normal, std);
+    int s2 = b.param(p + "shared.w2.weight", {C, Fs}, InitKind::Normal, proj_std);
+    int sg = b.op("linear", {h, s1}, p + "shared.gate", bl);
+    int su = b.op("linear", {h, s3}, p + "shared.up", bl);
+    int ss = b.op("swiglu", {sg, su}, p + "shared.swiglu", bl);
+    int sd = b.op("linear", {ss, s2}, p + "shared.down", bl);
+    y = b.op("add", {y, sd}, p + "out", bl);
+  }
+  if (c.aux_loss > 0)
+    aux.push_back(b.op("moe_aux_loss", {logits, r[1]}, p + "aux_loss", bl, {{"coef", Attr::of_float(c.aux_loss)}}));
+  if (c.z_loss > 0)
+    aux.push_back(b.op("moe_z_loss", {logits}, p + "z_loss", bl, {{"coef", Attr::of_float(c.z_loss)}}));
+  return y;
+}
+
 }  // namespace
 
 Graph build_preset(const std::string &preset, const PresetConfig &c) {
-  check(preset == "gpt" || preset == "llama",
-        strformat("unknown preset '%s' (known: gpt, llama)", preset.c_str()));
+  check(preset == "gpt" || preset == "llama" || preset == "moe",
+        strformat("unknown preset '%s' (known: gpt, llama, moe)", preset.c_str()));
   check(c.layers >= 1 && c.layers <= 1024, "preset option 'layers' must be in 1..1024");
   check(c.dim >= 1 && c.heads >= 1 && c.dim % c.heads == 0,
         strformat("preset option 'dim' (%lld) must be a positive multiple of 'heads' (%lld)",
@@ -79,12 +128,24 @@ Graph build_preset(const std::string &preset, const PresetConfig &c) {
   const int64_t C = c.dim, H = c.heads, D = C / H, L = c.layers, V = c.vocab;
   const float std = static_cast<float>(c.init_std);
   const float proj_std = static_cast<float>(c.init_std / std::sqrt(2.0 * static_cast<double>(L)));
-  const bool llama = preset == "llama";
+  const bool moe = preset == "moe";
+  const bool llama = preset == "llama" || moe;
+  if (moe) {
+    check(c.experts >= 1 && c.experts <= 4096, "preset option 'experts' must be in 1..4096");
+    check(c.top_k >= 1 && c.top_k <= c.experts,
+          strformat("preset option 'top_k' (%lld) must be in 1..experts (%lld)", static_cast<long long>(c.top_k),
+                    static_cast<long long>(c.experts)));
+    check(c.shared_ffn_dim >= 0, "preset option 'shared_ffn_dim' must be >= 0");
+    check(c.router_score == "softmax" || c.router_score == "sigmoid",
+          strformat("preset option 'router_score' is '%s'; known: softmax, sigmoid", c.router_score.c_str()));
+    check(c.aux_loss >= 0 && c.z_loss >= 0, "preset options 'aux_loss' and 'z_loss' must be >= 0");
+  }
   check(!llama || D % 2 == 0, "llama preset needs an even head dim (dim / heads) for rotary");
   check(llama || kv == c.heads, "gpt preset has no grouped-query attention: leave kv_heads unset");
 
   Builder b;
   b.g.name = preset;
+  std::vector<int> aux_terms;  // moe: the auxiliary losses, added to the loss in block order
   int tokens = b.input("tokens");
   int targets = b.input("targets");
   Attr eps = Attr::of_float(c.norm_eps);
@@ -162,13 +223,18 @@ Graph build_preset(const std::string &preset, const PresetConfig &c) {
       x = b.op("add", {x, o}, p + "resid1", bl);
       int fnw = b.param(p + "ffn_norm.weight", {C}, InitKind::Ones);
       h = b.op("rmsnorm", {x, fnw}, p + "ffn_norm", bl, {{"eps", eps}});
-      int w1 = b.param(p + "feed_forward.w1.weight", {F, C}, InitKind::Normal, std);
-      int w3 = b.param(p + "feed_forward.w3.weight", {F, C}, InitKind::Normal, std);
-      int w2 = b.param(p + "feed_forward.w2.weight", {C, F}, InitKind::Normal, proj_std);
-      int gt = b.op("linear", {h, w1}, p + "feed_forward.gate", bl);
-      int up = b.op("linear", {h, w3}, p + "feed_forward.up", bl);
-      int s = b.op("swiglu", {gt, up}, p + "feed_forward.swiglu", bl);
-      int d = b.op("linear", {s, w2}, p + "feed_forward.down", bl);
+      int d;
+      if (moe) {
+        d = moe_ffn(b, c, h, p + "moe.", bl, F, std, proj_std, aux_terms);
+      } else {
+        int w1 = b.param(p + "feed_forward.w1.weight", {F, C}, InitKind::Normal, std);
+        int w3 = b.param(p + "feed_forward.w3.weight", {F, C}, InitKind::Normal, std);
+        int w2 = b.param(p + "feed_forward.w2.weight", {C, F}, InitKind::Normal, proj_std);
+        int gt = b.op("linear", {h, w1}, p + "feed_forward.gate", bl);
+        int up = b.op("linear", {h, w3}, p + "feed_forward.up", bl);
+        int s = b.op("swiglu", {gt, up}, p + "feed_forward.swiglu", bl);
+        d = b.op("linear", {s, w2}, p + "feed_forward.down", bl);
+      }
       x = b.op("add", {x, d}, p + "resid2", bl);
     }
     int nw = b.param("norm.weight", {C}, InitKind::Ones);
@@ -178,7 +244,9 @@ Graph build_preset(const std::string &preset, const PresetConfig &c) {
   int logits = b.op("linear", {x, head_w}, "logits");
   // Declared so that hosts can size a buffer for it (ctr_step_get_output).
   b.g.tensors[logits].dims = {Dim{0, "batch"}, Dim{0, "seq"}, Dim{V, ""}};
-  b.g.loss = b.op("cross_entropy", {logits, targets}, "loss");
+  b.g.loss = b.op("cross_entropy", {logits, targets}, aux_terms.empty() ? "loss" : "lm_loss");
+  for (size_t i = 0; i < aux_terms.size(); ++i)
+    b.g.loss = b.op("add", {b.g.loss, aux_terms[i]}, i + 1 == aux_terms.size() ? "loss" : "loss." + std::to_string(i));
   auto &m = b.g.metadata;
   m.emplace_back("preset", preset);
   m.emplace_back("layers", std::to_string(L));
@@ -187,6 +255,10 @@ Graph build_preset(const std::string &preset, const PresetConfig &c) {
   m.emplace_back("kv_heads", std::to_string(kv));
   m.emplace_back("vocab", std::to_string(V));
   m.emplace_back("max_seq", std::to_string(c.seq));
+  if (moe) {
+    m.emplace_back("experts", std::to_string(c.experts));
+    m.emplace_back("top_k", std::to_string(c.top_k));
+  }
   return std::move(b.g);
 }
 

@@ -668,6 +668,34 @@ struct OpGraph {
     t.init.mean = 0.1f;
     return g.add_tensor(t);
   }
+  // A parameter with given initial values (row-major), for cases that need
+  // particular values: routing ties, experts that receive no token.
+  int add_param_data(const std::string &name, std::vector<int64_t> shape, const std::vector<float> &values) {
+    ctr::Tensor t;
+    t.name = name;
+    t.role = ctr::Role::Param;
+    for (int64_t d : shape) t.dims.push_back(ctr::Dim{d, ""});
+    t.init.kind = ctr::InitKind::Data;
+    t.data.assign(reinterpret_cast<const uint8_t *>(values.data()),
+                  reinterpret_cast<const uint8_t *>(values.data() + values.size()));
+    return g.add_tensor(t);
+  }
+  // A node with several outputs; returns their ids.
+  std::vector<int> add_ops(const std::string &op, std::vector<int> in, int outputs,
+                           std::map<std::string, ctr::Attr> attrs = {}) {
+    ctr::Node n;
+    n.op = op;
+    n.name = op + "_out" + std::to_string(g.nodes.size());
+    for (int i = 0; i < outputs; ++i) {
+      ctr::Tensor t;
+      t.name = n.name + "." + std::to_string(i);
+      n.outputs.push_back(g.add_tensor(t));
+    }
+    n.inputs = in;
+    n.attrs = attrs;
+    g.add_node(n);
+    return n.outputs;
+  }
   int add_ids(const std::string &name, std::vector<int64_t> shape) {
     ctr::Tensor t;
     t.name = name;
@@ -805,7 +833,7 @@ TEST_P(OpGradient, MatchesFiniteDifferences) {
   OpGraph b;
   GetParam().build(b);
   std::map<std::string, int> ids = GetParam().ids;
-  ids["targets"] = static_cast<int>(b.classes);
+  if (b.classes > 0) ids["targets"] = static_cast<int>(b.classes);  // else the case set a scalar loss
   ctr_graph *g = nullptr;
   ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
   check_gradients(g, ids);
@@ -918,6 +946,67 @@ std::vector<OpCase> op_cases() {
                  int like = b.add_ids("like", {2, 3});
                  b.finish(b.add_op("take_rows", {t, like}, {{"axis", ai(1)}}), {3, 4});
                }, {{"like", 5}}});
+  // Mixture of experts: a whole MoE layer on x[6, 5] with router logits given
+  // as a parameter (so that ties and unused experts can be planted), experts
+  // w[E, 3, 5]: router -> permute -> grouped linear -> weighted combine.
+  // Routing is piecewise: where two scores lie within the finite-difference
+  // step of each other across the top-k boundary, the loss jumps. So logits
+  // that are not planted are spaced 0.25 apart in a shuffled order per row.
+  auto spaced = [](int64_t rows, int64_t E) {
+    std::mt19937 rng(7);
+    std::vector<float> v;
+    for (int64_t n = 0; n < rows; ++n) {
+      std::vector<int> rank(static_cast<size_t>(E));
+      for (int64_t e = 0; e < E; ++e) rank[e] = static_cast<int>(e);
+      std::shuffle(rank.begin(), rank.end(), rng);
+      for (int64_t e = 0; e < E; ++e) v.push_back(0.25f * static_cast<float>(rank[e]) - 0.4f + 0.03f * static_cast<float>(n % 3));
+    }
+    return v;
+  };
+  struct MoeCase {
+    const char *label;
+    int64_t E, k;
+    const char *score;
+    int renorm;               // -1: the default
+    std::vector<float> logits;  // empty: spaced (below)
+  };
+  const std::vector<MoeCase> moe = {
+      {"moe_layer_softmax_top2", 4, 2, "softmax", -1, {}},
+      {"moe_layer_sigmoid_top1", 4, 1, "sigmoid", -1, {}},
+      {"moe_layer_top_k_all_experts", 3, 3, "softmax", -1, {}},
+      {"moe_layer_top2_not_renormalised", 4, 2, "softmax", 0, {}},
+      // Ties inside the chosen set (rows 0, 2, 5), and expert 3 chosen by nobody.
+      {"moe_layer_ties_and_idle_expert", 4, 2, "softmax", -1,
+       {0.3f, 0.8f, 0.8f, -0.9f, 0.5f, -0.1f, 0.2f, -0.7f, 0.6f, 0.6f, -0.2f, -0.8f,
+        0.1f, 0.4f, 0.9f, -1.0f, -0.3f, 0.7f, 0.2f, -0.6f, 0.5f, 0.5f, 0.0f, -0.4f}},
+      // Top-1 with experts 1 and 4 receiving no token.
+      {"moe_layer_idle_experts_top1", 5, 1, "softmax", -1,
+       {0.9f, 0.1f, 0.2f, 0.3f, 0.0f, 0.1f, 0.0f, 0.8f, 0.2f, -0.1f, 0.2f, -0.2f, 0.1f, 0.7f, 0.0f,
+        0.6f, 0.1f, 0.0f, 0.2f, -0.3f, 0.1f, 0.2f, 0.9f, 0.0f, 0.1f, 0.3f, 0.0f, 0.1f, 0.8f, 0.2f}},
+  };
+  for (const MoeCase &m : moe)
+    c.push_back({m.label, [m, spaced](OpGraph &b) {
+                   int x = b.add_param("x", {6, 5});
+                   int l = b.add_param_data("logits", {6, m.E}, m.logits.empty() ? spaced(6, m.E) : m.logits);
+                   std::map<std::string, ctr::Attr> attrs = {{"top_k", ai(m.k)},
+                                                             {"score", ctr::Attr::of_string(m.score)}};
+                   if (m.renorm >= 0) attrs["renorm"] = ai(m.renorm);
+                   auto r = b.add_ops("moe_router", {l}, 2, attrs);
+                   auto p = b.add_ops("moe_permute", {x, r[1]}, 3, {{"experts", ai(m.E)}});
+                   int w = b.add_param("w", {m.E, 3, 5});
+                   int y = b.add_op("moe_grouped_linear", {p[0], w, p[1]});
+                   b.finish(b.add_op("moe_unpermute", {y, r[0], p[2]}), {6, 3});
+                 }, {}});
+  // The auxiliary losses alone, each the whole loss (coefficient 1).
+  c.push_back({"moe_aux_loss", [spaced](OpGraph &b) {
+                 int l = b.add_param_data("logits", {2, 3, 4}, spaced(6, 4));
+                 auto r = b.add_ops("moe_router", {l}, 2, {{"top_k", ai(2)}});
+                 b.g.loss = b.add_op("moe_aux_loss", {l, r[1]}, {{"coef", ctr::Attr::of_float(1.0)}});
+               }, {}});
+  c.push_back({"moe_z_loss", [](OpGraph &b) {
+                 int l = b.add_param("logits", {6, 4});
+                 b.g.loss = b.add_op("moe_z_loss", {l}, {{"coef", ctr::Attr::of_float(1.0)}});
+               }, {}});
   return c;
 }
 

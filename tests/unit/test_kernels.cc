@@ -1098,6 +1098,101 @@ TEST(Optim, AdamWMatchesTorchFormulaOverThreeSteps) {
 }
 
 // ---------------------------------------------------------------------------
+// Mixture of experts
+
+using I = std::vector<int32_t>;
+
+TEST(Moe, RouterBreaksTiesTowardTheLowerExpert) {
+  // Three tokens over four experts: a tie inside the top 2, a tie across the
+  // top-2 boundary, and all four equal.
+  F logits = {0.2f, 0.7f, 0.7f, 0.1f, 0.9f, 0.4f, 0.1f, 0.4f, 0.5f, 0.5f, 0.5f, 0.5f};
+  F w(6), scores(12);
+  I ex(6);
+  ctr::cpu::moe_router_fwd(logits.data(), w.data(), ex.data(), scores.data(), 3, 4, 2, false, true);
+  EXPECT_EQ(ex, (I{1, 2, 0, 1, 0, 1}));
+  for (int n = 0; n < 3; ++n) EXPECT_NEAR(w[2 * n] + w[2 * n + 1], 1.0f, 1e-6f);
+  EXPECT_FLOAT_EQ(w[0], 0.5f);
+  EXPECT_FLOAT_EQ(w[4], 0.5f);
+  // Scores are the softmax of each row.
+  for (int n = 0; n < 3; ++n) {
+    double z = 0;
+    for (int e = 0; e < 4; ++e) z += std::exp(static_cast<double>(logits[n * 4 + e]));
+    for (int e = 0; e < 4; ++e)
+      EXPECT_NEAR(scores[n * 4 + e], std::exp(static_cast<double>(logits[n * 4 + e])) / z, 1e-6);
+  }
+}
+
+TEST(Moe, PermuteIsStableAndDropless) {
+  // Five tokens, k = 2, three experts; expert 2 receives nothing.
+  const int64_t N = 5, k = 2, D = 3, E = 3;
+  I ex = {1, 0, 0, 1, 1, 0, 0, 1, 1, 0};
+  F x(N * D);
+  for (int64_t i = 0; i < N * D; ++i) x[i] = static_cast<float>(i);
+  F xp(N * k * D);
+  I counts(E), slots(N * k);
+  ctr::cpu::moe_permute_fwd(x.data(), ex.data(), xp.data(), counts.data(), slots.data(), N, k, D, E);
+  EXPECT_EQ(counts, (I{5, 5, 0}));
+  // Expert 0's rows come first, each group in slot order (token, then choice).
+  EXPECT_EQ(slots, (I{5, 0, 1, 6, 7, 2, 3, 8, 9, 4}));
+  for (int64_t i = 0; i < N * k; ++i)
+    for (int64_t d = 0; d < D; ++d) EXPECT_EQ(xp[slots[i] * D + d], x[(i / k) * D + d]);
+  // Combine with weights inverts it: with weights 1, each token comes back k times.
+  F ones(N * k, 1.0f), y(N * D);
+  ctr::cpu::moe_unpermute_fwd(xp.data(), slots.data(), ones.data(), y.data(), N, k, D, N * k);
+  for (int64_t i = 0; i < N * D; ++i) EXPECT_EQ(y[i], 2.0f * x[i]);
+}
+
+TEST(Moe, SkewedRoutingSendsEveryTokenToOneExpert) {
+  const int64_t N = 64, k = 1, D = 8, E = 4, F_ = 5;
+  I ex(N, 2);
+  F x = random_vec(N * D, 31), xp(N * D), w = random_vec(E * F_ * D, 32), y(N * F_);
+  I counts(E), slots(N);
+  ctr::cpu::moe_permute_fwd(x.data(), ex.data(), xp.data(), counts.data(), slots.data(), N, k, D, E);
+  EXPECT_EQ(counts, (I{0, 0, static_cast<int32_t>(N), 0}));
+  ctr::cpu::grouped_linear_fwd(xp.data(), counts.data(), w.data(), y.data(), N, D, F_, E);
+  for (int64_t r = 0; r < N; ++r)
+    for (int64_t o = 0; o < F_; ++o) {
+      double ref = 0;
+      for (int64_t d = 0; d < D; ++d) ref += static_cast<double>(xp[r * D + d]) * w[(2 * F_ + o) * D + d];
+      EXPECT_NEAR(y[r * F_ + o], ref, 1e-5);
+    }
+}
+
+TEST(Moe, GroupedLinearMatchesPerRowReference) {
+  // Uneven counts (one expert empty) and rows past the counted ones.
+  const int64_t M = 13, K = 7, N = 6, E = 4;
+  I counts = {3, 0, 6, 2};  // 11 rows counted; rows 11 and 12 are not
+  F x = random_vec(M * K, 41), w = random_vec(E * N * K, 42), y(M * N, 9.0f);
+  ctr::cpu::grouped_linear_fwd(x.data(), counts.data(), w.data(), y.data(), M, K, N, E);
+  auto expert_of = [&](int64_t r) { return r < 3 ? 0 : r < 9 ? 2 : r < 11 ? 3 : -1; };
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t o = 0; o < N; ++o) {
+      const int64_t e = expert_of(r);
+      double ref = 0;
+      if (e >= 0)
+        for (int64_t d = 0; d < K; ++d) ref += static_cast<double>(x[r * K + d]) * w[(e * N + o) * K + d];
+      EXPECT_NEAR(y[r * N + o], ref, 1e-5) << r << "," << o;
+    }
+  // Backward: dx by the transpose, dw zero for the empty expert.
+  F dy = random_vec(M * N, 43), dx(M * K, 9.0f), dw(E * N * K, 9.0f);
+  ctr::cpu::grouped_linear_bwd(dy.data(), x.data(), counts.data(), w.data(), dx.data(), dw.data(), M, K, N, E);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t d = 0; d < K; ++d) {
+      const int64_t e = expert_of(r);
+      double ref = 0;
+      if (e >= 0)
+        for (int64_t o = 0; o < N; ++o) ref += static_cast<double>(dy[r * N + o]) * w[(e * N + o) * K + d];
+      EXPECT_NEAR(dx[r * K + d], ref, 1e-5);
+    }
+  for (int64_t i = 0; i < N * K; ++i) EXPECT_EQ(dw[1 * N * K + i], 0.0f);
+  // Counts that claim more rows than exist are clamped, not read past the end.
+  I huge = {1, 1 << 30, 5, 7};
+  F y2(M * N);
+  ctr::cpu::grouped_linear_fwd(x.data(), huge.data(), w.data(), y2.data(), M, K, N, E);
+  for (int64_t o = 0; o < N; ++o) EXPECT_NEAR(y2[o], y[o], 1e-6);
+}
+
+// ---------------------------------------------------------------------------
 // Determinism across thread counts
 
 TEST(Determinism, ReductionsDoNotDependOnThreadCount) {

@@ -220,6 +220,10 @@ struct BuildArgs {
   int64_t layers = 0, dim = 0, heads = 0, kv_heads = 0, vocab = 0, seq = 0, ffn_dim = 0;
   bool tied = false;
   double rope_theta = 0, norm_eps = 0, init_std = 0;
+  int64_t experts = 0, top_k = 0, shared_ffn_dim = 0, router_renorm = 0;
+  double aux_loss = 0, z_loss = 0;
+  std::string router_score;
+  CLI::Option *router_score_opt = nullptr;
   // The options the user actually gave; the rest keep the preset's defaults.
   std::vector<std::pair<const char *, CLI::Option *>> given_int, given_float;
   CLI::Option *tied_opt = nullptr;
@@ -236,6 +240,7 @@ int cmd_graph_build(const BuildArgs &a) {
     set_float(opts.get(), key, opt->as<double>());
   }
   if (a.tied_opt->count() > 0) set_int(opts.get(), "tied", a.tied ? 1 : 0);
+  if (a.router_score_opt->count() > 0) check(ctr_options_set_string(opts.get(), "router_score", a.router_score.c_str()));
 
   ctr_graph *raw = nullptr;
   check(ctr_graph_create_preset(a.preset.c_str(), opts.get(), &raw));
@@ -1046,7 +1051,7 @@ int run_main(int argc, char **argv) {
   CLI::App *build_cmd = graph->add_subcommand("build", "Build a model preset and save it");
   build_cmd->add_option("--preset", build.preset, "Model family")
       ->required()
-      ->check(CLI::IsMember({"gpt", "llama"}));
+      ->check(CLI::IsMember({"gpt", "llama", "moe"}));
   build_cmd->add_option("-o,--output", build.out, "Graph file to write")->required();
   const auto int_opt = [&](const char *flag, const char *key, int64_t &var, const char *help) {
     build.given_int.emplace_back(
@@ -1058,13 +1063,24 @@ int run_main(int argc, char **argv) {
   int_opt("--kv-heads", "kv_heads", build.kv_heads, "Key/value heads (llama)");
   int_opt("--vocab", "vocab", build.vocab, "Vocabulary size");
   int_opt("--seq", "seq", build.seq, "Longest sequence (positions)");
-  int_opt("--ffn-dim", "ffn_dim", build.ffn_dim, "MLP hidden width (0 = preset default)");
+  int_opt("--ffn-dim", "ffn_dim", build.ffn_dim, "MLP hidden width (0 = preset default; moe: each expert's)");
+  int_opt("--experts", "experts", build.experts, "Experts per MoE layer (moe, default 8)");
+  int_opt("--top-k", "top_k", build.top_k, "Experts per token (moe, default 2)");
+  int_opt("--shared-ffn-dim", "shared_ffn_dim", build.shared_ffn_dim,
+          "Width of the shared expert every token also goes through (moe, default 0 = none)");
+  int_opt("--router-renorm", "router_renorm", build.router_renorm,
+          "1: the top-k weights are divided by their sum (moe, default 1 when top-k > 1)");
   const auto float_opt = [&](const char *flag, const char *key, double &var, const char *help) {
     build.given_float.emplace_back(key, build_cmd->add_option(flag, var, help));
   };
   float_opt("--rope-theta", "rope_theta", build.rope_theta, "Rotary base (llama)");
   float_opt("--norm-eps", "norm_eps", build.norm_eps, "Normalisation epsilon");
   float_opt("--init-std", "init_std", build.init_std, "Std of the normal weight init");
+  float_opt("--aux-loss", "aux_loss", build.aux_loss, "Load-balancing loss coefficient (moe, default 0.01)");
+  float_opt("--z-loss", "z_loss", build.z_loss, "Router z-loss coefficient (moe, default 0.001)");
+  build.router_score_opt = build_cmd->add_option("--router-score", build.router_score,
+                                                 "Router scores: softmax (default) or sigmoid (moe)")
+                               ->check(CLI::IsMember({"softmax", "sigmoid"}));
   build.tied_opt = build_cmd->add_flag("--tied,!--untied", build.tied,
                                        "Share the input embedding with the output layer");
 

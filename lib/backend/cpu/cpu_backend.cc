@@ -262,6 +262,74 @@ void k_take_rows_bwd(const Args &c) {
   cpu::fill(c.out<float>(0) + n, 0.0f, total - n);
 }
 
+// Mixture of experts: N tokens and the last dims are read from the tensors.
+void k_moe_router(const Args &c) {
+  const auto &l = c.in_shape(0);
+  const auto &p = c.params<ctr_moe_router_params>();
+  const int64_t E = l.back(), k = c.out_shape(0).back();
+  cpu::moe_router_fwd(c.in<float>(0), c.out<float>(0), c.out<int32_t>(1), c.out<float>(2), numel(l) / E, E, k,
+                      p.sigmoid != 0, p.renorm != 0);
+}
+void k_moe_router_bwd(const Args &c) {
+  const auto &p = c.params<ctr_moe_router_params>();
+  const int64_t E = c.in_shape(1).back(), k = c.in_shape(0).back();
+  cpu::moe_router_bwd(c.in<float>(0), c.in<float>(1), c.in<int32_t>(2), c.out<float>(0),
+                      numel(c.in_shape(1)) / E, E, k, p.sigmoid != 0, p.renorm != 0);
+}
+void k_moe_aux_loss(const Args &c) {
+  const int64_t E = c.in_shape(0).back(), k = c.in_shape(1).back();
+  cpu::moe_aux_loss_fwd(c.in<float>(0), c.in<int32_t>(1), c.out<float>(0), numel(c.in_shape(0)) / E, E, k,
+                        c.params<ctr_moe_loss_params>().coef);
+}
+void k_moe_aux_loss_bwd(const Args &c) {
+  const int64_t E = c.in_shape(1).back(), k = c.in_shape(2).back();
+  cpu::moe_aux_loss_bwd(*c.in<float>(0), c.in<float>(1), c.in<int32_t>(2), c.out<float>(0),
+                        numel(c.in_shape(1)) / E, E, k, c.params<ctr_moe_loss_params>().coef);
+}
+void k_moe_z_loss(const Args &c) {
+  const int64_t E = c.in_shape(0).back();
+  cpu::moe_z_loss_fwd(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0)) / E, E,
+                      c.params<ctr_moe_loss_params>().coef);
+}
+void k_moe_z_loss_bwd(const Args &c) {
+  const int64_t E = c.in_shape(1).back();
+  cpu::moe_z_loss_bwd(*c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(1)) / E, E,
+                      c.params<ctr_moe_loss_params>().coef);
+}
+void k_moe_permute(const Args &c) {
+  const int64_t D = c.in_shape(0).back(), k = c.in_shape(1).back();
+  cpu::moe_permute_fwd(c.in<float>(0), c.in<int32_t>(1), c.out<float>(0), c.out<int32_t>(1), c.out<int32_t>(2),
+                       numel(c.in_shape(1)) / k, k, D, c.out_shape(1)[0]);
+}
+void k_moe_permute_bwd(const Args &c) {
+  const int64_t D = c.in_shape(0).back(), k = c.in_shape(1).back();
+  cpu::moe_permute_bwd(c.in<float>(0), c.in<int32_t>(1), c.out<float>(0), numel(c.in_shape(1)) / k, k, D,
+                       c.in_shape(0)[0]);
+}
+void k_moe_grouped_linear(const Args &c) {
+  const auto &x = c.in_shape(0), &w = c.in_shape(1);
+  cpu::grouped_linear_fwd(c.in<float>(0), c.in<int32_t>(2), c.in<float>(1), c.out<float>(0), x[0], x[1], w[1],
+                          w[0]);
+}
+void k_moe_grouped_linear_bwd(const Args &c) {
+  const auto &x = c.in_shape(1), &w = c.in_shape(2);
+  cpu::grouped_linear_bwd(c.in<float>(0), c.in<float>(1), c.in<int32_t>(3), c.in<float>(2), c.out<float>(0),
+                          c.out<float>(1), x[0], x[1], w[1], w[0]);
+}
+void k_moe_unpermute(const Args &c) {
+  const auto &yp = c.in_shape(0);
+  const int64_t k = c.in_shape(1).back();
+  cpu::moe_unpermute_fwd(c.in<float>(0), c.in<int32_t>(2), c.in<float>(1), c.out<float>(0),
+                         numel(c.in_shape(1)) / k, k, yp[1], yp[0]);
+}
+void k_moe_unpermute_bwd(const Args &c) {
+  // inputs: dy, yp, slots, weights; outputs: dyp, dweights
+  const auto &yp = c.in_shape(1);
+  const int64_t k = c.in_shape(3).back();
+  cpu::moe_unpermute_bwd(c.in<float>(0), c.in<float>(1), c.in<int32_t>(2), c.in<float>(3), c.out<float>(0),
+                         c.out<float>(1), numel(c.in_shape(3)) / k, k, yp[1], yp[0]);
+}
+
 // ---------------------------------------------------------------------------
 // The kernel table: registered by name, looked up by op id.
 
@@ -310,6 +378,13 @@ void register_library_kernels() {
         {"cross_entropy_bwd", bind<k_cross_entropy_bwd>},
         {"reshape", bind<k_reshape>},             {"transpose", bind<k_transpose>},
         {"take_rows", bind<k_take_rows>},         {"take_rows_bwd", bind<k_take_rows_bwd>},
+        {"moe_router", bind<k_moe_router>},       {"moe_router_bwd", bind<k_moe_router_bwd>},
+        {"moe_aux_loss", bind<k_moe_aux_loss>},   {"moe_aux_loss_bwd", bind<k_moe_aux_loss_bwd>},
+        {"moe_z_loss", bind<k_moe_z_loss>},       {"moe_z_loss_bwd", bind<k_moe_z_loss_bwd>},
+        {"moe_permute", bind<k_moe_permute>},     {"moe_permute_bwd", bind<k_moe_permute_bwd>},
+        {"moe_unpermute", bind<k_moe_unpermute>}, {"moe_unpermute_bwd", bind<k_moe_unpermute_bwd>},
+        {"moe_grouped_linear", bind<k_moe_grouped_linear>},
+        {"moe_grouped_linear_bwd", bind<k_moe_grouped_linear_bwd>},
     };
     for (const auto &[name, fn] : k) set_kernel(name, fn);
   });
