@@ -12,7 +12,9 @@ global-norm clipping. The weights reach libctr two ways, both checked where they
   - "export":    the module exported with ctr_export, weights embedded in the .ctrg file
                  (gpt and llama; ctr_export has no mapping of the MoE layer).
 For moe the reference's expert loop is first checked against a dense evaluation of every
-expert on every token, forward and backward, so a mistake there cannot pass as agreement.
+expert on every token, forward and backward, so a mistake there cannot pass as agreement;
+and at every step the load-balancing and z-losses (summed over the layers, read from
+libctr's kept layers.{i}.moe.{aux_loss,z_loss}) must agree within 1e-4 relative as well.
 Per-step losses must agree within 1e-4 relative and the final weights within WEIGHT_ATOL
 (absolute; the weights are O(0.02..1)). Everything runs in float32 on 2 threads per side.
 
@@ -93,7 +95,9 @@ def batches(vocab, seq, seed=0):
     return out
 
 
-def train_torch(model, data):
+def train_torch(model, data, aux=None):
+    """AdamW steps on data; the per-step losses. aux, if a list (moe): gets each step's
+    (load-balancing, z) losses, summed over the layers."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPT["weight_decay"]},
@@ -109,10 +113,18 @@ def train_torch(model, data):
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if aux is not None:
+            aux.append(tuple(float(v) for v in model.routing_stats()[1:]))
     return losses
 
 
-def train_ctr(step, data):
+def aux_outputs(layers):
+    """The moe preset's auxiliary-loss tensors, for the step option keep."""
+    return [f"layers.{i}.moe.{kind}" for kind in ("aux_loss", "z_loss") for i in range(layers)]
+
+
+def train_ctr(step, data, aux=None):
+    """As train_torch, on libctr; aux needs the step kept aux_outputs()."""
     losses = []
     for i, (tokens, targets) in enumerate(data):
         step.set_input("tokens", tokens.numpy().astype(np.int32))
@@ -120,7 +132,22 @@ def train_ctr(step, data):
         m = step.run()
         assert abs(m["lr"] - schedule(i)) <= 1e-12 * OPT["lr"], (i, m["lr"], schedule(i))
         losses.append(m["loss"])
+        if aux is not None:
+            kept = [float(step.get_output(n, shape=(1,))[0]) for n in aux_outputs(SIZES["layers"])]
+            half = len(kept) // 2
+            aux.append((sum(kept[:half]), sum(kept[half:])))
     return losses
+
+
+def compare_aux(kind, torch_aux, ctr_aux):
+    """Per-step load-balancing and z-losses of the two sides, within LOSS_RTOL relative."""
+    rel = [abs(a - b) / abs(a) for ta, ca in zip(torch_aux, ctr_aux) for a, b in zip(ta, ca)]
+    print(f"  {kind:8s} set_param aux {torch_aux[0][0]:.5f} -> {torch_aux[-1][0]:.5f}, "
+          f"z {torch_aux[0][1]:.5f} -> {torch_aux[-1][1]:.5f}  max rel diff {max(rel):.2e}")
+    bad = [(i, t, c) for i, (t, c) in enumerate(zip(torch_aux, ctr_aux))
+           if any(abs(a - b) > LOSS_RTOL * abs(a) for a, b in zip(t, c))]
+    assert not bad, f"{kind}: aux/z losses differ beyond {LOSS_RTOL:g} relative at " + \
+        ", ".join(f"step {i}: torch {t} libctr {c}" for i, t, c in bad[:5])
 
 
 def build(case, seed):
@@ -206,21 +233,26 @@ def parity(kind, results):
         # Export before training, so the file holds the initial weights.
         ctr_export.export(model, data[0], None, graph_path)
 
-    torch_losses = train_torch(model, data)
+    torch_aux = [] if preset_name == "moe" else None
+    torch_losses = train_torch(model, data, torch_aux)
 
     preset = dict(SIZES, **options)
     step_opts = dict(batch=BATCH, seq=SIZES["seq"], **OPT)
+    keep = dict(keep=",".join(aux_outputs(SIZES["layers"]))) if torch_aux is not None else {}
     with ctr.Mesh(threads=2) as mesh:
         # Path 1: libctr's own preset, weights copied in by name.
         with ctr.Graph.preset(preset_name, **preset) as graph, \
-                ctr.Step(mesh, graph, **step_opts) as s:
+                ctr.Step(mesh, graph, **step_opts, **keep) as s:
             assert sorted(graph.params) == sorted(names), \
                 f"preset and reference model name different parameters: " \
                 f"{sorted(set(graph.params) ^ set(names))}"
             for name in names:
                 s.set_param(name, initial[name].numpy())
-            losses = train_ctr(s, data)
+            ctr_aux = [] if torch_aux is not None else None
+            losses = train_ctr(s, data, ctr_aux)
             compare(kind, "set_param", torch_losses, losses, model, s, names, results)
+            if torch_aux is not None:
+                compare_aux(kind, torch_aux, ctr_aux)
         if no_export:
             print(f"  {kind:8s} export    skipped: {no_export}")
             return

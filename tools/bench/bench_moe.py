@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Training-step speed of libctr's `moe` preset against PyTorch on the CPU.
 
-    /usr/bin/python3 tools/bench/bench_moe.py            # V=256 T=128 L=2 H=4 Hkv=2 C=128 B=8, E=8 k=2
+    /usr/bin/python3 tools/bench/bench_moe.py       # V=256 T=128 L=2 H=4 Hkv=2 C=128 B=8 E=8 k=2
     /usr/bin/python3 tools/bench/bench_moe.py --top-k 1 --router-score sigmoid --shared-ffn-dim 256
     /usr/bin/python3 tools/bench/bench_moe.py --ctr build/tools/ctr/ctr --steps 20 --json out.json
 
