@@ -3,7 +3,7 @@
 
     /usr/bin/python3 tools/bench/bench_moe.py       # V=256 T=128 L=2 H=4 Hkv=2 C=128 B=8 E=8 k=2
     /usr/bin/python3 tools/bench/bench_moe.py --top-k 1 --router-score sigmoid --shared-ffn-dim 256
-    /usr/bin/python3 tools/bench/bench_moe.py --ctr build/tools/ctr/ctr --steps 20 --json out.json
+    /usr/bin/python3 tools/bench/bench_moe.py --ctr build/tools/ctr --steps 40 --json out.json
 
 The companion of bench_gpt.py (whose sgemm peak, ctr lookup and summary it reuses), for the
 mixture-of-experts preset. One script measures both sides on the same configuration:
@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE", "default"),
                     help="OMP_WAIT_POLICY for PyTorch; PASSIVE is its fastest setting on a "
                          "2-core machine")
-    ap.add_argument("--ctr", default="build/tools/ctr/ctr",
+    ap.add_argument("--ctr", default="build/tools/ctr",
                     help="the ctr binary; a relative path is tried from the current directory, "
                          "then from the repository root")
     ap.add_argument("--ctr-timeout", type=float, default=3600.0, help="seconds per ctr command")
@@ -129,9 +129,6 @@ def model_figures(args: argparse.Namespace) -> dict:
 
 
 def run_torch(args: argparse.Namespace, model_flops: int) -> dict:
-    # libgomp reads OMP_WAIT_POLICY when torch loads, so it is set before the import.
-    if args.omp_wait_policy != "default":
-        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
     import torch
 
     torch.set_num_threads(args.threads)
@@ -290,6 +287,10 @@ def print_table(args, fig, peak, torch_r, ctr_r, ctr_note) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # libgomp reads OMP_WAIT_POLICY once, when torch first loads it, so it is set before
+    # anything imports torch (model_figures does); set later it has no effect.
+    if args.omp_wait_policy != "default":
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
     fig = model_figures(args)
 
     # The peak first, on a quiet machine, before PyTorch's threads exist.
