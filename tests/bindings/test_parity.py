@@ -3,12 +3,18 @@
 
     /usr/bin/python3 tests/bindings/test_parity.py
 
-For each reference model (tools/export/models: gpt, and llama with grouped-query attention)
-at a small size, PyTorch and libctr start from the same weights and take 20 AdamW steps on
-the same batches, with the same warm-up + cosine schedule, weight decay on matrices only and
-global-norm clipping. The weights reach libctr two ways, both checked:
+For each reference model (tools/export/models: gpt, llama with grouped-query attention, and
+moe twice: top-2 softmax routing with a shared expert, top-1 sigmoid routing without) at a
+small size, PyTorch and libctr start from the same weights and take 20 AdamW steps on the
+same batches, with the same warm-up + cosine schedule, weight decay on matrices only and
+global-norm clipping. The weights reach libctr two ways, both checked where they exist:
   - "set_param": the preset graph built by libctr, weights copied in by name;
-  - "export":    the module exported with ctr_export, weights embedded in the .ctrg file.
+  - "export":    the module exported with ctr_export, weights embedded in the .ctrg file
+                 (gpt and llama; ctr_export has no mapping of the MoE layer).
+For moe the reference's expert loop is first checked against a dense evaluation of every
+expert on every token, forward and backward, so a mistake there cannot pass as agreement;
+and at every step the load-balancing and z-losses (summed over the layers, read from
+libctr's kept layers.{i}.moe.{aux_loss,z_loss}) must agree within 1e-4 relative as well.
 Per-step losses must agree within 1e-4 relative and the final weights within WEIGHT_ATOL
 (absolute; the weights are O(0.02..1)). Everything runs in float32 on 2 threads per side.
 
@@ -42,6 +48,7 @@ import ctr  # noqa: E402
 import ctr_export  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.llama import Llama, LlamaConfig  # noqa: E402
+from models.moe import MoE, MoEConfig  # noqa: E402
 
 STEPS, BATCH = 20, 4
 SIZES = dict(vocab=128, seq=32, layers=2, dim=64, heads=4)
@@ -53,6 +60,17 @@ WEIGHT_ATOL = 1e-4
 # softmax row by a constant), so both sides step it by AdamW-normalised rounding noise; it is
 # only held to the bound of AdamW's total displacement, the sum of the learning rates.
 ZERO_GRAD = re.compile(r"attn\.wk\.bias$")
+
+# case: (preset, options beyond SIZES, shared by the preset and the reference config).
+MOE = dict(kv_heads=2, experts=4, ffn_dim=32)
+CASES = {
+    "gpt": ("gpt", {}),
+    "llama": ("llama", dict(kv_heads=2)),
+    "moe": ("moe", dict(MOE, top_k=2, shared_ffn_dim=32)),
+    "moe-top1": ("moe", dict(MOE, top_k=1, router_score="sigmoid")),
+}
+# Why a case has no "export" path.
+NO_EXPORT = {"moe": "ctr_export has no mapping of the MoE layer"}
 
 
 def schedule(s):
@@ -77,7 +95,9 @@ def batches(vocab, seq, seed=0):
     return out
 
 
-def train_torch(model, data):
+def train_torch(model, data, aux=None):
+    """AdamW steps on data; the per-step losses. aux, if a list (moe): gets each step's
+    (load-balancing, z) losses, summed over the layers."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPT["weight_decay"]},
@@ -93,10 +113,18 @@ def train_torch(model, data):
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if aux is not None:
+            aux.append(tuple(float(v) for v in model.routing_stats()[1:]))
     return losses
 
 
-def train_ctr(step, data):
+def aux_outputs(layers):
+    """The moe preset's auxiliary-loss tensors, for the step option keep."""
+    return [f"layers.{i}.moe.{kind}" for kind in ("aux_loss", "z_loss") for i in range(layers)]
+
+
+def train_ctr(step, data, aux=None):
+    """As train_torch, on libctr; aux needs the step kept aux_outputs()."""
     losses = []
     for i, (tokens, targets) in enumerate(data):
         step.set_input("tokens", tokens.numpy().astype(np.int32))
@@ -104,13 +132,62 @@ def train_ctr(step, data):
         m = step.run()
         assert abs(m["lr"] - schedule(i)) <= 1e-12 * OPT["lr"], (i, m["lr"], schedule(i))
         losses.append(m["loss"])
+        if aux is not None:
+            kept = [float(step.get_output(n, shape=(1,))[0]) for n in aux_outputs(SIZES["layers"])]
+            half = len(kept) // 2
+            aux.append((sum(kept[:half]), sum(kept[half:])))
     return losses
 
 
-def build(kind, seed):
-    if kind == "gpt":
-        return GPT(GPTConfig(**SIZES), seed=seed)
-    return Llama(LlamaConfig(kv_heads=2, **SIZES), seed=seed)
+def compare_aux(kind, torch_aux, ctr_aux):
+    """Per-step load-balancing and z-losses of the two sides, within LOSS_RTOL relative."""
+    rel = [abs(a - b) / abs(a) for ta, ca in zip(torch_aux, ctr_aux) for a, b in zip(ta, ca)]
+    print(f"  {kind:8s} set_param aux {torch_aux[0][0]:.5f} -> {torch_aux[-1][0]:.5f}, "
+          f"z {torch_aux[0][1]:.5f} -> {torch_aux[-1][1]:.5f}  max rel diff {max(rel):.2e}")
+    bad = [(i, t, c) for i, (t, c) in enumerate(zip(torch_aux, ctr_aux))
+           if any(abs(a - b) > LOSS_RTOL * abs(a) for a, b in zip(t, c))]
+    assert not bad, f"{kind}: aux/z losses differ beyond {LOSS_RTOL:g} relative at " + \
+        ", ".join(f"step {i}: torch {t} libctr {c}" for i, t, c in bad[:5])
+
+
+def build(case, seed):
+    preset, options = CASES[case]
+    if preset == "gpt":
+        return GPT(GPTConfig(**SIZES, **options), seed=seed)
+    if preset == "llama":
+        return Llama(LlamaConfig(**SIZES, **options), seed=seed)
+    return MoE(MoEConfig(**SIZES, **options), seed=seed)
+
+
+def dense_moe(layer, h):
+    """An MoE layer's output computed densely: every expert on every token, weighted by a
+    [N, E] matrix that is zero off each token's top k."""
+    cfg, ex = layer.cfg, layer.experts
+    h = h.reshape(-1, h.shape[-1])
+    weights, idx = layer.route(layer.router(h))
+    mix = torch.zeros(h.shape[0], cfg.experts).scatter_add(1, idx, weights)
+    outs = torch.stack([torch.nn.functional.silu(h @ ex.w1[e].t()) * (h @ ex.w3[e].t())
+                        @ ex.w2[e].t() for e in range(cfg.experts)], dim=1)  # [N, E, C]
+    y = (mix.unsqueeze(-1) * outs).sum(1)
+    return y if layer.shared is None else y + layer.shared(h)
+
+
+def check_moe_reference(model, tokens):
+    """The expert loop of every layer equals dense_moe, in value and in every gradient."""
+    with torch.no_grad():
+        x = model.tok_embeddings(tokens.long())
+    for i, layer in enumerate(model.layers):
+        h = layer.ffn_norm(x).detach()
+        params = list(layer.moe.parameters())
+        loop = layer.moe(h)[0].reshape(-1, h.shape[-1])
+        dense = dense_moe(layer.moe, h)
+        g_loop = torch.autograd.grad(loop.pow(2).sum(), params)
+        g_dense = torch.autograd.grad(dense.pow(2).sum(), params)
+        d = max([float((loop - dense).abs().max())] +
+                [float((a - b).abs().max()) for a, b in zip(g_loop, g_dense)])
+        assert d <= 1e-6, f"layer {i}: the expert loop differs from the dense form by {d:.3g}"
+        with torch.no_grad():
+            x = layer(x)[0]
 
 
 def compare(kind, path, torch_losses, ctr_losses, model, step, names, results):
@@ -126,7 +203,7 @@ def compare(kind, path, torch_losses, ctr_losses, model, step, names, results):
         elif d > worst_w:
             worst_w, worst_name = d, name
     results.append((kind, path, max(rel), worst_w, worst_name))
-    print(f"  {kind:5s} {path:9s} loss {torch_losses[0]:.4f} -> {torch_losses[-1]:.4f}  "
+    print(f"  {kind:8s} {path:9s} loss {torch_losses[0]:.4f} -> {torch_losses[-1]:.4f}  "
           f"max rel loss diff {max(rel):.2e}  max |weight diff| {worst_w:.2e} ({worst_name})"
           + (f"  zero-gradient key bias {noise:.2e}" if noise else ""))
     lr_sum = sum(schedule(s) for s in range(STEPS))
@@ -142,29 +219,43 @@ def compare(kind, path, torch_losses, ctr_losses, model, step, names, results):
 
 def parity(kind, results):
     torch.manual_seed(0)
+    preset_name, options = CASES[kind]
     model = build(kind, seed=1)
     names = list(model.state_dict())
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     data = batches(SIZES["vocab"], SIZES["seq"])
-    tmp = tempfile.mkdtemp(prefix="ctr_parity_")
-    graph_path = os.path.join(tmp, f"{kind}.ctrg")
-    # Export before training, so the file holds the initial weights.
-    ctr_export.export(model, data[0], None, graph_path)
+    if preset_name == "moe":
+        check_moe_reference(model, data[0][0])
+    no_export = NO_EXPORT.get(preset_name)
+    if not no_export:
+        tmp = tempfile.mkdtemp(prefix="ctr_parity_")
+        graph_path = os.path.join(tmp, f"{kind}.ctrg")
+        # Export before training, so the file holds the initial weights.
+        ctr_export.export(model, data[0], None, graph_path)
 
-    torch_losses = train_torch(model, data)
+    torch_aux = [] if preset_name == "moe" else None
+    torch_losses = train_torch(model, data, torch_aux)
 
-    preset = dict(SIZES, kv_heads=2) if kind == "llama" else dict(SIZES)
+    preset = dict(SIZES, **options)
     step_opts = dict(batch=BATCH, seq=SIZES["seq"], **OPT)
+    keep = dict(keep=",".join(aux_outputs(SIZES["layers"]))) if torch_aux is not None else {}
     with ctr.Mesh(threads=2) as mesh:
         # Path 1: libctr's own preset, weights copied in by name.
-        with ctr.Graph.preset(kind, **preset) as graph, ctr.Step(mesh, graph, **step_opts) as s:
+        with ctr.Graph.preset(preset_name, **preset) as graph, \
+                ctr.Step(mesh, graph, **step_opts, **keep) as s:
             assert sorted(graph.params) == sorted(names), \
                 f"preset and reference model name different parameters: " \
                 f"{sorted(set(graph.params) ^ set(names))}"
             for name in names:
                 s.set_param(name, initial[name].numpy())
-            losses = train_ctr(s, data)
+            ctr_aux = [] if torch_aux is not None else None
+            losses = train_ctr(s, data, ctr_aux)
             compare(kind, "set_param", torch_losses, losses, model, s, names, results)
+            if torch_aux is not None:
+                compare_aux(kind, torch_aux, ctr_aux)
+        if no_export:
+            print(f"  {kind:8s} export    skipped: {no_export}")
+            return
         # Path 2: the exported graph with the weights embedded.
         with ctr.Graph.load(graph_path) as graph, ctr.Step(mesh, graph, **step_opts) as s:
             assert sorted(graph.params) == sorted(names), sorted(set(graph.params) ^ set(names))
@@ -180,7 +271,7 @@ def main():
     torch.set_num_threads(2)
     passed = failed = 0
     results = []
-    for kind in ("gpt", "llama"):
+    for kind in CASES:
         try:
             parity(kind, results)
         except Exception:

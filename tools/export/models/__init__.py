@@ -2,6 +2,7 @@
 
     from models.gpt import GPT, GPTConfig        # the `gpt` preset
     from models.llama import Llama, LlamaConfig  # the `llama` preset
+    from models.moe import MoE, MoEConfig        # the `moe` preset (llama with MoE layers)
     model = GPT(GPTConfig(vocab=256, seq=256, layers=4, dim=256, heads=4), seed=0)
     logits, loss = model(tokens, targets)        # tokens, targets: [B, T] integer tensors
 
@@ -13,6 +14,7 @@ The benchmarks (tools/bench/torch_models.py) and the parity tests use these same
 from .blocks import CausalAttention, RMSNorm, Rotary, SwiGLU, rotary_tables
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
+from .moe import MoE, MoEConfig
 
-__all__ = ["CausalAttention", "GPT", "GPTConfig", "Llama", "LlamaConfig", "RMSNorm", "Rotary",
-           "SwiGLU", "rotary_tables"]
+__all__ = ["CausalAttention", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MoE", "MoEConfig",
+           "RMSNorm", "Rotary", "SwiGLU", "rotary_tables"]
