@@ -47,7 +47,7 @@ extern "C" {
 /* Version                                                                   */
 
 #define CTR_VERSION_MAJOR 0
-#define CTR_VERSION_MINOR 3
+#define CTR_VERSION_MINOR 4
 #define CTR_VERSION_PATCH 0
 
 /* The ABI version: bumped only when a shipped declaration changes meaning. It is
@@ -354,6 +354,19 @@ CTR_API ctr_status ctr_step_set_param(ctr_step *step, const char *name, const fl
  * to the step's values; the presets declare "logits" as [batch, seq, vocab]. */
 CTR_API ctr_status ctr_step_get_output(ctr_step *step, const char *name, float *out,
                                        size_t count);
+
+/* Since 0.4. The mixture-of-experts layers of the last ctr_step_run, as a JSON
+ * array with one object per layer in graph order:
+ *   {"layer": "layers.0.moe", "tokens_per_expert": [n0, n1, ...],
+ *    "aux_loss": x, "z_loss": y}
+ * tokens_per_expert counts the tokens routed to each expert (a token counts once
+ * per expert it chose), summed over the micro-batches and every rank of the mesh;
+ * the losses are each layer's load-balancing and router z-loss terms (present when
+ * the layer has them), averaged like the step's loss. "[]" for a graph without
+ * experts or before the first run. *json belongs to the step and stays valid until
+ * its next mutating call. With more than one rank ctr_step_run is where the
+ * counts are summed, so this call itself communicates nothing. */
+CTR_API ctr_status ctr_step_moe_metrics(ctr_step *step, const char **json);
 
 /* Replaces the learning-rate schedule by a constant lr from the next run on
  * (lr >= 0 and finite). */

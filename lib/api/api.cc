@@ -594,6 +594,15 @@ extern "C" ctr_status ctr_step_get_output(ctr_step *step, const char *name, floa
   CTR_API_END
 }
 
+extern "C" ctr_status ctr_step_moe_metrics(ctr_step *step, const char **json) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_moe_metrics");
+  REQUIRE_ARG(json != nullptr, "ctr_step_moe_metrics: json is NULL");
+  const std::string &s = step->impl->moe_metrics();
+  *json = s.empty() ? "[]" : s.c_str();
+  CTR_API_END
+}
+
 extern "C" ctr_status ctr_step_save(ctr_step *step, const char *dir) {
   CTR_API_BEGIN
   STEP_ARG("ctr_step_save");

@@ -137,6 +137,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     kept_.push_back(t);
   }
 
+  find_moe_layers();
   backend_ = create_backend(mesh.device);
   be_ = *backend_;
   {
@@ -362,6 +363,82 @@ void Step::bind_micro_batch(int64_t mb) {
     exec_->rebind(s.tensor, static_cast<char *>(inputs_) + g_.tensors[s.tensor].offset + mb * s.bytes);
 }
 
+// The moe layers of the graph as built (before the passes): each moe_permute
+// node, and the auxiliary losses that read the same router logits. Their
+// tensors are kept past the step so that they can be read after it.
+void Step::find_moe_layers() {
+  for (const Node &n : g_.nodes) {
+    if (n.op != "moe_permute") continue;
+    MoeLayer l;
+    l.name = n.name.substr(0, n.name.rfind('.') == std::string::npos ? n.name.size() : n.name.rfind('.'));
+    l.counts = n.outputs[1];
+    l.experts = n.attr_int("experts", 0);
+    // The router's logits: what the router producing the permute's expert ids read.
+    int logits = -1;
+    for (const Node &m : g_.nodes)
+      if (m.op == "moe_router" && m.outputs.size() > 1 && m.outputs[1] == n.inputs[1]) logits = m.inputs[0];
+    for (const Node &m : g_.nodes) {
+      if (m.inputs.empty() || m.inputs[0] != logits) continue;
+      if (m.op == "moe_aux_loss") l.aux = m.outputs[0];
+      if (m.op == "moe_z_loss") l.z = m.outputs[0];
+    }
+    for (int t : {l.counts, l.aux, l.z})
+      if (t >= 0) g_.tensors[t].keep = true;
+    moe_.push_back(std::move(l));
+  }
+}
+
+void Step::read_moe(int64_t mb) {
+  for (MoeLayer &l : moe_) {
+    std::vector<int32_t> c(static_cast<size_t>(l.experts));
+    be_.iface->copy_d2h(be_.ctx, c.data(), exec_->addr(l.counts), c.size() * 4, 0);
+    if (mb == 0) {
+      l.tokens.assign(c.size(), 0);
+      l.aux_loss = l.z_loss = 0;
+    }
+    for (size_t e = 0; e < c.size(); ++e) l.tokens[e] += c[e];
+    float v = 0;
+    if (l.aux >= 0) {
+      be_.iface->copy_d2h(be_.ctx, &v, exec_->addr(l.aux), 4, 0);
+      l.aux_loss += v;
+    }
+    if (l.z >= 0) {
+      be_.iface->copy_d2h(be_.ctx, &v, exec_->addr(l.z), 4, 0);
+      l.z_loss += v;
+    }
+  }
+}
+
+void Step::reduce_moe() {
+  if (moe_.empty()) return;
+  // Token counts sum over the ranks (each routed its own tokens); the losses
+  // are means over micro-batches and ranks, as the step's loss is.
+  const double k = static_cast<double>(copt_.micro_batches), w = static_cast<double>(mesh_.world);
+  std::vector<double> v;
+  for (const MoeLayer &l : moe_) {
+    for (int64_t t : l.tokens) v.push_back(static_cast<double>(t));
+    v.push_back(l.aux_loss / k / w);
+    v.push_back(l.z_loss / k / w);
+  }
+  if (mesh_.world > 1) {
+    const Comm &wc = mesh_.world_comm;
+    comm_wait(wc, wc.iface->all_reduce(wc.ctx, v.data(), v.data(), v.size(), CTR_DTYPE_F64, ReduceOp::Sum),
+              mesh_.timeout_ms);
+  }
+  nlohmann::json layers = nlohmann::json::array();
+  size_t i = 0;
+  for (MoeLayer &l : moe_) {
+    for (int64_t &t : l.tokens) t = static_cast<int64_t>(v[i++]);
+    l.aux_loss = v[i++];
+    l.z_loss = v[i++];
+    nlohmann::json j = {{"layer", l.name}, {"tokens_per_expert", l.tokens}};
+    if (l.aux >= 0) j["aux_loss"] = l.aux_loss;
+    if (l.z >= 0) j["z_loss"] = l.z_loss;
+    layers.push_back(std::move(j));
+  }
+  moe_json_ = layers.dump();
+}
+
 double Step::read_loss() const {
   float loss = 0;
   be_.iface->copy_d2h(be_.ctx, &loss, exec_->addr(g_.loss), 4, 0);
@@ -408,6 +485,7 @@ void Step::run(ctr_step_metrics *metrics) {
     ran_forward_ = true;
     fwd_ms += ms_since(tf);
     loss_sum += read_loss();
+    read_moe(mb);
     auto tb = Clock::now();
     exec_->run(Executor::Phase::Backward);
     opt_->accumulate(mb);
@@ -418,6 +496,7 @@ void Step::run(ctr_step_metrics *metrics) {
     loss = NAN;  // on one rank: the all-reduce carries it to every rank
     fault_step_ = -1;  // once: a rewound run gets past it
   }
+  reduce_moe();
   if (mesh_.world > 1) {
     // Every rank reports (and checks) the same global mean loss.
     const Comm &wc = mesh_.world_comm;

@@ -110,6 +110,11 @@ class Step : private CheckpointState {
   int find_param(const std::string &name, size_t count) const;
   void check_inputs_set(const char *what) const;
   double read_loss() const;
+ public:
+  // The mixture-of-experts metrics of the last run, as JSON (ctr_step_moe_metrics).
+  const std::string &moe_metrics() const { return moe_json_; }
+
+ private:
   // Writes host rows into a param's shard (its padding rows zero).
   void write_param(int t, const float *full);
 
@@ -147,6 +152,21 @@ class Step : private CheckpointState {
   bool fault_in_comm_ = false;
   std::string options_json_;  // the options the step was created with, for checkpoints
   std::vector<int> kept_;     // tensors named in option "keep"
+
+  // Mixture-of-experts layers: what each step's metrics report of them.
+  struct MoeLayer {
+    std::string name;       // "layers.N.moe" (the permute node's name less its last part)
+    int counts = -1;        // moe_permute's row counts per expert [E] (i32)
+    int aux = -1, z = -1;   // the layer's auxiliary losses (scalars), -1 when absent
+    int64_t experts = 0;
+    std::vector<int64_t> tokens;  // of the last step, summed over micro-batches and ranks
+    double aux_loss = 0, z_loss = 0;
+  };
+  std::vector<MoeLayer> moe_;
+  std::string moe_json_;
+  void find_moe_layers();
+  void read_moe(int64_t mb);   // after micro-batch mb's forward
+  void reduce_moe();           // after the step: over the ranks, into moe_json_
 
 };
 

@@ -541,6 +541,30 @@ def library_lookup():
         r.stderr, r.stderr
 
 
+@test
+def moe_metrics():
+    # A mixture-of-experts graph reports its load per layer; a dense one reports none.
+    import numpy as np
+    with ctr.Mesh() as mesh, \
+            ctr.Graph.preset("moe", layers=2, dim=32, heads=4, kv_heads=2, vocab=256, seq=16, experts=4,
+                             top_k=2, ffn_dim=32) as g, \
+            ctr.Step(mesh, g, batch=2, seq=16) as step:
+        assert step.moe_metrics() == [], step.moe_metrics()
+        for name in ("layers.0.moe.router.weight", "layers.1.moe.router.weight"):
+            step.set_param(name, np.zeros((4, 32), dtype=np.float32))
+        ids = np.arange(32, dtype=np.int32).reshape(2, 16)
+        step.set_input("tokens", ids)
+        step.set_input("targets", ids)
+        step.run()
+        layers = step.moe_metrics()
+        assert [m["layer"] for m in layers] == ["layers.0.moe", "layers.1.moe"], layers
+        # Every token ties and picks experts 0 and 1.
+        assert layers[0]["tokens_per_expert"] == [32, 32, 0, 0], layers
+        assert layers[0]["aux_loss"] > 0 and layers[0]["z_loss"] > 0, layers
+    with ctr.Mesh() as mesh, ctr.Graph.preset("gpt", **PRESET) as g, ctr.Step(mesh, g, **STEP_OPTS) as step:
+        assert step.moe_metrics() == []
+
+
 # ------------------------------------------------------------------------------------------------
 
 

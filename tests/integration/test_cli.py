@@ -137,6 +137,59 @@ def check_special_files(tmp, graph):
     check("not a regular file" in r.stderr, f"the skipped checkpoint is not explained: {r.stderr[-300:]}")
 
 
+def check_moe(tmp):
+    """The moe preset: its options, its per-layer metrics, and the warning for an
+    expert its router never picks."""
+    graph = os.path.join(tmp, "moe.ctrg")
+    r = run("graph", "build", "--preset", "moe", "--layers", "2", "--dim", "32", "--heads", "4",
+            "--kv-heads", "2", "--vocab", "256", "--seq", "16", "--experts", "4", "--top-k", "2",
+            "--ffn-dim", "32", "--shared-ffn-dim", "16", "-o", graph)
+    check("moe preset" in r.stdout, f"moe build: {r.stdout}")
+    r = run("graph", "build", "--preset", "gpt", "--experts", "4", "-o", graph + ".bad", expect=1)
+    check("'experts' is for the moe preset" in r.stderr, f"moe option on gpt: {r.stderr}")
+    r = run("graph", "build", "--preset", "moe", "--experts", "4", "--top-k", "5", "-o", graph + ".bad", expect=1)
+    check("'top_k' (5) must be in 1..experts (4)" in r.stderr, f"top-k > experts: {r.stderr}")
+    out = run("graph", "inspect", graph, "--after", "shard", "--ep", "2").stdout
+    check("moe_dispatch" in out and "moe_combine" in out and "[2,32,32]" in out,
+          "inspect --ep 2 lacks the exchanges or the split expert weights")
+
+    # Metrics: tokens per expert per layer (top-2 of batch x seq tokens) and the
+    # auxiliary losses.
+    metrics = os.path.join(tmp, "moe.jsonl")
+    weights = os.path.join(tmp, "moe.safetensors")
+    run("run", graph, "--steps", "3", "--batch", "4", "--seq", "16", "--log-every", "0", "--metrics", metrics,
+        "--export-safetensors", weights)
+    rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+    check(len(rows) == 3 and all(len(row.get("moe", [])) == 2 for row in rows),
+          f"moe metrics: {rows[:1]}")
+    for row in rows:
+        for layer in row.get("moe", []):
+            check(sum(layer["tokens_per_expert"]) == 4 * 16 * 2 and len(layer["tokens_per_expert"]) == 4,
+                  f"tokens per expert of {layer['layer']}: {layer['tokens_per_expert']}")
+            check(layer["aux_loss"] > 0 and layer["z_loss"] > 0, f"aux losses: {layer}")
+
+    # A router of zeros ties every token and sends it to experts 0 and 1; with no
+    # learning it stays so, and the tool warns about experts 2 and 3.
+    if os.path.exists(weights):
+        with open(weights, "r+b") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+            for name, info in header.items():
+                if name.endswith("router.weight"):
+                    a, b = info["data_offsets"]
+                    f.seek(8 + n + a)
+                    f.write(bytes(b - a))
+        r = run("run", graph, "--steps", "4", "--batch", "4", "--seq", "16", "--log-every", "0", "--lr", "0",
+                "--init-safetensors", weights, "--idle-expert-steps", "3", "--metrics", metrics)
+        rows = [json.loads(line) for line in open(metrics)]
+        check(all(layer["tokens_per_expert"] == [64, 64, 0, 0] for row in rows for layer in row["moe"]),
+              f"zero router: {[row['moe'] for row in rows][:1]}")
+        for e in (2, 3):
+            check(f"expert {e} of layers.0.moe has received no token for 3 steps" in r.stderr,
+                  f"no warning for idle expert {e}: {r.stderr[-500:]}")
+        check("expert 0 " not in r.stderr, f"warned about a busy expert: {r.stderr[-500:]}")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="ctr_cli_")
     graph = os.path.join(tmp, "tiny.ctrg")
@@ -229,6 +282,8 @@ def main():
     r = run("run", graph, "--data", tokfile, "--steps", "1", "--batch", "2", expect=1)
     check("ctr: error: data error" in r.stderr and "big_vocab.bin" in r.stderr,
           f"truncated token file message: {r.stderr}")
+
+    check_moe(tmp)
 
     if failures:
         print(f"{len(failures)} failure(s):")

@@ -96,7 +96,7 @@ std::vector<int32_t> random_ids(size_t n, int vocab, uint32_t seed) {
 
 TEST(Abi, VersionAndStatusStrings) {
   EXPECT_EQ(ctr_abi_version(), CTR_ABI_VERSION);
-  EXPECT_STREQ(ctr_version(), "0.3.0");
+  EXPECT_STREQ(ctr_version(), "0.4.0");
   EXPECT_STREQ(ctr_status_string(CTR_STATUS_OK), "ok");
   EXPECT_STREQ(ctr_status_string(CTR_STATUS_INVALID_GRAPH), "invalid graph");
   EXPECT_STREQ(ctr_status_string(static_cast<ctr_status>(999)), "unknown status");
@@ -1489,9 +1489,10 @@ TEST(LoaderAbi, CorpusSeedSelectsOtherText) {
 namespace {
 
 TEST(Passes, StepRunsTheRegisteredPipelineAndInspectKnowsEveryPass) {
+  // A mixture-of-experts model, so that every pass (expert included) has work.
   Opts go;
-  go.i("layers", 1).i("dim", 16).i("heads", 2).i("vocab", 11).i("seq", 6);
-  ctr_graph *g = preset("gpt", go);
+  go.i("layers", 1).i("dim", 16).i("heads", 2).i("vocab", 11).i("seq", 6).i("experts", 2).i("top_k", 1).i("ffn_dim", 8);
+  ctr_graph *g = preset("moe", go);
   Mesh m;
   Opts so;
   so.i("batch", 2);
@@ -1502,10 +1503,10 @@ TEST(Passes, StepRunsTheRegisteredPipelineAndInspectKnowsEveryPass) {
     if (!p.at_load) compile.push_back(p.name);
   EXPECT_EQ(s->impl->passes_run(), compile);
   EXPECT_EQ(ctr::pass_names().size(), ctr::pass_list().size());
-  // Inspect shows one rank of an fsdp=2 mesh, so that shard and reorder have
-  // collectives to place.
+  // Inspect shows one rank of an ep=2 x fsdp=2 mesh, so that expert, shard and
+  // reorder have collectives to place.
   Opts io;
-  io.i("batch", 2).i("fsdp", 2);
+  io.i("batch", 2).i("fsdp", 2).i("ep", 2);
   std::set<std::string> dumps;
   for (const std::string &name : ctr::pass_names()) {
     std::string out = ctr::inspect_graph(g, io.o, name);

@@ -386,6 +386,7 @@ struct RunArgs {
   std::string on_nonfinite = "stop";
   int64_t straggler_every = 50;     // steps between straggler checks (0: none)
   double straggler_factor = 1.5;    // slower than the median by this: named
+  int64_t idle_expert_steps = 100;  // an expert without tokens this many steps in a row: warned (0: never)
   double peak_flops = 0;  // per rank; 0: measured
   ScheduleArgs collectives;
 };
@@ -803,6 +804,7 @@ int cmd_run(const RunArgs &a) {
     PhaseTimes own;  // this rank's phase times since the last straggler check (sums)
     int64_t own_steps = 0;
     std::vector<int> stragglers;
+    std::map<std::string, std::vector<int64_t>> idle_steps;  // per moe layer: steps each expert has had no token
     for (int64_t i = first_step; i <= a.steps; ++i) {
       const auto t0 = Clock::now();
       batches.next();
@@ -908,6 +910,28 @@ int cmd_run(const RunArgs &a) {
         window_steps = 0;
       }
 
+      // Mixture-of-experts layers: their load (tokens per expert) and auxiliary
+      // losses, and a warning for an expert that has received nothing for a while.
+      nlohmann::json moe = nlohmann::json::array();
+      {
+        const char *text = nullptr;
+        check(ctr_step_moe_metrics(step.get(), &text));
+        moe = nlohmann::json::parse(text);
+        for (const auto &layer : moe) {
+          const auto &tokens = layer.at("tokens_per_expert");
+          std::vector<int64_t> &idle = idle_steps[layer.at("layer").get<std::string>()];
+          idle.resize(tokens.size(), 0);
+          for (size_t e = 0; e < tokens.size(); ++e) {
+            idle[e] = tokens[e].get<int64_t>() == 0 ? idle[e] + 1 : 0;
+            if (lead && a.idle_expert_steps > 0 && idle[e] == a.idle_expert_steps)
+              std::fprintf(stderr,
+                           "ctr: warning: step %" PRId64 ": expert %zu of %s has received no token for %" PRId64
+                           " steps (its router never picks it: consider a larger aux-loss coefficient)\n",
+                           i, e, layer.at("layer").get<std::string>().c_str(), a.idle_expert_steps);
+          }
+        }
+      }
+
       std::optional<double> eval_loss;
       if (a.eval_every > 0 && (i % a.eval_every == 0 || i == a.steps)) eval_loss = evaluate(i);
 
@@ -934,6 +958,7 @@ int cmd_run(const RunArgs &a) {
             {"exposed_comm_ms", m.exposed_comm_ms},
         };
         if (eval_loss) j["eval_loss"] = *eval_loss;
+        if (!moe.empty()) j["moe"] = moe;
         metrics << j.dump() << '\n';
         metrics.flush();
         if (!metrics)
@@ -1168,6 +1193,11 @@ int run_main(int argc, char **argv) {
                       "passing over that batch)")
       ->capture_default_str()
       ->check(CLI::IsMember({"stop", "skip", "rewind"}));
+  run_cmd->add_option("--idle-expert-steps", run.idle_expert_steps,
+                      "Warn when an expert of a mixture-of-experts layer receives no token for this many steps "
+                      "in a row (0: never)")
+      ->capture_default_str()
+      ->check(kNonNegative);
   run_cmd->add_option("--straggler-every", run.straggler_every,
                       "Steps between checks for a rank slower than the others (0: none)")
       ->capture_default_str()

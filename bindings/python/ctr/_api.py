@@ -13,6 +13,7 @@ numpy is optional: without it arrays come back as flat array.array objects.
 
 import array
 import ctypes
+import json
 import os
 
 from ._lib import CtrError, DType, Status, StepMetrics
@@ -502,6 +503,14 @@ class Step(_Handle):
         addr, nbytes, keep = _in_buffer(data, DType.F32)
         _L.step_set_param(self._p(), _enc(name), addr, nbytes // 4)
         del keep
+
+    def moe_metrics(self):
+        """The mixture-of-experts layers of the last run: a list with one dict per layer,
+        {"layer", "tokens_per_expert" (summed over micro-batches and ranks), "aux_loss",
+        "z_loss"}; empty for a graph without experts."""
+        text = ctypes.c_char_p()
+        _L.step_moe_metrics(self._p(), ctypes.byref(text))
+        return json.loads(_dec(text.value))
 
     def get_output(self, name, shape=None):
         """A forward activation kept with the step option keep= (e.g. "logits"), as of the
