@@ -90,9 +90,10 @@ struct Tensor {
   int64_t full_rows = 0;
   int64_t shard_index = 0;
   bool keep = false;           // stays readable after the step (step option "keep")
-  // The mesh axis a parameter's rows are split over by placement passes: "ep"
-  // (expert weights, by the expert pass); empty otherwise (fsdp shards are
-  // described by full_rows and shard_index alone).
+  // The mesh axes a parameter's rows are split over by placement passes: "ep"
+  // (expert weights, by the expert pass), "ep,fsdp" (expert weights whose ep
+  // block the shard pass split over fsdp as well); empty otherwise (fsdp shards
+  // are described by full_rows and shard_index alone).
   std::string placed_on;
 
   int64_t numel() const;

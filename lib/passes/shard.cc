@@ -60,14 +60,23 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
     for (int t = 0; t < ntensors; ++t)
       if (g.tensors[t].grad_of == p) grad = t;
 
-    // Expert weights were split over ep by the expert pass; they stay whole
-    // over fsdp (each fsdp rank of an ep group keeps its experts).
+    // Expert weights were split over ep by the expert pass (this rank holds
+    // rows [shard_index * N0, ...) of full_rows). Within the ep group's fsdp
+    // ranks they are sharded further when fsdp divides their rows evenly (the
+    // fsdp shards of one ep block are then consecutive rows of the full
+    // tensor); otherwise each fsdp rank keeps its ep block whole.
     const bool expert = g.tensors[p].placed_on == "ep";
-    if (F > 1 && !expert) {
+    const bool shard_expert = expert && F > 1 && N0 % F == 0;
+    if (F > 1 && (!expert || shard_expert)) {
       // The param itself becomes this rank's shard.
       Tensor &pt = g.tensors[p];
-      pt.full_rows = N0;
-      pt.shard_index = opt.mesh.index("fsdp");
+      if (expert) {
+        pt.shard_index = pt.shard_index * F + opt.mesh.index("fsdp");
+        pt.placed_on = "ep,fsdp";
+      } else {
+        pt.full_rows = N0;
+        pt.shard_index = opt.mesh.index("fsdp");
+      }
       if (pt.shape.empty()) pt.shape = {1};
       pt.shape[0] = rows;
 
@@ -144,7 +153,7 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
       return out;
     };
     int cur = grad;
-    if (F > 1 && expert) {
+    if (F > 1 && expert && !shard_expert) {
       cur = reduce(cur, "all_reduce", ".grad_fsdp", {{"axis", Attr::of_string("fsdp")}});
     } else if (F > 1) {
       g.tensors[grad].alloc_bytes = padded_bytes;

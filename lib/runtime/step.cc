@@ -505,26 +505,33 @@ void Step::run(ctr_step_metrics *metrics) {
 
   auto to = Clock::now();
   double sq = opt_->sum_squares();
-  // Expert weights split over ep: each ep rank holds other experts' gradients
-  // (and the whole of them over fsdp), so their squares sum over ep instead.
-  double sq_expert = 0;
+  // Squares sum over the axes a gradient is split over: the fsdp shards of the
+  // other weights over fsdp; expert weights (split over ep) over ep, and over
+  // fsdp too where fsdp split them further ("ep,fsdp").
+  double sq_split = 0, sq_whole = 0;  // expert squares: ep,fsdp-split and ep-split
   const bool ep = copt_.mesh.size("ep") > 1;
   if (ep) {
-    for (const ParamSlot &s : slots_)
-      if (s.grad >= 0 && g_.tensors[s.tensor].placed_on == "ep")
-        sq_expert += be_.iface->sum_squares(be_.ctx, opt_->grads() + g_.tensors[s.tensor].offset / 4, s.n, 0);
-    sq -= sq_expert;
+    for (const ParamSlot &s : slots_) {
+      const Tensor &t = g_.tensors[s.tensor];
+      if (s.grad < 0 || t.placed_on.rfind("ep", 0) != 0) continue;
+      const double v = be_.iface->sum_squares(be_.ctx, opt_->grads() + t.offset / 4, s.n, 0);
+      (t.placed_on == "ep" ? sq_whole : sq_split) += v;
+    }
+    sq -= sq_whole + sq_split;
   }
   if (copt_.mesh.size("fsdp") > 1) {
     // Shards of the (dp-replicated) gradient: the global norm sums over fsdp.
+    double v[2] = {sq, sq_split};
     const Comm &fc = mesh_.comm("fsdp");
-    comm_wait(fc, fc.iface->all_reduce(fc.ctx, &sq, &sq, 1, CTR_DTYPE_F64, ReduceOp::Sum), mesh_.timeout_ms);
+    comm_wait(fc, fc.iface->all_reduce(fc.ctx, v, v, 2, CTR_DTYPE_F64, ReduceOp::Sum), mesh_.timeout_ms);
+    sq = v[0];
+    sq_split = v[1];
   }
   if (ep) {
+    double e = sq_split + sq_whole;
     const Comm &ec = mesh_.comm("ep");
-    comm_wait(ec, ec.iface->all_reduce(ec.ctx, &sq_expert, &sq_expert, 1, CTR_DTYPE_F64, ReduceOp::Sum),
-              mesh_.timeout_ms);
-    sq += sq_expert;
+    comm_wait(ec, ec.iface->all_reduce(ec.ctx, &e, &e, 1, CTR_DTYPE_F64, ReduceOp::Sum), mesh_.timeout_ms);
+    sq += e;
   }
   double norm = std::sqrt(sq);
   const bool nonfinite = oc_.check_finite && (!std::isfinite(loss) || !std::isfinite(norm));
@@ -622,8 +629,10 @@ std::vector<ShardView> Step::checkpoint_shards() const {
     // One copy of each row is written: dp replicas hold the same rows, and so
     // do the ep ranks (other than expert weights) and the fsdp ranks of an ep
     // group (expert weights).
+    // (Expert weights split over fsdp as well have no replica within the ep group.)
     const bool expert = t.placed_on == "ep";
-    v.write = copt_.mesh.index("dp") == 0 && copt_.mesh.index(expert ? "fsdp" : "ep") == 0;
+    v.write = copt_.mesh.index("dp") == 0 &&
+              (t.placed_on == "ep,fsdp" || copt_.mesh.index(expert ? "fsdp" : "ep") == 0);
     v.buffers[0] = param_ptr(s.tensor);
     v.buffers[1] = s.m;
     v.buffers[2] = s.v;
@@ -688,16 +697,22 @@ void Step::get_param(const std::string &name, float *out, size_t count) {
     be_.iface->copy_d2h(be_.ctx, out, param_ptr(t), count * 4, 0);
     return;
   }
-  // Sharded: this rank's shard to the host, then gather the shards of its group
-  // (fsdp, or ep for expert weights; a collective call over host memory).
-  std::vector<float> shard(static_cast<size_t>(x.numel()));
-  be_.iface->copy_d2h(be_.ctx, shard.data(), param_ptr(t), static_cast<size_t>(x.bytes()), 0);
-  const std::string axis = x.placed_on.empty() ? "fsdp" : x.placed_on;
-  const Comm &c = mesh_.comm(axis);
-  std::vector<float> full(static_cast<size_t>(x.numel() * copt_.mesh.size(axis)));
-  comm_wait(c, c.iface->all_gather(c.ctx, shard.data(), full.data(), static_cast<size_t>(x.bytes())),
-            mesh_.timeout_ms);
-  std::memcpy(out, full.data(), count * 4);
+  // Sharded: this rank's shard to the host, then gather the shards of its
+  // groups, innermost first (fsdp; ep for expert weights; fsdp then ep for
+  // expert weights split over both), as collective calls over host memory.
+  std::vector<float> part(static_cast<size_t>(x.numel()));
+  be_.iface->copy_d2h(be_.ctx, part.data(), param_ptr(t), static_cast<size_t>(x.bytes()), 0);
+  std::vector<std::string> axes = {"fsdp"};
+  if (x.placed_on == "ep") axes = {"ep"};
+  if (x.placed_on == "ep,fsdp") axes = {"fsdp", "ep"};
+  for (const std::string &axis : axes) {
+    const Comm &c = mesh_.comm(axis);
+    std::vector<float> whole(part.size() * static_cast<size_t>(copt_.mesh.size(axis)));
+    comm_wait(c, c.iface->all_gather(c.ctx, part.data(), whole.data(), part.size() * sizeof(float)),
+              mesh_.timeout_ms);
+    part = std::move(whole);
+  }
+  std::memcpy(out, part.data(), count * 4);
 }
 
 void Step::set_param(const std::string &name, const float *data, size_t count) {

@@ -46,6 +46,12 @@ def graphs(ctr, out, tmp):
                                 "--vocab", "16", "--seq", "4", "--untied"]),
         ("llama_gqa", ["--preset", "llama", "--layers", "1", "--dim", "8", "--heads", "2",
                        "--kv-heads", "1", "--vocab", "16", "--seq", "4", "--ffn-dim", "16"]),
+        ("moe_shared", ["--preset", "moe", "--layers", "1", "--dim", "8", "--heads", "2",
+                        "--vocab", "16", "--seq", "4", "--experts", "3", "--top-k", "2",
+                        "--ffn-dim", "8", "--shared-ffn-dim", "4"]),
+        ("moe_top1_sigmoid", ["--preset", "moe", "--layers", "1", "--dim", "8", "--heads", "2",
+                              "--vocab", "16", "--seq", "4", "--experts", "4", "--top-k", "1",
+                              "--ffn-dim", "8", "--router-score", "sigmoid", "--aux-loss", "0"]),
     ]:
         path = os.path.join(tmp, name + ".ctrg")
         run(ctr, "graph", "build", *args, "-o", path)
