@@ -955,6 +955,9 @@ def f_getattr(c, node):
 
 def f_getitem(c, node):
     base, index = node.args
+    held = c.env.get(base) if isinstance(base, fx.Node) else None
+    if isinstance(held, tuple):  # a module that returns several tensors (the MoE layer)
+        return held[c.const_arg(index, "index")]
     if not c.is_tensor_arg(base):
         c.fail("indexing a value that holds tensors")  # a tuple of tensors from an op
     t = c.tensor(base)
@@ -1173,6 +1176,75 @@ def l_swiglu(c, node, m):
     return c.emit_like("swiglu", [gate, up], node)
 
 
+def l_moe(c, node, m):
+    """A mixture-of-experts feed-forward (the reference model's MoEFeedForward, ctr_op "moe"):
+    forward(h [B, T, C]) -> (y [B, T, C], its auxiliary loss terms as a scalar). Reads from the
+    module: cfg (experts, top_k, router_score, renorm(), aux_loss, z_loss), router (a Linear
+    without bias), experts.w1/w3 [E, F, C] and w2 [E, C, F], and shared (None, or a SwiGLU
+    feed-forward with w1, w2, w3 Linears)."""
+    (h_arg,) = _call_args(c, node, ["h"])
+    h = c.tensor(h_arg)
+    c.need_f32(h)
+    cfg = m.cfg
+    E, k = int(cfg.experts), int(cfg.top_k)
+    if h.rank != 3:
+        c.fail(f"the MoE layer takes [batch, seq, dim], not {c.shape_str(h.s1, h.s2)}")
+    if getattr(m.router, "bias", None) is not None:
+        c.fail("a router with a bias (libctr's router is a linear without one)")
+    C = h.s1[2]
+    rows = lambda s, n: (s[0] * s[1] * k, n)  # noqa: E731 (the permuted rows, N * k)
+    lead = lambda s, n: (s[0], s[1], n)  # noqa: E731
+
+    def multi(op, inputs, outs, attrs=None):
+        """A node with several outputs: outs = [(suffix, dtype, s1, s2), ...]."""
+        ts = [c.add_tensor(c.out_name(node) + suffix, dt, s1, s2) for suffix, dt, s1, s2 in outs]
+        c.nodes.append(NodeDef(op=op, name=c.tensors[ts[0].idx].name, inputs=[t.idx for t in inputs],
+                               outputs=[t.idx for t in ts], attrs=dict(attrs or {}),
+                               block=c.block(node)))
+        return ts
+
+    def linear(x, w, suffix, n):
+        return c.emit("linear", [x, c.tensor(w)], lead(x.s1, n), lead(x.s2, n), node=node, suffix=suffix)
+
+    logits = linear(h, m.router.weight, ".router.logits", E)
+    weights, experts = multi("moe_router", [logits], [
+        (".router.weights", _F32, lead(h.s1, k), lead(h.s2, k)),
+        (".router.experts", _I32, lead(h.s1, k), lead(h.s2, k))],
+        {"top_k": k, "score": str(cfg.router_score), "renorm": int(bool(cfg.renorm()))})
+    xp, counts, slots = multi("moe_permute", [h, experts], [
+        (".permuted", _F32, rows(h.s1, C), rows(h.s2, C)), (".counts", _I32, (E,), (E,)),
+        (".slots", _I32, lead(h.s1, k), lead(h.s2, k))], {"experts": E})
+    w1, w3, w2 = (c.tensor(getattr(m.experts, n)) for n in ("w1", "w3", "w2"))
+    F_ = w1.s1[1]
+
+    def grouped(x, w, suffix, n):
+        return c.emit("moe_grouped_linear", [x, w, counts], rows(h.s1, n), rows(h.s2, n), node=node,
+                      suffix=suffix)
+    gate = grouped(xp, w1, ".experts.gate", F_)
+    up = grouped(xp, w3, ".experts.up", F_)
+    act = c.emit("swiglu", [gate, up], gate.s1, gate.s2, node=node, suffix=".experts.swiglu")
+    down = grouped(act, w2, ".experts.down", C)
+    y = c.emit("moe_unpermute", [down, weights, slots], h.s1, h.s2, node=node, suffix=".combined")
+    if m.shared is not None:
+        s = m.shared
+        fs = s.w1.weight.shape[0]
+        sg, su = linear(h, s.w1.weight, ".shared.gate", fs), linear(h, s.w3.weight, ".shared.up", fs)
+        ss = c.emit("swiglu", [sg, su], sg.s1, sg.s2, node=node, suffix=".shared.swiglu")
+        y = c.emit("add", [y, linear(ss, s.w2.weight, ".shared.down", C)], h.s1, h.s2, node=node,
+                   suffix=".out")
+    terms = []
+    if cfg.aux_loss > 0:
+        terms.append(c.emit("moe_aux_loss", [logits, experts], (), (), {"coef": float(cfg.aux_loss)},
+                            node=node, suffix=".aux_loss"))
+    if cfg.z_loss > 0:
+        terms.append(c.emit("moe_z_loss", [logits], (), (), {"coef": float(cfg.z_loss)}, node=node,
+                            suffix=".z_loss"))
+    aux = terms[0] if terms else c.scalar(0.0)
+    if len(terms) == 2:
+        aux = c.emit("add", terms, (), (), node=node, suffix=".aux")
+    return (y, aux)
+
+
 def l_simple(op):
     def convert(c, node, m):
         (x_arg,) = _call_args(c, node, ["x"])
@@ -1184,6 +1256,7 @@ def l_simple(op):
 
 LEAF_OPS: Dict[str, Callable] = {
     "rmsnorm": l_rmsnorm, "rope": l_rope, "attention": l_attention, "swiglu": l_swiglu,
+    "moe": l_moe,
     "gelu": l_simple("gelu"), "silu": l_simple("silu"), "softmax": l_simple("softmax"),
 }
 

@@ -93,7 +93,11 @@ class Experts(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    """forward(h [B,T,C]) -> (y [B,T,C], this layer's aux + z loss)."""
+    """forward(h [B,T,C]) -> (y [B,T,C], this layer's aux + z loss).
+
+    The exporter (ctr_export) maps the whole layer onto libctr's moe ops (ctr_op)."""
+
+    ctr_op = "moe"
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
@@ -158,8 +162,9 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attention(self.attention_norm(x))
-        y, aux = self.moe(self.ffn_norm(x))
-        return x + y, aux
+        out = self.moe(self.ffn_norm(x))
+        # Indexed rather than unpacked: torch.fx traces indexing of a module's result.
+        return x + out[0], out[1]
 
 
 class MoE(nn.Module):
@@ -207,7 +212,10 @@ class MoE(nn.Module):
             return logits, None
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(),
                              ignore_index=-1)
-        return logits, ce + torch.stack(aux).sum()
+        loss = ce
+        for a in aux:  # an add per block, which the exporter maps one to one
+            loss = loss + a
+        return logits, loss
 
     def routing_stats(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Of the last forward: tokens routed to each expert, int64 [layers, E] (each row
