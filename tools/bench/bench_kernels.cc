@@ -303,6 +303,12 @@ void bench_other() {
   print_mem_line("adamw_update n=3.3M", 28.0 * np, t_a);
 }
 
+bool is_section(const char *name) {
+  for (const char *s : {"linear", "attention", "moe", "memory"})
+    if (!std::strcmp(name, s)) return true;
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -310,7 +316,7 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--seconds") && i + 1 < argc) {
       g_seconds = std::atof(argv[++i]);
-    } else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) {
+    } else if (!std::strcmp(argv[i], "--only") && i + 1 < argc && is_section(argv[i + 1])) {
       only = argv[++i];
     } else {
       std::fprintf(stderr, "usage: %s [--seconds S] [--only linear|attention|moe|memory]\n", argv[0]);
