@@ -76,7 +76,8 @@ void run_block(const Product &p, int64_t r0, int64_t r1, int64_t c0, int64_t c1)
         p.ldc);
 }
 
-void run(const Product &p) {
+// split: whether a large product is cut over the pool (false: one call here).
+void run(const Product &p, bool split = true) {
   if (p.M <= 0 || p.N <= 0) return;
   if (p.K <= 0) {
     // An empty sum: C = beta C (+ bias). BLAS would reject the leading dimensions.
@@ -90,7 +91,7 @@ void run(const Product &p) {
   blas_single_threaded();
   const int threads = ctr::num_threads();
   const double flops = 2.0 * static_cast<double>(p.M) * p.N * p.K;
-  if (threads == 1 || flops < kParallelFlops) {
+  if (!split || threads == 1 || flops < kParallelFlops) {
     run_block(p, 0, p.M, 0, p.N);
     return;
   }
@@ -138,6 +139,11 @@ void column_sums(const float *x, float *out, int64_t R, int64_t C, bool accumula
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
           int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
   run(Product{trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, nullptr});
+}
+
+void gemm_serial(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                 int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+  run(Product{trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, nullptr}, false);
 }
 
 // ---------------------------------------------------------------------------

@@ -23,6 +23,13 @@ namespace ctr::cpu {
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
           const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
           int64_t ldc);
+// The same as one OpenBLAS call on the calling thread, however large. gemm cuts
+// a large product by the thread count, and OpenBLAS's bits depend on the cut;
+// kernels that cut their work into pieces themselves use this so that each
+// piece's bits depend on the piece alone.
+void gemm_serial(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                 const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
+                 int64_t ldc);
 
 // linear: y[M,N] = x[M,K] * w[N,K]^T (+ b[N] when b is not null).
 void linear_fwd(const float *x, const float *w, const float *b, float *y, int64_t M, int64_t K,

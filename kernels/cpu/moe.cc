@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "core/thread_pool.h"
@@ -272,14 +273,91 @@ void moe_unpermute_bwd(const float *dy, const float *yp, const int32_t *slots, c
 // Grouped GEMMs: segment s (rows [off[s], off[s+1])) times the weight of expert
 // s % E. On one rank there is a segment per expert; under expert parallelism a
 // segment per (source rank, local expert).
+//
+// Every product of a call runs in one parallel loop over pieces of all of them,
+// not one product after another each split over the pool: an expert's product
+// is small (a few hundred rows), and splitting each in turn paid the pool's
+// wake-up and join once per product and left a thread idle behind the slower
+// half of each. A piece is a block of rows or columns of one product's output,
+// cut along its larger dimension at multiples of 16, so no sum is ever split,
+// and it is one OpenBLAS call (gemm_serial). A product gets pieces in
+// proportion to its FLOPs, about kPieces over the whole call, so that a skewed
+// routing (one expert with a third of the rows) still spreads evenly. The cut
+// depends on the sizes only, never on the thread count, and OpenBLAS's bits
+// depend on the cut: the results are the same with any number of threads.
+
+namespace {
+
+struct Product {
+  bool ta, tb;
+  int64_t M, N, K;
+  float alpha;
+  const float *A;
+  int64_t lda;
+  const float *B;
+  int64_t ldb;
+  float *C;
+  int64_t ldc;
+
+  bool by_rows() const { return M >= N; }
+  int64_t extent() const { return by_rows() ? M : N; }
+  double flops() const { return 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K); }
+  // Rows (or columns) [b0, b1) of C = alpha op(A) op(B) + beta C.
+  void run(int64_t b0, int64_t b1, float beta) const {
+    if (by_rows())
+      gemm_serial(ta, tb, b1 - b0, N, K, alpha, ta ? A + b0 : A + b0 * lda, lda, B, ldb, beta, C + b0 * ldc, ldc);
+    else
+      gemm_serial(ta, tb, M, b1 - b0, K, alpha, A, lda, tb ? B + b0 * ldb : B + b0, ldb, beta, C + b0, ldc);
+  }
+};
+
+// A piece of work: rows or columns [b0, b1) of task `task`'s output.
+struct Piece {
+  int64_t task, b0, b1;
+};
+
+constexpr int64_t kPieceTile = 16;   // pieces end at multiples of OpenBLAS's tile
+constexpr double kPieces = 16;       // per call: 8 per thread on 2 threads
+constexpr double kPieceFlops = 2e6;  // below this a piece is not worth a thread
+
+// Cuts each task (its output's extent along the cut, and its FLOPs) into pieces
+// as above and runs fn(piece) for every piece over the pool, or on the calling
+// thread when the whole call is below kPieceFlops.
+template <class Fn>
+void run_pieces(const std::vector<std::pair<int64_t, double>> &tasks, const Fn &fn) {
+  double total = 0;
+  for (const auto &t : tasks) total += t.second;
+  const double target = std::max(kPieceFlops, total / kPieces);
+  std::vector<Piece> pieces;
+  for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()); ++i) {
+    const int64_t extent = tasks[i].first;
+    if (extent <= 0) continue;
+    const int64_t want = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(tasks[i].second / target)));
+    int64_t size = (extent + want - 1) / want;
+    size = (size + kPieceTile - 1) / kPieceTile * kPieceTile;
+    for (int64_t b = 0; b < extent; b += size) pieces.push_back({i, b, std::min(extent, b + size)});
+  }
+  const int64_t n = static_cast<int64_t>(pieces.size());
+  ctr::parallel_for(n, total < kPieceFlops ? n : 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) fn(pieces[p]);
+  });
+}
+
+}  // namespace
 
 void grouped_linear_fwd(const float *x, const int32_t *counts, int64_t S, const float *w, float *y, int64_t M,
                         int64_t K, int64_t N, int64_t E) {
   std::vector<int64_t> off;
   expert_offsets(counts, S, M, off);
-  for (int64_t s = 0; s < S; ++s)
-    if (off[s + 1] > off[s])
-      linear_fwd(x + off[s] * K, w + (s % E) * N * K, nullptr, y + off[s] * N, off[s + 1] - off[s], K, N);
+  std::vector<Product> prods(static_cast<size_t>(S));
+  std::vector<std::pair<int64_t, double>> tasks(static_cast<size_t>(S), {0, 0.0});
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t rows = off[s + 1] - off[s];
+    if (rows <= 0) continue;
+    prods[s] = {false, true, rows, N, K, 1.0f, x + off[s] * K, K, w + (s % E) * N * K, K, y + off[s] * N, N};
+    tasks[s] = {prods[s].extent(), prods[s].flops()};
+  }
+  run_pieces(tasks, [&](const Piece &pc) { prods[pc.task].run(pc.b0, pc.b1, 0.0f); });
   std::memset(y + off[S] * N, 0, static_cast<size_t>((M - off[S]) * N) * sizeof(float));
 }
 
@@ -287,16 +365,35 @@ void grouped_linear_bwd(const float *dy, const float *x, const int32_t *counts, 
                         float *dx, float *dw, int64_t M, int64_t K, int64_t N, int64_t E, float weight_grad_scale) {
   std::vector<int64_t> off;
   expert_offsets(counts, S, M, off);
-  // An expert that received no rows gets a zero gradient; one with several
-  // segments sums them in segment order.
-  std::memset(dw, 0, static_cast<size_t>(E * N * K) * sizeof(float));
+  // Tasks [0, S): dx of segment s. Tasks [S, S + E): dw of expert e, the sum of
+  // its segments' products in segment order (the first overwrites); an expert
+  // that received no rows gets a zero gradient.
+  std::vector<Product> dxp(static_cast<size_t>(S)), dwp(static_cast<size_t>(S));
+  std::vector<std::vector<int64_t>> segments(static_cast<size_t>(E));
+  std::vector<std::pair<int64_t, double>> tasks(static_cast<size_t>(S + E), {0, 0.0});
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t rows = off[s + 1] - off[s];
+    const int64_t rows = off[s + 1] - off[s], e = s % E;
     if (rows <= 0) continue;
-    linear_bwd_x(dy + off[s] * N, w + (s % E) * N * K, dx + off[s] * K, rows, K, N);
-    gemm(true, false, N, K, rows, weight_grad_scale, dy + off[s] * N, N, x + off[s] * K, K, 1.0f,
-         dw + (s % E) * N * K, K);
+    dxp[s] = {false, false, rows, K, N, 1.0f, dy + off[s] * N, N, w + e * N * K, K, dx + off[s] * K, K};
+    dwp[s] = {true, false, N, K, rows, weight_grad_scale, dy + off[s] * N, N, x + off[s] * K, K, dw + e * N * K, K};
+    tasks[s] = {dxp[s].extent(), dxp[s].flops()};
+    tasks[S + e].first = dwp[s].extent();
+    tasks[S + e].second += dwp[s].flops();
+    segments[e].push_back(s);
   }
+  for (int64_t e = 0; e < E; ++e)
+    if (segments[e].empty()) std::memset(dw + e * N * K, 0, static_cast<size_t>(N * K) * sizeof(float));
+  run_pieces(tasks, [&](const Piece &pc) {
+    if (pc.task < S) {
+      dxp[pc.task].run(pc.b0, pc.b1, 0.0f);
+      return;
+    }
+    float beta = 0.0f;
+    for (int64_t s : segments[pc.task - S]) {
+      dwp[s].run(pc.b0, pc.b1, beta);
+      beta = 1.0f;
+    }
+  });
   std::memset(dx + off[S] * K, 0, static_cast<size_t>((M - off[S]) * K) * sizeof(float));
 }
 

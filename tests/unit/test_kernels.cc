@@ -1224,4 +1224,34 @@ TEST(Determinism, ReductionsDoNotDependOnThreadCount) {
         << "output " << i;
 }
 
+TEST(Determinism, GroupedLinearDoesNotDependOnThreadCount) {
+  // The grouped GEMMs cut their products into pieces by FLOPs and thread count;
+  // the bits must not follow. Two segments per expert (expert parallelism's
+  // layout), skewed counts, an empty segment and an expert with no rows.
+  const int64_t M = 1000, K = 128, N = 160, E = 4, S = 8;
+  const I counts = {400, 0, 150, 0, 60, 0, 230, 90};  // 930 rows; expert 1 gets none
+  F x = random_vec(M * K, 51), w = random_vec(E * N * K, 52), dy = random_vec(M * N, 53);
+  auto run = [&] {
+    F y(M * N, 9.0f), dx(M * K, 9.0f), dw(E * N * K, 9.0f);
+    ctr::cpu::grouped_linear_fwd(x.data(), counts.data(), S, w.data(), y.data(), M, K, N, E);
+    ctr::cpu::grouped_linear_bwd(dy.data(), x.data(), counts.data(), S, w.data(), dx.data(), dw.data(), M, K, N,
+                                 E, 0.5f);
+    return std::vector<F>{y, dx, dw};
+  };
+  std::vector<F> one, two, three;
+  with_threads(1, [&] { one = run(); });
+  with_threads(2, [&] { two = run(); });
+  with_threads(3, [&] { three = run(); });
+  for (size_t i = 0; i < one.size(); ++i) {
+    EXPECT_EQ(0, std::memcmp(one[i].data(), two[i].data(), one[i].size() * sizeof(float))) << "output " << i;
+    EXPECT_EQ(0, std::memcmp(one[i].data(), three[i].data(), one[i].size() * sizeof(float))) << "output " << i;
+  }
+  // Expert 1 had no rows: zero gradient; expert 0 sums its two segments.
+  for (int64_t i = 0; i < N * K; ++i) ASSERT_EQ(one[2][N * K + i], 0.0f);
+  double ref = 0;
+  for (int64_t r : {int64_t{0}, int64_t{400 + 150}})
+    for (int64_t q = r; q < r + (r == 0 ? 400 : 60); ++q) ref += 0.5 * dy[q * N] * static_cast<double>(x[q * K]);
+  EXPECT_NEAR(one[2][0], ref, 1e-3);
+}
+
 }  // namespace

@@ -3,7 +3,7 @@
 
     /usr/bin/python3 tools/bench/bench_gpt.py                        # gpt, V=256 T=256 L=4 H=4 C=256 B=8
     /usr/bin/python3 tools/bench/bench_gpt.py --preset llama         # same sizes, --kv-heads 2
-    /usr/bin/python3 tools/bench/bench_gpt.py --ctr build/tools/ctr/ctr --steps 20 --json out.json
+    /usr/bin/python3 tools/bench/bench_gpt.py --ctr build/tools/ctr --steps 20 --json out.json
 
 One script measures both sides on the same configuration and prints one table:
   1. the OpenBLAS sgemm peak on this machine (tools/bench/sgemm_peak.c, compiled with cc into a
@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE", "default"),
                     help="OMP_WAIT_POLICY for PyTorch; PASSIVE is its fastest setting on a "
                          "2-core machine (about 1.75x its default)")
-    ap.add_argument("--ctr", default="build/tools/ctr/ctr",
+    ap.add_argument("--ctr", default="build/tools/ctr",
                     help="the ctr binary; a relative path is tried from the current directory, "
                          "then from the repository root")
     ap.add_argument("--ctr-timeout", type=float, default=3600.0, help="seconds per ctr command")
@@ -113,9 +113,6 @@ def sgemm_peak(args: argparse.Namespace) -> dict:
 
 
 def run_torch(args: argparse.Namespace, model_flops: int) -> dict:
-    # libgomp reads OMP_WAIT_POLICY when torch loads, so it is set before the import.
-    if args.omp_wait_policy != "default":
-        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
     import torch
     import torch_models
 
@@ -298,6 +295,10 @@ def print_table(args, fig, peak, torch_r, ctr_r, ctr_note) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # libgomp reads OMP_WAIT_POLICY once, when torch first loads it, so it is set before
+    # anything imports torch (model_figures does); set later it has no effect.
+    if args.omp_wait_policy != "default":
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
     fig = model_figures(args)
 
     # The peak first, on a quiet machine, before PyTorch's threads exist.

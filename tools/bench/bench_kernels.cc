@@ -1,6 +1,7 @@
 // bench_kernels — speed of the CPU backend's large kernels on a small GPT's shapes.
 //
-//   bench_kernels [--seconds S]       (threads: CTR_NUM_THREADS, default all cores)
+//   bench_kernels [--seconds S] [--only linear|attention|moe|memory]
+//                                     (threads: CTR_NUM_THREADS, default all cores)
 //
 // For each GEMM-based kernel it prints the kernel's GFLOP/s next to the rate of raw
 // cblas_sgemm calls doing the same products in the same process, and their ratio:
@@ -9,6 +10,10 @@
 // the same thread count, and for attention also as single-threaded calls spread over
 // the thread pool; the faster of the two counts. Memory-bound kernels print GB/s of
 // compulsory traffic instead.
+//
+// The grouped expert GEMMs of the mixture-of-experts layer are compared with one
+// dense linear of the same total rows (the same FLOPs): the share of the dense
+// rate the per-expert split keeps, for an even and a skewed routing.
 //
 // Each figure is the fastest of repeated calls within a time budget (0.5 s per
 // function, the kernel and its raw reference alternating), because on a shared
@@ -187,6 +192,62 @@ void bench_attention(int threads, bool causal) {
   print_gemm_line("attention_bwd" + tag, f_bwd, t_bwd, r_bwd);
 }
 
+// Grouped expert GEMMs over E experts (M rows in all, counts[e] rows for expert
+// e, each multiplied by its own w[e]) against one dense linear of M rows: the
+// same FLOPs, one weight. The backward is dx and dw together on both sides.
+void bench_grouped(int64_t E, int64_t M, int64_t K, int64_t N) {
+  auto x = random_vec(M * K, 1), w = random_vec(E * N * K, 2, 0.05f), dy = random_vec(M * N, 3);
+  std::vector<float> y(M * N), dx(M * K), dw(E * N * K);
+
+  // Even: M / E rows each. Skewed: rows in proportion to 1 / (e + 1), the
+  // remainder to expert 0 (for E = 8, 37% of the rows to one expert, 4.6% to
+  // the last).
+  std::vector<int32_t> even(E, static_cast<int32_t>(M / E)), skewed(E);
+  even[0] += static_cast<int32_t>(M - M / E * E);
+  double h = 0;
+  for (int64_t e = 0; e < E; ++e) h += 1.0 / static_cast<double>(e + 1);
+  int64_t given = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    skewed[e] = static_cast<int32_t>(static_cast<double>(M) / (h * static_cast<double>(e + 1)));
+    given += skewed[e];
+  }
+  skewed[0] += static_cast<int32_t>(M - given);
+
+  auto fwd = [&](const std::vector<int32_t> &c) {
+    return [&] { ctr::cpu::grouped_linear_fwd(x.data(), c.data(), E, w.data(), y.data(), M, K, N, E); };
+  };
+  auto bwd = [&](const std::vector<int32_t> &c) {
+    return [&] {
+      ctr::cpu::grouped_linear_bwd(dy.data(), x.data(), c.data(), E, w.data(), dx.data(), dw.data(), M, K,
+                                   N, E, 1.0f);
+    };
+  };
+  const auto t = best_times({
+      [&] { ctr::cpu::linear_fwd(x.data(), w.data(), nullptr, y.data(), M, K, N); },
+      [&] {
+        ctr::cpu::linear_bwd_x(dy.data(), w.data(), dx.data(), M, K, N);
+        ctr::cpu::linear_bwd_w(dy.data(), x.data(), dw.data(), M, K, N, false);
+      },
+      fwd(even),
+      bwd(even),
+      fwd(skewed),
+      bwd(skewed),
+  });
+  const double f = 2.0 * M * N * K;
+  auto line = [](const std::string &name, double flops, double t_grouped, double t_dense) {
+    std::printf("%-34s %8.3f ms %8.1f GFLOP/s   dense %8.1f GFLOP/s   ratio %.2f\n", name.c_str(),
+                t_grouped * 1e3, flops / t_grouped * 1e-9, flops / t_dense * 1e-9, t_dense / t_grouped);
+  };
+  std::printf("grouped GEMM E=%lld M=%lld K=%lld N=%lld; skewed rows per expert:", static_cast<long long>(E),
+              static_cast<long long>(M), static_cast<long long>(K), static_cast<long long>(N));
+  for (int64_t e = 0; e < E; ++e) std::printf(" %d", skewed[e]);
+  std::printf("\n");
+  line("grouped_linear_fwd even", f, t[2], t[0]);
+  line("grouped_linear_bwd even (dx+dw)", 2 * f, t[3], t[1]);
+  line("grouped_linear_fwd skewed", f, t[4], t[0]);
+  line("grouped_linear_bwd skewed (dx+dw)", 2 * f, t[5], t[1]);
+}
+
 void bench_layernorm() {
   const int64_t R = 2048, C = 256;
   auto x = random_vec(R * C, 1), w = random_vec(C, 2), b = random_vec(C, 3),
@@ -242,24 +303,44 @@ void bench_other() {
   print_mem_line("adamw_update n=3.3M", 28.0 * np, t_a);
 }
 
+bool is_section(const char *name) {
+  for (const char *s : {"linear", "attention", "moe", "memory"})
+    if (!std::strcmp(name, s)) return true;
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
+  std::string only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--seconds") && i + 1 < argc) {
       g_seconds = std::atof(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--only") && i + 1 < argc && is_section(argv[i + 1])) {
+      only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: %s [--seconds S]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--seconds S] [--only linear|attention|moe|memory]\n", argv[0]);
       return 2;
     }
   }
+  auto want = [&only](const char *section) { return only.empty() || only == section; };
   const int threads = ctr::num_threads();
   std::printf("bench_kernels: %d threads, OpenBLAS core %s\n", threads, openblas_get_corename());
-  bench_linear(threads);
-  bench_attention(threads, true);
-  bench_attention(threads, false);
-  bench_layernorm();
-  bench_cross_entropy();
-  bench_other();
+  if (want("linear")) bench_linear(threads);
+  if (want("attention")) {
+    bench_attention(threads, true);
+    bench_attention(threads, false);
+  }
+  // The moe preset's expert layer on the benchmarks' sizes (C=128, F=512, 1024
+  // tokens, top-2 of 8), and a larger one (2048 tokens, C=512, F=1408).
+  if (want("moe")) {
+    bench_grouped(8, 2048, 128, 512);
+    bench_grouped(8, 4096, 512, 1408);
+  }
+  if (want("memory")) {
+    bench_layernorm();
+    bench_cross_entropy();
+    bench_other();
+  }
   return 0;
 }
