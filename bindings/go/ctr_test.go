@@ -193,6 +193,45 @@ func TestTenStepsLowerTheLoss(t *testing.T) {
 	}
 }
 
+func TestMoEMetricsCountTheTokensOfEachExpert(t *testing.T) {
+	g, err := NewPresetGraph("moe", NewOptions().
+		SetInt("layers", 1).SetInt("dim", 32).SetInt("heads", 4).SetInt("kv_heads", 2).
+		SetInt("vocab", 256).SetInt("seq", 16).SetInt("experts", 4).SetInt("top_k", 2).SetInt("ffn_dim", 32))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { g.Close() })
+	s := newStep(t, testMesh(t), g, NewOptions().SetInt("batch", 2).SetInt("seq", 16))
+	if layers, err := s.MoEMetrics(); err != nil || len(layers) != 0 {
+		t.Fatalf("before a run: %v, %v", layers, err)
+	}
+	ids := make([]int32, 32)
+	for i := range ids {
+		ids[i] = int32(i)
+	}
+	if err := s.SetInput("tokens", ids); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.SetInput("targets", ids); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Run(); err != nil {
+		t.Fatal(err)
+	}
+	layers, err := s.MoEMetrics()
+	if err != nil || len(layers) != 1 || layers[0].Layer != "layers.0.moe" || len(layers[0].TokensPerExpert) != 4 {
+		t.Fatalf("moe metrics %+v, %v", layers, err)
+	}
+	var total int64
+	for _, n := range layers[0].TokensPerExpert {
+		total += n
+	}
+	// Every token picks 2 of the 4 experts.
+	if total != 64 || !(layers[0].AuxLoss > 0) || !(layers[0].ZLoss > 0) {
+		t.Fatalf("moe metrics %+v", layers[0])
+	}
+}
+
 func TestCheckpointRestoresTheTrajectory(t *testing.T) {
 	m, g := testMesh(t), testGraph(t)
 	dir := t.TempDir()

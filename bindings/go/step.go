@@ -18,6 +18,7 @@ static ctr_status ctrgo_step_run(ctr_step *step, ctr_step_metrics *m) {
 import "C"
 
 import (
+	"encoding/json"
 	"runtime"
 	"strings"
 	"sync"
@@ -291,6 +292,34 @@ func (s *Step) GetOutput(name string, out []float32) error {
 	return s.floats(name, out, func(h *C.ctr_step, n *C.char, p *C.float, c C.size_t) C.ctr_status {
 		return C.ctr_step_get_output(h, n, p, c)
 	})
+}
+
+// MoELayer is one mixture-of-experts layer's figures of the last run.
+type MoELayer struct {
+	Layer           string  `json:"layer"`
+	TokensPerExpert []int64 `json:"tokens_per_expert"`
+	AuxLoss         float64 `json:"aux_loss"`
+	ZLoss           float64 `json:"z_loss"`
+}
+
+// MoEMetrics returns the mixture-of-experts layers of the last run: the tokens
+// each expert received (summed over micro-batches and ranks) and the layer's
+// auxiliary losses; empty for a graph without experts.
+func (s *Step) MoEMetrics() ([]MoELayer, error) {
+	h, err := s.lock()
+	if err != nil {
+		return nil, err
+	}
+	defer s.mu.Unlock()
+	var text *C.char
+	if err := call(func() C.ctr_status { return C.ctr_step_moe_metrics(h, &text) }); err != nil {
+		return nil, err
+	}
+	var layers []MoELayer
+	if err := json.Unmarshal([]byte(C.GoString(text)), &layers); err != nil {
+		return nil, err
+	}
+	return layers, nil
 }
 
 // SetLR replaces the schedule by a constant learning rate from the next run.

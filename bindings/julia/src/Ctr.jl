@@ -22,7 +22,7 @@ using Libdl
 # would clash with LinearAlgebra's. Call them as Ctr.rank(mesh).
 export CtrError, Options, Mesh, Graph, Step, Loader, Metrics, TensorInfo,
        preset_graph, input_names, param_names, tensor_info, param_count, flops_per_token, save_file,
-       set_input!, run!, evaluate!, get_param!, param, set_param!, get_output!, set_lr!,
+       set_input!, run!, evaluate!, get_param!, param, set_param!, get_output!, set_lr!, moe_metrics,
        memory, step_count, save, load!, save_checkpoint, resume!, export_safetensors, import_safetensors!,
        attach_loader!, detach_loader!, next!, next_slice!, next_batch, loader_info
 
@@ -618,6 +618,14 @@ end
 
 set_lr!(s::Step, lr::Real) =
     check(ccall((:ctr_step_set_lr, libctr), Cint, (Ptr{Cvoid}, Cdouble), sptr(s), lr))
+
+"""The mixture-of-experts layers of the last run as JSON text (one object per layer:
+"layer", "tokens_per_expert", "aux_loss", "z_loss"); "[]" for a graph without experts."""
+function moe_metrics(s::Step)
+    text = Ref{Cstring}(C_NULL)
+    check(ccall((:ctr_step_moe_metrics, libctr), Cint, (Ptr{Cvoid}, Ref{Cstring}), sptr(s), text))
+    return unsafe_string(text[])
+end
 
 """Planned bytes: `(arena_bytes = , param_bytes = , optimizer_bytes = )`."""
 function memory(s::Step)

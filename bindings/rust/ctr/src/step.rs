@@ -199,6 +199,16 @@ impl Step {
         })
     }
 
+    /// The mixture-of-experts layers of the last run as JSON text: an array with one object
+    /// per layer, {"layer", "tokens_per_expert", "aux_loss", "z_loss"}; "[]" without experts.
+    pub fn moe_metrics(&mut self) -> Result<String> {
+        let mut text: *const std::os::raw::c_char = std::ptr::null();
+        // SAFETY: live handle; the library points text at a string the step owns, copied here
+        // before any other call on the step.
+        check(unsafe { sys::ctr_step_moe_metrics(self.as_ptr(), &mut text) })?;
+        Ok(unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned())
+    }
+
     /// Replaces the schedule by a constant learning rate from the next run on.
     pub fn set_lr(&mut self, lr: f64) -> Result<()> {
         // SAFETY: live handle.

@@ -98,6 +98,34 @@ fn graph_and_mesh_introspection() {
 }
 
 #[test]
+fn moe_metrics_count_the_tokens_of_each_expert() {
+    let mesh = Mesh::new(&Options::new()).unwrap();
+    let opts = Options::new()
+        .int("layers", 1)
+        .int("dim", 32)
+        .int("heads", 4)
+        .int("kv_heads", 2)
+        .int("vocab", 256)
+        .int("seq", 16)
+        .int("experts", 4)
+        .int("top_k", 2)
+        .int("ffn_dim", 32);
+    let g = Graph::preset("moe", &opts).unwrap();
+    let mut step = Step::new(&mesh, &g, &Options::new().int("batch", 2).int("seq", 16)).unwrap();
+    assert_eq!(step.moe_metrics().unwrap(), "[]");
+    let ids: Vec<i32> = (0..32).collect();
+    step.set_input("tokens", &ids).unwrap();
+    step.set_input("targets", &ids).unwrap();
+    step.run().unwrap();
+    let text = step.moe_metrics().unwrap();
+    assert!(text.contains("\"layer\":\"layers.0.moe\"") && text.contains("tokens_per_expert"), "{text}");
+    // Every token picks 2 of the 4 experts: the counts sum to 2 * 32.
+    let counts = text.split("\"tokens_per_expert\":[").nth(1).unwrap().split(']').next().unwrap();
+    let total: i64 = counts.split(',').map(|c| c.trim().parse::<i64>().unwrap()).sum();
+    assert_eq!(total, 64, "{text}");
+}
+
+#[test]
 fn ten_steps_lower_the_loss() {
     let mesh = Mesh::new(&Options::new()).unwrap();
     let mut step = Step::new(&mesh, &graph(), &step_options()).unwrap();
