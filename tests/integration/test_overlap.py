@@ -9,7 +9,8 @@ where the shard pass put them (prefetch=0, no deferral); the default (prefetch
 memory budget; recompute all, and selective with prefetch 2; buckets per block
 (the default), none, and by a byte budget. Meshes: one rank,
 fsdp=2, fsdp=4 and dp=2 x fsdp=2, on the gpt preset (2 layers), plus llama on
-one rank and on fsdp=2.
+one rank and on fsdp=2, and moe (its token exchanges on the comm stream) on ep=2 and
+ep=2 x fsdp=2.
 
 usage: test_overlap.py CTR EQUIV_TRAIN
 """
@@ -53,7 +54,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="ctr_overlap_")
     failures = []
     cases = [("gpt", 1, "fsdp=1"), ("gpt", 2, "fsdp=2"), ("gpt", 4, "fsdp=4"), ("gpt", 4, "dp=2,fsdp=2"),
-             ("llama", 1, "fsdp=1"), ("llama", 2, "fsdp=2")]
+             ("llama", 1, "fsdp=1"), ("llama", 2, "fsdp=2"), ("moe", 2, "ep=2"), ("moe", 4, "ep=2,fsdp=2")]
     for preset, n, mesh in cases:
         ref = None
         for name, extra in SCHEDULES:
