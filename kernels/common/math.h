@@ -41,6 +41,76 @@ CTR_HOST_DEVICE float silu_grad(float x) {
 }
 
 // ---------------------------------------------------------------------------
+// Element-wise unary ops (the file ops exp, log, tanh, erf, rsqrt, sqrt, neg,
+// reciprocal, sigmoid and pow). Each is a functor: value(x) is the op, grad(v)
+// its derivative d value / dx written in terms of what the op's backward reads.
+// That is the forward output y where the derivative is a function of y alone
+// (exp, tanh, sigmoid, sqrt, rsqrt, reciprocal: one multiply instead of a
+// transcendental, as PyTorch's backward formulas do), and the input x otherwise
+// (log, erf, pow); neg reads neither. They call libm, which is exact to about an
+// ulp: these ops serve traced code, not the presets' hot loops.
+//
+// Nothing checks domains, here or in the kernels: log, sqrt and rsqrt need
+// x > 0, reciprocal x != 0, and pow with a non-integer exponent x > 0; outside
+// them the result is whatever libm gives (NaN or an infinity).
+
+constexpr float kTwoOverSqrtPi = 1.1283791670955126f;  // 2/sqrt(pi)
+
+struct Exp {
+  CTR_HOST_DEVICE float value(float x) const { return expf(x); }
+  CTR_HOST_DEVICE float grad(float y) const { return y; }
+};
+
+struct Log {
+  CTR_HOST_DEVICE float value(float x) const { return logf(x); }
+  CTR_HOST_DEVICE float grad(float x) const { return 1.0f / x; }
+};
+
+struct Tanh {
+  CTR_HOST_DEVICE float value(float x) const { return tanhf(x); }
+  CTR_HOST_DEVICE float grad(float y) const { return 1.0f - y * y; }
+};
+
+struct Erf {
+  CTR_HOST_DEVICE float value(float x) const { return erff(x); }
+  CTR_HOST_DEVICE float grad(float x) const { return kTwoOverSqrtPi * expf(-x * x); }
+};
+
+// 1 / sqrt(x); d/dx = -x^(-3/2) / 2 = -y^3 / 2.
+struct Rsqrt {
+  CTR_HOST_DEVICE float value(float x) const { return 1.0f / sqrtf(x); }
+  CTR_HOST_DEVICE float grad(float y) const { return -0.5f * y * y * y; }
+};
+
+struct Sqrt {
+  CTR_HOST_DEVICE float value(float x) const { return sqrtf(x); }
+  CTR_HOST_DEVICE float grad(float y) const { return 0.5f / y; }
+};
+
+struct Neg {
+  CTR_HOST_DEVICE float value(float x) const { return -x; }
+  CTR_HOST_DEVICE float grad(float) const { return -1.0f; }
+};
+
+// 1 / x; d/dx = -1 / x^2 = -y^2.
+struct Reciprocal {
+  CTR_HOST_DEVICE float value(float x) const { return 1.0f / x; }
+  CTR_HOST_DEVICE float grad(float y) const { return -y * y; }
+};
+
+struct Sigmoid {
+  CTR_HOST_DEVICE float value(float x) const { return sigmoid(x); }
+  CTR_HOST_DEVICE float grad(float y) const { return y * (1.0f - y); }
+};
+
+// x^p; d/dx = p x^(p-1) (powf handles negative x for integer p).
+struct Pow {
+  float p;
+  CTR_HOST_DEVICE float value(float x) const { return powf(x, p); }
+  CTR_HOST_DEVICE float grad(float x) const { return p * powf(x, p - 1.0f); }
+};
+
+// ---------------------------------------------------------------------------
 // Forms that vectorise. A libm call (expf, tanhf) keeps a CPU loop scalar unless the
 // whole build uses -ffast-math, so the CPU kernels use these instead; each equals
 // its counterpart above in exact arithmetic and differs by a few float ulps.

@@ -57,6 +57,11 @@ typedef struct ctr_grouped_linear_params {
   float weight_grad_scale; /* "weight_grad_scale", default 1: the weight gradient's factor */
 } ctr_grouped_linear_params;
 
+/* pow, pow_bwd: x^exponent */
+typedef struct ctr_pow_params {
+  float exponent;         /* "exponent", required */
+} ctr_pow_params;
+
 #ifdef __cplusplus
 }
 #endif

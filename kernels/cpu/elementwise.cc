@@ -81,6 +81,23 @@ void reduce_columns(int64_t n, int64_t nb, float *out, bool accumulate, const Ro
   });
 }
 
+// The functor of a unary op (common/math.h), passed to fn.
+template <class Fn>
+void with_unary(Unary op, float p, const Fn &fn) {
+  switch (op) {
+    case Unary::Exp: return fn(math::Exp{});
+    case Unary::Log: return fn(math::Log{});
+    case Unary::Tanh: return fn(math::Tanh{});
+    case Unary::Erf: return fn(math::Erf{});
+    case Unary::Rsqrt: return fn(math::Rsqrt{});
+    case Unary::Sqrt: return fn(math::Sqrt{});
+    case Unary::Neg: return fn(math::Neg{});
+    case Unary::Reciprocal: return fn(math::Reciprocal{});
+    case Unary::Sigmoid: return fn(math::Sigmoid{});
+    case Unary::Pow: return fn(math::Pow{p});
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -228,6 +245,30 @@ void swiglu_bwd(const float *dy, const float *gate, const float *up, float *dgat
       dup[i] = d * math::silu_fast(g);
       dgate[i] = d * up[i] * math::silu_grad_fast(g);
     }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Unary math: one loop over the op's functor. libm calls keep these loops
+// scalar, so they split as soon as the exp-based activations do.
+
+void unary_fwd(Unary op, const float *x, float *y, int64_t n, float p) {
+  with_unary(op, p, [=](auto f) {
+    for_range(n, kGrainExp, [=](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) y[i] = f.value(x[i]);
+    });
+  });
+}
+
+void unary_bwd(Unary op, const float *dy, const float *v, float *dx, int64_t n, float p) {
+  if (op == Unary::Neg) {
+    unary_fwd(op, dy, dx, n);
+    return;
+  }
+  with_unary(op, p, [=](auto f) {
+    for_range(n, kGrainExp, [=](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) dx[i] = dy[i] * f.grad(v[i]);
+    });
   });
 }
 

@@ -107,6 +107,19 @@ void swiglu_bwd(const float *dy, const float *gate, const float *up, float *dgat
                 int64_t n);
 
 // ---------------------------------------------------------------------------
+// Element-wise unary math (n elements), the formulas of common/math.h (libm).
+// Domains are not checked (log of a negative gives NaN, as libm does).
+
+enum class Unary { Exp, Log, Tanh, Erf, Rsqrt, Sqrt, Neg, Reciprocal, Sigmoid, Pow };
+
+// y = f(x); p is pow's exponent, ignored by the other ops.
+void unary_fwd(Unary op, const float *x, float *y, int64_t n, float p = 0.0f);
+// dx = dy * f'(x), from v: the forward output y for exp, tanh, sigmoid, sqrt,
+// rsqrt and reciprocal, the input x for log, erf and pow; neg reads no v (it
+// may be null) and gives dx = -dy.
+void unary_bwd(Unary op, const float *dy, const float *v, float *dx, int64_t n, float p = 0.0f);
+
+// ---------------------------------------------------------------------------
 // Rotary position embedding on x[B,T,H*D] (H heads of size D, D even), the
 // "rotate half" form used by Llama/NeoX: for i < D/2 the pair (x[i], x[i+D/2]) at
 // position t is rotated by angle t * theta^(-2i/D). Backward is the inverse rotation.

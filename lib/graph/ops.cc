@@ -207,6 +207,19 @@ void norm_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
 double norm_flops(const Graph &g, const Node &n) { return 8.0 * static_cast<double>(numel(S(g, n, 0))); }
 
 // ---------------------------------------------------------------------------
+// exp, log, tanh, erf, rsqrt, sqrt, neg, reciprocal, sigmoid (x) ; pow(x) attr
+// exponent (required): element-wise, same shape. The backward reads the output
+// where the derivative is a function of it alone, the input otherwise (see
+// kernels/common/math.h). No op checks its domain (log of a negative is NaN).
+
+void pow_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  if (!n.has_attr("exponent")) bad_node(g, n, "missing attribute 'exponent' (a float)");
+  if (!std::isfinite(n.attr_float("exponent", 1.0)))
+    bad_node(g, n, "attribute 'exponent' must be finite");
+  infer_same_f32(g, n, out);
+}
+
+// ---------------------------------------------------------------------------
 // gelu / silu (x) ; swiglu(gate, up) ; softmax(x)
 
 // ---------------------------------------------------------------------------
@@ -562,6 +575,11 @@ void norm_decode(const Graph &, const Node &n, void *out) {
   p->eps = static_cast<float>(n.attr_float("eps", 1e-5));
 }
 
+// Required: pow_infer refuses a node without it, so the default is never used.
+void pow_decode(const Graph &, const Node &n, void *out) {
+  static_cast<ctr_pow_params *>(out)->exponent = static_cast<float>(n.attr_float("exponent", 1.0));
+}
+
 void rope_decode(const Graph &, const Node &n, void *out) {
   auto *p = static_cast<ctr_rope_params *>(out);
   p->heads = n.attr_int("heads", 1);
@@ -668,6 +686,18 @@ std::vector<OpDef> library_ops() {
   v.push_back(with_bwd(fwd("silu", 1, 1, infer_same_f32, elementwise_flops), "silu_bwd", {G(0), In(0)}));
   v.push_back(with_bwd(fwd("swiglu", 2, 2, infer_same_f32, elementwise_flops), "swiglu_bwd", {G(0), In(0), In(1)}));
   v.push_back(with_bwd(fwd("softmax", 1, 1, infer_same_f32, elementwise_flops), "softmax_bwd", {G(0), Out(0)}));
+  v.push_back(with_bwd(fwd("exp", 1, 1, infer_same_f32, elementwise_flops), "exp_bwd", {G(0), Out(0)}));
+  v.push_back(with_bwd(fwd("log", 1, 1, infer_same_f32, elementwise_flops), "log_bwd", {G(0), In(0)}));
+  v.push_back(with_bwd(fwd("tanh", 1, 1, infer_same_f32, elementwise_flops), "tanh_bwd", {G(0), Out(0)}));
+  v.push_back(with_bwd(fwd("erf", 1, 1, infer_same_f32, elementwise_flops), "erf_bwd", {G(0), In(0)}));
+  v.push_back(with_bwd(fwd("rsqrt", 1, 1, infer_same_f32, elementwise_flops), "rsqrt_bwd", {G(0), Out(0)}));
+  v.push_back(with_bwd(fwd("sqrt", 1, 1, infer_same_f32, elementwise_flops), "sqrt_bwd", {G(0), Out(0)}));
+  v.push_back(with_bwd(fwd("neg", 1, 1, infer_same_f32, elementwise_flops), "neg_bwd", {G(0)}));
+  v.push_back(with_bwd(fwd("reciprocal", 1, 1, infer_same_f32, elementwise_flops), "reciprocal_bwd",
+                       {G(0), Out(0)}));
+  v.push_back(with_bwd(fwd("sigmoid", 1, 1, infer_same_f32, elementwise_flops), "sigmoid_bwd", {G(0), Out(0)}));
+  v.push_back(with_params<ctr_pow_params>(
+      with_bwd(fwd("pow", 1, 1, pow_infer, elementwise_flops), "pow_bwd", {G(0), In(0)}), pow_decode));
   v.push_back(with_params<ctr_rope_params>(
       with_bwd(fwd("rope", 1, 1, rope_infer, elementwise_flops), "rope_bwd", {G(0)}), rope_decode));
   OpDef at = with_bwd(fwd("attention", 3, 3, attention_infer, attention_flops), "attention_bwd",
@@ -751,6 +781,11 @@ std::vector<OpDef> library_ops() {
   v.push_back(internal("silu_bwd", 2, 1));
   v.push_back(internal("swiglu_bwd", 3, 2));
   v.push_back(internal("softmax_bwd", 2, 1));
+  for (const char *name : {"exp_bwd", "log_bwd", "tanh_bwd", "erf_bwd", "rsqrt_bwd", "sqrt_bwd",
+                           "reciprocal_bwd", "sigmoid_bwd"})
+    v.push_back(internal(name, 2, 1));
+  v.push_back(internal("neg_bwd", 1, 1));
+  v.push_back(with_params<ctr_pow_params>(internal("pow_bwd", 2, 1), pow_decode));
   v.push_back(with_params<ctr_rope_params>(internal("rope_bwd", 1, 1), rope_decode));
   v.push_back(with_params<ctr_attention_params>(internal("attention_bwd", 5, 3), attention_decode<1>));
   v.push_back(internal("cross_entropy_bwd", 5, 1));

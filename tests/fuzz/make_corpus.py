@@ -10,11 +10,16 @@ and option strings are written here by hand (the store's wire format is
 described in lib/comm/store.cc). OUT_DIR defaults to tests/fuzz/corpus; each
 target's directory is emptied first, so the result depends only on the sources.
 
+Graph seeds for ops no preset uses (the element-wise unary ops) are written with
+ctr_export's graph writer (tools/export/ctr_export/graphfile.py), which needs flatc and
+Python's flatbuffers and numpy (Debian's python3 has them).
+
 The small model is the one of tests/fuzz/fuzz_common.h (GPT, 1 layer, width 8,
 2 heads, vocabulary 16, 4 positions): the safetensors and checkpoint seeds only
 reach the deep paths when their tensors match it.
 """
 
+import importlib.util
 import json
 import os
 import shutil
@@ -56,6 +61,70 @@ def graphs(ctr, out, tmp):
         path = os.path.join(tmp, name + ".ctrg")
         run(ctr, "graph", "build", *args, "-o", path)
         shutil.copy(path, os.path.join(out, name + ".ctrg"))
+
+
+# ---------------------------------------------------------------------------
+# Graphs written with ctr_export's graph writer: ops that no preset uses.
+
+def graphfile():
+    """ctr_export's graph writer, loaded from the source tree by itself: the package's
+    __init__ would import the tracer, and with it PyTorch."""
+    name = "ctr_export_graphfile"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools",
+                            "export", "ctr_export", "graphfile.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+UNARY_VOCAB, UNARY_DIM, UNARY_SEQ = 128, 8, 4  # the vocabulary covers `ctr run`'s synthetic corpus
+
+
+def unary_ops_graph():
+    """tokens -> embedding -> every element-wise unary op in turn -> linear head ->
+    cross-entropy. Each op's input stays in its domain whatever the weights: tanh and erf
+    bound the embedding, sigmoid maps it into (0.3, 0.7), and from there sqrt, rsqrt,
+    reciprocal and pow stay in (0.5, 1.4), log below 0, neg above 0, exp in (1, 1.6)."""
+    import numpy as np
+    gf = graphfile()
+    DTYPE, INIT, ROLE = gf.DTYPE, gf.INIT, gf.ROLE
+    GraphDef, NodeDef, TensorDef = gf.GraphDef, gf.NodeDef, gf.TensorDef
+
+    rng = np.random.default_rng(0)
+    tensors, nodes = [], []
+
+    def tensor(name, **kw):
+        tensors.append(TensorDef(name=name, **kw))
+        return len(tensors) - 1
+
+    def param(name, shape, std):
+        data = (rng.standard_normal(shape) * std).astype("<f4").tobytes()
+        return tensor(name, dims=list(shape), role=ROLE["Param"], init=INIT["Data"], data=data)
+
+    def node(op, name, inputs, attrs=None):
+        out = tensor(name)
+        nodes.append(NodeDef(op=op, name=name, inputs=inputs, outputs=[out], attrs=attrs or {}))
+        return out
+
+    tokens = tensor("tokens", dtype=DTYPE["I32"], dims=["batch", "seq"], role=ROLE["Input"])
+    targets = tensor("targets", dtype=DTYPE["I32"], dims=["batch", "seq"], role=ROLE["Input"])
+    wte = param("wte", (UNARY_VOCAB, UNARY_DIM), 1.0)
+    head = param("head.weight", (UNARY_VOCAB, UNARY_DIM), 0.5)
+    x = node("embedding", "emb", [wte, tokens])
+    for op, attrs in [("tanh", None), ("erf", None), ("sigmoid", None), ("sqrt", None),
+                      ("rsqrt", None), ("reciprocal", None), ("pow", {"exponent": 1.5}),
+                      ("log", None), ("neg", None), ("exp", None)]:
+        x = node(op, op, [x], attrs)
+    logits = node("linear", "logits", [x, head])
+    loss = node("cross_entropy", "loss", [logits, targets])
+    return GraphDef(name="unary_ops", tensors=tensors, nodes=nodes, loss=loss,
+                    metadata=[("vocab", str(UNARY_VOCAB)), ("max_seq", str(UNARY_SEQ))])
+
+
+def written_graphs(out):
+    put(out, "unary_ops.ctrg", graphfile().serialize(unary_ops_graph()))
 
 
 def files(ctr, out, tmp):
@@ -243,6 +312,7 @@ def main():
         targets[t] = d
     with tempfile.TemporaryDirectory() as tmp:
         graphs(ctr, targets["graph"], tmp)
+        written_graphs(targets["graph"])
         files(ctr, targets["files"], tmp)
     checkpoint(build, targets["checkpoint"])
     store(targets["store"])

@@ -658,15 +658,21 @@ TEST(MemoryPlan, LiveTensorsNeverShareBytes) {
 // gradient), the op's output feeds a cross-entropy over its last dim.
 struct OpGraph {
   Graph g;
-  int add_param(const std::string &name, std::vector<int64_t> shape, float std = 0.7f) {
+  int add_param(const std::string &name, std::vector<int64_t> shape, float std = 0.7f, float mean = 0.1f) {
     ctr::Tensor t;
     t.name = name;
     t.role = ctr::Role::Param;
     for (int64_t d : shape) t.dims.push_back(ctr::Dim{d, ""});
     t.init.kind = ctr::InitKind::Normal;
     t.init.std = std;
-    t.init.mean = 0.1f;
+    t.init.mean = mean;
     return g.add_tensor(t);
+  }
+  // A parameter drawn from N(2, 0.3^2): positive (6 std from 0), for ops defined
+  // on x > 0 only; its smallest entries stay far enough from 0 that 1/x and log
+  // are smooth over the finite-difference step.
+  int add_positive_param(const std::string &name, std::vector<int64_t> shape) {
+    return add_param(name, shape, 0.3f, 2.0f);
   }
   // A parameter with given initial values (row-major), for cases that need
   // particular values: routing ties, experts that receive no token.
@@ -908,6 +914,38 @@ std::vector<OpCase> op_cases() {
                    int x = b.add_param("x", {4, 6});
                    b.finish(b.add_op(op, {x}), {4, 6});
                  }, {}});
+  // Element-wise unary math. Ops defined for x > 0 only get positive inputs;
+  // pow also on signed inputs with an integer exponent.
+  for (const char *op : {"exp", "tanh", "erf", "neg", "sigmoid"})
+    c.push_back({op, [op](OpGraph &b) {
+                   int x = b.add_param("x", {4, 6});
+                   b.finish(b.add_op(op, {x}), {4, 6});
+                 }, {}});
+  for (const char *op : {"log", "sqrt", "rsqrt", "reciprocal"})
+    c.push_back({op, [op](OpGraph &b) {
+                   int x = b.add_positive_param("x", {4, 6});
+                   b.finish(b.add_op(op, {x}), {4, 6});
+                 }, {}});
+  c.push_back({"pow_fractional", [](OpGraph &b) {
+                 int x = b.add_positive_param("x", {4, 6});
+                 b.finish(b.add_op("pow", {x}, {{"exponent", ctr::Attr::of_float(1.5)}}), {4, 6});
+               }, {}});
+  c.push_back({"pow_negative", [](OpGraph &b) {
+                 int x = b.add_positive_param("x", {4, 6});
+                 b.finish(b.add_op("pow", {x}, {{"exponent", ctr::Attr::of_float(-0.5)}}), {4, 6});
+               }, {}});
+  c.push_back({"pow_integer_signed_inputs", [](OpGraph &b) {  // exponent given as an int attribute
+                 int x = b.add_param("x", {4, 6});
+                 b.finish(b.add_op("pow", {x}, {{"exponent", ai(3)}}), {4, 6});
+               }, {}});
+  c.push_back({"unary_chain", [](OpGraph &b) {  // output-reading and input-reading backwards in a row
+                 int x = b.add_param("x", {4, 6});
+                 int y = b.add_op("sigmoid", {x});
+                 y = b.add_op("sqrt", {y});
+                 y = b.add_op("log", {y});
+                 y = b.add_op("neg", {y});
+                 b.finish(b.add_op("exp", {y}), {4, 6});
+               }, {}});
   c.push_back({"swiglu", [](OpGraph &b) {
                  int x = b.add_param("x", {4, 6});
                  int y = b.add_param("y", {4, 6});
@@ -1021,6 +1059,56 @@ TEST(OpGradientCoverage, EveryFileOpIsChecked) {
     for (const auto &n : b.g.nodes) covered.insert(n.op);
   }
   for (const auto &op : ctr::file_op_names()) EXPECT_TRUE(covered.count(op)) << op;
+}
+
+TEST(UnaryOps, PowWithoutExponentIsRefusedNamingTheNode) {
+  OpGraph b;
+  int x = b.add_positive_param("x", {4, 6});
+  b.finish(b.add_op("pow", {x}), {4, 6});
+  const std::string node = b.g.nodes[0].name;
+  ctr_graph *g = nullptr;
+  ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+  Mesh m;
+  Opts o;
+  o.i("batch", 1);
+  ctr_step *s = nullptr;
+  EXPECT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_INVALID_GRAPH);
+  EXPECT_EQ(s, nullptr);
+  const std::string err = ctr_last_error();
+  EXPECT_NE(err.find("'" + node + "'"), std::string::npos) << err;
+  EXPECT_NE(err.find("exponent"), std::string::npos) << err;
+  ctr_graph_free(g);
+}
+
+TEST(UnaryOps, PowExponentMustBeAFiniteNumber) {
+  for (const ctr::Attr &bad : {ctr::Attr::of_string("two"), ctr::Attr::of_float(INFINITY)}) {
+    OpGraph b;
+    int x = b.add_positive_param("x", {4, 6});
+    b.finish(b.add_op("pow", {x}, {{"exponent", bad}}), {4, 6});
+    ctr_graph *g = nullptr;
+    ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+    Mesh m;
+    Opts o;
+    o.i("batch", 1);
+    ctr_step *s = nullptr;
+    EXPECT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_INVALID_GRAPH);
+    EXPECT_NE(std::string(ctr_last_error()).find("'" + b.g.nodes[0].name + "'"), std::string::npos)
+        << ctr_last_error();
+    ctr_graph_free(g);
+  }
+}
+
+TEST(UnaryOps, AreCheapToRecompute) {
+  for (const char *op : {"exp", "log", "tanh", "erf", "rsqrt", "sqrt", "neg", "reciprocal", "sigmoid", "pow"}) {
+    const ctr::OpDef *d = ctr::find_op(op);
+    ASSERT_NE(d, nullptr) << op;
+    EXPECT_TRUE(d->cheap_to_recompute) << op;
+    EXPECT_FALSE(d->internal) << op;
+    EXPECT_EQ(d->bwd.op, std::string(op) + "_bwd");
+    const ctr::OpDef *bwd = ctr::find_op(d->bwd.op);
+    ASSERT_NE(bwd, nullptr) << d->bwd.op;
+    EXPECT_TRUE(bwd->internal) << d->bwd.op;
+  }
 }
 
 TEST(CrossEntropy, IgnoredTargetsGetNoGradient) {

@@ -640,7 +640,7 @@ TEST(Elementwise, AddSameAndScale) {
 // ---------------------------------------------------------------------------
 // Activations
 
-Dv map_d(const Dv &x, double (*f)(double)) {
+Dv map_d(const Dv &x, const std::function<double(double)> &f) {
   Dv y(x.size());
   for (size_t i = 0; i < x.size(); ++i) y[i] = f(x[i]);
   return y;
@@ -686,6 +686,73 @@ TEST(Activations, BackwardMatchesFiniteDifferences) {
       dx, [&](const Dv &v) { return sw(v, ud); }, x, dy, 5e-6, 1e-5, "swiglu dgate");
   expect_grad(
       dup, [&](const Dv &v) { return sw(xd, v); }, up, dy, 5e-6, 1e-5, "swiglu dup");
+}
+
+// ---------------------------------------------------------------------------
+// Unary math
+
+struct UnaryCase {
+  std::string label;
+  ctr::cpu::Unary op;
+  float p;                          // pow's exponent
+  std::function<double(double)> f;  // the double reference
+  float lo, hi;                     // inputs: inside the domain, away from singularities
+  enum Reads { X, Y, None } reads;  // what the backward kernel reads besides dy
+};
+
+std::vector<UnaryCase> unary_cases() {
+  using U = ctr::cpu::Unary;
+  using R = UnaryCase::Reads;
+  auto pw = [](double p) { return [p](double x) { return std::pow(x, p); }; };
+  return {
+      {"exp", U::Exp, 0, [](double x) { return std::exp(x); }, -8, 8, R::Y},
+      {"log", U::Log, 0, [](double x) { return std::log(x); }, 0.05f, 20, R::X},
+      {"tanh", U::Tanh, 0, [](double x) { return std::tanh(x); }, -5, 5, R::Y},
+      {"erf", U::Erf, 0, [](double x) { return std::erf(x); }, -4, 4, R::X},
+      {"rsqrt", U::Rsqrt, 0, [](double x) { return 1.0 / std::sqrt(x); }, 0.05f, 20, R::Y},
+      {"sqrt", U::Sqrt, 0, [](double x) { return std::sqrt(x); }, 0.05f, 20, R::Y},
+      {"neg", U::Neg, 0, [](double x) { return -x; }, -10, 10, R::None},
+      {"reciprocal", U::Reciprocal, 0, [](double x) { return 1.0 / x; }, 0.05f, 20, R::Y},
+      {"reciprocal_negative", U::Reciprocal, 0, [](double x) { return 1.0 / x; }, -20, -0.05f, R::Y},
+      {"sigmoid", U::Sigmoid, 0, sigmoid_d, -8, 8, R::Y},
+      {"pow_2", U::Pow, 2.0f, pw(2.0), -3, 3, R::X},
+      {"pow_3", U::Pow, 3.0f, pw(3.0), -3, 3, R::X},
+      {"pow_1.5", U::Pow, 1.5f, pw(1.5), 0.05f, 10, R::X},
+      {"pow_-0.7", U::Pow, -0.7f, pw(-0.7), 0.05f, 10, R::X},
+      {"pow_0.5", U::Pow, 0.5f, pw(0.5), 0.05f, 10, R::X},
+  };
+}
+
+TEST(Unary, ForwardMatchesReference) {
+  // libm is within an ulp or two of the exact value, and 1/sqrtf, 1/(1+expf)
+  // add a rounding or two: 1e-7 absolute + 1e-6 relative (8 ulps).
+  for (const UnaryCase &c : unary_cases())
+    for (int64_t n : {37, 70001}) {
+      F x = random_vec(n, 1, c.lo, c.hi), y(n, NAN);
+      ctr::cpu::unary_fwd(c.op, x.data(), y.data(), n, c.p);
+      Dv r(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) r[i] = c.f(x[i]);
+      expect_close(y, r, 1e-7, 1e-6, c.label + " n=" + std::to_string(n));
+    }
+}
+
+TEST(Unary, BackwardMatchesFiniteDifferences) {
+  // The derivative from a float x or y plus a few float operations: 1e-6
+  // absolute (1 - y^2 and y (1 - y) lose bits where tanh and sigmoid saturate)
+  // + 1e-5 relative against the double quotient. The ops are element-wise, so
+  // the quotient is taken per element (dL/dx_i = dy_i f'(x_i)): a difference of
+  // the whole sum L would drown in its round-off at the larger size.
+  constexpr double h = 1e-6;
+  for (const UnaryCase &c : unary_cases())
+    for (int64_t n : {37, 70001}) {
+      F x = random_vec(n, 1, c.lo, c.hi), dy = random_vec(n, 2), y(n), dx(n, NAN);
+      ctr::cpu::unary_fwd(c.op, x.data(), y.data(), n, c.p);
+      const float *v = c.reads == UnaryCase::X ? x.data() : c.reads == UnaryCase::Y ? y.data() : nullptr;
+      ctr::cpu::unary_bwd(c.op, dy.data(), v, dx.data(), n, c.p);
+      Dv r(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) r[i] = dy[i] * (c.f(x[i] + h) - c.f(x[i] - h)) / (2 * h);
+      expect_close(dx, r, 1e-6, 1e-5, c.label + " n=" + std::to_string(n));
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -178,6 +178,23 @@ void k_swiglu_bwd(const Args &c) {
   cpu::swiglu_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
                   numel(c.in_shape(0)));
 }
+// Unary math: input 0 is x (forward) or the output gradient (backward), input 1
+// what the backward reads (none for neg_bwd).
+template <cpu::Unary U>
+float unary_param(const Args &c) {
+  if constexpr (U == cpu::Unary::Pow) return c.params<ctr_pow_params>().exponent;
+  (void)c;
+  return 0.0f;
+}
+template <cpu::Unary U>
+void k_unary(const Args &c) {
+  cpu::unary_fwd(U, c.in<float>(0), c.out<float>(0), numel(c.in_shape(0)), unary_param<U>(c));
+}
+template <cpu::Unary U>
+void k_unary_bwd(const Args &c) {
+  cpu::unary_bwd(U, c.in<float>(0), c.num_inputs() > 1 ? c.in<float>(1) : nullptr, c.out<float>(0),
+                 numel(c.in_shape(0)), unary_param<U>(c));
+}
 void k_softmax(const Args &c) {
   const auto &x = c.in_shape(0);
   cpu::softmax_fwd(c.in<float>(0), c.out<float>(0), numel(x) / x.back(), x.back());
@@ -387,6 +404,18 @@ void register_library_kernels() {
         {"silu_bwd", bind<k_silu_bwd>},           {"swiglu", bind<k_swiglu>},
         {"swiglu_bwd", bind<k_swiglu_bwd>},       {"softmax", bind<k_softmax>},
         {"softmax_bwd", bind<k_softmax_bwd>},     {"rope", bind<k_rope>},
+        {"exp", bind<k_unary<cpu::Unary::Exp>>},  {"exp_bwd", bind<k_unary_bwd<cpu::Unary::Exp>>},
+        {"log", bind<k_unary<cpu::Unary::Log>>},  {"log_bwd", bind<k_unary_bwd<cpu::Unary::Log>>},
+        {"tanh", bind<k_unary<cpu::Unary::Tanh>>}, {"tanh_bwd", bind<k_unary_bwd<cpu::Unary::Tanh>>},
+        {"erf", bind<k_unary<cpu::Unary::Erf>>},  {"erf_bwd", bind<k_unary_bwd<cpu::Unary::Erf>>},
+        {"rsqrt", bind<k_unary<cpu::Unary::Rsqrt>>}, {"rsqrt_bwd", bind<k_unary_bwd<cpu::Unary::Rsqrt>>},
+        {"sqrt", bind<k_unary<cpu::Unary::Sqrt>>}, {"sqrt_bwd", bind<k_unary_bwd<cpu::Unary::Sqrt>>},
+        {"neg", bind<k_unary<cpu::Unary::Neg>>},  {"neg_bwd", bind<k_unary_bwd<cpu::Unary::Neg>>},
+        {"reciprocal", bind<k_unary<cpu::Unary::Reciprocal>>},
+        {"reciprocal_bwd", bind<k_unary_bwd<cpu::Unary::Reciprocal>>},
+        {"sigmoid", bind<k_unary<cpu::Unary::Sigmoid>>},
+        {"sigmoid_bwd", bind<k_unary_bwd<cpu::Unary::Sigmoid>>},
+        {"pow", bind<k_unary<cpu::Unary::Pow>>},  {"pow_bwd", bind<k_unary_bwd<cpu::Unary::Pow>>},
         {"rope_bwd", bind<k_rope_bwd>},           {"attention", bind<k_attention>},
         {"attention_bwd", bind<k_attention_bwd>}, {"cross_entropy", bind<k_cross_entropy>},
         {"cross_entropy_bwd", bind<k_cross_entropy_bwd>},
