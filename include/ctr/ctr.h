@@ -205,11 +205,14 @@ CTR_API ctr_status ctr_graph_load_file(const char *path, ctr_graph **out);
 /* As ctr_graph_load_file from bytes in memory; data is copied. */
 CTR_API ctr_status ctr_graph_load_buffer(const void *data, size_t size, ctr_graph **out);
 
-/* Builds a model preset: preset is "gpt" or "llama" (another name fails with
- * CTR_STATUS_INVALID_OPTION). options may be NULL. Keys:
+/* Builds a model preset: preset is "gpt", "llama" or "moe" (another name fails
+ * with CTR_STATUS_INVALID_OPTION). options may be NULL. Keys:
  *   "layers", "dim", "heads", "kv_heads", "vocab", "seq" (max positions),
- *   "ffn_dim" (0 = preset default), "tied" (int 0/1), "rope_theta" (float),
- *   "norm_eps" (float), "init_std" (float). */
+ *   "ffn_dim" (0 = preset default; moe: each expert's width), "tied" (int 0/1),
+ *   "rope_theta" (float), "norm_eps" (float), "init_std" (float); for moe only
+ *   (since 0.4): "experts", "top_k", "shared_ffn_dim" (0 = no shared expert),
+ *   "router_score" ("softmax" or "sigmoid"), "router_renorm" (int 0/1; default 1
+ *   when top_k > 1), "aux_loss" and "z_loss" (float coefficients, 0 = none). */
 CTR_API ctr_status ctr_graph_create_preset(const char *preset, const ctr_options *options,
                                            ctr_graph **out);
 
