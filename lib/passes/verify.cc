@@ -45,12 +45,17 @@ void pass_verify(Graph &g) {
                         t.name.c_str(), d.symbol.c_str()));
     }
     if ((t.role == Role::Param || t.role == Role::Const) && t.init.kind == InitKind::Data) {
-      int64_t n = 1;
-      for (const Dim &d : t.dims) n *= d.symbol.empty() ? d.size : 0;
-      if (static_cast<int64_t>(t.data.size()) != n * static_cast<int64_t>(dtype_size(t.dtype)))
+      // Bytes the shape needs, with overflow detected (dims are any positive int64).
+      int64_t need = static_cast<int64_t>(dtype_size(t.dtype));
+      bool overflow = false;
+      for (const Dim &d : t.dims) overflow |= __builtin_mul_overflow(need, d.symbol.empty() ? d.size : 0, &need);
+      if (overflow)
+        bad(strformat("tensor '%s' embeds %zu bytes of data, its shape %s needs more than 2^63",
+                      t.name.c_str(), t.data.size(), dims_string(t.dims).c_str()));
+      if (static_cast<int64_t>(t.data.size()) != need)
         bad(strformat("tensor '%s' embeds %zu bytes of data, its shape %s needs %lld",
                       t.name.c_str(), t.data.size(), dims_string(t.dims).c_str(),
-                      static_cast<long long>(n * static_cast<int64_t>(dtype_size(t.dtype)))));
+                      static_cast<long long>(need)));
     }
     if (t.role == Role::Const && t.init.kind != InitKind::Data)
       bad(strformat("constant '%s' has no embedded data", t.name.c_str()));
