@@ -38,6 +38,20 @@ double softmax_row(const float *l, float *p, int64_t E) {
   return lse;
 }
 
+// The gradient of a loss linear in the softmax of each row of logits[N, E]
+// (d loss / d p[n, e] = c[e] for every row): dlogits[n] = p ⊙ (c - <c, p>).
+void softmax_linear_bwd(const float *logits, const std::vector<double> &c, float *dlogits, int64_t N, int64_t E) {
+  ctr::parallel_for(N, token_grain(E), [&](int64_t n0, int64_t n1) {
+    std::vector<float> p(static_cast<size_t>(E));
+    for (int64_t n = n0; n < n1; ++n) {
+      softmax_row(logits + n * E, p.data(), E);
+      double dot = 0;
+      for (int64_t e = 0; e < E; ++e) dot += c[e] * p[e];
+      for (int64_t e = 0; e < E; ++e) dlogits[n * E + e] = static_cast<float>(p[e] * (c[e] - dot));
+    }
+  });
+}
+
 // Offsets of each expert's rows in the permuted buffer, clamped to M rows.
 void expert_offsets(const int32_t *counts, int64_t E, int64_t M, std::vector<int64_t> &off) {
   off.assign(static_cast<size_t>(E) + 1, 0);
@@ -155,15 +169,7 @@ void moe_aux_loss_bwd(float dloss, const float *logits, const int32_t *experts, 
   std::vector<double> c(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e)
     c[e] = static_cast<double>(dloss) * coef * static_cast<double>(E) * f[e] / static_cast<double>(std::max<int64_t>(N, 1));
-  ctr::parallel_for(N, token_grain(E), [&](int64_t n0, int64_t n1) {
-    std::vector<float> p(static_cast<size_t>(E));
-    for (int64_t n = n0; n < n1; ++n) {
-      softmax_row(logits + n * E, p.data(), E);
-      double dot = 0;
-      for (int64_t e = 0; e < E; ++e) dot += c[e] * p[e];
-      for (int64_t e = 0; e < E; ++e) dlogits[n * E + e] = static_cast<float>(p[e] * (c[e] - dot));
-    }
-  });
+  softmax_linear_bwd(logits, c, dlogits, N, E);
 }
 
 void moe_z_loss_fwd(const float *logits, float *loss, int64_t N, int64_t E, float coef) {
@@ -430,15 +436,7 @@ void moe_aux_loss_global_bwd(float dloss, const float *logits, const float *stat
   for (int64_t e = 0; e < E; ++e)
     c[e] = static_cast<double>(dloss) * coef * static_cast<double>(E) * (stats[e] / (n * static_cast<double>(k))) /
            static_cast<double>(std::max<int64_t>(N, 1));
-  ctr::parallel_for(N, token_grain(E), [&](int64_t n0, int64_t n1) {
-    std::vector<float> p(static_cast<size_t>(E));
-    for (int64_t t = n0; t < n1; ++t) {
-      softmax_row(logits + t * E, p.data(), E);
-      double dot = 0;
-      for (int64_t e = 0; e < E; ++e) dot += c[e] * p[e];
-      for (int64_t e = 0; e < E; ++e) dlogits[t * E + e] = static_cast<float>(p[e] * (c[e] - dot));
-    }
-  });
+  softmax_linear_bwd(logits, c, dlogits, N, E);
 }
 
 }  // namespace ctr::cpu

@@ -67,6 +67,19 @@ void check(bool ok, const std::string &msg) {
   if (!ok) fail(CTR_STATUS_INVALID_OPTION, msg);
 }
 
+// A SwiGLU feed-forward of width F on h[B, T, C]: PREFIX{w1,w3}.weight [F, C]
+// and PREFIXw2.weight [C, F]; its nodes PREFIX{gate,up,swiglu,down}. Returns
+// the output [B, T, C].
+int swiglu_ffn(Builder &b, int h, const std::string &p, int bl, int64_t F, int64_t C, float std, float proj_std) {
+  int w1 = b.param(p + "w1.weight", {F, C}, InitKind::Normal, std);
+  int w3 = b.param(p + "w3.weight", {F, C}, InitKind::Normal, std);
+  int w2 = b.param(p + "w2.weight", {C, F}, InitKind::Normal, proj_std);
+  int gt = b.op("linear", {h, w1}, p + "gate", bl);
+  int up = b.op("linear", {h, w3}, p + "up", bl);
+  int s = b.op("swiglu", {gt, up}, p + "swiglu", bl);
+  return b.op("linear", {s, w2}, p + "down", bl);
+}
+
 // The mixture-of-experts feed-forward of one block on h[B, T, C]; appends the
 // block's auxiliary losses to aux. Tensors named PREFIX... ("layers.N.moe."):
 // router.weight [E, C]; experts.w1, experts.w3 [E, F, C] and experts.w2 [E, C, F];
@@ -91,17 +104,8 @@ int moe_ffn(Builder &b, const PresetConfig &c, int h, const std::string &p, int 
   int s = b.op("swiglu", {gt, up}, p + "experts.swiglu", bl);
   int dn = b.op("moe_grouped_linear", {s, w2, pm[1]}, p + "experts.down", bl);
   int y = b.op("moe_unpermute", {dn, r[0], pm[2]}, p + "combined", bl);
-  if (c.shared_ffn_dim > 0) {
-    const int64_t Fs = c.shared_ffn_dim;
-    int s1 = b.param(p + "shared.w1.weight", {Fs, C}, InitKind::Normal, std);
-    int s3 = b.param(p + "shared.w3.weight", {Fs, C}, InitKind::Normal, std);
-    int s2 = b.param(p + "shared.w2.weight", {C, Fs}, InitKind::Normal, proj_std);
-    int sg = b.op("linear", {h, s1}, p + "shared.gate", bl);
-    int su = b.op("linear", {h, s3}, p + "shared.up", bl);
-    int ss = b.op("swiglu", {sg, su}, p + "shared.swiglu", bl);
-    int sd = b.op("linear", {ss, s2}, p + "shared.down", bl);
-    y = b.op("add", {y, sd}, p + "out", bl);
-  }
+  if (c.shared_ffn_dim > 0)
+    y = b.op("add", {y, swiglu_ffn(b, h, p + "shared.", bl, c.shared_ffn_dim, C, std, proj_std)}, p + "out", bl);
   if (c.aux_loss > 0)
     aux.push_back(b.op("moe_aux_loss", {logits, r[1]}, p + "aux_loss", bl, {{"coef", Attr::of_float(c.aux_loss)}}));
   if (c.z_loss > 0)
@@ -227,13 +231,7 @@ Graph build_preset(const std::string &preset, const PresetConfig &c) {
       if (moe) {
         d = moe_ffn(b, c, h, p + "moe.", bl, F, std, proj_std, aux_terms);
       } else {
-        int w1 = b.param(p + "feed_forward.w1.weight", {F, C}, InitKind::Normal, std);
-        int w3 = b.param(p + "feed_forward.w3.weight", {F, C}, InitKind::Normal, std);
-        int w2 = b.param(p + "feed_forward.w2.weight", {C, F}, InitKind::Normal, proj_std);
-        int gt = b.op("linear", {h, w1}, p + "feed_forward.gate", bl);
-        int up = b.op("linear", {h, w3}, p + "feed_forward.up", bl);
-        int s = b.op("swiglu", {gt, up}, p + "feed_forward.swiglu", bl);
-        d = b.op("linear", {s, w2}, p + "feed_forward.down", bl);
+        d = swiglu_ffn(b, h, p + "feed_forward.", bl, F, C, std, proj_std);
       }
       x = b.op("add", {x, d}, p + "resid2", bl);
     }
