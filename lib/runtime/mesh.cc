@@ -121,6 +121,9 @@ void Mesh::connect(const RendezvousConfig &rc) {
   store = store_join(rc);
   world_comm = comm_create(transport, *store, rank, world, timeout_ms);
   for (const auto &a : axes) axis_comm[a.first] = world_comm.iface->split(world_comm.ctx, axis_group(a.first));
+  // The first heartbeat goes before the mesh is handed out, so rank 0 watches this
+  // rank from the moment its host can use the mesh.
+  async_error_ = store->heartbeat();
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
 }
 
@@ -130,6 +133,8 @@ void Mesh::connect(const RendezvousConfig &rc) {
 void Mesh::heartbeat_loop() {
   const auto interval = std::chrono::milliseconds(heartbeat_ms(timeout_ms));
   std::unique_lock<std::mutex> lock(hb_mu_);
+  if (!async_error_.empty()) return;
+  hb_cv_.wait_for(lock, interval, [this] { return hb_stop_; });
   while (!hb_stop_) {
     lock.unlock();
     std::string failure;
