@@ -22,6 +22,7 @@ import os
 from typing import Callable, Optional, Sequence, Union
 
 from .graphfile import GraphDef, SchemaError, serialize
+from .aten import convert_aten
 from .trace import ExportError, convert
 
 __all__ = ["export", "export_bytes", "ExportError", "SchemaError", "default_no_decay"]
@@ -44,24 +45,37 @@ def _inputs(example_inputs):
     raise ExportError("example_inputs must be (tokens, targets) or a dict with those keys")
 
 
+def _tracer_for(module, tracer: str) -> str:
+    if tracer not in ("auto", "aten", "fx"):
+        raise ExportError(f"tracer '{tracer}': use 'auto', 'aten' or 'fx'")
+    if tracer != "auto":
+        return tracer
+    # Modules that name a libctr op (the reference models) are mapped whole by the fx tracer.
+    has_ctr_op = any(isinstance(getattr(type(m), "ctr_op", None), str) for m in module.modules())
+    return "fx" if has_ctr_op else "aten"
+
+
 def to_graph(module, example_inputs, loss_fn: Optional[Callable] = None, *,
-             max_seq: Optional[int] = None,
-             no_decay: Callable = default_no_decay) -> GraphDef:
+             max_seq: Optional[int] = None, no_decay: Callable = default_no_decay,
+             tracer: str = "auto") -> GraphDef:
     """The graph as Python objects (graphfile.GraphDef), before serialization."""
     tokens, targets = _inputs(example_inputs)
-    return convert(module, tokens, targets, loss_fn, no_decay, max_seq)
+    if _tracer_for(module, tracer) == "fx":
+        return convert(module, tokens, targets, loss_fn, no_decay, max_seq)
+    return convert_aten(module, tokens, targets, loss_fn, no_decay, max_seq)
 
 
 def export_bytes(module, example_inputs, loss_fn: Optional[Callable] = None, *,
-                 max_seq: Optional[int] = None, no_decay: Callable = default_no_decay) -> bytes:
+                 max_seq: Optional[int] = None, no_decay: Callable = default_no_decay,
+                 tracer: str = "auto") -> bytes:
     """The .ctrg file's bytes (see export)."""
     return serialize(to_graph(module, example_inputs, loss_fn, max_seq=max_seq,
-                              no_decay=no_decay))
+                              no_decay=no_decay, tracer=tracer))
 
 
 def export(module, example_inputs, loss_fn: Optional[Callable] = None,
            path: Union[str, os.PathLike, None] = None, *, max_seq: Optional[int] = None,
-           no_decay: Callable = default_no_decay) -> bytes:
+           no_decay: Callable = default_no_decay, tracer: str = "auto") -> bytes:
     """Writes `module` and its loss as a libctr graph file at `path`; returns the bytes.
 
     module          an nn.Module. With loss_fn None it is called as module(tokens, targets)
@@ -73,8 +87,13 @@ def export(module, example_inputs, loss_fn: Optional[Callable] = None,
                     default: the rows of the positional table, else model.cfg.seq, else the
                     example's length.
     no_decay        (name, parameter) -> True to exclude a parameter from weight decay.
+    tracer          "aten": make_fx records the ATen ops the model runs (ordinary model code;
+                    aten.py); "fx": torch.fx symbolic tracing with modules that name a libctr
+                    op in `ctr_op` kept whole (the reference models; trace.py); "auto" (default):
+                    "fx" when the model has such modules, else "aten".
     """
-    data = export_bytes(module, example_inputs, loss_fn, max_seq=max_seq, no_decay=no_decay)
+    data = export_bytes(module, example_inputs, loss_fn, max_seq=max_seq, no_decay=no_decay,
+                        tracer=tracer)
     if path is not None:
         tmp = os.fspath(path) + ".tmp"
         with open(tmp, "wb") as f:
