@@ -400,6 +400,8 @@ class _AtenConverter(_Converter):
             return memo[node]
         if node.op == "placeholder":
             v = self.placeholders[node][1]
+        elif node.op == "get_attr":
+            v = self.t1.values[node]
         else:
             T = self.max_seq_fn()
             n2 = self.other[node]
@@ -433,6 +435,8 @@ class _AtenConverter(_Converter):
             self.fail("a constant that is not a tensor", node=node)
 
         def prep(v):
+            if part == "not":
+                return (v == 0).to(torch.float32), _F32
             if v.is_complex():
                 if part is None:
                     self.fail("a complex constant used outside view_as_complex / mul / "
@@ -479,6 +483,8 @@ class _AtenConverter(_Converter):
         """A Const tensor holding v (a buffer keeps its name; computed values get one)."""
         if node.op == "placeholder" and part is None:
             name = self.placeholders[node][2]
+        elif node.op == "get_attr":
+            name = str(node.target)
         else:
             name = self.out_name(node) + (f".{part}" if part else "")
         np_dtype = "<f4" if dt == _F32 else "<i4"
@@ -703,11 +709,17 @@ def _mm(c, node, bias_arg, a_arg, b_arg):
                 o1, o2 = _out(c, node)
                 return _Reshaped(out, o1, o2)
             return out
-    a, b = _f32(c, c.val(a_arg)), _f32(c, c.val(b_arg))
-    out = _emit_like(c, "matmul", [a, b], node)
+    b = _f32(c, bv)
+    a, flat = _linear_input(c, c.val(a_arg), b.s1[0]) if b.rank == 2 else \
+        (_f32(c, c.val(a_arg)), False)
+    s1, s2 = a.s1[:-1] + (b.s1[-1],), a.s2[:-1] + (b.s2[-1],)
+    out = c.emit("matmul", [a, b], s1, s2, node=node)
     if bias_arg is not None:
         out = c.emit("add", [out, _f32(c, c.val(bias_arg), "bias")], out.s1, out.s2, node=node,
                      suffix=".bias")
+    if flat:
+        o1, o2 = _out(c, node)
+        return _Reshaped(out, o1, o2)
     return out
 
 
@@ -941,14 +953,19 @@ def a_embedding(c, node):
     table = _operand(c, table_arg)
     if c.is_const(ids_arg):
         v1, v2 = c.const_value(ids_arg, 1), c.const_value(ids_arg, 2)
-        if v1.dim() == 1 and torch.equal(v1, torch.arange(len(v1))) and \
-                torch.equal(v2, torch.arange(len(v2))) and len(v1) != len(v2):
-            found = c.find_dim(len(v1), len(v2))
+        f1, f2 = v1.flatten(), v2.flatten()
+        if all(d == 1 for d in v1.shape[:-1]) and v1.shape[:-1] == v2.shape[:-1] and \
+                torch.equal(f1, torch.arange(len(f1))) and torch.equal(f2, torch.arange(len(f2))) \
+                and len(f1) != len(f2):
+            found = c.find_dim(len(f1), len(f2))
             if found is not None:
+                # table[arange(T)] is the first T rows: libctr's take_rows, no gather.
                 like, axis = found
                 c.positional_rows.append(table.s1[0])
-                s1, s2 = _out(c, node)
-                return c.emit("take_rows", [table, like], s1, s2, {"axis": axis}, node=node)
+                s1, s2 = (len(f1),) + table.s1[1:], (len(f2),) + table.s2[1:]
+                rows = c.emit("take_rows", [table, like], s1, s2, {"axis": axis}, node=node)
+                o1, o2 = _out(c, node)
+                return c.reshape(rows, o1, o2)
     ids = c.mat(c.val(ids_arg))
     if ids.dtype != _I32:
         c.fail("embedding ids must be integer token ids")
@@ -1083,7 +1100,7 @@ def a_where(c, node):
     nb, na = number(b), number(a)
     if nb is not None and not c.is_const(a):
         # where(cond, x, v) = masked_fill(x, not cond, v)
-        inv = c.emit("sub", [c.scalar(1.0), mask], mask.s1, mask.s2, node=node, suffix=".not")
+        inv = c.const_tensor(cond, "not")
         return _emit_like(c, "masked_fill", [_f32(c, c.val(a)), inv], node, {"value": nb})
     if na is not None and not c.is_const(b):
         return _emit_like(c, "masked_fill", [_f32(c, c.val(b)), mask], node, {"value": na})
@@ -1214,6 +1231,9 @@ def _constant_nodes(gm: fx.GraphModule, n_params: int, n_buffers: int, frozen: s
             if n_params <= ph < n_params + n_buffers or ph in frozen:
                 consts.add(n)
             ph += 1
+            continue
+        if n.op == "get_attr":  # a plain tensor attribute the model reads (not a buffer)
+            consts.add(n)
             continue
         if n.op != "call_function" or str(n.target).startswith(_RANDOM):
             continue
