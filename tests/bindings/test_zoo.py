@@ -1,0 +1,127 @@
+#!/usr/bin/python3
+"""Ordinary PyTorch model code exports and trains in libctr exactly as in PyTorch.
+
+    /usr/bin/python3 tests/bindings/test_zoo.py [case ...]
+
+Each case is a model of tests/zoo, written the way common open-source model files are
+(nanoGPT, Hugging Face GPT-2, Meta's Llama, Hugging Face Llama), exported with ctr_export's
+ATen-level tracer before training. PyTorch and libctr then take 20 AdamW steps from the same
+weights on the same batches, with warm-up + cosine schedule, weight decay on matrices only
+and global-norm clipping (the protocol and tolerances of test_parity.py): per-step losses
+agree within 1e-4 relative and the final weights within 1e-4 absolute.
+Exits 77 (skipped) when torch or numpy is missing; prints "N passed, N failed" last.
+"""
+import os
+import sys
+import tempfile
+import traceback
+
+sys.dont_write_bytecode = True
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "export"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, HERE)
+
+try:
+    import numpy as np
+    import torch
+    import torch.nn as nn
+except ImportError as e:
+    print(f"test_zoo: {e.name} is not installed; skipped")
+    sys.exit(77)
+
+import importlib  # noqa: E402
+
+import ctr  # noqa: E402
+import ctr_export  # noqa: E402
+from test_parity import BATCH, LOSS_RTOL, OPT, STEPS, WEIGHT_ATOL, batches, train_ctr, \
+    train_torch  # noqa: E402
+
+SIZES = dict(vocab=128, seq=32, dim=64, heads=4, layers=2)
+
+# case: (zoo module, build options)
+CASES = {
+    "nanogpt": ("nanogpt", {}),
+    "nanogpt-nobias": ("nanogpt", dict(bias=False)),
+    "gpt2_hf": ("gpt2_hf", {}),
+    "llama_meta": ("llama_meta", {}),
+    "llama_hf": ("llama_hf", {}),
+}
+
+
+class WithLoss(nn.Module):
+    """model(tokens) -> logits plus loss_fn, as model(tokens, targets) -> (logits, loss)."""
+
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, tokens, targets):
+        out = self.model(tokens)
+        return out, self.loss_fn(out, targets)
+
+
+def run_case(case, results):
+    module, options = CASES[case]
+    mod = importlib.import_module(f"zoo.{module}")
+    model, loss_fn = mod.build(**SIZES, seed=1, **options)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    data = batches(SIZES["vocab"], SIZES["seq"])
+    tmp = tempfile.mkdtemp(prefix="ctr_zoo_")
+    path = os.path.join(tmp, f"{case}.ctrg")
+    ctr_export.export(model, data[0], loss_fn, path)
+    trained = model if loss_fn is None else WithLoss(model, loss_fn)
+    torch_losses = train_torch(trained, data)
+
+    step_opts = dict(batch=BATCH, seq=SIZES["seq"], **OPT)
+    with ctr.Mesh(threads=2) as mesh, ctr.Graph.load(path) as graph, \
+            ctr.Step(mesh, graph, **step_opts) as s:
+        names = list(graph.params)
+        for name in names:  # the embedded weights are the model's, bit for bit
+            assert np.array_equal(s.get_param(name), state[name].numpy()), name
+        losses = train_ctr(s, data)
+        worst, where = 0.0, ""
+        final = model.state_dict()
+        for name in names:
+            d = float(np.abs(s.get_param(name) - final[name].numpy()).max())
+            if d > worst:
+                worst, where = d, name
+    os.remove(path)
+    os.rmdir(tmp)
+    rel = [abs(a - b) / abs(a) for a, b in zip(torch_losses, losses)]
+    results.append((case, max(rel), worst))
+    print(f"  {case:15s} loss {torch_losses[0]:.4f} -> {torch_losses[-1]:.4f}  max rel loss diff "
+          f"{max(rel):.2e}  max |weight diff| {worst:.2e} ({where})")
+    bad = [(i, a, b) for i, (a, b, r) in enumerate(zip(torch_losses, losses, rel)) if r > LOSS_RTOL]
+    assert not bad, f"{case}: losses differ beyond {LOSS_RTOL:g} relative at " + \
+        ", ".join(f"step {i}: torch {a:.7f} libctr {b:.7f}" for i, a, b in bad[:5])
+    assert worst <= WEIGHT_ATOL, f"{case}: final weights differ by {worst:.3g} in {where}"
+    assert torch_losses[-1] < torch_losses[0] - 0.5, f"{case}: the loss did not fall"
+
+
+def main(argv):
+    torch.set_num_threads(2)
+    cases = argv or list(CASES)
+    passed = failed = 0
+    results = []
+    for case in cases:
+        try:
+            run_case(case, results)
+        except Exception:
+            failed += 1
+            print(f"FAIL {case}:\n{traceback.format_exc()}")
+        else:
+            passed += 1
+            print(f"ok   {case}")
+    if results:
+        print(f"tolerances: loss {LOSS_RTOL:g} relative per step, weights {WEIGHT_ATOL:g} absolute; "
+              f"worst seen: loss {max(r[1] for r in results):.2e}, "
+              f"weights {max(r[2] for r in results):.2e}")
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
