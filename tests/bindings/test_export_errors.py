@@ -3,13 +3,15 @@
 
     /usr/bin/python3 tests/bindings/test_export_errors.py
 
-Each case is a small module with one construct libctr's graph op set lacks (torch.cumsum,
-nn.Conv1d, erf-GELU, dropout in training, a reduction, a general broadcast, slicing an
-activation, a trace-breaking unpack). ctr_export.export must raise ExportError whose message
-names the op and the file and line of the call, with .op, .file and .line set to match; the
-line numbers are found from the source of this file (the lines marked "# MARK"), so editing
-the cases cannot silently break the test.
-A last case checks that the same model without the bad construct exports.
+Each case is a small module with one construct libctr cannot run (torch.cumsum, nn.Conv1d,
+relu, dropout in training, a mask computed from activations, reading a value on the host;
+and, for the torch.fx tracer, a trace-breaking unpack). ctr_export.export must raise
+ExportError whose message names the ATen op (or the fx construct) and the file and line of
+the call, with .op, .file and .line set to match; the line numbers are found from the source
+of this file (the lines marked "# MARK"), so editing the cases cannot silently break the test.
+Control flow on the sequence length is refused naming the cause. Constructs the ATen tracer
+handles (exact GELU, reductions, general broadcasting, slicing activations, shape unpacking)
+must export, as must the model without any of them.
 
 Exits 77 (skipped) when torch is missing; prints "N passed, N failed" last.
 """
@@ -101,6 +103,26 @@ class Slice(Base):
         return x[:, :, :4].repeat(1, 1, DIM // 4)  # MARK slice
 
 
+class Relu(Base):
+    def body(self, x):
+        return torch.relu(x)  # MARK relu
+
+
+class ActivationMask(Base):
+    def body(self, x):
+        return x.masked_fill(x > 0, 0.0)  # MARK activation mask
+
+
+class HostRead(Base):
+    def body(self, x):
+        return x * float(x.sum().item())  # MARK item
+
+
+class SeqControlFlow(Base):
+    def body(self, x):
+        return x * 2 if x.shape[1] % 2 == 0 else x
+
+
 class Unpack(Base):
     def body(self, x):
         b, t, c = x.shape  # MARK unpack
@@ -108,16 +130,18 @@ class Unpack(Base):
 
 
 CASES = [
-    # (module class, op named in the message, marker on the offending line, phrase)
-    (Cumsum, "torch.cumsum", "cumsum", "no equivalent"),
-    (Conv, "torch.nn.Conv1d", "conv", "no equivalent"),
-    (ErfGelu, "torch.nn.functional.gelu", "gelu", "approximate='tanh'"),
-    (Dropout, "torch.nn.Dropout", "dropout", "dropout"),
-    (Mean, "Tensor.mean", "mean", "no equivalent"),
-    (Broadcast, "operator.mul", "broadcast", "trailing part"),
-    (Slice, "operator.getitem", "slice", "positional table"),
-    (Unpack, "torch.fx", "unpack", "cannot trace"),
+    # (module class, op named in the message, marker on the offending line, phrase, tracer)
+    (Cumsum, "aten.cumsum.default", "cumsum", "running sum", "auto"),
+    (Conv, "aten.convolution.default", "conv", "convolutions", "auto"),
+    (Relu, "aten.relu.default", "relu", "no relu", "auto"),
+    (Dropout, "aten.bernoulli_.float", "dropout", "model.eval()", "auto"),
+    (ActivationMask, "aten.gt.Scalar", "activation mask", "mask computed", "auto"),
+    (HostRead, "Tensor.item", "item", "on the host", "auto"),
+    (Unpack, "torch.fx", "unpack", "cannot trace", "fx"),
 ]
+
+# Constructs the ATen tracer maps onto libctr's general ops.
+EXPORTS = [ErfGelu, Mean, Broadcast, Slice, Unpack]
 
 
 def line_of(marker):
@@ -134,10 +158,10 @@ def example():
             torch.randint(0, VOCAB, (2, 8), generator=g))
 
 
-def check_case(cls, op, marker, phrase):
+def check_case(cls, op, marker, phrase, tracer):
     line = line_of(marker)
     try:
-        ctr_export.export_bytes(cls(), example(), loss_fn)
+        ctr_export.export_bytes(cls(), example(), loss_fn, tracer=tracer)
     except ctr_export.ExportError as e:
         msg = str(e)
         me = os.path.abspath(__file__)
@@ -150,17 +174,29 @@ def check_case(cls, op, marker, phrase):
     raise AssertionError(f"{cls.__name__} exported without error")
 
 
-def check_clean_model_exports():
-    data = ctr_export.export_bytes(Base(), example(), loss_fn)
+def check_exports(cls):
+    data = ctr_export.export_bytes(cls(), example(), loss_fn)
     # A size-prefixed FlatBuffer: length, root offset, then the file identifier.
     assert data[8:12] == b"CTRG", data[:12]
     assert int.from_bytes(data[:4], "little") == len(data) - 4, "size prefix"
 
 
+def check_seq_control_flow():
+    try:
+        ctr_export.export_bytes(SeqControlFlow(), example(), loss_fn)
+    except ctr_export.ExportError as e:
+        assert "different ops at two batch/sequence sizes" in str(e), str(e)
+        print(f"    {str(e).splitlines()[0]}")
+        return
+    raise AssertionError("control flow on the sequence length exported without error")
+
+
 def main():
     passed = failed = 0
     tests = [(f"refuses {c[0].__name__}", (lambda c=c: check_case(*c))) for c in CASES]
-    tests.append(("exports the clean model", check_clean_model_exports))
+    tests.append(("refuses control flow on the sequence length", check_seq_control_flow))
+    tests += [(f"exports {cls.__name__}", (lambda cls=cls: check_exports(cls))) for cls in EXPORTS]
+    tests.append(("exports the clean model", lambda: check_exports(Base)))
     for name, fn in tests:
         try:
             fn()

@@ -504,6 +504,11 @@ class _AtenConverter(_Converter):
                 str(a.target) != str(b.target) for a, b in zip(self.t1.nodes, self.t2.nodes)):
             raise ExportError("the model runs different ops at two batch/sequence sizes "
                               "(control flow on sizes beyond what libctr's static graph holds)")
+        for node in self.t1.nodes:
+            if node.op == "call_function" and str(node.target).startswith(_RANDOM):
+                self.current = node
+                self.fail("random numbers drawn in the model (dropout with p > 0 in training "
+                          "mode): libctr has no dropout; export with p=0 or model.eval()")
         outputs = None
         for node in self.t1.nodes:
             self.current = node
@@ -1139,6 +1144,34 @@ def a_index_select(c, node):
     c.fail("index_select with indices other than a range or a repeat_interleave pattern")
 
 
+def a_repeat(c, node):
+    x = c.mat(c.val(node.args[0]))
+    reps = [int(r) for r in node.args[1]]
+    if reps != list(c.other[node].args[1]):
+        c.fail("repeat counts that depend on the batch or sequence size")
+    lead = len(reps) - x.rank
+    if lead > 0:
+        x = c.reshape(x, (1,) * lead + x.s1, (1,) * lead + x.s2)
+    for d, r in enumerate(reps):
+        if r == 1:
+            continue
+        # Tiling dim d r times: [.., 1, n, ..] expanded to [.., r, n, ..], then merged.
+        u1, u2 = x.s1[:d] + (1,) + x.s1[d:], x.s2[:d] + (1,) + x.s2[d:]
+        u = c.reshape(x, u1, u2)
+        shape = [-1] * len(u1)
+        shape[d] = r
+        e = c.emit("expand", [u], u1[:d] + (r,) + u1[d + 1:], u2[:d] + (r,) + u2[d + 1:],
+                   {"shape": shape}, dtype=x.dtype, node=node, suffix=f".tile{d}")
+        x = c.reshape(e, x.s1[:d] + (r * x.s1[d],) + x.s1[d + 1:],
+                      x.s2[:d] + (r * x.s2[d],) + x.s2[d + 1:])
+    return x
+
+
+def a_compare(c, node):
+    c.fail("a mask computed from the model's activations: libctr masks with constants "
+           "(registered buffers such as a causal tril, or masks built from arange)")
+
+
 def a_dropout(c, node):
     p = float(node.args[1])
     train = node.args[2] if len(node.args) > 2 else True
@@ -1205,6 +1238,12 @@ def _register():
     A[aten.view_as_complex.default] = a_view_as_complex
     A[aten.view_as_real.default] = a_view_as_real
     A[aten.native_dropout.default] = a_dropout
+    A[aten.repeat.default] = a_repeat
+    for name in ("gt", "lt", "ge", "le", "eq", "ne"):
+        for overload in ("Scalar", "Tensor"):
+            A[getattr(getattr(aten, name), overload)] = a_compare
+    for name in ("logical_not", "logical_and", "logical_or", "bitwise_not"):
+        A[getattr(aten, name).default] = a_compare
 
 
 _register()
@@ -1283,6 +1322,11 @@ def convert_aten(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
             file, line, code = _raising_frame(e)
             where = f" at {file}:{line}" if file else ""
             src = f"\n    {code}" if code else ""
+            if "get value out of a tracing tensor" in str(e):
+                raise ExportError(f"cannot export Tensor.item{where}: reads a tensor's value on the host: "
+                                  f"(.item(), float(t), bool(t) or `if t:` on a computed tensor) "
+                                  f"cannot be part of a graph; compute it with tensor ops{src}",
+                                  op="Tensor.item", file=file, line=line, code=code) from e
             raise ExportError(f"running the model on example inputs of shape "
                               f"{list(tok.shape)} failed{where}: {type(e).__name__}: {e}{src}",
                               op="make_fx", file=file, line=line, code=code) from e
