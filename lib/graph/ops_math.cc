@@ -28,7 +28,7 @@ namespace {
 using namespace opdef;
 using Shape = std::vector<int64_t>;
 
-constexpr size_t kMaxDims = 8;  // the CPU kernels' limit (kernels/cpu/kernels.h)
+constexpr size_t kMaxDims = 8;  // CTR_MAX_DIMS, the limit of kernel arguments (backend/plugin.h)
 
 std::string describe_input(const Graph &g, const Node &n, int i) {
   return strformat("input %d %s of shape %s", i, g.describe_tensor(n.inputs[i]).c_str(),
@@ -71,8 +71,7 @@ void binary_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   if (!broadcast_shape(S(g, n, 0), S(g, n, 1), o))
     bad_node(g, n, strformat("shape mismatch: %s and %s do not broadcast", describe_input(g, n, 0).c_str(),
                              describe_input(g, n, 1).c_str()));
-  const bool rows = o == S(g, n, 0) && trailing(o, S(g, n, 1));
-  if (!rows && o.size() > kMaxDims)
+  if (o.size() > kMaxDims)
     bad_node(g, n, strformat("broadcasting %s and %s needs %zu dims; at most %zu are supported",
                              describe_input(g, n, 0).c_str(), describe_input(g, n, 1).c_str(), o.size(),
                              kMaxDims));

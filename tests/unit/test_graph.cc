@@ -1208,6 +1208,18 @@ TEST(MathOps, BroadcastMismatchNamesBothShapes) {
   }
 }
 
+TEST(MathOps, BroadcastPastEightDimsIsRefused) {
+  std::vector<int64_t> nine(9, 1);
+  nine.back() = 2;
+  for (const char *op : {"add", "sub"}) {
+    OpGraph b;
+    int x = b.add_param("x", nine);
+    int y = b.add_param("y", {2});
+    b.finish(b.add_op(op, {x, y}), nine);
+    expect_refused(b, {"at most 8"});
+  }
+}
+
 TEST(MathOps, MaskThatDoesNotBroadcastToXIsRefused) {
   OpGraph b;
   int x = b.add_param("x", {3, 4});
