@@ -31,6 +31,17 @@ CTR_HOST_DEVICE float gelu_grad(float x) {
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
 }
 
+// Exact GELU (torch's approximate="none"): x * Phi(x), Phi the normal CDF.
+// d/dx = Phi(x) + x * phi(x), phi the normal density.
+constexpr float kSqrtHalf = 0.7071067811865476f;     // 1/sqrt(2)
+constexpr float kInvSqrtTwoPi = 0.3989422804014327f;  // 1/sqrt(2 pi)
+
+CTR_HOST_DEVICE float gelu_exact(float x) { return 0.5f * x * (1.0f + erff(x * kSqrtHalf)); }
+
+CTR_HOST_DEVICE float gelu_exact_grad(float x) {
+  return 0.5f * (1.0f + erff(x * kSqrtHalf)) + x * kInvSqrtTwoPi * expf(-0.5f * x * x);
+}
+
 CTR_HOST_DEVICE float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 CTR_HOST_DEVICE float silu(float x) { return x * sigmoid(x); }

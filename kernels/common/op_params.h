@@ -62,6 +62,29 @@ typedef struct ctr_pow_params {
   float exponent;         /* "exponent", required */
 } ctr_pow_params;
 
+/* gelu, gelu_bwd */
+typedef struct ctr_gelu_params {
+  int32_t exact;          /* "approximate": "tanh" (default) 0, "none" 1 */
+} ctr_gelu_params;
+
+/* softmax, log_softmax and their backward ops */
+typedef struct ctr_softmax_params {
+  int32_t dim;            /* "dim", default -1; negatives count from the end */
+} ctr_softmax_params;
+
+/* sum, mean, amax, var and their backward ops */
+typedef struct ctr_reduce_params {
+  int32_t ndims;
+  int32_t dims[8];        /* "dims", required; as given (negatives count from the end) */
+  int32_t keepdim;        /* "keepdim", default 0 */
+  int32_t correction;     /* "correction" (var), default 1 */
+} ctr_reduce_params;
+
+/* masked_fill */
+typedef struct ctr_masked_fill_params {
+  float value;            /* "value", required; may be infinite */
+} ctr_masked_fill_params;
+
 #ifdef __cplusplus
 }
 #endif

@@ -77,6 +77,53 @@ void add_same(const float *a, const float *b, float *out, int64_t n);
 void scale(const float *x, float *y, int64_t n, float alpha);
 
 // ---------------------------------------------------------------------------
+// General broadcasting (broadcast.cc), NumPy/PyTorch rules: shapes of at most
+// kMaxDims dims aligned at their trailing end, a dim of size 1 stretching to
+// the other's size. Dims are merged where both operands stay contiguous, so a
+// scalar operand or a trailing bias costs no index arithmetic per element.
+
+constexpr int kMaxDims = 8;
+
+struct ShapeRef {
+  const int64_t *dims;
+  int rank;
+};
+
+enum class Binary { Add, Sub, Mul, Div };
+
+// out[os] = a[as] op b[bs]; os is the broadcast of as and bs.
+void binary_fwd(Binary op, const float *a, ShapeRef as, const float *b, ShapeRef bs, float *out,
+                ShapeRef os);
+// out[os] = scale * x[xs] broadcast to os (expand; sum and mean gradients).
+void broadcast_to(const float *x, ShapeRef xs, float *out, ShapeRef os, float scale = 1.0f);
+// out[xs] = mask != 0 ? value : x, mask[ms] broadcast to xs.
+void masked_fill(const float *x, const float *mask, ShapeRef ms, float *out, ShapeRef xs,
+                 float value);
+// div's gradient for b before reduction: out[os] = -(g * (y / b)), with g and
+// y (the forward output) of shape os and b[bs] broadcast (PyTorch's formula).
+void div_bwd_b(const float *g, const float *y, const float *b, ShapeRef bs, float *out,
+               ShapeRef os);
+
+// ---------------------------------------------------------------------------
+// Reductions (reduce.cc): x[xs] reduced over the dims where os (aligned at the
+// trailing end, missing leading dims counting as 1) has size 1 and xs does
+// not; out holds numel(os) elements. Each output is summed in a fixed order by
+// one thread. N below is the number of elements reduced into one output.
+
+enum class Reduction { Sum, Mean, Amax, Var };
+
+// Sum (also reduce_to), Mean (sum / N), Amax, Var (sum of squared deviations
+// / (N - correction), with the mean written to `mean` when not null).
+void reduce(Reduction op, const float *x, ShapeRef xs, float *out, ShapeRef os,
+            int64_t correction = 1, float *mean = nullptr);
+// gx[xs] = g / ties where x equals y (its output's max), 0 elsewhere; ties is
+// the count of such elements of that output (PyTorch's amax gradient).
+void amax_bwd(const float *g, const float *x, const float *y, float *gx, ShapeRef xs, ShapeRef os);
+// gx[xs] = g * 2 (x - mean) / (N - correction).
+void var_bwd(const float *g, const float *x, const float *mean, float *gx, ShapeRef xs,
+             ShapeRef os, int64_t correction);
+
+// ---------------------------------------------------------------------------
 // Normalisation over the last dim C of R rows.
 
 // y = (x - mean) * rstd * w + b ; saves mean[R] and rstd[R] for backward.
@@ -98,6 +145,9 @@ void rmsnorm_bwd(const float *dy, const float *x, const float *w, const float *r
 // GELU, tanh approximation (as GPT-2 and torch's approximate="tanh").
 void gelu_fwd(const float *x, float *y, int64_t n);
 void gelu_bwd(const float *dy, const float *x, float *dx, int64_t n);
+// GELU, exact (torch's approximate="none"): 0.5 x (1 + erf(x / sqrt 2)).
+void gelu_exact_fwd(const float *x, float *y, int64_t n);
+void gelu_exact_bwd(const float *dy, const float *x, float *dx, int64_t n);
 // SiLU: x * sigmoid(x)
 void silu_fwd(const float *x, float *y, int64_t n);
 void silu_bwd(const float *dy, const float *x, float *dx, int64_t n);
@@ -144,6 +194,16 @@ void attention_bwd(const float *dout, const float *q, const float *k, const floa
 // Softmax over the last dim C of R rows.
 void softmax_fwd(const float *x, float *y, int64_t R, int64_t C);
 void softmax_bwd(const float *dy, const float *y, float *dx, int64_t R, int64_t C);
+// Over the middle dim of x[outer, C, inner] (a dim other than the last; inner
+// > 1), in tiles of columns of the inner dim.
+void softmax_dim_fwd(const float *x, float *y, int64_t outer, int64_t C, int64_t inner);
+void softmax_dim_bwd(const float *dy, const float *y, float *dx, int64_t outer, int64_t C,
+                     int64_t inner);
+// log_softmax over the middle dim of x[outer, C, inner] (inner == 1: the last
+// dim): y = x - max - log(sum exp(x - max)). Backward: dx = dy - exp(y) sum(dy).
+void log_softmax_fwd(const float *x, float *y, int64_t outer, int64_t C, int64_t inner);
+void log_softmax_bwd(const float *dy, const float *y, float *dx, int64_t outer, int64_t C,
+                     int64_t inner);
 
 // ---------------------------------------------------------------------------
 // Fused cross-entropy over logits[R,V] with targets[R]; a target < 0 is ignored.

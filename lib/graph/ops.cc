@@ -15,9 +15,10 @@
 
 #include "common/op_params.h"
 #include "core/status.h"
+#include "graph/ops_internal.h"
 
 namespace ctr {
-namespace {
+namespace opdef {
 
 // ---------------------------------------------------------------------------
 // Helpers
@@ -73,6 +74,12 @@ void infer_same_f32(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
     if (S(g, n, static_cast<int>(i)) != S(g, n, 0)) shape_mismatch(g, n, static_cast<int>(i), shape_string(S(g, n, 0)));
   out = {f32(S(g, n, 0))};
 }
+
+}  // namespace opdef
+
+namespace {
+
+using namespace opdef;
 
 // ---------------------------------------------------------------------------
 // embedding(table[V,C], ids[...]) -> [..., C]
@@ -155,38 +162,6 @@ double matmul_flops(const Graph &g, const Node &n) {
 }
 
 // ---------------------------------------------------------------------------
-// add / mul (a, b): b's shape is a trailing part of a's (broadcast over rows).
-
-bool is_suffix(const std::vector<int64_t> &a, const std::vector<int64_t> &b) {
-  if (b.size() > a.size()) return false;
-  return std::equal(b.begin(), b.end(), a.end() - static_cast<long>(b.size()));
-}
-
-void binary_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
-  need_dtype(g, n, 0, CTR_DTYPE_F32);
-  need_dtype(g, n, 1, CTR_DTYPE_F32);
-  if (!is_suffix(S(g, n, 0), S(g, n, 1)))
-    shape_mismatch(g, n, 1, "a trailing part of " + shape_string(S(g, n, 0)) + " (broadcast)");
-  out = {f32(S(g, n, 0))};
-}
-
-void add_vjp(VjpBuilder &b, const Node &n) {
-  int gy = b.grad(n.outputs[0]);
-  if (gy < 0) return;
-  int a = n.inputs[0], bb = n.inputs[1];
-  if (b.needs(a)) b.accumulate(a, gy);
-  if (b.needs(bb)) {
-    if (b.graph().tensors[bb].shape == b.graph().tensors[a].shape) {
-      b.accumulate(bb, gy);
-    } else {
-      int gb = b.new_grad_tensor(bb, "grad");
-      b.emit("reduce_rows", {gy}, {gb}, {}, n.block);
-      b.accumulate(bb, gb);
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------
 // layernorm(x[..., C], w[C], b[C]?) -> y, saved mean[R], rstd[R]
 // rmsnorm(x[..., C], w[C]) -> y, saved rstd[R]
 
@@ -220,7 +195,7 @@ void pow_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
 }
 
 // ---------------------------------------------------------------------------
-// gelu / silu (x) ; swiglu(gate, up) ; softmax(x)
+// silu (x) ; swiglu(gate, up) (gelu and softmax: ops_math.cc)
 
 // ---------------------------------------------------------------------------
 // rope(x[B, T, H*D]) attrs heads, theta
@@ -623,45 +598,6 @@ bool xent_ids(const Graph &g, const Node &n, int input, int64_t *lo, int64_t *hi
 // ---------------------------------------------------------------------------
 // The library's ops
 
-constexpr BwdSlot G(int i) { return {BwdSlot::Grad, i}; }
-constexpr BwdSlot In(int i) { return {BwdSlot::Input, i}; }
-constexpr BwdSlot Out(int i) { return {BwdSlot::Output, i}; }
-
-OpDef fwd(const char *name, int min_in, int max_in, void (*infer)(const Graph &, const Node &, std::vector<OutInfo> &),
-          double (*flops)(const Graph &, const Node &)) {
-  OpDef d;
-  d.name = name;
-  d.min_inputs = min_in;
-  d.max_inputs = max_in;
-  d.infer = infer;
-  d.flops = flops;
-  return d;
-}
-
-// An internal op (a backward op or a collective): inputs and produced outputs.
-OpDef internal(const char *name, int inputs, int outputs) {
-  OpDef d;
-  d.name = name;
-  d.min_inputs = d.max_inputs = inputs;
-  d.num_outputs = outputs;
-  d.internal = true;
-  return d;
-}
-
-template <typename P>
-OpDef with_params(OpDef d, void (*decode)(const Graph &, const Node &, void *)) {
-  d.params_size = sizeof(P);
-  d.decode = decode;
-  return d;
-}
-
-OpDef with_bwd(OpDef d, const char *op, std::vector<BwdSlot> inputs, int grads = 0) {
-  d.bwd.op = op;
-  d.bwd.inputs = std::move(inputs);
-  d.bwd.grads = grads;
-  return d;
-}
-
 std::vector<OpDef> library_ops() {
   std::vector<OpDef> v;
   OpDef e = with_bwd(fwd("embedding", 2, 2, embedding_infer, zero_flops), "embedding_bwd", {G(0), In(1)}, 1);
@@ -671,10 +607,6 @@ std::vector<OpDef> library_ops() {
   lin.vjp = linear_vjp;
   v.push_back(lin);
   v.push_back(with_bwd(fwd("matmul", 2, 2, matmul_infer, matmul_flops), "matmul_bwd", {G(0), In(0), In(1)}));
-  OpDef add = fwd("add", 2, 2, binary_infer, elementwise_flops);
-  add.vjp = add_vjp;
-  v.push_back(add);
-  v.push_back(with_bwd(fwd("mul", 2, 2, binary_infer, elementwise_flops), "mul_bwd", {G(0), In(0), In(1)}));
   OpDef ln = with_bwd(fwd("layernorm", 2, 3, norm_infer, norm_flops), "layernorm_bwd",
                       {G(0), In(0), In(1), Out(1), Out(2)});
   ln.saved = {"mean", "rstd"};
@@ -682,10 +614,8 @@ std::vector<OpDef> library_ops() {
   OpDef rms = with_bwd(fwd("rmsnorm", 2, 2, norm_infer, norm_flops), "rmsnorm_bwd", {G(0), In(0), In(1), Out(1)});
   rms.saved = {"rstd"};
   v.push_back(with_params<ctr_norm_params>(rms, norm_decode));
-  v.push_back(with_bwd(fwd("gelu", 1, 1, infer_same_f32, elementwise_flops), "gelu_bwd", {G(0), In(0)}));
   v.push_back(with_bwd(fwd("silu", 1, 1, infer_same_f32, elementwise_flops), "silu_bwd", {G(0), In(0)}));
   v.push_back(with_bwd(fwd("swiglu", 2, 2, infer_same_f32, elementwise_flops), "swiglu_bwd", {G(0), In(0), In(1)}));
-  v.push_back(with_bwd(fwd("softmax", 1, 1, infer_same_f32, elementwise_flops), "softmax_bwd", {G(0), Out(0)}));
   v.push_back(with_bwd(fwd("exp", 1, 1, infer_same_f32, elementwise_flops), "exp_bwd", {G(0), Out(0)}));
   v.push_back(with_bwd(fwd("log", 1, 1, infer_same_f32, elementwise_flops), "log_bwd", {G(0), In(0)}));
   v.push_back(with_bwd(fwd("tanh", 1, 1, infer_same_f32, elementwise_flops), "tanh_bwd", {G(0), Out(0)}));
@@ -773,14 +703,10 @@ std::vector<OpDef> library_ops() {
   v.push_back(internal("linear_bwd_w", 2, 1));
   v.push_back(internal("linear_bwd_b", 1, 1));
   v.push_back(internal("matmul_bwd", 3, 2));
-  v.push_back(internal("reduce_rows", 1, 1));
-  v.push_back(internal("mul_bwd", 3, 2));
   v.push_back(with_params<ctr_norm_params>(internal("layernorm_bwd", 5, 3), norm_decode));
   v.push_back(with_params<ctr_norm_params>(internal("rmsnorm_bwd", 4, 2), norm_decode));
-  v.push_back(internal("gelu_bwd", 2, 1));
   v.push_back(internal("silu_bwd", 2, 1));
   v.push_back(internal("swiglu_bwd", 3, 2));
-  v.push_back(internal("softmax_bwd", 2, 1));
   for (const char *name : {"exp_bwd", "log_bwd", "tanh_bwd", "erf_bwd", "rsqrt_bwd", "sqrt_bwd",
                            "reciprocal_bwd", "sigmoid_bwd"})
     v.push_back(internal(name, 2, 1));
@@ -799,6 +725,8 @@ std::vector<OpDef> library_ops() {
                                                      moe_grouped_linear_decode));
   v.push_back(with_params<ctr_moe_loss_params>(internal("moe_aux_loss_global_bwd", 4, 1), moe_loss_decode<10>));
   v.push_back(internal("moe_unpermute_bwd", 4, 2));
+  // Broadcasting arithmetic, reductions, softmax and gelu (ops_math.cc).
+  append_math_ops(v);
   // Collectives inserted by the shard pass (one output per input; the bucket
   // pass merges several into one node); the executor runs them on the comm stream.
   for (const char *name : {"all_gather", "reduce_scatter", "all_reduce"}) {

@@ -10,8 +10,8 @@ and option strings are written here by hand (the store's wire format is
 described in lib/comm/store.cc). OUT_DIR defaults to tests/fuzz/corpus; each
 target's directory is emptied first, so the result depends only on the sources.
 
-Graph seeds for ops no preset uses (the element-wise unary ops) are written with
-ctr_export's graph writer (tools/export/ctr_export/graphfile.py), which needs flatc and
+Graph seeds for ops no preset uses (the element-wise unary ops, the general math ops) are
+written with ctr_export's graph writer (tools/export/ctr_export/graphfile.py), which needs flatc and
 Python's flatbuffers and numpy (Debian's python3 has them).
 
 The small model is the one of tests/fuzz/fuzz_common.h (GPT, 1 layer, width 8,
@@ -123,8 +123,72 @@ def unary_ops_graph():
                     metadata=[("vocab", str(UNARY_VOCAB)), ("max_seq", str(UNARY_SEQ))])
 
 
+def math_ops_graph():
+    """tokens -> embedding -> the general math ops (broadcasting add, sub, mul and div with
+    scalar constants of shape [] and [1], a trailing bias and size-1 dims; mean, var, amax,
+    expand, masked_fill with -inf under a constant mask, softmax, log_softmax over the seq
+    dim, sum, exact gelu) -> linear head -> cross-entropy. The mask leaves some features
+    unmasked, so the softmax never sees a row of -inf."""
+    import numpy as np
+    gf = graphfile()
+    DTYPE, INIT, ROLE = gf.DTYPE, gf.INIT, gf.ROLE
+    GraphDef, NodeDef, TensorDef = gf.GraphDef, gf.NodeDef, gf.TensorDef
+
+    rng = np.random.default_rng(1)
+    tensors, nodes = [], []
+
+    def tensor(name, **kw):
+        tensors.append(TensorDef(name=name, **kw))
+        return len(tensors) - 1
+
+    def param(name, shape, std):
+        data = (rng.standard_normal(shape) * std).astype("<f4").tobytes()
+        return tensor(name, dims=list(shape), role=ROLE["Param"], init=INIT["Data"], data=data)
+
+    def const(name, values, shape):
+        data = np.asarray(values, dtype="<f4").reshape(shape).tobytes()
+        return tensor(name, dims=list(shape), role=ROLE["Const"], init=INIT["Data"], data=data)
+
+    def node(op, name, inputs, attrs=None):
+        out = tensor(name)
+        nodes.append(NodeDef(op=op, name=name, inputs=inputs, outputs=[out], attrs=attrs or {}))
+        return out
+
+    D = UNARY_DIM
+    tokens = tensor("tokens", dtype=DTYPE["I32"], dims=["batch", "seq"], role=ROLE["Input"])
+    targets = tensor("targets", dtype=DTYPE["I32"], dims=["batch", "seq"], role=ROLE["Input"])
+    wte = param("wte", (UNARY_VOCAB, D), 1.0)
+    bias = param("bias", (D,), 0.1)
+    head = param("head.weight", (UNARY_VOCAB, D), 0.5)
+    half = const("half", [0.5], [])
+    two = const("two", [2.0], [1])
+    one = const("one", [1.0], [])
+    mask = const("mask", [0, 1, 0, 0, 1, 0, 0, 0][:D], [D])
+    x = node("embedding", "emb", [wte, tokens])
+    a = node("mul", "scaled", [x, half])
+    a = node("sub", "shifted", [a, bias])
+    a = node("div", "halved", [a, two])
+    mu = node("mean", "mu", [a], {"dims": [-1], "keepdim": 1})
+    a = node("sub", "centred", [a, mu])
+    va = node("var", "var", [a], {"dims": [-1], "keepdim": 1})
+    a = node("div", "normed", [a, node("add", "var1", [va, one])])
+    mx = node("amax", "max", [a], {"dims": [-1], "keepdim": 1})
+    a = node("add", "plus_max", [a, node("expand", "max_wide", [mx], {"shape": [-1, -1, D]})])
+    a = node("masked_fill", "masked", [a, mask], {"value": float("-inf")})
+    p = node("softmax", "probs", [a], {"dim": -1})
+    q = node("log_softmax", "seq_logp", [x], {"dim": 1})
+    s = node("sum", "seq_sum", [q], {"dims": [1], "keepdim": 1})
+    h = node("mul", "mixed", [p, s])
+    h = node("gelu", "gelu", [h], {"approximate": "none"})
+    logits = node("linear", "logits", [h, head])
+    loss = node("cross_entropy", "loss", [logits, targets])
+    return GraphDef(name="math_ops", tensors=tensors, nodes=nodes, loss=loss,
+                    metadata=[("vocab", str(UNARY_VOCAB)), ("max_seq", str(UNARY_SEQ))])
+
+
 def written_graphs(out):
     put(out, "unary_ops.ctrg", graphfile().serialize(unary_ops_graph()))
+    put(out, "math_ops.ctrg", graphfile().serialize(math_ops_graph()))
 
 
 def files(ctr, out, tmp):

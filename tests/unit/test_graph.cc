@@ -686,6 +686,17 @@ struct OpGraph {
                   reinterpret_cast<const uint8_t *>(values.data() + values.size()));
     return g.add_tensor(t);
   }
+  // A constant with embedded values (row-major), such as a mask.
+  int add_const(const std::string &name, std::vector<int64_t> shape, const std::vector<float> &values) {
+    ctr::Tensor t;
+    t.name = name;
+    t.role = ctr::Role::Const;
+    for (int64_t d : shape) t.dims.push_back(ctr::Dim{d, ""});
+    t.init.kind = ctr::InitKind::Data;
+    t.data.assign(reinterpret_cast<const uint8_t *>(values.data()),
+                  reinterpret_cast<const uint8_t *>(values.data() + values.size()));
+    return g.add_tensor(t);
+  }
   // A node with several outputs; returns their ids.
   std::vector<int> add_ops(const std::string &op, std::vector<int> in, int outputs,
                            std::map<std::string, ctr::Attr> attrs = {}) {
@@ -1045,6 +1056,116 @@ std::vector<OpCase> op_cases() {
                  int l = b.add_param("logits", {6, 4});
                  b.g.loss = b.add_op("moe_z_loss", {l}, {{"coef", ctr::Attr::of_float(1.0)}});
                }, {}});
+  // Broadcasting arithmetic (ops_math.cc): each direction, scalars of shape [1]
+  // and [], size-1 middle dims. div's divisor stays away from 0.
+  struct BcastCase {
+    const char *label;
+    std::vector<int64_t> a, b, out;
+  };
+  const std::vector<BcastCase> bcast = {
+      {"same_shape", {3, 4}, {3, 4}, {3, 4}},
+      {"a_broadcast", {4}, {2, 3, 4}, {2, 3, 4}},
+      {"b_broadcast", {2, 3, 4}, {3, 1}, {2, 3, 4}},
+      {"both_broadcast", {2, 1, 4}, {3, 1}, {2, 3, 4}},
+      {"middle_size1", {2, 3, 4}, {2, 1, 4}, {2, 3, 4}},
+      {"b_scalar1", {3, 4}, {1}, {3, 4}},
+      {"b_scalar0", {3, 4}, {}, {3, 4}},
+      {"a_scalar0", {}, {3, 4}, {3, 4}},
+      {"b_trailing", {2, 3, 4}, {3, 4}, {2, 3, 4}},
+  };
+  for (const char *op : {"add", "sub", "mul", "div"})
+    for (const BcastCase &bc : bcast)
+      c.push_back({std::string(op) + "_" + bc.label, [op, bc](OpGraph &b) {
+                     // A rank-0 parameter needs its value embedded (the verifier's rule).
+                     auto operand = [&b](const char *name, const std::vector<int64_t> &shape, bool positive) {
+                       if (shape.empty()) return b.add_param_data(name, shape, {positive ? 1.7f : -0.6f});
+                       return positive ? b.add_positive_param(name, shape) : b.add_param(name, shape);
+                     };
+                     int x = operand("a", bc.a, false);
+                     int y = operand("b", bc.b, std::string(op) == "div");
+                     b.finish(b.add_op(op, {x, y}), bc.out);
+                   }, {}});
+  // masked_fill with a constant mask broadcast over leading dims; -inf as in
+  // an attention mask (a softmax follows, so no target is ever masked).
+  c.push_back({"masked_fill_neg_inf_leading", [](OpGraph &b) {
+                 int x = b.add_param("x", {2, 3, 4});
+                 int m = b.add_const("mask", {3, 4}, {0, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 1});
+                 int y = b.add_op("masked_fill", {x, m}, {{"value", ctr::Attr::of_float(-INFINITY)}});
+                 b.finish(b.add_op("softmax", {y}), {2, 3, 4});
+               }, {}});
+  c.push_back({"masked_fill_value_size1_dims", [](OpGraph &b) {
+                 int x = b.add_param("x", {2, 3, 4});
+                 int m = b.add_const("mask", {2, 1, 4}, {1, 0, 0, 2, 0, 1, 0, 0});
+                 b.finish(b.add_op("masked_fill", {x, m}, {{"value", ctr::Attr::of_float(0.75)}}), {2, 3, 4});
+               }, {}});
+  c.push_back({"expand_size1_and_new_dims", [](OpGraph &b) {
+                 int x = b.add_param("x", {1, 4});
+                 b.finish(b.add_op("expand", {x}, {{"shape", aints({2, 3, -1})}}), {2, 3, 4});
+               }, {}});
+  c.push_back({"expand_new_leading_dims", [](OpGraph &b) {
+                 int x = b.add_param("x", {4});
+                 b.finish(b.add_op("expand", {x}, {{"shape", aints({2, 3, -1})}}), {2, 3, 4});
+               }, {}});
+  c.push_back({"expand_middle", [](OpGraph &b) {
+                 int x = b.add_param("x", {2, 1, 4});
+                 b.finish(b.add_op("expand", {x}, {{"shape", aints({2, 3, 4})}}), {2, 3, 4});
+               }, {}});
+  // Reductions. A reduced last dim (keepdim) is scaled by a parameter of the
+  // full shape: adding it would shift whole rows, which cross-entropy ignores.
+  struct ReduceCase {
+    const char *label, *op;
+    std::vector<int64_t> x, dims;
+    int keepdim, correction;  // correction -1: the default
+    std::vector<int64_t> out;
+    std::vector<int64_t> scale;  // empty: the output goes to the loss as it is
+  };
+  const std::vector<ReduceCase> red = {
+      {"sum_middle", "sum", {2, 3, 4}, {1}, 0, -1, {2, 4}, {}},
+      {"sum_negative_dims_keepdim", "sum", {2, 3, 4, 5}, {-3, -1}, 1, -1, {2, 1, 4, 1}, {2, 3, 4, 5}},
+      {"sum_leading", "sum", {3, 2, 4}, {0}, 0, -1, {2, 4}, {}},
+      {"mean_outer_dims", "mean", {2, 3, 4}, {0, 2}, 0, -1, {3}, {}},
+      {"mean_last_keepdim", "mean", {3, 2}, {-1}, 1, -1, {3, 1}, {3, 4}},
+      {"mean_leading_keepdim", "mean", {3, 2, 4}, {0, 1}, 1, -1, {1, 1, 4}, {}},
+      {"amax_middle", "amax", {2, 3, 4}, {1}, 0, -1, {2, 4}, {}},
+      {"amax_outer_dims", "amax", {2, 3, 4}, {0, -1}, 0, -1, {3}, {}},
+      {"amax_last_keepdim", "amax", {3, 5}, {1}, 1, -1, {3, 1}, {3, 4}},
+      {"var_middle", "var", {2, 3, 4}, {1}, 0, -1, {2, 4}, {}},
+      {"var_last", "var", {2, 3, 5}, {-1}, 0, -1, {2, 3}, {}},
+      {"var_correction0_keepdim", "var", {2, 3, 4}, {0, 2}, 1, 0, {1, 3, 1}, {2, 3, 4}},
+  };
+  for (const ReduceCase &rc : red)
+    c.push_back({rc.label, [rc](OpGraph &b) {
+                   int x = b.add_param("x", rc.x);
+                   std::map<std::string, ctr::Attr> attrs = {{"dims", aints(rc.dims)}, {"keepdim", ai(rc.keepdim)}};
+                   if (rc.correction >= 0) attrs["correction"] = ai(rc.correction);
+                   int y = b.add_op(rc.op, {x}, attrs);
+                   if (rc.scale.empty()) {
+                     b.finish(y, rc.out);
+                   } else {
+                     int s = b.add_param("s", rc.scale);
+                     b.finish(b.add_op("mul", {s, y}), rc.scale);
+                   }
+                 }, {}});
+  // amax with two-way ties in every row: the gradient is split evenly between
+  // them, which is also what central differences give at a tie of two (for k
+  // tied entries they would give 1/2, the gradient 1/k).
+  c.push_back({"amax_ties", [](OpGraph &b) {
+                 int x = b.add_param_data("x", {3, 4}, {0.5f, 0.9f, 0.9f, -0.2f, 0.3f, -0.5f, 0.3f, 0.1f,
+                                                        -0.4f, 0.7f, 0.2f, 0.7f});
+                 int y = b.add_op("amax", {x}, {{"dims", aints({-1})}, {"keepdim", ai(1)}});
+                 int s = b.add_param("s", {3, 4});
+                 b.finish(b.add_op("mul", {s, y}), {3, 4});
+               }, {}});
+  for (const char *op : {"softmax", "log_softmax"})
+    for (int dim : {0, 1, -1})
+      c.push_back({std::string(op) + "_dim" + (dim < 0 ? "_last" : std::to_string(dim)), [op, dim](OpGraph &b) {
+                     int x = b.add_param("x", {3, 2, 4});
+                     b.finish(b.add_op(op, {x}, {{"dim", ai(dim)}}), {3, 2, 4});
+                   }, {}});
+  c.push_back({"gelu_exact", [](OpGraph &b) {
+                 int x = b.add_param("x", {4, 6}, 1.5f);
+                 b.finish(b.add_op("gelu", {x}, {{"approximate", ctr::Attr::of_string("none")}}), {4, 6});
+               }, {}});
   return c;
 }
 
@@ -1059,6 +1180,152 @@ TEST(OpGradientCoverage, EveryFileOpIsChecked) {
     for (const auto &n : b.g.nodes) covered.insert(n.op);
   }
   for (const auto &op : ctr::file_op_names()) EXPECT_TRUE(covered.count(op)) << op;
+}
+
+// The step refuses the graph naming its first node and every needle.
+void expect_refused(OpGraph &b, const std::vector<std::string> &needles) {
+  ctr_graph *g = nullptr;
+  ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+  Mesh m;
+  Opts o;
+  o.i("batch", 1);
+  ctr_step *s = nullptr;
+  EXPECT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_INVALID_GRAPH);
+  EXPECT_EQ(s, nullptr);
+  const std::string err = ctr_last_error();
+  EXPECT_NE(err.find("'" + b.g.nodes[0].name + "'"), std::string::npos) << err;
+  for (const auto &k : needles) EXPECT_NE(err.find(k), std::string::npos) << "'" << k << "' not in: " << err;
+  ctr_graph_free(g);
+}
+
+TEST(MathOps, BroadcastMismatchNamesBothShapes) {
+  for (const char *op : {"add", "sub", "mul", "div"}) {
+    OpGraph b;
+    int x = b.add_param("x", {2, 3});
+    int y = b.add_param("y", {4});
+    b.finish(b.add_op(op, {x, y}), {2, 3});
+    expect_refused(b, {"[2,3]", "[4]", "'x'", "'y'", "broadcast"});
+  }
+}
+
+TEST(MathOps, BroadcastPastEightDimsIsRefused) {
+  std::vector<int64_t> nine(9, 1);
+  nine.back() = 2;
+  for (const char *op : {"add", "sub"}) {
+    OpGraph b;
+    int x = b.add_param("x", nine);
+    int y = b.add_param("y", {2});
+    b.finish(b.add_op(op, {x, y}), nine);
+    expect_refused(b, {"at most 8"});
+  }
+}
+
+TEST(MathOps, MaskThatDoesNotBroadcastToXIsRefused) {
+  OpGraph b;
+  int x = b.add_param("x", {3, 4});
+  int m = b.add_const("mask", {2, 3, 4}, std::vector<float>(24, 1.0f));  // would grow x
+  b.finish(b.add_op("masked_fill", {x, m}, {{"value", ctr::Attr::of_float(0.0)}}), {3, 4});
+  expect_refused(b, {"[2,3,4]", "[3,4]", "mask"});
+  OpGraph nv;
+  x = nv.add_param("x", {3, 4});
+  m = nv.add_const("mask", {4}, std::vector<float>(4, 1.0f));
+  nv.finish(nv.add_op("masked_fill", {x, m}), {3, 4});
+  expect_refused(nv, {"value"});
+}
+
+TEST(MathOps, BadReductionDimsAreNamed) {
+  struct Bad {
+    std::map<std::string, ctr::Attr> attrs;
+    std::vector<std::string> needles;
+  };
+  const std::vector<Bad> bad = {
+      {{{"dims", aints({3})}}, {"dims=[3]", "3 is not a dim", "[2,3,4]"}},
+      {{{"dims", aints({-4})}}, {"-4 is not a dim"}},
+      {{{"dims", aints({1, -2})}}, {"dim 1 twice"}},
+      {{{"dims", aints({})}}, {"'dims' is empty"}},
+      {{}, {"missing attribute 'dims'"}},
+      {{{"dims", aints({0})}, {"keepdim", ai(2)}}, {"keepdim=2"}},
+  };
+  for (const char *op : {"sum", "mean", "amax", "var"})
+    for (const Bad &c : bad) {
+      OpGraph b;
+      int x = b.add_param("x", {2, 3, 4});
+      b.finish(b.add_op(op, {x}, c.attrs), {3, 4});
+      expect_refused(b, c.needles);
+    }
+  OpGraph v;
+  int x = v.add_param("x", {2, 3, 4});
+  v.finish(v.add_op("var", {x}, {{"dims", aints({0})}, {"correction", ai(-1)}}), {3, 4});
+  expect_refused(v, {"correction=-1"});
+}
+
+TEST(MathOps, BadSoftmaxDimExpandShapeAndGeluModeAreNamed) {
+  for (const char *op : {"softmax", "log_softmax"}) {
+    OpGraph b;
+    int x = b.add_param("x", {2, 3});
+    b.finish(b.add_op(op, {x}, {{"dim", ai(2)}}), {2, 3});
+    expect_refused(b, {"dim=2", "[2,3]"});
+  }
+  for (const auto &shape : std::vector<std::vector<int64_t>>{{2, 5}, {3}, {-1, 2, 3}}) {
+    OpGraph b;
+    int x = b.add_param("x", {2, 3});
+    b.finish(b.add_op("expand", {x}, {{"shape", aints(shape)}}), {2, 3});
+    expect_refused(b, {"shape=" + ctr::shape_string(shape)});
+  }
+  OpGraph gb;
+  int x = gb.add_param("x", {2, 3});
+  gb.finish(gb.add_op("gelu", {x}, {{"approximate", ctr::Attr::of_string("erf")}}), {2, 3});
+  expect_refused(gb, {"approximate='erf'"});
+}
+
+TEST(MathOps, ForwardValuesFollowPyTorch) {
+  // A few values worked by hand: broadcasting sub and div, masked_fill with
+  // -inf, expand, var (unbiased), amax and log_softmax over dim 0.
+  OpGraph b;
+  int a = b.add_const("a", {2, 1}, {1.0f, 2.0f});
+  int c = b.add_const("c", {3}, {1.0f, 2.0f, 4.0f});
+  int d = b.add_op("div", {a, c});   // [[1, .5, .25], [2, 1, .5]]
+  int s = b.add_op("sub", {d, c});   // [[0, -1.5, -3.75], [1, -1, -3.5]]
+  int m = b.add_const("m", {3}, {0.0f, 1.0f, 0.0f});
+  int f = b.add_op("masked_fill", {s, m}, {{"value", ctr::Attr::of_float(-INFINITY)}});
+  int e = b.add_op("expand", {c}, {{"shape", aints({2, 3})}});
+  int v = b.add_op("var", {e}, {{"dims", aints({1})}});  // var(1, 2, 4) = 7/3
+  int x = b.add_op("amax", {f}, {{"dims", aints({1})}});   // [0, 1]
+  int l = b.add_op("log_softmax", {s}, {{"dim", ai(0)}});
+  int w = b.add_param("w", {2});
+  b.g.loss = b.add_op("sum", {b.add_op("mul", {w, v})}, {{"dims", aints({0})}});
+  const std::vector<std::pair<int, std::vector<float>>> want = {
+      {s, {0.0f, -1.5f, -3.75f, 1.0f, -1.0f, -3.5f}},
+      {f, {0.0f, -INFINITY, -3.75f, 1.0f, -INFINITY, -3.5f}},
+      {e, {1.0f, 2.0f, 4.0f, 1.0f, 2.0f, 4.0f}},
+      {v, {7.0f / 3, 7.0f / 3}},
+      {x, {0.0f, 1.0f}},
+      {l, {-1.3132617f, -0.9740770f, -0.8259394f, -0.3132617f, -0.4740770f, -0.5759394f}},
+  };
+  std::string keep;
+  for (const auto &[t, vals] : want) keep += (keep.empty() ? "" : ",") + b.g.tensors[t].name;
+  ctr_graph *g = nullptr;
+  ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+  Mesh mesh;
+  Opts o;
+  o.i("batch", 1).s("keep", keep.c_str());
+  ctr_step *st = nullptr;
+  ASSERT_EQ(ctr_step_create(mesh.m, g, o.o, &st), CTR_STATUS_OK) << ctr_last_error();
+  double loss = 0;
+  ASSERT_EQ(ctr_step_evaluate(st, &loss), CTR_STATUS_OK) << ctr_last_error();
+  for (const auto &[t, vals] : want) {
+    std::vector<float> got(vals.size());
+    ASSERT_EQ(ctr_step_get_output(st, b.g.tensors[t].name.c_str(), got.data(), got.size()), CTR_STATUS_OK)
+        << ctr_last_error();
+    for (size_t i = 0; i < vals.size(); ++i) {
+      if (std::isinf(vals[i]))
+        EXPECT_EQ(got[i], vals[i]) << b.g.tensors[t].name << "[" << i << "]";
+      else
+        EXPECT_NEAR(got[i], vals[i], 1e-5) << b.g.tensors[t].name << "[" << i << "]";
+    }
+  }
+  ctr_step_free(st);
+  ctr_graph_free(g);
 }
 
 TEST(UnaryOps, PowWithoutExponentIsRefusedNamingTheNode) {

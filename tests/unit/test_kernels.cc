@@ -1321,4 +1321,270 @@ TEST(Determinism, GroupedLinearDoesNotDependOnThreadCount) {
   EXPECT_NEAR(one[2][0], ref, 1e-3);
 }
 
+// ---------------------------------------------------------------------------
+// General broadcasting, reductions over any dims, softmax on a dim, exact GELU
+
+using Shp = std::vector<int64_t>;
+
+int64_t count(const Shp &s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+ctr::cpu::ShapeRef sref(const Shp &s) { return {s.data(), static_cast<int>(s.size())}; }
+
+// The flat index in `of` (aligned at the trailing end of out, size-1 dims
+// broadcast) of out's flat element i.
+int64_t source_index(int64_t i, const Shp &out, const Shp &of) {
+  int64_t idx = 0, stride = 1;
+  for (int d = static_cast<int>(out.size()) - 1; d >= 0; --d) {
+    const int64_t k = i % out[d];
+    i /= out[d];
+    const int j = d - static_cast<int>(out.size() - of.size());
+    if (j < 0) continue;
+    if (of[j] != 1) idx += k * stride;
+    stride *= of[j];
+  }
+  return idx;
+}
+
+TEST(Math, ExactGeluMatchesErfFormula) {
+  // Within a few ulps of the double formula; the derivative also against
+  // central differences of that formula.
+  auto gelu = [](double x) { return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))); };
+  for (double x = -10.0; x < 10.0; x += 0.0137) {
+    const float xf = static_cast<float>(x);
+    const double xd = xf;
+    EXPECT_NEAR(ctr::math::gelu_exact(xf), gelu(xd), 1e-7 + 1e-6 * std::fabs(gelu(xd))) << x;
+    const double fd = (gelu(xd + 1e-6) - gelu(xd - 1e-6)) / 2e-6;
+    EXPECT_NEAR(ctr::math::gelu_exact_grad(xf), fd, 1e-6) << x;
+  }
+  // The tails: 0 far left (no NaN from 0 * inf), x far right.
+  EXPECT_EQ(ctr::math::gelu_exact(-40.0f), -0.0f);
+  EXPECT_EQ(ctr::math::gelu_exact(40.0f), 40.0f);
+  EXPECT_EQ(ctr::math::gelu_exact_grad(-40.0f), 0.0f);
+  EXPECT_EQ(ctr::math::gelu_exact_grad(40.0f), 1.0f);
+}
+
+TEST(Activations, ExactGeluKernels) {
+  const int64_t n = 10007;  // split over threads
+  F x = random_vec(n, 3, -6.0f, 6.0f), dy = random_vec(n, 4), y(n), dx(n);
+  ctr::cpu::gelu_exact_fwd(x.data(), y.data(), n);
+  ctr::cpu::gelu_exact_bwd(dy.data(), x.data(), dx.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(y[i], ctr::math::gelu_exact(x[i])) << i;
+    ASSERT_EQ(dx[i], dy[i] * ctr::math::gelu_exact_grad(x[i])) << i;
+  }
+}
+
+struct BinCase {
+  Shp a, b, out;
+};
+
+const std::vector<BinCase> kBinCases = {
+    {{3, 4}, {3, 4}, {3, 4}},          {{3, 4}, {1}, {3, 4}},
+    {{3, 4}, {}, {3, 4}},              {{}, {3, 4}, {3, 4}},
+    {{2, 3, 4}, {3, 4}, {2, 3, 4}},    {{4}, {2, 3, 4}, {2, 3, 4}},
+    {{2, 3, 4}, {3, 1}, {2, 3, 4}},    {{2, 1, 4}, {3, 1}, {2, 3, 4}},
+    {{2, 3, 4}, {2, 1, 4}, {2, 3, 4}}, {{5, 1, 7, 1}, {1, 6, 1, 3}, {5, 6, 7, 3}},
+    {{1}, {1}, {1}},                   {{}, {}, {}},
+    {{300, 1}, {1, 513}, {300, 513}},  // rows and columns over several threads
+    {{2, 1, 3, 1, 2, 1, 2, 1}, {1, 2, 1, 2, 1, 2, 1, 2}, {2, 2, 3, 2, 2, 2, 2, 2}},
+};
+
+TEST(Broadcast, GeneralBinaryMatchesReference) {
+  using B = ctr::cpu::Binary;
+  for (const BinCase &c : kBinCases)
+    for (B op : {B::Add, B::Sub, B::Mul, B::Div}) {
+      F a = random_vec(count(c.a), 1), b = random_vec(count(c.b), 2, 0.5f, 2.0f), out(count(c.out), NAN);
+      ctr::cpu::binary_fwd(op, a.data(), sref(c.a), b.data(), sref(c.b), out.data(), sref(c.out));
+      F ref(out.size());
+      for (int64_t i = 0; i < count(c.out); ++i) {
+        const float x = a[source_index(i, c.out, c.a)], y = b[source_index(i, c.out, c.b)];
+        ref[i] = op == B::Add ? x + y : op == B::Sub ? x - y : op == B::Mul ? x * y : x / y;
+      }
+      // Element by element the same float operation: exact.
+      EXPECT_EQ(0, std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)))
+          << "op " << static_cast<int>(op) << " " << c.a.size() << "-d with " << c.b.size() << "-d";
+    }
+}
+
+TEST(Broadcast, ExpandMaskedFillAndDivGradient) {
+  for (const BinCase &c : kBinCases) {
+    // expand: a to out.
+    F a = random_vec(count(c.a), 1), out(count(c.out), NAN);
+    ctr::cpu::broadcast_to(a.data(), sref(c.a), out.data(), sref(c.out), 0.5f);
+    for (int64_t i = 0; i < count(c.out); ++i) ASSERT_EQ(out[i], 0.5f * a[source_index(i, c.out, c.a)]) << i;
+    // masked_fill of x[out] with a mask shaped like b, filled with +-inf.
+    F x = random_vec(count(c.out), 3), m(count(c.b)), y(count(c.out), NAN);
+    for (size_t i = 0; i < m.size(); ++i) m[i] = (i % 3 == 1) ? 0.0f : (i % 3 == 2 ? -2.0f : 1.0f);
+    for (float v : {-INFINITY, INFINITY, 0.25f}) {
+      ctr::cpu::masked_fill(x.data(), m.data(), sref(c.b), y.data(), sref(c.out), v);
+      for (int64_t i = 0; i < count(c.out); ++i)
+        ASSERT_EQ(y[i], m[source_index(i, c.out, c.b)] != 0.0f ? v : x[i]) << i;
+    }
+    // div's gradient for b before the reduction: -(g * (y / b)).
+    F g = random_vec(count(c.out), 4), b = random_vec(count(c.b), 5, 0.5f, 2.0f), yd(count(c.out)), db(count(c.out));
+    ctr::cpu::div_bwd_b(g.data(), x.data(), b.data(), sref(c.b), db.data(), sref(c.out));
+    for (int64_t i = 0; i < count(c.out); ++i)
+      ASSERT_EQ(db[i], -(g[i] * (x[i] / b[source_index(i, c.out, c.b)]))) << i;
+  }
+}
+
+struct RedCase {
+  Shp x, out;  // out: x's shape with the reduced dims 1 (or a shape x broadcasts from)
+};
+
+const std::vector<RedCase> kRedCases = {
+    {{3, 7}, {3, 1}},          {{3, 7}, {1, 7}},         {{3, 7}, {1, 1}},
+    {{3, 7}, {}},              {{2, 3, 4}, {2, 1, 4}},   {{2, 3, 4}, {1, 3, 1}},
+    {{2, 3, 4}, {2, 3, 4}},    {{2, 3, 4}, {4}},         {{2, 3, 4}, {3, 1}},
+    {{5, 300}, {1, 300}},      // kept innermost wider than a tile
+    {{40, 3, 33}, {40, 1, 1}}, {{2, 1, 3, 5, 2}, {1, 1, 3, 1, 2}},
+    {{1000, 67}, {1000, 1}},   // many outputs over threads
+};
+
+// The reduced output (sum, mean, max, var with the given correction) in double.
+Dv ref_reduce(const Dv &x, const Shp &xs, const Shp &os, int kind, int64_t correction) {
+  const int64_t no = count(os);
+  std::vector<std::vector<double>> groups(static_cast<size_t>(no));
+  for (int64_t i = 0; i < count(xs); ++i) groups[source_index(i, xs, os)].push_back(x[i]);
+  Dv out;
+  for (const auto &g : groups) {
+    double s = 0, m = -INFINITY;
+    for (double v : g) {
+      s += v;
+      m = std::max(m, v);
+    }
+    const double mu = s / static_cast<double>(g.size());
+    double m2 = 0;
+    for (double v : g) m2 += (v - mu) * (v - mu);
+    out.push_back(kind == 0 ? s : kind == 1 ? mu : kind == 2 ? m : m2 / static_cast<double>(g.size() - correction));
+  }
+  return out;
+}
+
+TEST(Reduce, AllKindsMatchReference) {
+  using R = ctr::cpu::Reduction;
+  for (const RedCase &c : kRedCases) {
+    F x = random_vec(count(c.x), 6, -2.0f, 2.0f);
+    const int64_t n = count(c.x) / count(c.out);
+    for (int kind = 0; kind < 4; ++kind)
+      for (int64_t corr : {int64_t{1}, int64_t{0}}) {
+        if (kind != 3 && corr == 0) continue;
+        if (kind == 3 && n - corr <= 0) continue;
+        F out(count(c.out), NAN), mean(count(c.out), NAN);
+        ctr::cpu::reduce(static_cast<R>(kind), x.data(), sref(c.x), out.data(), sref(c.out), corr,
+                         kind == 3 ? mean.data() : nullptr);
+        // A float sum of n terms of magnitude <= 2.
+        const double tol = 1e-6 * static_cast<double>(n) + 1e-6;
+        expect_close(out, ref_reduce(to_d(x), c.x, c.out, kind, corr), tol, 1e-5,
+                     "reduce kind " + std::to_string(kind) + " of " + std::to_string(c.x.size()) + "-d to " +
+                         std::to_string(count(c.out)));
+        if (kind == 3) expect_close(mean, ref_reduce(to_d(x), c.x, c.out, 1, 0), tol, 1e-5, "var's mean");
+      }
+  }
+}
+
+TEST(Reduce, AmaxGradientSplitsTiesEvenly) {
+  // Rows (inner-reduced plan) and columns (kept-innermost plan) with 1, 2 and 3 ties.
+  const Shp xs = {3, 4};
+  const F x = {1.0f, 5.0f, 5.0f, 0.0f, 2.0f, 2.0f, 2.0f, -1.0f, -3.0f, -2.0f, -2.5f, -4.0f};
+  for (const Shp &os : {Shp{3, 1}, Shp{1, 4}}) {
+    F y(count(os)), g(count(os)), gx(x.size(), NAN);
+    ctr::cpu::reduce(ctr::cpu::Reduction::Amax, x.data(), sref(xs), y.data(), sref(os));
+    for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(i + 1);
+    ctr::cpu::amax_bwd(g.data(), x.data(), y.data(), gx.data(), sref(xs), sref(os));
+    std::vector<int> ties(g.size(), 0);
+    for (int64_t i = 0; i < 12; ++i) ties[source_index(i, xs, os)] += x[i] == y[source_index(i, xs, os)];
+    for (int64_t i = 0; i < 12; ++i) {
+      const int64_t o = source_index(i, xs, os);
+      EXPECT_EQ(gx[i], x[i] == y[o] ? g[o] / static_cast<float>(ties[o]) : 0.0f) << i;
+    }
+  }
+  // Row 1 has three ties: each gets a third.
+  F y(3), g = {1.0f, 1.0f, 3.0f}, gx(12);
+  const Shp os = {3, 1};
+  ctr::cpu::reduce(ctr::cpu::Reduction::Amax, x.data(), sref(xs), y.data(), sref(os));
+  ctr::cpu::amax_bwd(g.data(), x.data(), y.data(), gx.data(), sref(xs), sref(os));
+  EXPECT_FLOAT_EQ(gx[4], 1.0f / 3);
+  EXPECT_EQ(gx[7], 0.0f);
+  EXPECT_EQ(gx[9], 3.0f);
+}
+
+TEST(Reduce, VarGradientMatchesFiniteDifferences) {
+  for (const RedCase &c : {RedCase{{3, 7}, {3, 1}}, RedCase{{2, 3, 4}, {1, 3, 1}}, RedCase{{5, 300}, {1, 300}}})
+    for (int64_t corr : {int64_t{1}, int64_t{0}}) {
+      F x = random_vec(count(c.x), 7), g = random_vec(count(c.out), 8), y(count(c.out)), mean(count(c.out)),
+        gx(count(c.x), NAN);
+      ctr::cpu::reduce(ctr::cpu::Reduction::Var, x.data(), sref(c.x), y.data(), sref(c.out), corr, mean.data());
+      ctr::cpu::var_bwd(g.data(), x.data(), mean.data(), gx.data(), sref(c.x), sref(c.out), corr);
+      expect_grad(
+          gx, [&](const Dv &v) { return ref_reduce(v, c.x, c.out, 3, corr); }, x, g, 1e-6, 1e-4, "var", 64);
+    }
+}
+
+// softmax / log_softmax over the middle dim of [outer, C, inner], in double.
+Dv ref_softmax_dim(const Dv &x, int64_t outer, int64_t C, int64_t inner, bool log) {
+  Dv y(x.size());
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = 0; i < inner; ++i) {
+      double m = -INFINITY, s = 0;
+      for (int64_t c = 0; c < C; ++c) m = std::max(m, x[(o * C + c) * inner + i]);
+      for (int64_t c = 0; c < C; ++c) s += std::exp(x[(o * C + c) * inner + i] - m);
+      for (int64_t c = 0; c < C; ++c) {
+        const double v = x[(o * C + c) * inner + i] - m;
+        y[(o * C + c) * inner + i] = log ? v - std::log(s) : std::exp(v) / s;
+      }
+    }
+  return y;
+}
+
+TEST(Softmax, OnAnyDimMatchesReferenceAndFiniteDifferences) {
+  struct Dims {
+    int64_t outer, C, inner;
+  };
+  for (const Dims d : {Dims{3, 5, 4}, Dims{1, 7, 3}, Dims{2, 1, 5}, Dims{2, 6, 300}, Dims{4, 9, 1}})
+    for (bool log : {false, true}) {
+      if (!log && d.inner == 1) continue;  // the row kernels: tested above
+      const int64_t n = d.outer * d.C * d.inner;
+      F x = random_vec(n, 9, -6.0f, 6.0f), y(n, NAN), dy = random_vec(n, 10), dx(n, NAN);
+      if (log) {
+        ctr::cpu::log_softmax_fwd(x.data(), y.data(), d.outer, d.C, d.inner);
+        ctr::cpu::log_softmax_bwd(dy.data(), y.data(), dx.data(), d.outer, d.C, d.inner);
+      } else {
+        ctr::cpu::softmax_dim_fwd(x.data(), y.data(), d.outer, d.C, d.inner);
+        ctr::cpu::softmax_dim_bwd(dy.data(), y.data(), dx.data(), d.outer, d.C, d.inner);
+      }
+      const std::string what = std::string(log ? "log_softmax" : "softmax") + " inner " + std::to_string(d.inner);
+      expect_close(y, ref_softmax_dim(to_d(x), d.outer, d.C, d.inner, log), 1e-6, 1e-5, what);
+      expect_grad(
+          dx, [&](const Dv &v) { return ref_softmax_dim(v, d.outer, d.C, d.inner, log); }, x, dy, 1e-5, 1e-4,
+          what + " backward", 48);
+    }
+}
+
+TEST(Determinism, BroadcastAndReductionsDoNotDependOnThreadCount) {
+  const Shp a = {300, 1, 67}, b = {1, 40, 67}, o = {300, 40, 67};
+  F x = random_vec(count(a), 1), y = random_vec(count(b), 2), big = random_vec(count(o), 3);
+  auto run = [&] {
+    std::vector<F> outs;
+    F s(count(o)), r1(67), r2(300 * 40), r3(40 * 67), v(40 * 67), m(40 * 67), ls(count(o));
+    ctr::cpu::binary_fwd(ctr::cpu::Binary::Div, x.data(), sref(a), y.data(), sref(b), s.data(), sref(o));
+    ctr::cpu::reduce(ctr::cpu::Reduction::Sum, big.data(), sref(o), r1.data(), sref(Shp{67}));
+    ctr::cpu::reduce(ctr::cpu::Reduction::Mean, big.data(), sref(o), r2.data(), sref(Shp{300, 40, 1}));
+    ctr::cpu::reduce(ctr::cpu::Reduction::Amax, big.data(), sref(o), r3.data(), sref(Shp{40, 67}));
+    ctr::cpu::reduce(ctr::cpu::Reduction::Var, big.data(), sref(o), v.data(), sref(Shp{40, 67}), 1, m.data());
+    ctr::cpu::log_softmax_fwd(big.data(), ls.data(), 300, 40, 67);
+    for (F *f : {&s, &r1, &r2, &r3, &v, &m, &ls}) outs.push_back(*f);
+    return outs;
+  };
+  std::vector<F> one, three;
+  with_threads(1, [&] { one = run(); });
+  with_threads(3, [&] { three = run(); });
+  for (size_t i = 0; i < one.size(); ++i)
+    EXPECT_EQ(0, std::memcmp(one[i].data(), three[i].data(), one[i].size() * sizeof(float))) << "output " << i;
+}
+
 }  // namespace

@@ -122,14 +122,87 @@ void k_matmul_bwd(const Args &c) {
   cpu::matmul_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
                   d.batch, d.M, d.K, d.N, d.shared);
 }
-void k_add(const Args &c) {
-  cpu::add_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)), numel(c.in_shape(1)));
+// Broadcasting arithmetic. The row layout (b a trailing part of a, or one
+// element, and the output a's shape) keeps add's and mul's row kernels; the
+// rest goes to the general strided kernel.
+cpu::ShapeRef ref(Shape s) { return {s.data(), static_cast<int>(s.size())}; }
+bool row_layout(Shape out, Shape a, Shape b) {
+  if (!std::equal(out.begin(), out.end(), a.begin(), a.end())) return false;
+  if (numel(b) == 1) return true;
+  return b.size() <= a.size() && std::equal(b.begin(), b.end(), a.end() - static_cast<long>(b.size()));
+}
+template <cpu::Binary B>
+void k_binary(const Args &c) {
+  const Shape a = c.in_shape(0), b = c.in_shape(1), o = c.out_shape(0);
+  if (B == cpu::Binary::Add && row_layout(o, a, b)) {
+    cpu::add_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(a), numel(b));
+  } else if (B == cpu::Binary::Mul && row_layout(o, a, b)) {
+    cpu::mul_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(a), numel(b));
+  } else {
+    cpu::binary_fwd(B, c.in<float>(0), ref(a), c.in<float>(1), ref(b), c.out<float>(0), ref(o));
+  }
+}
+void k_div_bwd_b(const Args &c) {
+  cpu::div_bwd_b(c.in<float>(0), c.in<float>(1), c.in<float>(2), ref(c.in_shape(2)), c.out<float>(0),
+                 ref(c.out_shape(0)));
+}
+void k_reduce_to(const Args &c) {
+  cpu::reduce(cpu::Reduction::Sum, c.in<float>(0), ref(c.in_shape(0)), c.out<float>(0), ref(c.out_shape(0)));
+}
+void k_masked_fill(const Args &c) {
+  cpu::masked_fill(c.in<float>(0), c.in<float>(1), ref(c.in_shape(1)), c.out<float>(0), ref(c.in_shape(0)),
+                   c.params<ctr_masked_fill_params>().value);
+}
+void k_expand(const Args &c) {
+  cpu::broadcast_to(c.in<float>(0), ref(c.in_shape(0)), c.out<float>(0), ref(c.out_shape(0)));
+}
+
+// Reductions: x's shape with the reduced dims set to 1 (the keepdim shape,
+// which has the output's elements in the output's order).
+struct KeptShape {
+  int64_t dims[cpu::kMaxDims];
+  int rank;
+  int64_t n;  // elements reduced into one output
+  cpu::ShapeRef ref() const { return {dims, rank}; }
+};
+KeptShape kept_shape(Shape x, const ctr_reduce_params &p) {
+  KeptShape k;
+  k.rank = static_cast<int>(x.size());
+  k.n = 1;
+  for (int i = 0; i < k.rank; ++i) k.dims[i] = x[i];
+  for (int i = 0; i < p.ndims; ++i) {
+    const int d = p.dims[i] < 0 ? p.dims[i] + k.rank : p.dims[i];
+    k.n *= x[d];
+    k.dims[d] = 1;
+  }
+  return k;
+}
+template <cpu::Reduction R>
+void k_reduce(const Args &c) {
+  const auto &p = c.params<ctr_reduce_params>();
+  const KeptShape k = kept_shape(c.in_shape(0), p);
+  cpu::reduce(R, c.in<float>(0), ref(c.in_shape(0)), c.out<float>(0), k.ref(), p.correction,
+              R == cpu::Reduction::Var ? c.out<float>(1) : nullptr);
+}
+// sum_bwd, mean_bwd: the gradient broadcast back (over N for mean).
+template <bool Mean>
+void k_reduce_bcast_bwd(const Args &c) {
+  const KeptShape k = kept_shape(c.out_shape(0), c.params<ctr_reduce_params>());
+  cpu::broadcast_to(c.in<float>(0), k.ref(), c.out<float>(0), ref(c.out_shape(0)),
+                    Mean ? 1.0f / static_cast<float>(k.n) : 1.0f);
+}
+void k_amax_bwd(const Args &c) {
+  const KeptShape k = kept_shape(c.out_shape(0), c.params<ctr_reduce_params>());
+  cpu::amax_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), ref(c.out_shape(0)), k.ref());
+}
+void k_var_bwd(const Args &c) {
+  const auto &p = c.params<ctr_reduce_params>();
+  const KeptShape k = kept_shape(c.out_shape(0), p);
+  cpu::var_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), ref(c.out_shape(0)), k.ref(),
+               p.correction);
 }
 void k_reduce_rows(const Args &c) {
   cpu::reduce_rows(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0)), numel(c.out_shape(0)), false);
-}
-void k_mul(const Args &c) {
-  cpu::mul_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)), numel(c.in_shape(1)));
 }
 void k_mul_bwd(const Args &c) {
   cpu::mul_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
@@ -163,9 +236,17 @@ void k_rmsnorm_bwd(const Args &c) {
   cpu::rmsnorm_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.out<float>(0),
                    c.out<float>(1), numel(x) / C, C, false);
 }
-void k_gelu(const Args &c) { cpu::gelu_fwd(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0))); }
+void k_gelu(const Args &c) {
+  if (c.params<ctr_gelu_params>().exact)
+    cpu::gelu_exact_fwd(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0)));
+  else
+    cpu::gelu_fwd(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0)));
+}
 void k_gelu_bwd(const Args &c) {
-  cpu::gelu_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)));
+  if (c.params<ctr_gelu_params>().exact)
+    cpu::gelu_exact_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)));
+  else
+    cpu::gelu_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)));
 }
 void k_silu(const Args &c) { cpu::silu_fwd(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0))); }
 void k_silu_bwd(const Args &c) {
@@ -195,13 +276,37 @@ void k_unary_bwd(const Args &c) {
   cpu::unary_bwd(U, c.in<float>(0), c.num_inputs() > 1 ? c.in<float>(1) : nullptr, c.out<float>(0),
                  numel(c.in_shape(0)), unary_param<U>(c));
 }
+// softmax and log_softmax see x as [outer, C, inner] around their dim; inner
+// is 1 for the last dim, which keeps softmax's row kernels.
+struct DimSplit { int64_t outer, C, inner; };
+DimSplit dim_split(Shape x, const ctr_softmax_params &p) {
+  const int r = static_cast<int>(x.size()), d = p.dim < 0 ? p.dim + r : p.dim;
+  DimSplit s{1, x[d], 1};
+  for (int i = 0; i < d; ++i) s.outer *= x[i];
+  for (int i = d + 1; i < r; ++i) s.inner *= x[i];
+  return s;
+}
 void k_softmax(const Args &c) {
-  const auto &x = c.in_shape(0);
-  cpu::softmax_fwd(c.in<float>(0), c.out<float>(0), numel(x) / x.back(), x.back());
+  const auto s = dim_split(c.in_shape(0), c.params<ctr_softmax_params>());
+  if (s.inner == 1)
+    cpu::softmax_fwd(c.in<float>(0), c.out<float>(0), s.outer, s.C);
+  else
+    cpu::softmax_dim_fwd(c.in<float>(0), c.out<float>(0), s.outer, s.C, s.inner);
 }
 void k_softmax_bwd(const Args &c) {
-  const auto &x = c.in_shape(0);
-  cpu::softmax_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(x) / x.back(), x.back());
+  const auto s = dim_split(c.in_shape(0), c.params<ctr_softmax_params>());
+  if (s.inner == 1)
+    cpu::softmax_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), s.outer, s.C);
+  else
+    cpu::softmax_dim_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), s.outer, s.C, s.inner);
+}
+void k_log_softmax(const Args &c) {
+  const auto s = dim_split(c.in_shape(0), c.params<ctr_softmax_params>());
+  cpu::log_softmax_fwd(c.in<float>(0), c.out<float>(0), s.outer, s.C, s.inner);
+}
+void k_log_softmax_bwd(const Args &c) {
+  const auto s = dim_split(c.in_shape(0), c.params<ctr_softmax_params>());
+  cpu::log_softmax_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), s.outer, s.C, s.inner);
 }
 struct RopeDims { int64_t B, T, H, D; float theta; };
 RopeDims rope_dims(const Args &c) {
@@ -395,8 +500,16 @@ void register_library_kernels() {
         {"linear", bind<k_linear>},               {"linear_bwd_x", bind<k_linear_bwd_x>},
         {"linear_bwd_w", bind<k_linear_bwd_w>},   {"linear_bwd_b", bind<k_linear_bwd_b>},
         {"matmul", bind<k_matmul>},               {"matmul_bwd", bind<k_matmul_bwd>},
-        {"add", bind<k_add>},                     {"reduce_rows", bind<k_reduce_rows>},
-        {"mul", bind<k_mul>},                     {"mul_bwd", bind<k_mul_bwd>},
+        {"add", bind<k_binary<cpu::Binary::Add>>}, {"reduce_rows", bind<k_reduce_rows>},
+        {"sub", bind<k_binary<cpu::Binary::Sub>>}, {"div", bind<k_binary<cpu::Binary::Div>>},
+        {"mul", bind<k_binary<cpu::Binary::Mul>>}, {"mul_bwd", bind<k_mul_bwd>},
+        {"div_bwd_b", bind<k_div_bwd_b>},         {"reduce_to", bind<k_reduce_to>},
+        {"masked_fill", bind<k_masked_fill>},     {"expand", bind<k_expand>},
+        {"sum", bind<k_reduce<cpu::Reduction::Sum>>}, {"sum_bwd", bind<k_reduce_bcast_bwd<false>>},
+        {"mean", bind<k_reduce<cpu::Reduction::Mean>>}, {"mean_bwd", bind<k_reduce_bcast_bwd<true>>},
+        {"amax", bind<k_reduce<cpu::Reduction::Amax>>}, {"amax_bwd", bind<k_amax_bwd>},
+        {"var", bind<k_reduce<cpu::Reduction::Var>>}, {"var_bwd", bind<k_var_bwd>},
+        {"log_softmax", bind<k_log_softmax>},     {"log_softmax_bwd", bind<k_log_softmax_bwd>},
         {"add_same", bind<k_add_same>},           {"layernorm", bind<k_layernorm>},
         {"layernorm_bwd", bind<k_layernorm_bwd>}, {"rmsnorm", bind<k_rmsnorm>},
         {"rmsnorm_bwd", bind<k_rmsnorm_bwd>},     {"gelu", bind<k_gelu>},
