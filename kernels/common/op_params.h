@@ -62,6 +62,21 @@ typedef struct ctr_pow_params {
   float exponent;         /* "exponent", required */
 } ctr_pow_params;
 
+/* slice, slice_bwd: along dim, rows start, start + step, ... (len of them);
+ * the tensor is read as [outer, size, inner] around dim (size: the sliced
+ * input's dim). Negative and clamped bounds are resolved at decode. */
+typedef struct ctr_slice_params {
+  int64_t outer, size, inner;
+  int64_t start;          /* "start", default 0 */
+  int64_t len;            /* rows of the output along dim */
+  int64_t step;           /* "step", default 1 */
+} ctr_slice_params;
+
+/* cat: along dim; the tensors are read as [outer, size * inner] around dim */
+typedef struct ctr_cat_params {
+  int64_t outer, inner;
+} ctr_cat_params;
+
 #ifdef __cplusplus
 }
 #endif
