@@ -959,6 +959,11 @@ void layout_cases(std::vector<OpCase> &c) {
                  int x = b.add_param("x", {3, 4});
                  b.finish(b.add_op("cat", {x, x}, {{"dim", ai(1)}}), {3, 8});
                }, {}});
+  c.push_back({"cat_with_empty_slice", [](OpGraph &b) {  // x[:, 3:1] has zero columns: a zero-size tensor
+                 int x = b.add_param("x", {3, 4});
+                 int e = b.add_op("slice", {x}, {{"dim", ai(1)}, {"start", ai(3)}, {"end", ai(1)}});
+                 b.finish(b.add_op("cat", {e, x, e}, {{"dim", ai(1)}}), {3, 4});
+               }, {}});
   c.push_back({"cat_symbolic", [embed](OpGraph &b) {
                  int e = embed(b);
                  int f = embed(b, "table2", 3);
