@@ -109,8 +109,8 @@ int64_t bound_attr(const Graph &g, const Node &n, const char *k, int64_t def) {
   return it->second.i;
 }
 
-// The resolved slice of input `in` (x for slice, the gradient's mirror for
-// slice_bwd: both read the forward input's shape).
+// The slice of a tensor of shape x, bounds resolved (for slice_bwd, x is the
+// shape of its output, which mirrors the forward input).
 ctr_slice_params slice_of(const Graph &g, const Node &n, const std::vector<int64_t> &x) {
   if (x.empty()) bad_node(g, n, "cannot slice a scalar");
   const int d = norm_dim(g, n, x.size());
@@ -141,8 +141,7 @@ void slice_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   out = {OutInfo{g.tensors[n.inputs[0]].dtype, s}};
 }
 
-// slice_bwd(dy) -> dx: reads the forward input's shape from its output (dx
-// mirrors x).
+// slice(x) and slice_bwd(dy) -> dx share the parameters.
 void slice_decode(const Graph &g, const Node &n, void *out) {
   const int x = n.op == "slice" ? n.inputs[0] : n.outputs[0];
   *static_cast<ctr_slice_params *>(out) = slice_of(g, n, g.tensors[x].shape);
