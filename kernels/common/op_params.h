@@ -84,6 +84,20 @@ typedef struct ctr_reduce_params {
 typedef struct ctr_masked_fill_params {
   float value;            /* "value", required; may be infinite */
 } ctr_masked_fill_params;
+/* slice, slice_bwd: along dim, rows start, start + step, ... (len of them);
+ * the tensor is read as [outer, size, inner] around dim (size: the sliced
+ * input's dim). Negative and clamped bounds are resolved at decode. */
+typedef struct ctr_slice_params {
+  int64_t outer, size, inner;
+  int64_t start;          /* "start", default 0 */
+  int64_t len;            /* rows of the output along dim */
+  int64_t step;           /* "step", default 1 */
+} ctr_slice_params;
+
+/* cat: along dim; the tensors are read as [outer, size * inner] around dim */
+typedef struct ctr_cat_params {
+  int64_t outer, inner;
+} ctr_cat_params;
 
 #ifdef __cplusplus
 }

@@ -302,7 +302,9 @@ void softmax_bwd(const float *dy, const float *y, float *dx, int64_t R, int64_t 
 // ---------------------------------------------------------------------------
 // Layout
 
-void transpose(const float *x, float *y, const int64_t *dims, const int *perm, int ndim) {
+// One body for every 4-byte element type: values are only moved.
+template <typename E>
+void transpose_as(const E *x, E *y, const int64_t *dims, const int *perm, int ndim) {
   if (ndim == 0) {
     y[0] = x[0];
     return;
@@ -352,7 +354,7 @@ void transpose(const float *x, float *y, const int64_t *dims, const int *perm, i
         int64_t xoff, yoff;
         offsets(r, -1, xoff, yoff);
         if (xl == 1) {
-          std::memcpy(y + yoff, x + xoff, nl * sizeof(float));
+          std::memcpy(y + yoff, x + xoff, nl * sizeof(E));
         } else {
           for (int64_t l = 0; l < nl; ++l) y[yoff + l] = x[xoff + l * xl];
         }
@@ -376,13 +378,20 @@ void transpose(const float *x, float *y, const int64_t *dims, const int *perm, i
       for (int64_t l0 = 0; l0 < nl; l0 += kT) {
         const int64_t l1 = std::min(nl, l0 + kT);
         for (int64_t i = i0; i < i1; ++i) {
-          const float *src = x + xoff + i;
-          float *dst = y + yoff + i * sa;
+          const E *src = x + xoff + i;
+          E *dst = y + yoff + i * sa;
           for (int64_t l = l0; l < l1; ++l) dst[l] = src[l * xl];
         }
       }
     }
   });
+}
+
+void transpose(const float *x, float *y, const int64_t *dims, const int *perm, int ndim) {
+  transpose_as(x, y, dims, perm, ndim);
+}
+void transpose(const int32_t *x, int32_t *y, const int64_t *dims, const int *perm, int ndim) {
+  transpose_as(x, y, dims, perm, ndim);
 }
 
 void copy(const void *x, void *y, int64_t bytes) {

@@ -267,7 +267,21 @@ void moe_aux_loss_global_bwd(float dloss, const float *logits, const float *stat
 // Layout.
 
 // y = x permuted: x has shape dims[0..ndim), y has shape dims[perm[i]]; ndim <= 6.
+// Values are moved, never computed on: the int32 form serves token ids.
 void transpose(const float *x, float *y, const int64_t *dims, const int *perm, int ndim);
+void transpose(const int32_t *x, int32_t *y, const int64_t *dims, const int *perm, int ndim);
+
+// Slices and concatenation (layout.cc) of 4-byte elements (f32 or i32), as row
+// copies. x is [outer, size, inner]; y[outer, len, inner] takes x's rows
+// start, start + step, ... along the middle dim.
+void slice_fwd(const void *x, void *y, int64_t outer, int64_t size, int64_t inner, int64_t start,
+               int64_t len, int64_t step);
+// dx[outer, size, inner] = zeros with dy's rows put back where slice_fwd took them.
+void slice_bwd(const float *dy, float *dx, int64_t outer, int64_t size, int64_t inner, int64_t start,
+               int64_t len, int64_t step);
+// y[outer, sum of widths] = the xs side by side: x_k is [outer, widths[k]] (in
+// elements), n inputs.
+void cat_fwd(const void *const *xs, const int64_t *widths, int64_t n, void *y, int64_t outer);
 void copy(const void *x, void *y, int64_t bytes);
 void fill(float *y, float value, int64_t n);
 

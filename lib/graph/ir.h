@@ -129,6 +129,9 @@ struct Graph {
   int num_forward = -1;
   // The Const tensor holding d(loss)/d(loss), made by autodiff.
   int loss_seed = -1;
+  // Values of the symbolic dims ("batch", "seq"), bound by infer_shapes before
+  // any shape rule runs; size expressions in attributes read them (eval_size).
+  std::map<std::string, int64_t> symbols;
 
   int find_tensor(const std::string &name) const;  // -1 if absent
   int add_tensor(Tensor t);

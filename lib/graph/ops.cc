@@ -258,12 +258,38 @@ double xent_flops(const Graph &g, const Node &n) { return 4.0 * static_cast<doub
 
 // ---------------------------------------------------------------------------
 // reshape(x) attr shape (0 keeps the input dim at that position, one -1 infers)
+//   or attr dims, the same as a string whose entries may be size expressions
+//   ("batch*seq,-1"); exactly one of the two.
 // transpose(x) attr perm
+
+// The entries of attribute `dims`: -1, 0 or a size expression each.
+std::vector<int64_t> reshape_dims(const Graph &g, const Node &n) {
+  const std::string dims = n.attr_string("dims", "");
+  std::vector<int64_t> s;
+  size_t pos = 0;
+  while (true) {
+    const size_t comma = dims.find(',', pos);
+    std::string e = dims.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    const size_t b = e.find_first_not_of(" \t"), l = e.find_last_not_of(" \t");
+    e = b == std::string::npos ? "" : e.substr(b, l - b + 1);
+    if (e.empty())
+      bad_node(g, n, strformat("attribute 'dims'=\"%s\" has an empty entry", dims.c_str()));
+    s.push_back(e == "-1" ? -1 : e == "0" ? 0 : eval_size(g, n, "dims", e));
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  return s;
+}
 
 std::vector<int64_t> reshape_target(const Graph &g, const Node &n) {
   const auto &x = S(g, n, 0);
-  std::vector<int64_t> s = n.attr_ints("shape");
-  if (!n.has_attr("shape")) bad_node(g, n, "missing attribute 'shape'");
+  const bool has_shape = n.has_attr("shape"), has_dims = n.has_attr("dims");
+  if (has_shape == has_dims)
+    bad_node(g, n, has_shape ? "both attributes 'shape' and 'dims' are given (exactly one, please)"
+                             : "missing attribute 'shape' (ints) or 'dims' (a string)");
+  if (has_dims && n.attrs.at("dims").type != Attr::String)
+    bad_node(g, n, "attribute 'dims' must be a string such as \"batch*seq,-1\"");
+  std::vector<int64_t> s = has_shape ? n.attr_ints("shape") : reshape_dims(g, n);
   int infer = -1;
   int64_t known = 1;
   for (size_t i = 0; i < s.size(); ++i) {
@@ -272,17 +298,17 @@ std::vector<int64_t> reshape_target(const Graph &g, const Node &n) {
       s[i] = x[i];
     }
     if (s[i] == -1) {
-      if (infer >= 0) bad_node(g, n, "more than one -1 in attribute 'shape'");
+      if (infer >= 0) bad_node(g, n, "more than one -1 in attribute 'shape' or 'dims'");
       infer = static_cast<int>(i);
     } else if (s[i] < 0) {
       bad_node(g, n, "negative size in attribute 'shape'");
-    } else {
-      known *= s[i];
+    } else if (__builtin_mul_overflow(known, s[i], &known)) {
+      bad_node(g, n, "the sizes in attribute 'shape' or 'dims' overflow int64");
     }
   }
   if (infer >= 0) {
     if (known == 0 || numel(x) % known != 0)
-      bad_node(g, n, "cannot infer the -1 dim of attribute 'shape'");
+      bad_node(g, n, "cannot infer the -1 dim of attribute 'shape' or 'dims'");
     s[infer] = numel(x) / known;
   }
   if (numel(s) != numel(x))
@@ -305,7 +331,8 @@ void reshape_vjp(VjpBuilder &b, const Node &n) {
 }
 
 void transpose_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
-  need_dtype(g, n, 0, CTR_DTYPE_F32);
+  const ctr_dtype dt = T(g, n.inputs[0]).dtype;
+  if (dt != CTR_DTYPE_I32) need_dtype(g, n, 0, CTR_DTYPE_F32);
   const auto &x = S(g, n, 0);
   auto perm = n.attr_ints("perm");
   if (perm.size() != x.size() || x.size() > 6)
@@ -318,7 +345,7 @@ void transpose_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
     seen[p] = true;
     s.push_back(x[p]);
   }
-  out = {f32(s)};
+  out = {OutInfo{dt, s}};
 }
 
 void transpose_vjp(VjpBuilder &b, const Node &n) {
@@ -641,11 +668,14 @@ std::vector<OpDef> library_ops() {
   v.push_back(xe);
   OpDef rs = fwd("reshape", 1, 1, reshape_infer, zero_flops);
   rs.vjp = reshape_vjp;
+  rs.moves_values = true;
   v.push_back(rs);
   OpDef tr = fwd("transpose", 1, 1, transpose_infer, zero_flops);
   tr.vjp = transpose_vjp;
+  tr.moves_values = true;
   v.push_back(with_params<ctr_transpose_params>(tr, transpose_decode));
   v.push_back(with_bwd(fwd("take_rows", 2, 2, take_rows_infer, zero_flops), "take_rows_bwd", {G(0)}, 1));
+  append_layout_ops(v);
   OpDef router = with_bwd(fwd("moe_router", 1, 1, moe_router_infer, elementwise_flops), "moe_router_bwd",
                           {G(0), Out(2), Out(1)});
   router.num_outputs = 2;

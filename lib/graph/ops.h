@@ -72,6 +72,9 @@ struct OpDef {
   // Selective recompute recomputes this op's outputs instead of keeping them
   // (element-wise and normalisation ops; not GEMMs or attention).
   bool cheap_to_recompute = false;
+  // The outputs hold values of the inputs, only rearranged (layout ops): an id
+  // range that a reader of an output asks for applies to the inputs as well.
+  bool moves_values = false;
 
   // Output dtypes and shapes from input shapes and attributes; throws
   // CTR_STATUS_INVALID_GRAPH naming the node on a mismatch. Internal ops have
@@ -109,6 +112,13 @@ const OpDef *op_by_id(OpId id);
 
 // Names of all ops that files may use.
 std::vector<std::string> file_op_names();
+
+// Evaluates a size expression of node n's attribute `attr`: a product of terms
+// separated by '*', each a non-negative integer or a symbol bound in g.symbols
+// ("seq", "batch*seq", "4*seq"). Throws INVALID_GRAPH naming the node, the
+// attribute and the expression for an unknown symbol, an empty or malformed
+// term, a negative number or an overflow of int64.
+int64_t eval_size(const Graph &g, const Node &n, const std::string &attr, const std::string &expr);
 
 // A node's decoded parameters (empty when its op has none).
 std::vector<uint8_t> decode_params(const Graph &g, const Node &n);

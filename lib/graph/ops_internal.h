@@ -1,4 +1,5 @@
-// What the files that define the library's ops share (ops.cc, ops_math.cc):
+// What the files that define the library's ops share (ops.cc, ops_math.cc,
+// ops_layout.cc):
 // the checks that name a node in their errors and the small builders of an
 // OpDef. Not for passes or backends: they read the registry through ops.h.
 #pragma once
@@ -71,6 +72,9 @@ inline OpDef with_bwd(OpDef d, const char *op, std::vector<BwdSlot> inputs, int 
   d.bwd.grads = grads;
   return d;
 }
+
+// slice, cat (ops_layout.cc), appended to the library's ops.
+void append_layout_ops(std::vector<OpDef> &v);
 
 }  // namespace opdef
 }  // namespace ctr

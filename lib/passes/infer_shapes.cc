@@ -53,6 +53,11 @@ void pass_infer_shapes(Graph &g, const CompileOptions &opt) {
     }
     return s;
   };
+  // Size expressions in attributes ("batch*seq") see the same values; "seq" is
+  // absent when neither the option nor the graph gives it.
+  g.symbols.clear();
+  g.symbols["batch"] = opt.batch;
+  if (seq > 0) g.symbols["seq"] = seq;
   for (Tensor &t : g.tensors) {
     t.has_shape = false;
     if (t.role != Role::Activation) {

@@ -76,6 +76,36 @@ std::string options_json(const ctr_options *options) {
   return js.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
+// The ids tensor t may hold: the intersection of the ranges [lo, hi) that its
+// readers accept (each op's id rule), followed through the ops that only move
+// values (slice, cat, reshape, transpose), so ids cut or joined before an
+// embedding are checked as if it read them directly. Leaves lo > hi when no
+// reader has a rule.
+void id_range_of(const Graph &g, int t, int64_t *lo, int64_t *hi) {
+  std::vector<bool> holds(g.tensors.size(), false);
+  holds[static_cast<size_t>(t)] = true;
+  for (int ni = 0; ni < g.num_forward; ++ni) {
+    const Node &n = g.nodes[static_cast<size_t>(ni)];
+    const OpDef *def = find_op(n.op);
+    bool reads = false;
+    for (size_t k = 0; k < n.inputs.size(); ++k) {
+      if (!holds[static_cast<size_t>(n.inputs[k])]) continue;
+      reads = true;
+      int64_t l = 0, h = 0;
+      if (!def->id_range || !def->id_range(g, n, static_cast<int>(k), &l, &h)) continue;
+      if (*lo > *hi) {
+        *lo = l;
+        *hi = h;
+      } else {
+        *lo = std::max(*lo, l);
+        *hi = std::min(*hi, h);
+      }
+    }
+    if (reads && def->moves_values)
+      for (int o : n.outputs) holds[static_cast<size_t>(o)] = true;
+  }
+}
+
 }  // namespace
 
 Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : mesh_(mesh), g_(graph) {
@@ -216,31 +246,31 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     s.v = opt_->v() + g_.tensors[s.tensor].offset / 4;
   }
 
-  // Inputs and the id ranges their consumers accept (each op's id rule).
+  // Inputs and the id ranges their consumers accept (each op's id rule);
+  // constant ids are checked here, once.
   for (size_t i = 0; i < g_.tensors.size(); ++i) {
     const Tensor &t = g_.tensors[i];
+    if (t.role == Role::Const && t.dtype == CTR_DTYPE_I32) {
+      int64_t lo = 1, hi = 0;
+      id_range_of(g_, static_cast<int>(i), &lo, &hi);
+      for (size_t k = 0; lo <= hi && k < t.data.size() / 4; ++k) {
+        int32_t id = 0;
+        std::memcpy(&id, t.data.data() + 4 * k, 4);
+        if (id < lo || id >= hi)
+          fail(CTR_STATUS_INVALID_GRAPH,
+               strformat("constant %s holds id %d at position %zu, outside the valid range [%lld, %lld) of "
+                         "the ops that read it",
+                         g_.describe_tensor(static_cast<int>(i)).c_str(), id, k, static_cast<long long>(lo),
+                         static_cast<long long>(hi)));
+      }
+    }
     if (t.role != Role::Input) continue;
     InputSlot s;
     s.tensor = static_cast<int>(i);
     s.bytes = t.bytes();
     s.lo = 1;
     s.hi = 0;
-    for (int ni = 0; ni < g_.num_forward; ++ni) {
-      const Node &n = g_.nodes[ni];
-      const OpDef *def = find_op(n.op);
-      if (!def->id_range) continue;
-      for (size_t k = 0; k < n.inputs.size(); ++k) {
-        int64_t lo = 0, hi = 0;
-        if (n.inputs[k] != s.tensor || !def->id_range(g_, n, static_cast<int>(k), &lo, &hi)) continue;
-        if (s.lo > s.hi) {
-          s.lo = lo;
-          s.hi = hi;
-        } else {
-          s.lo = std::max(s.lo, lo);
-          s.hi = std::min(s.hi, hi);
-        }
-      }
-    }
+    id_range_of(g_, s.tensor, &s.lo, &s.hi);
     inputs_slots_.push_back(s);
     if (t.name == "tokens") tokens_per_micro_ = t.numel();
   }

@@ -10,7 +10,7 @@ and option strings are written here by hand (the store's wire format is
 described in lib/comm/store.cc). OUT_DIR defaults to tests/fuzz/corpus; each
 target's directory is emptied first, so the result depends only on the sources.
 
-Graph seeds for ops no preset uses (the element-wise unary ops, the general math ops) are
+Graph seeds for ops no preset uses (the element-wise unary ops, the general math ops, the layout ops) are
 written with ctr_export's graph writer (tools/export/ctr_export/graphfile.py), which needs flatc and
 Python's flatbuffers and numpy (Debian's python3 has them).
 
@@ -186,9 +186,69 @@ def math_ops_graph():
                     metadata=[("vocab", str(UNARY_VOCAB)), ("max_seq", str(UNARY_SEQ))])
 
 
+LAYOUT_MAX_SEQ = 8
+
+
+def layout_ops_graph():
+    """tokens -> embedding + a positional table sliced to "seq" -> times a constant
+    (rotary-like) table sliced to "seq" -> reshape by size expressions, strided slices
+    (torch's end 9223372036854775807 among them), cat of two and of three inputs,
+    transpose -> linear head -> cross-entropy. Every layout op with symbolic sizes,
+    with max_seq above the fuzzer's seq so that the slices cut."""
+    import numpy as np
+    gf = graphfile()
+    DTYPE, INIT, ROLE = gf.DTYPE, gf.INIT, gf.ROLE
+    GraphDef, NodeDef, TensorDef = gf.GraphDef, gf.NodeDef, gf.TensorDef
+
+    rng = np.random.default_rng(1)
+    tensors, nodes = [], []
+    D, V = 8, UNARY_VOCAB
+
+    def tensor(name, **kw):
+        tensors.append(TensorDef(name=name, **kw))
+        return len(tensors) - 1
+
+    def param(name, shape, std):
+        data = (rng.standard_normal(shape) * std).astype("<f4").tobytes()
+        return tensor(name, dims=list(shape), role=ROLE["Param"], init=INIT["Data"], data=data)
+
+    def node(op, name, inputs, attrs=None):
+        out = tensor(name)
+        nodes.append(NodeDef(op=op, name=name, inputs=inputs, outputs=[out], attrs=attrs or {}))
+        return out
+
+    tokens = tensor("tokens", dtype=DTYPE["I32"], dims=["batch", "seq"], role=ROLE["Input"])
+    targets = tensor("targets", dtype=DTYPE["I32"], dims=["batch", "seq"], role=ROLE["Input"])
+    wte = param("wte", (V, D), 1.0)
+    pos = param("wpe", (LAYOUT_MAX_SEQ, D), 0.1)
+    angles = np.arange(LAYOUT_MAX_SEQ)[:, None] * 0.5 ** np.arange(D)[None, :]
+    cos = tensor("rotary_cos", dims=[LAYOUT_MAX_SEQ, D], role=ROLE["Const"], init=INIT["Data"],
+                 data=np.cos(angles).astype("<f4").tobytes())
+    head = param("head.weight", (V, 3 * D), 0.5)
+    x = node("embedding", "emb", [wte, tokens])
+    p = node("slice", "pos_seq", [pos], {"dim": 0, "end": "seq"})
+    x = node("add", "emb_pos", [x, p])
+    c = node("slice", "cos_seq", [cos], {"dim": 0, "start": 0, "end": "seq"})
+    x = node("mul", "rotated", [x, c])
+    flat = node("reshape", "flat", [x], {"dims": "batch*seq,-1"})
+    even = node("slice", "even", [flat], {"dim": -1, "start": 0, "end": 9223372036854775807,
+                                          "step": 2})
+    odd = node("slice", "odd", [flat], {"dim": 1, "start": 1, "step": 2})
+    swapped = node("cat", "swapped", [odd, even], {"dim": -1})
+    pairs = node("reshape", "pairs", [swapped], {"dims": "batch,seq,2,4"})
+    pairs = node("transpose", "pairs_t", [pairs], {"perm": [0, 1, 3, 2]})
+    y = node("reshape", "mixed", [pairs], {"dims": "batch, seq, 2*4"})
+    wide = node("cat", "wide", [y, x, y], {"dim": 2})
+    logits = node("linear", "logits", [wide, head])
+    loss = node("cross_entropy", "loss", [logits, targets])
+    return GraphDef(name="layout_ops", tensors=tensors, nodes=nodes, loss=loss,
+                    metadata=[("vocab", str(V)), ("max_seq", str(LAYOUT_MAX_SEQ))])
+
+
 def written_graphs(out):
     put(out, "unary_ops.ctrg", graphfile().serialize(unary_ops_graph()))
     put(out, "math_ops.ctrg", graphfile().serialize(math_ops_graph()))
+    put(out, "layout_ops.ctrg", graphfile().serialize(layout_ops_graph()))
 
 
 def files(ctr, out, tmp):

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "api/handles.h"
+#include "common/op_params.h"
 #include "api/internal.h"
 #include "core/status.h"
 #include "ctr/ctr.h"
@@ -686,7 +687,7 @@ struct OpGraph {
                   reinterpret_cast<const uint8_t *>(values.data() + values.size()));
     return g.add_tensor(t);
   }
-  // A constant with embedded values (row-major), such as a mask.
+  // A constant with embedded values (row-major): a mask, a rotary table; no gradient.
   int add_const(const std::string &name, std::vector<int64_t> shape, const std::vector<float> &values) {
     ctr::Tensor t;
     t.name = name;
@@ -714,11 +715,17 @@ struct OpGraph {
     return n.outputs;
   }
   int add_ids(const std::string &name, std::vector<int64_t> shape) {
+    std::vector<ctr::Dim> dims;
+    for (int64_t d : shape) dims.push_back(ctr::Dim{d, ""});
+    return add_ids_dims(name, dims);
+  }
+  // Ids whose dims may be symbolic ("batch", "seq"): sym("batch"), fixed(8).
+  int add_ids_dims(const std::string &name, std::vector<ctr::Dim> dims) {
     ctr::Tensor t;
     t.name = name;
     t.role = ctr::Role::Input;
     t.dtype = CTR_DTYPE_I32;
-    for (int64_t d : shape) t.dims.push_back(ctr::Dim{d, ""});
+    t.dims = std::move(dims);
     return g.add_tensor(t);
   }
   int add_op(const std::string &op, std::vector<int> in, std::map<std::string, ctr::Attr> attrs = {}) {
@@ -745,8 +752,18 @@ struct OpGraph {
     g.loss = add_op("cross_entropy", {out, targets});
     classes = out_shape.back();
   }
+  // The same for an output whose leading dims are symbolic: rows are its dims
+  // but the last, which is `last`.
+  void finish_rows(int out, std::vector<ctr::Dim> rows, int64_t last) {
+    int targets = add_ids_dims("targets", std::move(rows));
+    g.loss = add_op("cross_entropy", {out, targets});
+    classes = last;
+  }
   int64_t classes = 0;
 };
+
+ctr::Dim sym(const char *s) { return ctr::Dim{0, s}; }
+ctr::Dim fixed(int64_t d) { return ctr::Dim{d, ""}; }
 
 ctr::Attr ai(int64_t v) { return ctr::Attr::of_int(v); }
 ctr::Attr aints(std::vector<int64_t> v) { return ctr::Attr::of_ints(std::move(v)); }
@@ -755,10 +772,11 @@ ctr::Attr aints(std::vector<int64_t> v) { return ctr::Attr::of_ints(std::move(v)
 // Per element: |fd - an| <= 2e-3 + 3e-2 |an|. Along a random direction over all
 // parameters at once (round-off averages out): relative error <= 1e-2.
 void check_gradients(ctr_graph *graph, const std::map<std::string, int> &id_inputs,
-                     int64_t batch = 1, int max_elems = 24, uint32_t seed = 1) {
+                     int64_t batch = 1, int max_elems = 24, uint32_t seed = 1, int64_t seq = 0) {
   Mesh m;
   Opts o;
   o.i("batch", batch).i("seed", seed);
+  if (seq > 0) o.i("seq", seq);
   ctr_step *s = nullptr;
   ASSERT_EQ(ctr_step_create(m.m, graph, o.o, &s), CTR_STATUS_OK) << ctr_last_error();
   ctr::Step &st = *s->impl;
@@ -842,6 +860,9 @@ struct OpCase {
   std::string label;
   std::function<void(OpGraph &)> build;
   std::map<std::string, int> ids;
+  // (batch, seq) option values to check at, for graphs with symbolic dims;
+  // empty: once, with batch 1.
+  std::vector<std::pair<int64_t, int64_t>> sizes = {};
 };
 
 class OpGradient : public ::testing::TestWithParam<OpCase> {};
@@ -853,8 +874,121 @@ TEST_P(OpGradient, MatchesFiniteDifferences) {
   if (b.classes > 0) ids["targets"] = static_cast<int>(b.classes);  // else the case set a scalar loss
   ctr_graph *g = nullptr;
   ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
-  check_gradients(g, ids);
+  if (GetParam().sizes.empty()) check_gradients(g, ids);
+  for (const auto &[batch, seq] : GetParam().sizes) {
+    SCOPED_TRACE("batch " + std::to_string(batch) + " seq " + std::to_string(seq));
+    check_gradients(g, ids, batch, 24, 1, seq);
+  }
   ctr_graph_free(g);
+}
+
+ctr::Attr astr(const char *v) { return ctr::Attr::of_string(v); }
+
+// slice, cat and reshape by size expressions. Symbolic graphs start from an
+// embedding of ids[batch, seq] (the way a sequence-sized activation that depends
+// on a parameter arises) and are checked at two (batch, seq) values.
+void layout_cases(std::vector<OpCase> &c) {
+  auto embed = [](OpGraph &b, const char *table = "table", int64_t width = 6) {
+    int t = b.add_param(table, {7, width});
+    int ids = b.g.find_tensor("ids");
+    if (ids < 0) ids = b.add_ids_dims("ids", {sym("batch"), sym("seq")});
+    return b.add_op("embedding", {t, ids});
+  };
+  const std::vector<std::pair<int64_t, int64_t>> two_sizes = {{1, 3}, {2, 5}};
+  c.push_back({"slice_dim0", [](OpGraph &b) {
+                 int x = b.add_param("x", {5, 4});
+                 b.finish(b.add_op("slice", {x}, {{"dim", ai(0)}, {"start", ai(1)}, {"end", ai(4)}}), {3, 4});
+               }, {}});
+  c.push_back({"slice_dim1_step", [](OpGraph &b) {  // rows 1, 3, 5 of 7; end defaults to the size
+                 int x = b.add_param("x", {2, 7, 3});
+                 b.finish(b.add_op("slice", {x}, {{"dim", ai(1)}, {"start", ai(1)}, {"step", ai(2)}}), {2, 3, 3});
+               }, {}});
+  c.push_back({"slice_last_dim_negative_bounds", [](OpGraph &b) {  // x[..., -6:-1:2]: columns 2, 4, 6
+                 int x = b.add_param("x", {3, 8});
+                 b.finish(b.add_op("slice", {x}, {{"dim", ai(-1)}, {"start", ai(-6)}, {"end", ai(-1)}, {"step", ai(2)}}),
+                          {3, 3});
+               }, {}});
+  c.push_back({"slice_torch_end_max", [](OpGraph &b) {  // x[2:] as torch exports it
+                 int x = b.add_param("x", {4, 5});
+                 b.finish(b.add_op("slice", {x}, {{"dim", ai(0)}, {"start", ai(2)},
+                                                  {"end", ai(9223372036854775807)}}), {2, 5});
+               }, {}});
+  c.push_back({"slice_clamped_bounds_step", [](OpGraph &b) {  // x[-10:100:3] of 7 rows: 0, 3, 6
+                 int x = b.add_param("x", {7, 3});
+                 b.finish(b.add_op("slice", {x}, {{"dim", ai(0)}, {"start", ai(-10)}, {"end", ai(100)}, {"step", ai(3)}}),
+                          {3, 3});
+               }, {}});
+  c.push_back({"slice_end_seq", [embed](OpGraph &b) {  // a positional table of max_seq rows cut to seq
+                 int e = embed(b);
+                 int pos = b.add_param("pos", {8, 6});
+                 int p = b.add_op("slice", {pos}, {{"dim", ai(0)}, {"end", astr("seq")}});
+                 b.finish_rows(b.add_op("add", {e, p}), {sym("batch"), sym("seq")}, 6);
+               }, {{"ids", 7}}, two_sizes});
+  c.push_back({"slice_ids_end_seq", [](OpGraph &b) {  // token ids of max_seq columns cut to seq
+                 int t = b.add_param("table", {7, 6});
+                 int ids = b.add_ids_dims("ids", {sym("batch"), fixed(8)});
+                 int cut = b.add_op("slice", {ids}, {{"dim", ai(1)}, {"start", ai(0)}, {"end", astr("seq")}});
+                 b.finish_rows(b.add_op("embedding", {t, cut}), {sym("batch"), sym("seq")}, 6);
+               }, {{"ids", 7}}, {{1, 3}, {2, 8}}});
+  c.push_back({"const_table_slice_mul", [embed](OpGraph &b) {  // a constant of max_seq rows, sliced, scales
+                 int e = embed(b);
+                 std::vector<float> table(8 * 6);
+                 for (size_t i = 0; i < table.size(); ++i) table[i] = 0.5f + 0.25f * static_cast<float>(i % 5);
+                 int k = b.add_const("rotary_cos", {8, 6}, table);
+                 int p = b.add_op("slice", {k}, {{"dim", ai(0)}, {"end", astr("seq")}});
+                 b.finish_rows(b.add_op("mul", {e, p}), {sym("batch"), sym("seq")}, 6);
+               }, {{"ids", 7}}, two_sizes});
+  c.push_back({"cat2_dim0", [](OpGraph &b) {
+                 int x = b.add_param("x", {2, 3});
+                 int y = b.add_param("y", {4, 3});
+                 b.finish(b.add_op("cat", {x, y}, {{"dim", ai(0)}}), {6, 3});
+               }, {}});
+  c.push_back({"cat3_middle_dim", [](OpGraph &b) {
+                 int x = b.add_param("x", {2, 1, 4});
+                 int y = b.add_param("y", {2, 3, 4});
+                 int z = b.add_param("z", {2, 2, 4});
+                 b.finish(b.add_op("cat", {x, y, z}, {{"dim", ai(1)}}), {2, 6, 4});
+               }, {}});
+  c.push_back({"cat3_last_dim_negative", [](OpGraph &b) {
+                 int x = b.add_param("x", {3, 2});
+                 int y = b.add_param("y", {3, 5});
+                 int z = b.add_param("z", {3, 1});
+                 b.finish(b.add_op("cat", {x, y, z}, {{"dim", ai(-1)}}), {3, 8});
+               }, {}});
+  c.push_back({"cat_reuse", [](OpGraph &b) {  // one input twice: its gradient is the sum of two slices
+                 int x = b.add_param("x", {3, 4});
+                 b.finish(b.add_op("cat", {x, x}, {{"dim", ai(1)}}), {3, 8});
+               }, {}});
+  c.push_back({"cat_with_empty_slice", [](OpGraph &b) {  // x[:, 3:1] has zero columns: a zero-size tensor
+                 int x = b.add_param("x", {3, 4});
+                 int e = b.add_op("slice", {x}, {{"dim", ai(1)}, {"start", ai(3)}, {"end", ai(1)}});
+                 b.finish(b.add_op("cat", {e, x, e}, {{"dim", ai(1)}}), {3, 4});
+               }, {}});
+  c.push_back({"cat_symbolic", [embed](OpGraph &b) {
+                 int e = embed(b);
+                 int f = embed(b, "table2", 3);
+                 b.finish_rows(b.add_op("cat", {e, f}, {{"dim", ai(2)}}), {sym("batch"), sym("seq")}, 9);
+               }, {{"ids", 7}}, two_sizes});
+  c.push_back({"cat_transpose_ids", [](OpGraph &b) {  // int32 ids joined and permuted before a lookup
+                 int t = b.add_param("table", {7, 6});
+                 int i0 = b.add_ids("ids_a", {2, 3});
+                 int i1 = b.add_ids("ids_b", {2, 2});
+                 int ids = b.add_op("cat", {i0, i1}, {{"dim", ai(1)}});
+                 ids = b.add_op("transpose", {ids}, {{"perm", aints({1, 0})}});
+                 b.finish(b.add_op("embedding", {t, ids}), {5, 2, 6});
+               }, {{"ids_a", 7}, {"ids_b", 7}}});
+  c.push_back({"reshape_dims_symbolic", [embed](OpGraph &b) {
+                 int e = embed(b);
+                 int r = b.add_op("reshape", {e}, {{"dims", astr("batch,seq,2,3")}});
+                 b.finish_rows(r, {sym("batch"), sym("seq"), fixed(2)}, 3);
+               }, {{"ids", 7}}, two_sizes});
+  c.push_back({"reshape_dims_flatten_and_back", [embed](OpGraph &b) {
+                 int e = embed(b);
+                 int r = b.add_op("reshape", {e}, {{"dims", astr("batch*seq,-1")}});
+                 r = b.add_op("reshape", {r}, {{"dims", astr("0,2,3")}});
+                 r = b.add_op("reshape", {r}, {{"dims", astr(" batch , seq , 6 ")}});
+                 b.finish_rows(r, {sym("batch"), sym("seq")}, 6);
+               }, {{"ids", 7}}, two_sizes});
 }
 
 std::vector<OpCase> op_cases() {
@@ -995,6 +1129,7 @@ std::vector<OpCase> op_cases() {
                  int like = b.add_ids("like", {2, 3});
                  b.finish(b.add_op("take_rows", {t, like}, {{"axis", ai(1)}}), {3, 4});
                }, {{"like", 5}}});
+  layout_cases(c);
   // Mixture of experts: a whole MoE layer on x[6, 5] with router logits given
   // as a parameter (so that ties and unused experts can be planted), experts
   // w[E, 3, 5]: router -> permute -> grouped linear -> weighted combine.
@@ -1326,6 +1461,245 @@ TEST(MathOps, ForwardValuesFollowPyTorch) {
   }
   ctr_step_free(st);
   ctr_graph_free(g);
+}
+
+// ---------------------------------------------------------------------------
+// Layout ops and size expressions
+
+TEST(SizeExpr, ProductsOfIntegersAndSymbols) {
+  Graph g;
+  g.symbols = {{"batch", 3}, {"seq", 5}};
+  ctr::Node n;
+  n.name = "r0";
+  n.op = "reshape";
+  EXPECT_EQ(ctr::eval_size(g, n, "dims", "seq"), 5);
+  EXPECT_EQ(ctr::eval_size(g, n, "dims", "batch*seq"), 15);
+  EXPECT_EQ(ctr::eval_size(g, n, "dims", "4*seq"), 20);
+  EXPECT_EQ(ctr::eval_size(g, n, "dims", "batch*seq*3"), 45);
+  EXPECT_EQ(ctr::eval_size(g, n, "dims", " batch * 2 "), 6);
+  EXPECT_EQ(ctr::eval_size(g, n, "dims", "7"), 7);
+  EXPECT_EQ(ctr::eval_size(g, n, "dims", "0*seq"), 0);
+  EXPECT_EQ(ctr::eval_size(g, n, "dims", "9223372036854775807"), INT64_MAX);
+}
+
+TEST(SizeExpr, ErrorsNameTheNodeAttributeAndExpression) {
+  Graph g;
+  g.symbols = {{"batch", 3}, {"seq", 5}};
+  ctr::Node n;
+  n.name = "cut";
+  n.op = "slice";
+  const std::pair<const char *, const char *> bad[] = {
+      {"tokens", "unknown symbol 'tokens'"},
+      {"", "empty term"},
+      {"seq**2", "empty term"},
+      {"seq*", "empty term"},
+      {"-3", "negative"},
+      {"2*-seq", "negative"},
+      {"4x", "malformed term '4x'"},
+      {"99999999999999999999", "overflows"},
+      {"batch*9223372036854775807", "overflow"},
+  };
+  for (const auto &[expr, why] : bad) {
+    try {
+      ctr::eval_size(g, n, "end", expr);
+      ADD_FAILURE() << "accepted \"" << expr << "\"";
+    } catch (const ctr::Error &e) {
+      EXPECT_EQ(e.code(), CTR_STATUS_INVALID_GRAPH);
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("'cut'"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("'end'"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("\"" + std::string(expr) + "\""), std::string::npos) << msg;
+      EXPECT_NE(msg.find(why), std::string::npos) << msg;
+    }
+  }
+}
+
+// Step creation fails with INVALID_GRAPH, naming the node and the fault.
+void expect_refused(OpGraph &b, const std::string &node, const std::string &what, int64_t seq = 4) {
+  ctr_graph *g = nullptr;
+  ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+  Mesh m;
+  Opts o;
+  o.i("batch", 2).i("seq", seq);
+  ctr_step *s = nullptr;
+  EXPECT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_INVALID_GRAPH) << what;
+  EXPECT_EQ(s, nullptr);
+  const std::string err = ctr_last_error();
+  EXPECT_NE(err.find(node), std::string::npos) << err;
+  EXPECT_NE(err.find(what), std::string::npos) << err;
+  ctr_graph_free(g);
+}
+
+TEST(LayoutOps, BadAttributesAndShapesNameTheNode) {
+  using Attrs = std::map<std::string, ctr::Attr>;
+  const std::pair<Attrs, std::string> slices[] = {
+      {{{"dim", ai(0)}, {"step", ai(0)}}, "step=0 must be at least 1"},
+      {{{"dim", ai(2)}}, "dim=2 is not a dim"},
+      {{{"dim", ai(-3)}}, "dim=-3 is not a dim"},
+      {{{"start", ai(1)}}, "missing attribute 'dim'"},
+      {{{"dim", ai(0)}, {"end", astr("tokens")}}, "unknown symbol 'tokens'"},
+      {{{"dim", ai(0)}, {"end", ctr::Attr::of_float(2.0)}}, "'end' must be an integer or a size expression"},
+      {{{"dim", ctr::Attr::of_float(1e30)}}, "'dim' must be an integer"},
+  };
+  for (const auto &[attrs, what] : slices) {
+    OpGraph b;
+    int x = b.add_param("x", {5, 4});
+    b.finish(b.add_op("slice", {x}, attrs), {3, 4});
+    expect_refused(b, "'" + b.g.nodes[0].name + "' (slice)", what);
+  }
+  {
+    OpGraph b;
+    int x = b.add_param("x", {2, 3, 4});
+    int y = b.add_param("y", {2, 3, 5});
+    b.finish(b.add_op("cat", {x, y}, {{"dim", ai(1)}}), {2, 6, 4});
+    expect_refused(b, "'" + b.g.nodes[0].name + "' (cat)", "input 1 'y' (#1) has shape [2,3,5], expected [2,*,4]");
+  }
+  {
+    OpGraph b;
+    int x = b.add_param("x", {2, 3});
+    int y = b.add_ids("y", {2, 3});
+    b.finish(b.add_op("cat", {x, y}, {{"dim", ai(0)}}), {4, 3});
+    expect_refused(b, "'" + b.g.nodes[0].name + "' (cat)", "has dtype i32, expected f32");
+  }
+  const std::pair<Attrs, std::string> reshapes[] = {
+      {{{"shape", aints({6, 4})}, {"dims", astr("6,4")}}, "both attributes 'shape' and 'dims'"},
+      {{}, "missing attribute 'shape' (ints) or 'dims'"},
+      {{{"dims", astr("batch,,4")}}, "attribute 'dims'=\"batch,,4\" has an empty entry"},
+      {{{"dims", astr("seq,-1,-1")}}, "more than one -1"},
+      {{{"dims", astr("batch*seq,5")}}, "cannot reshape [6,4] to [8,5]"},
+      {{{"dims", astr("batch*nope")}}, "unknown symbol 'nope'"},
+      {{{"dims", aints({6, 4})}}, "attribute 'dims' must be a string"},
+  };
+  for (const auto &[attrs, what] : reshapes) {
+    OpGraph b;
+    int x = b.add_param("x", {6, 4});
+    b.finish(b.add_op("reshape", {x}, attrs), {6, 4});
+    expect_refused(b, "'" + b.g.nodes[0].name + "' (reshape)", what);
+  }
+}
+
+TEST(LayoutOps, SliceBoundsResolveAsTorch) {
+  // x of 7 rows; (start, end, step) -> the rows torch's x[start:end:step] takes.
+  struct Case {
+    int64_t start, end, step;
+    std::vector<int64_t> rows;
+  };
+  const Case cases[] = {
+      {0, 7, 1, {0, 1, 2, 3, 4, 5, 6}}, {2, 100, 1, {2, 3, 4, 5, 6}}, {-3, INT64_MAX, 1, {4, 5, 6}},
+      {-100, 2, 1, {0, 1}},             {1, -1, 2, {1, 3, 5}},         {5, 2, 1, {}},
+      {3, 3, 1, {}},                    {0, 7, 3, {0, 3, 6}},           {6, 7, 5, {6}},
+  };
+  for (const Case &c : cases) {
+    Graph g;
+    ctr::Tensor x;
+    x.name = "x";
+    x.shape = {2, 7, 3};
+    x.has_shape = true;
+    g.add_tensor(x);
+    ctr::Tensor y;
+    y.name = "y";
+    g.add_tensor(y);
+    ctr::Node n;
+    n.op = "slice";
+    n.name = "s";
+    n.inputs = {0};
+    n.outputs = {1};
+    n.attrs = {{"dim", ai(1)}, {"start", ai(c.start)}, {"end", ai(c.end)}, {"step", ai(c.step)}};
+    std::vector<ctr::OutInfo> out;
+    ctr::find_op("slice")->infer(g, n, out);
+    const std::string tag = std::to_string(c.start) + ":" + std::to_string(c.end) + ":" + std::to_string(c.step);
+    ASSERT_EQ(out.size(), 1u);
+    EXPECT_EQ(out[0].shape, (std::vector<int64_t>{2, static_cast<int64_t>(c.rows.size()), 3})) << tag;
+    g.tensors[1].shape = out[0].shape;
+    auto bytes = ctr::decode_params(g, n);
+    ctr_slice_params p;
+    ASSERT_EQ(bytes.size(), sizeof p);
+    std::memcpy(&p, bytes.data(), sizeof p);
+    EXPECT_EQ(p.outer, 2);
+    EXPECT_EQ(p.size, 7);
+    EXPECT_EQ(p.inner, 3);
+    EXPECT_EQ(p.len, static_cast<int64_t>(c.rows.size())) << tag;
+    for (size_t j = 0; j < c.rows.size(); ++j) EXPECT_EQ(p.start + static_cast<int64_t>(j) * p.step, c.rows[j]) << tag;
+  }
+}
+
+TEST(LayoutOps, IdsThroughLayoutOpsAreRangeChecked) {
+  // Ids cut by a slice and joined by cat still meet the embedding's vocab check.
+  OpGraph b;
+  int t = b.add_param("table", {7, 6});
+  int ids = b.add_ids_dims("ids", {sym("batch"), fixed(8)});
+  int cut = b.add_op("slice", {ids}, {{"dim", ai(1)}, {"end", astr("seq")}});
+  int more = b.add_ids("more", {1, 2});
+  int both = b.add_op("cat", {cut, more}, {{"dim", ai(1)}});
+  b.finish(b.add_op("embedding", {t, both}), {1, 6, 6});
+  ctr_graph *g = nullptr;
+  ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+  Mesh m;
+  Opts o;
+  o.i("batch", 1).i("seq", 4);
+  ctr_step *s = nullptr;
+  ASSERT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_OK) << ctr_last_error();
+  std::vector<int32_t> good = {0, 1, 2, 3, 4, 5, 6, 0}, bad = good;
+  bad[6] = 7;  // past the vocab, in a column the slice drops: still refused, as torch would index it
+  EXPECT_EQ(ctr_step_set_input(s, "ids", good.data(), 32), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_EQ(ctr_step_set_input(s, "ids", bad.data(), 32), CTR_STATUS_DATA_ERROR);
+  std::vector<int32_t> more_bad = {1, 9};
+  EXPECT_EQ(ctr_step_set_input(s, "more", more_bad.data(), 8), CTR_STATUS_DATA_ERROR);
+  EXPECT_NE(std::string(ctr_last_error()).find("'more'"), std::string::npos) << ctr_last_error();
+  ctr_step_free(s);
+  ctr_graph_free(g);
+}
+
+TEST(LayoutOps, ConstantIdsOutOfRangeAreRefused) {
+  OpGraph b;
+  int t = b.add_param("table", {7, 6});
+  ctr::Tensor c;
+  c.name = "fixed_ids";
+  c.role = ctr::Role::Const;
+  c.dtype = CTR_DTYPE_I32;
+  c.dims = {fixed(1), fixed(3)};
+  c.init.kind = ctr::InitKind::Data;
+  const int32_t vals[3] = {1, 9, 2};
+  c.data.assign(reinterpret_cast<const uint8_t *>(vals), reinterpret_cast<const uint8_t *>(vals + 3));
+  int k = b.g.add_tensor(c);
+  int cut = b.add_op("slice", {k}, {{"dim", ai(1)}, {"start", ai(0)}, {"end", ai(2)}});
+  b.finish(b.add_op("embedding", {t, cut}), {1, 2, 6});
+  expect_refused(b, "'fixed_ids'", "holds id 9 at position 1");
+}
+
+TEST(LayoutOps, ConstantTableSlicedToSeqTrainsThroughStepRun) {
+  // A rotary-style constant of max_seq rows, cut to seq, scaling the embedding:
+  // the whole step (create, run, update) works and the constant is unchanged.
+  for (int64_t seq : {3, 6}) {
+    OpGraph b;
+    int t = b.add_param("table", {7, 6});
+    int ids = b.add_ids_dims("ids", {sym("batch"), sym("seq")});
+    std::vector<float> table(8 * 6);
+    for (size_t i = 0; i < table.size(); ++i) table[i] = 0.5f + 0.25f * static_cast<float>(i % 5);
+    int k = b.add_const("rotary_cos", {8, 6}, table);
+    int p = b.add_op("slice", {k}, {{"dim", ai(0)}, {"end", astr("seq")}});
+    int e = b.add_op("embedding", {t, ids});
+    b.finish_rows(b.add_op("mul", {e, p}), {sym("batch"), sym("seq")}, 6);
+    ctr_graph *g = nullptr;
+    ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+    Mesh m;
+    Opts o;
+    o.i("batch", 2).i("seq", seq).f("lr", 0.05);
+    ctr_step *s = nullptr;
+    ASSERT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_OK) << ctr_last_error();
+    auto in = random_ids(static_cast<size_t>(2 * seq), 7, 3), tg = random_ids(static_cast<size_t>(2 * seq), 6, 4);
+    ASSERT_EQ(ctr_step_set_input(s, "ids", in.data(), in.size() * 4), CTR_STATUS_OK) << ctr_last_error();
+    ASSERT_EQ(ctr_step_set_input(s, "targets", tg.data(), tg.size() * 4), CTR_STATUS_OK) << ctr_last_error();
+    ctr_step_metrics met{};
+    met.size = sizeof met;
+    ASSERT_EQ(ctr_step_run(s, &met), CTR_STATUS_OK) << ctr_last_error();
+    const double first = met.loss;
+    for (int i = 0; i < 20; ++i) ASSERT_EQ(ctr_step_run(s, &met), CTR_STATUS_OK) << ctr_last_error();
+    EXPECT_TRUE(std::isfinite(met.loss));
+    EXPECT_LT(met.loss, first) << "seq " << seq;
+    ctr_step_free(s);
+    ctr_graph_free(g);
+  }
 }
 
 TEST(UnaryOps, PowWithoutExponentIsRefusedNamingTheNode) {

@@ -1119,6 +1119,115 @@ TEST(Layout, CopyAndFill) {
   }
 }
 
+TEST(Layout, TransposeOfInt32IdsIsExact) {
+  // Token ids move through the same kernel bit for bit, up to rank 6.
+  const std::vector<int64_t> dims = {2, 3, 1, 4, 2, 3};
+  const std::vector<int> perm = {4, 0, 5, 2, 1, 3};
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  std::vector<int32_t> x(static_cast<size_t>(n)), y(static_cast<size_t>(n), -7);
+  for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = static_cast<int32_t>(i * 2654435761u);
+  ctr::cpu::transpose(x.data(), y.data(), dims.data(), perm.data(), 6);
+  Dv ref = ref_transpose(Dv(x.begin(), x.end()), dims, perm);  // doubles hold every int32
+  for (int64_t i = 0; i < n; ++i)
+    ASSERT_EQ(static_cast<double>(y[static_cast<size_t>(i)]), ref[static_cast<size_t>(i)]) << i;
+}
+
+// x[outer, size, inner] -> rows start, start + step, ... (len of them).
+Dv ref_slice(const F &x, int64_t outer, int64_t size, int64_t inner, int64_t start, int64_t len, int64_t step) {
+  Dv y;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t j = 0; j < len; ++j)
+      for (int64_t i = 0; i < inner; ++i)
+        y.push_back(x[static_cast<size_t>((o * size + start + j * step) * inner + i)]);
+  return y;
+}
+
+TEST(Layout, SliceWithStepsAndBoundsMatchesReference) {
+  // Copies: exact. Bounds are resolved by the op's decode (clamped, negative
+  // from the end), so the kernel sees the resolved start and length: the cases
+  // are what [1:], [-3:], [:1000], [::3], [2:9:4] and an empty range resolve to.
+  struct Case {
+    int64_t outer, size, inner, start, len, step;
+  };
+  const Case cases[] = {
+      {3, 7, 5, 1, 6, 1},      // x[:, 1:]
+      {2, 7, 1, 4, 3, 1},      // last dim, x[..., -3:]
+      {1, 6, 4, 0, 6, 1},      // end clamped to the size: the whole tensor
+      {4, 8, 3, 0, 3, 3},      // step 3: rows 0, 3, 6
+      {2, 11, 2, 2, 2, 4},     // [2:9:4]: rows 2, 6
+      {5, 3, 1, 1, 2, 1},      // a size-3 dim, x[:, 1:]
+      {3, 4, 2, 2, 0, 1},      // empty range
+      {1000, 64, 16, 3, 20, 3},  // large enough to split over threads
+      {1, 4000, 64, 100, 2000, 1},  // dim 0: one block, split by rows
+  };
+  for (const Case &c : cases) {
+    F x = random_vec(c.outer * c.size * c.inner, 3);
+    F y(static_cast<size_t>(c.outer * c.len * c.inner), NAN);
+    ctr::cpu::slice_fwd(x.data(), y.data(), c.outer, c.size, c.inner, c.start, c.len, c.step);
+    const std::string tag = "slice outer " + std::to_string(c.outer) + " size " + std::to_string(c.size) +
+                            " start " + std::to_string(c.start) + " step " + std::to_string(c.step);
+    expect_close(y, ref_slice(x, c.outer, c.size, c.inner, c.start, c.len, c.step), 0.0, 0.0, tag);
+    // Backward: zeros, with dy's rows back in their places.
+    F dy = random_vec(static_cast<int64_t>(y.size()), 4), dx(x.size(), NAN);
+    ctr::cpu::slice_bwd(dy.data(), dx.data(), c.outer, c.size, c.inner, c.start, c.len, c.step);
+    Dv ref(x.size(), 0.0);
+    size_t k = 0;
+    for (int64_t o = 0; o < c.outer; ++o)
+      for (int64_t j = 0; j < c.len; ++j)
+        for (int64_t i = 0; i < c.inner; ++i) ref[static_cast<size_t>((o * c.size + c.start + j * c.step) * c.inner + i)] = dy[k++];
+    expect_close(dx, ref, 0.0, 0.0, tag + " (backward)");
+  }
+}
+
+TEST(Layout, CatMatchesReference) {
+  // Copies: exact. Widths in elements per outer row, one of them empty.
+  struct Case {
+    int64_t outer;
+    std::vector<int64_t> widths;
+  };
+  const Case cases[] = {
+      {1, {6, 10}},             // dim 0: each input one block
+      {3, {4, 0, 8, 4}},        // an input with a zero-size dim
+      {5, {2, 3, 1}},
+      {2000, {32, 64, 32}},     // large enough to split over threads
+  };
+  for (const Case &c : cases) {
+    std::vector<F> xs;
+    std::vector<const void *> ptrs;
+    int64_t total = 0;
+    for (size_t k = 0; k < c.widths.size(); ++k) {
+      xs.push_back(random_vec(c.outer * c.widths[k], static_cast<uint32_t>(10 + k)));
+      total += c.widths[k];
+    }
+    for (const F &x : xs) ptrs.push_back(x.data());
+    F y(static_cast<size_t>(c.outer * total), NAN);
+    ctr::cpu::cat_fwd(ptrs.data(), c.widths.data(), static_cast<int64_t>(c.widths.size()), y.data(), c.outer);
+    Dv ref;
+    for (int64_t o = 0; o < c.outer; ++o)
+      for (size_t k = 0; k < xs.size(); ++k)
+        for (int64_t i = 0; i < c.widths[k]; ++i) ref.push_back(xs[k][static_cast<size_t>(o * c.widths[k] + i)]);
+    expect_close(y, ref, 0.0, 0.0, "cat of " + std::to_string(c.widths.size()) + " outer " + std::to_string(c.outer));
+  }
+}
+
+TEST(Determinism, LayoutCopiesDoNotDependOnThreadCount) {
+  const int saved = ctr::num_threads();
+  F x = random_vec(600 * 50 * 8, 5);
+  std::vector<F> outs;
+  for (int threads : {1, 2, 3}) {
+    ctr::set_num_threads(threads);
+    F y(static_cast<size_t>(600 * 16 * 8)), dx(x.size());
+    ctr::cpu::slice_fwd(x.data(), y.data(), 600, 50, 8, 2, 16, 3);
+    ctr::cpu::slice_bwd(y.data(), dx.data(), 600, 50, 8, 2, 16, 3);
+    y.insert(y.end(), dx.begin(), dx.end());
+    outs.push_back(y);
+  }
+  ctr::set_num_threads(saved);
+  EXPECT_EQ(outs[0], outs[1]);
+  EXPECT_EQ(outs[0], outs[2]);
+}
+
 // ---------------------------------------------------------------------------
 // Optimizer
 

@@ -373,7 +373,32 @@ void k_transpose(const Args &c) {
   const auto &p = c.params<ctr_transpose_params>();
   int perm[8];
   for (int i = 0; i < p.ndim; ++i) perm[i] = p.perm[i];
-  cpu::transpose(c.in<float>(0), c.out<float>(0), x.data(), perm, static_cast<int>(x.size()));
+  if (c.a->inputs[0].dtype == CTR_DTYPE_I32)
+    cpu::transpose(c.in<int32_t>(0), c.out<int32_t>(0), x.data(), perm, static_cast<int>(x.size()));
+  else
+    cpu::transpose(c.in<float>(0), c.out<float>(0), x.data(), perm, static_cast<int>(x.size()));
+}
+// slice, slice_bwd, cat: sizes resolved at decode (op_params.h).
+void k_slice(const Args &c) {
+  const auto &p = c.params<ctr_slice_params>();
+  cpu::slice_fwd(c.in<void>(0), c.out<void>(0), p.outer, p.size, p.inner, p.start, p.len, p.step);
+}
+void k_slice_bwd(const Args &c) {
+  const auto &p = c.params<ctr_slice_params>();
+  cpu::slice_bwd(c.in<float>(0), c.out<float>(0), p.outer, p.size, p.inner, p.start, p.len, p.step);
+}
+void k_cat(const Args &c) {
+  // The registry caps cat's inputs at 1024; the tables live on the stack.
+  constexpr int kMax = 1 << 10;
+  const void *xs[kMax];
+  int64_t widths[kMax];
+  const auto &p = c.params<ctr_cat_params>();
+  const int n = std::min(c.num_inputs(), kMax);
+  for (int k = 0; k < n; ++k) {
+    xs[k] = c.in<void>(k);
+    widths[k] = p.outer > 0 ? c.a->inputs[k].numel / p.outer : 0;
+  }
+  cpu::cat_fwd(xs, widths, n, c.out<void>(0), p.outer);
 }
 void k_take_rows(const Args &c) {
   cpu::copy(c.in<void>(0), c.out<void>(0), c.a->outputs[0].bytes);
@@ -533,6 +558,8 @@ void register_library_kernels() {
         {"attention_bwd", bind<k_attention_bwd>}, {"cross_entropy", bind<k_cross_entropy>},
         {"cross_entropy_bwd", bind<k_cross_entropy_bwd>},
         {"reshape", bind<k_reshape>},             {"transpose", bind<k_transpose>},
+        {"slice", bind<k_slice>},                 {"slice_bwd", bind<k_slice_bwd>},
+        {"cat", bind<k_cat>},
         {"take_rows", bind<k_take_rows>},         {"take_rows_bwd", bind<k_take_rows_bwd>},
         {"moe_router", bind<k_moe_router>},       {"moe_router_bwd", bind<k_moe_router_bwd>},
         {"moe_aux_loss", bind<k_moe_aux_loss>},   {"moe_aux_loss_bwd", bind<k_moe_aux_loss_bwd>},
