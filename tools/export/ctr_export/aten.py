@@ -1309,6 +1309,11 @@ def convert_aten(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
     bnames_by_id, buffers = _all_tensors(model, "buffer")
     pnames = [pnames_by_id[id(p)] for p in params]
     bnames = [bnames_by_id[id(b)] for b in buffers]
+    example_seq = int(tokens.shape[1])
+    if tokens.shape[1] > 2:
+        # Trace below the example's length: at a model's longest sequence PyTorch skips
+        # no-op slices (mask[:T] with T = its rows), which would make the traces differ.
+        tokens, targets = tokens[:, :-1].contiguous(), targets[:, :-1].contiguous()
     tokens2, targets2 = _second_inputs(tokens, targets)
     frozen = {i for i, p in enumerate(params) if not p.requires_grad}
 
@@ -1323,9 +1328,10 @@ def convert_aten(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
             where = f" at {file}:{line}" if file else ""
             src = f"\n    {code}" if code else ""
             if "get value out of a tracing tensor" in str(e):
-                raise ExportError(f"cannot export Tensor.item{where}: reads a tensor's value on the host: "
-                                  f"(.item(), float(t), bool(t) or `if t:` on a computed tensor) "
-                                  f"cannot be part of a graph; compute it with tensor ops{src}",
+                raise ExportError(f"cannot export Tensor.item{where}: reads a tensor's value on "
+                                  f"the host (.item(), float(t), bool(t) or `if t:` on a "
+                                  f"computed tensor), which cannot be part of a graph; compute "
+                                  f"it with tensor ops{src}",
                                   op="Tensor.item", file=file, line=line, code=code) from e
             raise ExportError(f"running the model on example inputs of shape "
                               f"{list(tok.shape)} failed{where}: {type(e).__name__}: {e}{src}",
@@ -1344,7 +1350,7 @@ def convert_aten(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
     def max_seq_fn():
         if state["max_seq"] is None:
             rows = conv[0].positional_rows
-            state["max_seq"] = min(rows) if rows else int(tokens.shape[1])
+            state["max_seq"] = min(rows) if rows else example_seq
         return state["max_seq"]
 
     sizes = (tuple(tokens.shape), tuple(tokens2.shape))
@@ -1355,7 +1361,7 @@ def convert_aten(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
     c.finish_outputs(outputs)
     ms = state["max_seq"]
     if ms is None:
-        ms = min(c.positional_rows) if c.positional_rows else int(tokens.shape[1])
+        ms = min(c.positional_rows) if c.positional_rows else example_seq
     elif c.positional_rows and min(c.positional_rows) < ms:
         ms = min(c.positional_rows)
     meta = [("exporter", "ctr_export"), ("model", type(model).__name__),
