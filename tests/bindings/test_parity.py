@@ -10,7 +10,9 @@ same batches, with the same warm-up + cosine schedule, weight decay on matrices 
 global-norm clipping. The weights reach libctr two ways, both checked where they exist:
   - "set_param": the preset graph built by libctr, weights copied in by name;
   - "export":    the module exported with ctr_export, weights embedded in the .ctrg file
-                 (the MoE layer as one unit: ctr_export maps it onto libctr's moe ops).
+                 (the MoE layer as one unit: ctr_export maps it onto libctr's moe ops);
+  - "aten":      gpt and llama exported by ctr_export's ATen-level tracer, which reads the
+                 modules' code op by op instead of mapping them whole.
 For moe the reference's expert loop is first checked against a dense evaluation of every
 expert on every token, forward and backward, so a mistake there cannot pass as agreement;
 and at every step the load-balancing and z-losses (summed over the layers, read from
@@ -71,6 +73,9 @@ CASES = {
 }
 # Why a case has no "export" path.
 NO_EXPORT = {}
+# Cases without an "aten" path: the expert loop picks rows by the routing the data gives, which
+# one trace would fix.
+NO_ATEN = {"moe", "moe-top1"}
 
 
 def schedule(s):
@@ -232,6 +237,9 @@ def parity(kind, results):
         graph_path = os.path.join(tmp, f"{kind}.ctrg")
         # Export before training, so the file holds the initial weights.
         ctr_export.export(model, data[0], None, graph_path)
+        aten_path = os.path.join(tmp, f"{kind}-aten.ctrg")
+        if kind not in NO_ATEN:
+            ctr_export.export(model, data[0], None, aten_path, tracer="aten")
 
     torch_aux = [] if preset_name == "moe" else None
     torch_losses = train_torch(model, data, torch_aux)
@@ -256,14 +264,18 @@ def parity(kind, results):
         if no_export:
             print(f"  {kind:8s} export    skipped: {no_export}")
             return
-        # Path 2: the exported graph with the weights embedded.
-        with ctr.Graph.load(graph_path) as graph, ctr.Step(mesh, graph, **step_opts) as s:
-            assert sorted(graph.params) == sorted(names), sorted(set(graph.params) ^ set(names))
-            for name in names:  # the embedded weights are the initial ones, bit for bit
-                assert np.array_equal(s.get_param(name), initial[name].numpy()), name
-            losses = train_ctr(s, data)
-            compare(kind, "export", torch_losses, losses, model, s, names, results)
-    os.remove(graph_path)
+        # Path 2: the exported graphs with the weights embedded.
+        for path, file in (("export", graph_path), ("aten", aten_path)):
+            if not os.path.exists(file):
+                continue
+            with ctr.Graph.load(file) as graph, ctr.Step(mesh, graph, **step_opts) as s:
+                assert sorted(graph.params) == sorted(names), \
+                    sorted(set(graph.params) ^ set(names))
+                for name in names:  # the embedded weights are the initial ones, bit for bit
+                    assert np.array_equal(s.get_param(name), initial[name].numpy()), name
+                losses = train_ctr(s, data)
+                compare(kind, path, torch_losses, losses, model, s, names, results)
+            os.remove(file)
     os.rmdir(tmp)
 
 

@@ -4,6 +4,7 @@ libctr graph file.
     /usr/bin/python3 -m ctr_export gpt --layers 4 --dim 256 --heads 4 -o gpt.ctrg
     /usr/bin/python3 -m ctr_export llama --layers 2 --dim 128 --heads 4 --kv-heads 2 -o l.ctrg
     /usr/bin/python3 -m ctr_export --factory mypkg.models:make -o mine.ctrg
+    /usr/bin/python3 -m ctr_export gpt --tracer aten -o gpt.ctrg  # trace the ATen ops instead
     ctr-export ...                                   # the same, once pip-installed
 
 (with tools/export on PYTHONPATH when run from the source tree). A factory is a callable
@@ -70,6 +71,10 @@ def main(argv=None):
     ap.add_argument("-o", "--output", required=True, help="the .ctrg file to write")
     ap.add_argument("--state-dict", help="load these weights (torch.save of a state_dict)")
     ap.add_argument("--max-seq", type=int, help="longest sequence the graph accepts")
+    ap.add_argument("--tracer", choices=("auto", "aten", "fx"), default="auto",
+                    help="aten: record the ATen ops the model runs (make_fx; ordinary model "
+                         "code); fx: torch.fx with ctr_op modules kept whole (the reference "
+                         "models); auto (default): fx when the model has ctr_op modules")
     g = ap.add_argument_group("reference model sizes")
     g.add_argument("--layers", type=int, default=4)
     g.add_argument("--dim", type=int, default=256)
@@ -95,7 +100,8 @@ def main(argv=None):
     if args.state_dict:
         model.load_state_dict(torch.load(args.state_dict, map_location="cpu"))
     try:
-        data = export(model, example, loss_fn, args.output, max_seq=args.max_seq)
+        data = export(model, example, loss_fn, args.output, max_seq=args.max_seq,
+                      tracer=args.tracer)
     except (ExportError, SchemaError) as e:
         print(f"ctr-export: error: {e}", file=sys.stderr)
         return 1
