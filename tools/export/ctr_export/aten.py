@@ -240,6 +240,10 @@ class _Tuple:
 
 
 _NOT_MAPPED = {
+    "aten.topk": "top-k routing follows the data, which one trace would fix: give the mixture-"
+                 "of-experts layer ctr_op = \"moe\" (as tools/export/models/moe.py does) and "
+                 "export with tracer=\"fx\", which maps it onto libctr's moe ops",
+    "aten.sort": "sorting follows the data, which one trace would fix",
     "aten.cumsum": "a running sum has no libctr op",
     "aten.relu": "libctr has no relu; GELU and SiLU are its activations",
     "aten.index.Tensor": "indexing with a tensor computed in the model: index with constants, "

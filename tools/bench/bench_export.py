@@ -1,0 +1,117 @@
+#!/usr/bin/python3
+"""Step time of exported ordinary model code against the equivalent preset graph, on the CPU.
+
+    /usr/bin/python3 tools/bench/bench_export.py                    # nanogpt vs --preset gpt
+    /usr/bin/python3 tools/bench/bench_export.py --model llama_meta # vs --preset llama
+    /usr/bin/python3 tools/bench/bench_export.py --no-fuse          # the exported graph unfused
+
+The model comes from tests/zoo (written the way common open-source model files are) and is
+exported with ctr_export's ATen tracer; the peer is `ctr graph build --preset` at the same
+sizes (V=256 T=256 L=4 H=4 C=256, B=8 by default). Both graphs run under `ctr run --metrics`
+on the same thread count, alternating, --reps times each; the table gives the median step_ms
+of all timed steps (the first --warmup steps of each run skipped) and the ratio exported /
+preset: 1.00 means the exported model trains as fast as the preset. Differences in the models
+themselves are printed with the table (nanogpt: exact GELU, where the preset uses tanh; the
+Llama variants: their own feed-forward widths).
+"""
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.dont_write_bytecode = True
+
+PRESET = {"nanogpt": "gpt", "gpt2_hf": "gpt", "llama_meta": "llama", "llama_hf": "llama"}
+NOTES = {"nanogpt": "exact GELU (preset: tanh); head tied as in the preset",
+         "gpt2_hf": "untied head (preset: tied); hand-written tanh GELU",
+         "llama_meta": "feed-forward width 2/3 * 4C rounded up to 32; complex rotary form",
+         "llama_hf": "feed-forward width 2C; head tied"}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", choices=sorted(PRESET), default="nanogpt")
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
+    ap.add_argument("--reps", type=int, default=3, help="runs of each graph, alternating")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-fuse", action="store_true", help="run the exported graph unfused")
+    ap.add_argument("--ctr", default=str(REPO / "build" / "tools" / "ctr"))
+    return ap.parse_args(argv)
+
+
+def export_model(a, path):
+    sys.path[:0] = [str(REPO / "tools" / "export"), str(REPO / "tests")]
+    import torch
+
+    import ctr_export
+    mod = importlib.import_module(f"zoo.{a.model}")
+    model, loss_fn = mod.build(vocab=a.vocab, seq=a.seq, dim=a.dim, heads=a.heads,
+                               layers=a.layers, seed=0)
+    example = torch.randint(0, a.vocab, (2, min(a.seq, 16)))
+    ctr_export.export(model, (example, example), loss_fn, path, max_seq=a.seq)
+
+
+def preset_graph(a, path):
+    cmd = [a.ctr, "graph", "build", "--preset", PRESET[a.model], "--layers", str(a.layers),
+           "--dim", str(a.dim), "--heads", str(a.heads), "--vocab", str(a.vocab),
+           "--seq", str(a.seq), "-o", path]
+    if PRESET[a.model] == "llama":
+        cmd += ["--kv-heads", str(max(1, a.heads // 2))]
+    subprocess.run(cmd, check=True, capture_output=True)
+
+
+def run(a, graph, tmp, extra):
+    metrics = os.path.join(tmp, "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    cmd = [a.ctr, "run", graph, "--steps", str(a.warmup + a.steps), "--batch", str(a.batch),
+           "--seq", str(a.seq), "--warmup", "0", "--metrics", metrics] + extra
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(a.threads), CTR_NUM_THREADS=str(a.threads))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-800:]}")
+    with open(metrics) as f:
+        rows = sorted((json.loads(x) for x in f if x.strip()), key=lambda r: r["step"])
+    return [float(r["step_ms"]) for r in rows[a.warmup:]]
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="ctr-bench-export-") as tmp:
+        exported, preset = os.path.join(tmp, "exported.ctrg"), os.path.join(tmp, "preset.ctrg")
+        export_model(a, exported)
+        preset_graph(a, preset)
+        times = {"exported": [], "preset": []}
+        for _ in range(a.reps):
+            times["exported"] += run(a, exported, tmp, ["--no-fuse"] if a.no_fuse else [])
+            times["preset"] += run(a, preset, tmp, [])
+    e, p = statistics.median(times["exported"]), statistics.median(times["preset"])
+    print(f"model {a.model} vs preset {PRESET[a.model]}: V={a.vocab} T={a.seq} L={a.layers} "
+          f"H={a.heads} C={a.dim} B={a.batch}, {a.threads} threads, "
+          f"{a.reps} x {a.steps} timed steps each{' (exported graph unfused)' if a.no_fuse else ''}")
+    print(f"  differences: {NOTES[a.model]}")
+    print(f"  {'graph':10s} {'median step_ms':>15s}")
+    print(f"  {'exported':10s} {e:15.1f}")
+    print(f"  {'preset':10s} {p:15.1f}")
+    print(f"  exported / preset: {e / p:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
