@@ -6,6 +6,9 @@
 // The schedule from lower extends lifetimes: a collective's input and output
 // stay live until the node at which stream 0 has waited for it, since the comm
 // stream may still read or write them before then.
+// A reshape's output is its input's bytes under another shape: it is placed on
+// its input (its root, through chains of reshapes) rather than copied, and the
+// root lives as long as any of them; the executor drops the kernel.
 // Placement is greedy by size (largest first, lowest offset that fits among the
 // tensors it overlaps in time), which is close to optimal on transformer graphs
 // whose big saved activations dominate. The loss stays live to the end of the
@@ -68,6 +71,21 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &
     t.offset = p.offset;
   }
 
+  // Reshapes that alias their input: an activation of the arena or a constant,
+  // never a gradient region or a host input (rebound per micro-batch).
+  std::vector<int> root(nt, -1);
+  for (int ni = 0; ni < nn; ++ni) {
+    const Node &n = g.nodes[ni];
+    if (n.op != "reshape" || n.inputs.size() != 1 || n.outputs.size() != 1) continue;
+    const int x = root[n.inputs[0]] >= 0 ? root[n.inputs[0]] : n.inputs[0];
+    const int y = n.outputs[0];
+    const Tensor &tx = g.tensors[x], &ty = g.tensors[y];
+    const bool x_ok = (tx.role == Role::Activation && tx.storage == Storage::None) || tx.role == Role::Const;
+    const bool y_ok = ty.role == Role::Activation && ty.storage == Storage::None && ty.grad_of < 0;
+    if (x_ok && y_ok && tx.bytes() == ty.bytes() && tx.alloc_bytes == 0 && ty.alloc_bytes == 0)
+      root[y] = x;
+  }
+
   // Lifetimes in node positions.
   std::vector<int> first(nt, -1), last(nt, -1);
   for (int ni = 0; ni < nn; ++ni) {
@@ -83,11 +101,15 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &
     for (int t : g.nodes[ni].inputs) last[t] = std::max(last[t], done);
     for (int t : g.nodes[ni].outputs) last[t] = std::max(last[t], done);
   }
+  for (int i = 0; i < nt; ++i)
+    if ((i == g.loss || g.tensors[i].keep) && first[i] >= 0) last[i] = nn;
+  // A root lives from its first write to the last read of any alias.
+  for (int i = 0; i < nt; ++i)
+    if (root[i] >= 0 && first[i] >= 0) last[root[i]] = std::max(last[root[i]], last[i]);
   std::vector<int> order;
   for (int i = 0; i < nt; ++i) {
     Tensor &t = g.tensors[i];
-    if (t.role != Role::Activation || first[i] < 0 || t.storage == Storage::Grad) continue;
-    if (i == g.loss || t.keep) last[i] = nn;
+    if (t.role != Role::Activation || first[i] < 0 || t.storage == Storage::Grad || root[i] >= 0) continue;
     t.storage = Storage::Arena;
     order.push_back(i);
     plan.naive_bytes += align_up(t.alloc_size());
@@ -115,6 +137,11 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &
     t.offset = off;
     plan.arena_bytes = std::max(plan.arena_bytes, off + size);
     placed.push_back(i);
+  }
+  for (int i = 0; i < nt; ++i) {
+    if (root[i] < 0 || first[i] < 0) continue;
+    g.tensors[i].storage = g.tensors[root[i]].storage;
+    g.tensors[i].offset = g.tensors[root[i]].offset;
   }
   return plan;
 }

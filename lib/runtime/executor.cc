@@ -16,6 +16,7 @@ namespace ctr {
 
 struct Executor::Call {
   KernelFn fn = nullptr;
+  bool skip = false;  // a reshape placed on its input (plan_memory): nothing to move
   std::vector<uint8_t> params;
   std::vector<ctr_tensor_ref> in, out;
   ctr_kernel_args args{};
@@ -85,6 +86,7 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
       c->args.params = c->params.empty() ? nullptr : c->params.data();
       c->args.inputs = c->in.data();
       c->args.outputs = c->out.data();
+      c->skip = n.op == "reshape" && addr_[static_cast<size_t>(n.inputs[0])] == addr_[static_cast<size_t>(n.outputs[0])];
       calls_[ni] = std::move(c);
     } else if (in.kind == Instr::Collective && !colls_[ni]) {
       const Node &n = g.nodes[ni];
@@ -288,7 +290,7 @@ void Executor::run(Phase phase) {
     switch (in.kind) {
       case Instr::Kernel: {
         const Call &c = *calls_[static_cast<size_t>(in.node)];
-        bi->launch(ctx, c.fn, &c.args, stream);
+        if (!c.skip) bi->launch(ctx, c.fn, &c.args, stream);
         break;
       }
       case Instr::Collective:

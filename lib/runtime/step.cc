@@ -219,7 +219,8 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
       case Storage::Input: addr[i] = static_cast<char *>(inputs_) + t.offset; break;
       case Storage::Const:
         addr[i] = static_cast<char *>(consts_) + t.offset;
-        be_.iface->copy_h2d(be_.ctx, addr[i], t.data.data(), t.data.size(), 0);
+        // (an activation here is a reshape placed on a constant: its bytes are the constant's)
+        if (t.role == Role::Const) be_.iface->copy_h2d(be_.ctx, addr[i], t.data.data(), t.data.size(), 0);
         break;
       default: break;
     }

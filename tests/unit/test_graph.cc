@@ -856,6 +856,52 @@ void check_gradients(ctr_graph *graph, const std::map<std::string, int> &id_inpu
   ctr_step_free(s);
 }
 
+// A reshape's output is placed on its input (through chains, and on constants),
+// the input lives as long as the output is read, and nothing else overlaps them.
+TEST(MemoryPlan, ReshapesArePlacedOnTheirInput) {
+  OpGraph b;
+  int x = b.add_param("x", {2, 3, 4});
+  int c = b.add_const("c", {3, 4}, std::vector<float>(12, 0.5f));
+  int e = b.add_op("exp", {x});
+  int r1 = b.add_op("reshape", {e}, {{"shape", ctr::Attr::of_ints({6, 4})}});
+  int r2 = b.add_op("reshape", {r1}, {{"shape", ctr::Attr::of_ints({2, 12})}});
+  int rc = b.add_op("reshape", {c}, {{"shape", ctr::Attr::of_ints({12})}});
+  int m = b.add_op("mul", {r2, rc});
+  int y = b.add_op("reshape", {m}, {{"shape", ctr::Attr::of_ints({2, 3, 4})}});
+  b.finish(y, {2, 3, 4});
+  Graph &g = b.g;
+  ctr::pass_verify(g);
+  ctr::CompileOptions o;
+  o.batch = 1;
+  ctr::pass_infer_shapes(g, o);
+  ctr::pass_autodiff(g);
+  ctr::Program prog = ctr::pass_lower(g, [](ctr::OpId) { return true; });
+  ctr::MemoryPlan plan = ctr::pass_plan_memory(g, o, prog);
+  for (int alias : {r1, r2}) {
+    EXPECT_EQ(g.tensors[alias].storage, ctr::Storage::Arena);
+    EXPECT_EQ(g.tensors[alias].offset, g.tensors[e].offset) << g.tensors[alias].name;
+  }
+  EXPECT_EQ(g.tensors[rc].storage, ctr::Storage::Const);
+  EXPECT_EQ(g.tensors[rc].offset, g.tensors[c].offset);
+  EXPECT_EQ(g.tensors[y].offset, g.tensors[m].offset);
+  // No other arena tensor shares e's bytes while e or its aliases are read.
+  const int nn = static_cast<int>(g.nodes.size());
+  int last_read = -1;
+  for (int ni = 0; ni < nn; ++ni)
+    for (int t : g.nodes[ni].inputs)
+      if (t == e || t == r1 || t == r2) last_read = ni;
+  for (int ni = 0; ni < nn; ++ni) {
+    if (ni > last_read) break;
+    for (int t : g.nodes[ni].outputs) {
+      if (t == e || t == r1 || t == r2 || g.tensors[t].storage != ctr::Storage::Arena) continue;
+      const auto &a = g.tensors[t], &ee = g.tensors[e];
+      EXPECT_FALSE(a.offset < ee.offset + ee.bytes() && ee.offset < a.offset + a.bytes())
+          << a.name << " overwrites " << ee.name << " while a reshape of it is still read";
+    }
+  }
+  EXPECT_GT(plan.arena_bytes, 0);
+}
+
 struct OpCase {
   std::string label;
   std::function<void(OpGraph &)> build;
