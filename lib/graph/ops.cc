@@ -251,6 +251,8 @@ void xent_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   const auto &l = S(g, n, 0);
   std::vector<int64_t> rows(l.begin(), l.end() - 1);
   if (S(g, n, 1) != rows) shape_mismatch(g, n, 1, shape_string(rows));
+  if (n.has_attr("ignore_index") && (n.attrs.at("ignore_index").type != Attr::Int || n.attr_int("ignore_index", -1) >= 0))
+    bad_node(g, n, "attribute ignore_index must be a negative integer (targets at or above it and below 0 are ignored)");
   out = {f32({}), f32({numel(rows)}), OutInfo{CTR_DTYPE_I64, {1}}};
 }
 
@@ -614,10 +616,11 @@ bool embedding_ids(const Graph &g, const Node &n, int input, int64_t *lo, int64_
   return true;
 }
 
-// cross_entropy: targets are classes of the last dim, or -1 (ignored).
+// cross_entropy: targets are classes of the last dim, or negative down to
+// attr ignore_index (default -1; PyTorch's default is -100): ignored.
 bool xent_ids(const Graph &g, const Node &n, int input, int64_t *lo, int64_t *hi) {
   if (input != 1) return false;
-  *lo = -1;
+  *lo = std::min<int64_t>(-1, n.attr_int("ignore_index", -1));
   *hi = S(g, n, 0).back();
   return true;
 }

@@ -1696,6 +1696,43 @@ TEST(LayoutOps, IdsThroughLayoutOpsAreRangeChecked) {
   ctr_graph_free(g);
 }
 
+// PyTorch's default ignore_index is -100: with the attribute, -100 is accepted
+// and ignored like -1; below it, and a non-negative attribute, are refused.
+TEST(CrossEntropy, IgnoreIndexAttributeWidensTheIgnoredRange) {
+  for (int64_t ignore : {-100, 3}) {
+    OpGraph b;
+    int x = b.add_param("x", {4, 6});
+    int targets = b.add_ids("targets", {4});
+    b.g.loss = b.add_op("cross_entropy", {x, targets}, {{"ignore_index", ctr::Attr::of_int(ignore)}});
+    ctr_graph *g = nullptr;
+    ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+    Mesh m;
+    Opts o;
+    o.i("batch", 1);
+    ctr_step *s = nullptr;
+    if (ignore >= 0) {
+      EXPECT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_INVALID_GRAPH);
+      EXPECT_NE(std::string(ctr_last_error()).find("ignore_index"), std::string::npos) << ctr_last_error();
+      ctr_graph_free(g);
+      continue;
+    }
+    ASSERT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_OK) << ctr_last_error();
+    std::vector<int32_t> t = {1, -100, 5, -1};
+    ASSERT_EQ(ctr_step_set_input(s, "targets", t.data(), 16), CTR_STATUS_OK) << ctr_last_error();
+    s->impl->forward_backward();
+    std::vector<float> gr(24);
+    s->impl->read_grad("x", gr.data(), 24);
+    for (int j = 0; j < 6; ++j) {
+      EXPECT_EQ(gr[6 + j], 0.0f);
+      EXPECT_EQ(gr[18 + j], 0.0f);
+    }
+    std::vector<int32_t> bad = {1, -101, 5, 0};
+    EXPECT_EQ(ctr_step_set_input(s, "targets", bad.data(), 16), CTR_STATUS_DATA_ERROR);
+    ctr_step_free(s);
+    ctr_graph_free(g);
+  }
+}
+
 TEST(LayoutOps, ConstantIdsOutOfRangeAreRefused) {
   OpGraph b;
   int t = b.add_param("table", {7, 6});

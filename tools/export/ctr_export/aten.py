@@ -953,7 +953,8 @@ def a_nll_loss(c, node):
         c.fail("cross_entropy targets must be class indices (integers)")
     if x.s1[:-1] != t.s1 or x.s2[:-1] != t.s2:
         c.fail("cross_entropy targets must have the logits' leading dims")
-    loss = c.emit("cross_entropy", [x, t], (), (), node=node)
+    attrs = {} if ignore is None or int(ignore) == -1 else {"ignore_index": int(ignore)}
+    loss = c.emit("cross_entropy", [x, t], (), (), attrs, node=node)
     return _Tuple([loss, None])
 
 
