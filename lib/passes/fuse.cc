@@ -69,6 +69,12 @@ class Fuser {
     if (r.size() != 1 || external(t)) return nullptr;
     return &g_.nodes[static_cast<size_t>(r[0])];
   }
+  // The nodes reading t (a node reading it twice is listed twice).
+  std::vector<const Node *> readers(int t) const {
+    std::vector<const Node *> out;
+    for (int r : readers_[static_cast<size_t>(t)]) out.push_back(&g_.nodes[static_cast<size_t>(r)]);
+    return out;
+  }
   // Read by the host (the loss, a kept tensor): never an intermediate.
   bool external(int t) const { return t == g_.loss || T(t).keep; }
   bool used(const Node *n) const { return touched_.count(index_of(n)) != 0; }
@@ -358,10 +364,32 @@ int table_axis(const Shape &x, const Shape &tab) {
   return axis;
 }
 
+// The complex-number form (Meta's Llama: view_as_complex, multiply, view_as_real)
+// rotates interleaved pairs (2i, 2i+1), which rope's rotate-half convention does
+// not: cat(re, im) on a last dim of 2, re = a*c - b*s and im = a*s + b*c with
+// constant c, s. Recognised only to say why it stays as it is.
+bool complex_rope(const Fuser &f, const Node &cat) {
+  if (cat.inputs.size() != 2 || f.S(cat.outputs[0]).back() != 2) return false;
+  auto parts = [&](int t, const char *op) {
+    const Node *r = f.prod(t, "reshape");
+    const Node *n = r ? f.prod(r->inputs[0], op) : nullptr;
+    if (!n) return false;
+    std::string why;
+    for (int in : n->inputs) {
+      const Node *m = f.prod(in, "mul");
+      if (!m || !either(m, [&](int, int c) { return const_prefix(f, c, why) >= 0; })) return false;
+    }
+    return true;
+  };
+  return parts(cat.inputs[0], "sub") && parts(cat.inputs[1], "add");
+}
+
 void fuse_rope(Fuser &f, Report &rep) {
   const size_t nn = f.g().nodes.size();
   for (size_t ni = 0; ni < nn; ++ni) {
     const Node &cat = f.g().nodes[ni];
+    if (cat.op == "cat" && complex_rope(f, cat))
+      rep.skip("rope", cat, "the complex form rotates interleaved pairs, not rope's halves (left as it is)");
     if (cat.op != "cat" || cat.inputs.size() != 2) continue;
     const Shape &cs = f.S(cat.outputs[0]);
     if (cs.size() != 4 || !is_last(cat.attr_int("dim", 0), 4) || cs[3] % 2 != 0) continue;
@@ -746,8 +774,11 @@ void fuse_swiglu(Fuser &f, Report &rep) {
   for (size_t ni = 0; ni < nn; ++ni) {
     const Node &si = f.g().nodes[ni];
     if (si.op != "silu") continue;
-    const Node *mul = f.sole_reader(si.outputs[0]);
-    if (!mul || mul->op != "mul") continue;
+    // The product (the silu may be read elsewhere too: then reported).
+    const Node *mul = nullptr;
+    for (const Node *r : f.readers(si.outputs[0]))
+      if (r->op == "mul" && !mul) mul = r;
+    if (!mul) continue;
     const int a = si.inputs[0];
     const int b = mul->inputs[0] == si.outputs[0] ? mul->inputs[1] : mul->inputs[0];
     std::string why;
