@@ -369,7 +369,7 @@ int table_axis(const Shape &x, const Shape &tab) {
 // not: cat(re, im) on a last dim of 2, re = a*c - b*s and im = a*s + b*c with
 // constant c, s. Recognised only to say why it stays as it is.
 bool complex_rope(const Fuser &f, const Node &cat) {
-  if (cat.inputs.size() != 2 || f.S(cat.outputs[0]).back() != 2) return false;
+  if (cat.inputs.size() != 2 || f.S(cat.outputs[0]).empty() || f.S(cat.outputs[0]).back() != 2) return false;
   auto parts = [&](int t, const char *op) {
     const Node *r = f.prod(t, "reshape");
     const Node *n = r ? f.prod(r->inputs[0], op) : nullptr;
@@ -436,8 +436,21 @@ void fuse_rope(Fuser &f, Report &rep) {
       rep.skip("rope", cat, "the rotated half is not combined as x*cos + rotate_half(x)*sin");
       continue;
     }
-    const int axis = table_axis(cs, f.S(cos_t));
-    if (axis < 0 || table_axis(cs, f.S(sin_t)) != axis || f.S(add->outputs[0]) != cs) {
+    // One position (T = 1) leaves the cut table no positions axis; the stored
+    // one's, where the cut kept the rank, says which axis it is.
+    auto axis_of = [&](int tab) {
+      int a = table_axis(cs, f.S(tab));
+      std::string w;
+      const int c = a < 0 ? const_prefix(f, tab, w) : -1;
+      if (c >= 0 && f.S(c).size() == f.S(tab).size()) {
+        const Shape &k = f.S(c);
+        const int b = table_axis({cs[0], k.size() > 2 ? k[k.size() - 3] : 1, k.size() > 1 ? k[k.size() - 2] : 1, D}, k);
+        if (b > 0 && cs[b] == 1) a = b;
+      }
+      return a;
+    };
+    const int axis = axis_of(cos_t);
+    if (axis < 0 || axis_of(sin_t) != axis || f.S(add->outputs[0]) != cs) {
       rep.skip("rope", cat, "the cos/sin tables do not broadcast as [T, D] over the positions");
       continue;
     }
@@ -643,7 +656,7 @@ void fuse_attention(Fuser &f, Report &rep) {
     const Node *qk = f.prod(scores, "matmul");
     const Node *pv = f.sole_reader(sm.outputs[0]);
     if (!qk || f.S(qk->inputs[0]).size() != 4 || f.S(qk->outputs[0]) != ps) continue;
-    if (!pv || pv->op != "matmul" || pv->inputs[0] != sm.outputs[0]) {
+    if (!pv || pv->op != "matmul" || pv->inputs[0] != sm.outputs[0] || f.S(pv->inputs[1]).size() != 4) {
       rep.skip("attention", sm, "the probabilities are not multiplied by the values alone");
       continue;
     }
@@ -730,6 +743,7 @@ void fuse_rmsnorm(Fuser &f, Report &rep) {
     if (sq && sq->op == "mul" && sq->inputs[0] == sq->inputs[1]) x = sq->inputs[0];
     if (x < 0) continue;
     const Shape &xs = f.S(x);
+    if (xs.empty()) continue;
     const auto dims = mean->attr_ints("dims");
     if (dims.size() != 1 || !is_last(dims[0], xs.size()) || mean->attr_int("keepdim", 0) != 1) continue;
     // The candidate.
