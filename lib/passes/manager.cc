@@ -30,6 +30,7 @@ void read_plan(OptionReader &r, CompileOptions &o) { o.micro_batches = r.get_int
 void run_nothing(PassContext &) {}
 void run_verify(PassContext &c) { pass_verify(c.graph); }
 void run_infer_shapes(PassContext &c) { pass_infer_shapes(c.graph, c.opt); }
+void run_fuse(PassContext &c) { c.fused = pass_fuse(c.graph, c.opt); }
 void run_expert(PassContext &c) { pass_expert(c.graph, c.opt); }
 void run_autodiff(PassContext &c) { pass_autodiff(c.graph); }
 void run_recompute(PassContext &c) { pass_recompute(c.graph, c.opt); }
@@ -40,6 +41,8 @@ void run_lower(PassContext &c) { c.program = pass_lower(c.graph, c.has_kernel, c
 void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.program); }
 
 std::string dump_lower(const PassContext &c) { return dump_program(c.graph, c.program); }
+
+std::string dump_fuse(const PassContext &c) { return c.fused + dump_graph(c.graph); }
 
 std::string dump_reorder(const PassContext &c) { return c.schedule + "\n" + dump_graph(c.graph); }
 
@@ -72,6 +75,8 @@ const std::vector<PassDef> &pass_list() {
       {"load", "the graph file as read", true, nullptr, run_nothing, nullptr},
       {"verify", "semantic checks and a topological order", true, nullptr, run_verify, nullptr},
       {"infer_shapes", "symbolic dims bound, every shape known", false, read_shapes, run_infer_shapes, nullptr},
+      {"fuse", "exported primitive patterns rewritten to fused ops (attention, rmsnorm, swiglu, gelu, rope)", false,
+       read_fuse_options, run_fuse, dump_fuse},
       {"expert", "experts split over ep, token exchanges and global load balance inserted", false, nullptr,
        run_expert, nullptr},
       {"autodiff", "the backward graph appended", false, nullptr, run_autodiff, nullptr},

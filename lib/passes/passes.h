@@ -36,6 +36,7 @@ struct CompileOptions {
   int64_t batch = 1;          // binds the "batch" symbol (one micro-batch)
   int64_t seq = 0;            // binds "seq"; 0 = the graph's maximum
   int64_t micro_batches = 1;  // gradient accumulation steps
+  bool fuse = true;           // fuse: exported primitive patterns -> fused ops
   bool reshard_after_forward = true;
   int64_t prefetch = 1;         // reorder: all-gathers issued this many segments ahead
   bool defer_reduce = true;     // reorder: reduce-scatters behind the next segment's compute
@@ -96,6 +97,7 @@ struct PassContext {
   MemoryPlan plan;
   std::vector<std::string> ran;  // names of the passes run, in order
   std::string schedule;          // what reorder chose
+  std::string fused;             // what fuse rewrote and what it left
 };
 
 struct PassDef {
@@ -139,6 +141,17 @@ void pass_infer_shapes(Graph &g, const CompileOptions &opt);
 // gradient rules), seeded with d(loss)/d(loss) held in the Const tensor
 // "loss.grad". Afterwards each param with a gradient has tensors[grad].grad_of == param.
 void pass_autodiff(Graph &g);
+
+// fuse.cc: patterns of primitive ops that exported model code is made of,
+// rewritten to the library's fused ops before autodiff: causal attention
+// (matmul, scale, causal mask, softmax, matmul between head transposes; grouped
+// kv heads through repeat_kv / repeat_interleave), RMSNorm, SwiGLU, the tanh
+// GELU written out, and rotate-half RoPE with constant tables. Each rewrite is
+// exact up to round-off and happens only when the pattern's intermediates are
+// read inside it alone. Returns what was fused and what was left, and why.
+// Option fuse (1; 0 turns the pass off).
+std::string pass_fuse(Graph &g, const CompileOptions &opt);
+void read_fuse_options(OptionReader &r, CompileOptions &opt);
 
 // Mixture-of-experts layers placed on the mesh (expert.cc): with an ep axis,
 // the token exchanges around each layer's experts and this rank's block of

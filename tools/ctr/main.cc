@@ -262,7 +262,7 @@ int cmd_graph_build(const BuildArgs &a) {
 // for `graph inspect` and `run` alike.
 struct ScheduleArgs {
   int64_t prefetch = 1, memory_budget = 0;
-  bool no_defer = false, no_overlap = false;
+  bool no_defer = false, no_overlap = false, no_fuse = false;
   std::string recompute = "none", bucket = "block";
   int64_t bucket_bytes = 0;
 
@@ -296,12 +296,16 @@ struct ScheduleArgs {
     cmd->add_flag("--no-overlap", no_overlap,
                   "Wait for every collective as soon as it is issued (the baseline overlap is "
                   "measured against)");
+    cmd->add_flag("--no-fuse", no_fuse,
+                  "Keep exported primitive patterns as they are instead of rewriting them to fused ops "
+                  "(attention, rmsnorm, swiglu, gelu, rope)");
   }
   void set(ctr_options *o) const {
     set_int(o, "prefetch", prefetch);
     set_int(o, "defer_reduce", no_defer ? 0 : 1);
     set_int(o, "memory_budget", memory_budget);
     set_int(o, "overlap", no_overlap ? 0 : 1);
+    set_int(o, "fuse", no_fuse ? 0 : 1);
     set_string(o, "recompute", recompute);
     set_string(o, "bucket", bucket);
     if (bucket_bytes > 0) set_int(o, "bucket_bytes", bucket_bytes);
