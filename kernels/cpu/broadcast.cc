@@ -174,13 +174,13 @@ void div_bwd_b(const float *g, const float *y, const float *b, ShapeRef bs, floa
 
 void gelu_exact_fwd(const float *x, float *y, int64_t n) {
   ctr::parallel_for(n, 1 << 12, [=](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) y[i] = math::gelu_exact(x[i]);
+    for (int64_t i = i0; i < i1; ++i) y[i] = math::gelu_exact_fast(x[i]);
   });
 }
 
 void gelu_exact_bwd(const float *dy, const float *x, float *dx, int64_t n) {
   ctr::parallel_for(n, 1 << 12, [=](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) dx[i] = dy[i] * math::gelu_exact_grad(x[i]);
+    for (int64_t i = i0; i < i1; ++i) dx[i] = dy[i] * math::gelu_exact_grad_fast(x[i]);
   });
 }
 
