@@ -11,8 +11,8 @@ sizes (V=256 T=256 L=4 H=4 C=256, B=8 by default). Both graphs run under `ctr ru
 on the same thread count, alternating, --reps times each; the table gives the median step_ms
 of all timed steps (the first --warmup steps of each run skipped) and the ratio exported /
 preset: 1.00 means the exported model trains as fast as the preset. Differences in the models
-themselves are printed with the table (nanogpt: exact GELU, where the preset uses tanh; the
-Llama variants: their own feed-forward widths).
+themselves are printed with the table; the preset is built with the zoo model's feed-forward
+width and head tying (nanogpt keeps its exact GELU, where the preset uses tanh).
 """
 
 import argparse
@@ -30,10 +30,23 @@ REPO = HERE.parent.parent
 sys.dont_write_bytecode = True
 
 PRESET = {"nanogpt": "gpt", "gpt2_hf": "gpt", "llama_meta": "llama", "llama_hf": "llama"}
-NOTES = {"nanogpt": "exact GELU (preset: tanh); head tied as in the preset",
-         "gpt2_hf": "untied head (preset: tied); hand-written tanh GELU",
-         "llama_meta": "feed-forward width 2/3 * 4C rounded up to 32; complex rotary form",
-         "llama_hf": "feed-forward width 2C; head tied"}
+NOTES = {"nanogpt": "exact GELU (preset: tanh)",
+         "gpt2_hf": "hand-written tanh GELU; preset built --untied like the model",
+         "llama_meta": "rotary embeddings in complex form (left unfused); preset built with the "
+                       "model's feed-forward width",
+         "llama_hf": "preset built --tied and with the model's feed-forward width"}
+
+
+def preset_flags(a):
+    """Preset options that make the preset the same model as the zoo one."""
+    if a.model == "gpt2_hf":
+        return ["--untied"]
+    if a.model == "llama_meta":
+        hidden = int(2 * 4 * a.dim / 3)
+        return ["--ffn-dim", str(32 * ((hidden + 31) // 32))]
+    if a.model == "llama_hf":
+        return ["--ffn-dim", str(2 * a.dim), "--tied"]
+    return []
 
 
 def parse_args(argv=None):
@@ -73,6 +86,7 @@ def preset_graph(a, path):
            "--seq", str(a.seq), "-o", path]
     if PRESET[a.model] == "llama":
         cmd += ["--kv-heads", str(max(1, a.heads // 2))]
+    cmd += preset_flags(a)
     subprocess.run(cmd, check=True, capture_output=True)
 
 
