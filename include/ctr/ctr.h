@@ -47,7 +47,7 @@ extern "C" {
 /* Version                                                                   */
 
 #define CTR_VERSION_MAJOR 0
-#define CTR_VERSION_MINOR 4
+#define CTR_VERSION_MINOR 5
 #define CTR_VERSION_PATCH 0
 
 /* The ABI version: bumped only when a shipped declaration changes meaning. It is
@@ -236,6 +236,11 @@ CTR_API ctr_status ctr_graph_param_name(const ctr_graph *graph, size_t i, const 
 CTR_API ctr_status ctr_graph_tensor_info(const ctr_graph *graph, const char *name,
                                          ctr_dtype *dtype, int64_t *dims, size_t max_dims,
                                          size_t *ndim);
+
+/* Since 0.5. The value of metadata entry `key` (the file's key/value strings:
+ * "max_seq", "vocab", "exporter", ...) in *value, owned by the graph; fails with
+ * CTR_STATUS_NOT_FOUND when the graph has no such entry. */
+CTR_API ctr_status ctr_graph_metadata(const ctr_graph *graph, const char *key, const char **value);
 
 /* Total number of trained parameter elements. */
 CTR_API ctr_status ctr_graph_param_count(const ctr_graph *graph, int64_t *count);

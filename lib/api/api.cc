@@ -431,6 +431,21 @@ extern "C" ctr_status ctr_graph_tensor_info(const ctr_graph *graph, const char *
   CTR_API_END
 }
 
+extern "C" ctr_status ctr_graph_metadata(const ctr_graph *graph, const char *key, const char **value) {
+  CTR_API_BEGIN
+  check_graph(graph, "ctr_graph_metadata");
+  REQUIRE_ARG(key != nullptr, "ctr_graph_metadata: key is NULL");
+  REQUIRE_ARG(value != nullptr, "ctr_graph_metadata: value is NULL");
+  for (const auto &[k, v] : graph->graph.metadata) {
+    if (k == key) {
+      *value = v.c_str();
+      return CTR_STATUS_OK;
+    }
+  }
+  fail(CTR_STATUS_NOT_FOUND, strformat("ctr_graph_metadata: the graph has no metadata entry '%s'", key));
+  CTR_API_END
+}
+
 extern "C" ctr_status ctr_graph_param_count(const ctr_graph *graph, int64_t *count) {
   CTR_API_BEGIN
   check_graph(graph, "ctr_graph_param_count");

@@ -113,6 +113,8 @@ def graph_queries_and_files():
             total = sum(int(np.prod(g.tensor_info(p).shape)) for p in params)
             assert g.param_count == total, (g.param_count, total)
             assert g.flops_per_token() > g.flops_per_token(seq=8) > 6 * 0.5 * total
+            assert g.metadata("max_seq") == str(PRESET["seq"]), g.metadata("max_seq")
+            assert g.metadata("no such key") is None
             path = os.path.join(tmp, "g.ctrg")
             g.save(path)
         with ctr.Graph.load(path) as g2:

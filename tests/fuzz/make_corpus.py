@@ -10,9 +10,10 @@ and option strings are written here by hand (the store's wire format is
 described in lib/comm/store.cc). OUT_DIR defaults to tests/fuzz/corpus; each
 target's directory is emptied first, so the result depends only on the sources.
 
-Graph seeds for ops no preset uses (the element-wise unary ops, the general math ops, the layout ops) are
-written with ctr_export's graph writer (tools/export/ctr_export/graphfile.py), which needs flatc and
-Python's flatbuffers and numpy (Debian's python3 has them).
+Graph seeds for ops no preset uses (the element-wise unary ops, the general math ops, the layout
+ops) are written with ctr_export's graph writer (tools/export/ctr_export/graphfile.py), which
+needs flatc and Python's flatbuffers and numpy (Debian's python3 has them); the models of
+tests/zoo are exported with ctr_export itself (torch).
 
 The small model is the one of tests/fuzz/fuzz_common.h (GPT, 1 layer, width 8,
 2 heads, vocabulary 16, 4 positions): the safetensors and checkpoint seeds only
@@ -249,6 +250,28 @@ def written_graphs(out):
     put(out, "unary_ops.ctrg", graphfile().serialize(unary_ops_graph()))
     put(out, "math_ops.ctrg", graphfile().serialize(math_ops_graph()))
     put(out, "layout_ops.ctrg", graphfile().serialize(layout_ops_graph()))
+    exported_graphs(out)
+
+
+def exported_graphs(out):
+    """The models of tests/zoo at a small size, exported with ctr_export's ATen
+    tracer: graphs of the general ops in the shapes the fuse pass rewrites (attention, RMSNorm,
+    SwiGLU, GELU and both RoPE forms). Skipped, with a note, where torch is missing."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.abspath(os.path.join(here, "..", ".."))
+    sys.path[:0] = [os.path.join(root, "tools", "export"), os.path.join(root, "tests")]
+    try:
+        import torch
+    except ImportError:
+        print("make_corpus: torch is missing; the exported zoo seeds are not written")
+        return
+    import ctr_export
+    for name in ("nanogpt", "gpt2_hf", "llama_meta", "llama_hf"):
+        mod = importlib.import_module(f"zoo.{name}")
+        # The vocabulary covers `ctr run`'s synthetic corpus, so the seeds also train there.
+        model, loss_fn = mod.build(vocab=UNARY_VOCAB, seq=8, dim=16, heads=2, layers=1, seed=0)
+        tokens = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(0))
+        put(out, f"zoo_{name}.ctrg", ctr_export.export_bytes(model, (tokens, tokens), loss_fn))
 
 
 def files(ctr, out, tmp):

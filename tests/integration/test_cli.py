@@ -137,6 +137,17 @@ def check_special_files(tmp, graph):
     check("not a regular file" in r.stderr, f"the skipped checkpoint is not explained: {r.stderr[-300:]}")
 
 
+def check_exported_seq(tmp):
+    """A graph whose length limit only its metadata knows (an exported model: a causal mask
+    stored at max_seq = 8) trains with `ctr run` and no --seq: the default is max_seq."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    graph = os.path.join(here, "..", "fuzz", "corpus", "graph", "zoo_nanogpt.ctrg")
+    r = run("run", graph, "--steps", "2", "--batch", "2", "--log-every", "1")
+    check("batch 2 x seq 8" in r.stdout, f"exported graph's default seq: {r.stdout[:300]}")
+    r = run("run", graph, "--steps", "1", "--batch", "2", "--seq", "9", expect=1)
+    check("ctr: error:" in r.stderr, f"seq beyond the mask: {r.stderr}")
+
+
 def check_moe(tmp):
     """The moe preset: its options, its per-layer metrics, and the warning for an
     expert its router never picks."""
@@ -284,6 +295,7 @@ def main():
           f"truncated token file message: {r.stderr}")
 
     check_moe(tmp)
+    check_exported_seq(tmp)
 
     if failures:
         print(f"{len(failures)} failure(s):")

@@ -97,7 +97,7 @@ std::vector<int32_t> random_ids(size_t n, int vocab, uint32_t seed) {
 
 TEST(Abi, VersionAndStatusStrings) {
   EXPECT_EQ(ctr_abi_version(), CTR_ABI_VERSION);
-  EXPECT_STREQ(ctr_version(), "0.4.0");
+  EXPECT_STREQ(ctr_version(), "0.5.0");
   EXPECT_STREQ(ctr_status_string(CTR_STATUS_OK), "ok");
   EXPECT_STREQ(ctr_status_string(CTR_STATUS_INVALID_GRAPH), "invalid graph");
   EXPECT_STREQ(ctr_status_string(static_cast<ctr_status>(999)), "unknown status");
@@ -226,6 +226,13 @@ TEST(GraphFile, Introspection) {
   int64_t count = 0;
   ASSERT_EQ(ctr_graph_param_count(g, &count), CTR_STATUS_OK);
   EXPECT_EQ(count, expect);
+  const char *value = nullptr;
+  ASSERT_EQ(ctr_graph_metadata(g, "max_seq", &value), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_STREQ(value, std::to_string(T).c_str());
+  EXPECT_EQ(ctr_graph_metadata(g, "no such key", &value), CTR_STATUS_NOT_FOUND);
+  EXPECT_NE(std::string(ctr_last_error()).find("no such key"), std::string::npos);
+  EXPECT_EQ(ctr_graph_metadata(g, nullptr, &value), CTR_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(ctr_graph_metadata(g, "max_seq", nullptr), CTR_STATUS_INVALID_ARGUMENT);
   double flops = 0;
   ASSERT_EQ(ctr_graph_flops_per_token(g, 0, &flops), CTR_STATUS_OK);
   // 6 * (weights used in matmuls) + 12 * L * T * C for attention, plus small element-wise terms.

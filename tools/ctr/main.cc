@@ -469,12 +469,17 @@ constexpr uint64_t kEvalCorpusSeed = 1;
 constexpr int64_t kEvalCorpusBytes = int64_t{1} << 20;
 
 // The sequence length when --seq is not given: dim 1 of the "tokens" input when
-// it is fixed. A symbolic dim says nothing about the limit, so take a common
-// size, 256, but no more than the rows of a learned position table ("wpe", the
-// gpt preset's), which is the one hard limit a graph's parameters reveal.
+// it is fixed, else the graph's own "max_seq" (presets and exported models
+// record it). A graph without it: a common size, 256, but no more than the rows
+// of a learned position table ("wpe"), the one hard limit its parameters reveal.
 int64_t default_seq(const ctr_graph *g) {
   const TensorInfo t = tensor_info(g, "tokens");
   if (t.dims.size() >= 2 && t.dims[1] > 0) return t.dims[1];
+  const char *max_seq = nullptr;
+  if (ctr_graph_metadata(g, "max_seq", &max_seq) == CTR_STATUS_OK) {
+    const long long v = std::atoll(max_seq);
+    if (v > 0) return v;
+  }
   int64_t seq = 256;
   ctr_dtype dtype;
   int64_t dims[8];

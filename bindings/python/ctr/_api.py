@@ -359,6 +359,18 @@ class Graph(_Handle):
         _L.graph_flops_per_token(self._p(), seq, ctypes.byref(f))
         return f.value
 
+    def metadata(self, key):
+        """The graph file's metadata entry `key` ("max_seq", "vocab", ...) as a string, or None
+        when the graph has none."""
+        v = ctypes.c_char_p()
+        try:
+            _L.graph_metadata(self._p(), _enc(key), ctypes.byref(v))
+        except CtrError as e:
+            if e.status == Status.NOT_FOUND:
+                return None
+            raise
+        return v.value.decode("utf-8", "replace")
+
     def __repr__(self):
         if self._closed:
             return "<ctr.Graph closed>"
