@@ -54,8 +54,10 @@ class Fuser {
   const Shape &S(int t) const { return T(t).shape; }
 
   // The node writing t, or null (an input, param, const, or a node already replaced).
+  // Tensors made since the last index() (a reshape the rewrite inserted) have no
+  // producer or reader among the indexed nodes.
   const Node *prod(int t) const {
-    const int i = producer_[static_cast<size_t>(t)];
+    const int i = producer_of(t);
     return i < 0 ? nullptr : &g_.nodes[static_cast<size_t>(i)];
   }
   const Node *prod(int t, const char *op) const {
@@ -65,14 +67,14 @@ class Fuser {
   int index_of(const Node *n) const { return static_cast<int>(n - g_.nodes.data()); }
   // The one node reading t, or null when t has another number of reads.
   const Node *sole_reader(int t) const {
-    const auto &r = readers_[static_cast<size_t>(t)];
+    const auto &r = readers_of(t);
     if (r.size() != 1 || external(t)) return nullptr;
     return &g_.nodes[static_cast<size_t>(r[0])];
   }
   // The nodes reading t (a node reading it twice is listed twice).
   std::vector<const Node *> readers(int t) const {
     std::vector<const Node *> out;
-    for (int r : readers_[static_cast<size_t>(t)]) out.push_back(&g_.nodes[static_cast<size_t>(r)]);
+    for (int r : readers_of(t)) out.push_back(&g_.nodes[static_cast<size_t>(r)]);
     return out;
   }
   // Read by the host (the loss, a kept tensor): never an intermediate.
@@ -88,7 +90,7 @@ class Fuser {
       for (int o : n->outputs) {
         if (o == root_out) continue;
         bool ok = !external(o);
-        for (int r : readers_[static_cast<size_t>(o)]) ok &= inside.count(r) != 0;
+        for (int r : readers_of(o)) ok &= inside.count(r) != 0;
         if (!ok) {
           why = strformat("%s is also read outside the pattern", g_.describe_tensor(o).c_str());
           return false;
@@ -192,7 +194,7 @@ class Fuser {
     while (!work.empty()) {
       const int t = work.back();
       work.pop_back();
-      const int p = producer_[static_cast<size_t>(t)];
+      const int p = producer_of(t);
       if (p < 0 || dead_.count(p)) continue;
       const Node &n = g_.nodes[static_cast<size_t>(p)];
       bool idle = true;
@@ -218,6 +220,14 @@ class Fuser {
   int removed() const { return removed_; }
 
  private:
+  int producer_of(int t) const {
+    return t >= 0 && static_cast<size_t>(t) < producer_.size() ? producer_[static_cast<size_t>(t)] : -1;
+  }
+  const std::vector<int> &readers_of(int t) const {
+    static const std::vector<int> none;
+    return t >= 0 && static_cast<size_t>(t) < readers_.size() ? readers_[static_cast<size_t>(t)] : none;
+  }
+
   void index() {
     producer_.assign(g_.tensors.size(), -1);
     readers_.assign(g_.tensors.size(), {});
