@@ -1148,7 +1148,8 @@ std::vector<OpCase> op_cases() {
                }, {}});
   c.push_back({"rope_interleaved", [](OpGraph &b) {
                  int x = b.add_param("x", {2, 5, 12});
-                 b.finish(b.add_op("rope", {x}, {{"heads", ai(2)}, {"theta", ctr::Attr::of_float(100.0)}, {"interleaved", ai(1)}}),
+                 b.finish(b.add_op("rope", {x},
+                                   {{"heads", ai(2)}, {"theta", ctr::Attr::of_float(100.0)}, {"interleaved", ai(1)}}),
                           {2, 5, 12});
                }, {}});
   for (int causal : {1, 0})
