@@ -24,6 +24,7 @@ typedef struct ctr_norm_params {
 typedef struct ctr_rope_params {
   int64_t heads;          /* "heads", required */
   float theta;            /* "theta", default 10000 */
+  int32_t interleaved;    /* "interleaved", default 0: pairs (i, i + D/2); 1: (2i, 2i+1) */
 } ctr_rope_params;
 
 /* attention, attention_bwd */

@@ -172,10 +172,13 @@ void unary_bwd(Unary op, const float *dy, const float *v, float *dx, int64_t n, 
 // ---------------------------------------------------------------------------
 // Rotary position embedding on x[B,T,H*D] (H heads of size D, D even), the
 // "rotate half" form used by Llama/NeoX: for i < D/2 the pair (x[i], x[i+D/2]) at
-// position t is rotated by angle t * theta^(-2i/D). Backward is the inverse rotation.
-void rope_fwd(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
+// position t is rotated by angle t * theta^(-2i/D). interleaved: the pair is
+// (x[2i], x[2i+1]) instead (Meta's complex form), same angles. Backward is the
+// inverse rotation.
+void rope_fwd(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+              bool interleaved = false);
 void rope_bwd(const float *dy, float *dx, int64_t B, int64_t T, int64_t H, int64_t D,
-              float theta);
+              float theta, bool interleaved = false);
 
 // ---------------------------------------------------------------------------
 // Multi-head attention with grouped-query heads.

@@ -1,4 +1,6 @@
-// Rotary position embedding, "rotate half" form, forward and backward.
+// Rotary position embedding, forward and backward: the "rotate half" form
+// (pairs (i, i + D/2)) and the interleaved form (pairs (2i, 2i+1), Meta's complex
+// numbers), both by angle t * theta^(-2i/D) for pair i.
 //
 // The angles depend only on (t, i), so the loop is split over positions t and each
 // chunk builds the cos/sin of one position once, then applies them to every batch
@@ -30,7 +32,7 @@ T *scratch(int64_t n) {
 }
 
 void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-            float sign) {
+            float sign, bool interleaved) {
   const int64_t half = D / 2;
   const int64_t row = H * D;
   double *freq = scratch<double>(half);
@@ -48,6 +50,18 @@ void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D
       for (int64_t b = 0; b < B; ++b) {
         const float *xr = x + (b * T + t) * row;
         float *yr = y + (b * T + t) * row;
+        if (interleaved) {
+          for (int64_t h = 0; h < H; ++h) {
+            const float *xh = xr + h * D;
+            float *yh = yr + h * D;
+            for (int64_t i = 0; i < half; ++i) {
+              const float a = xh[2 * i], c = xh[2 * i + 1];
+              yh[2 * i] = a * cs[i] - c * sn[i];
+              yh[2 * i + 1] = a * sn[i] + c * cs[i];
+            }
+          }
+          continue;
+        }
         for (int64_t h = 0; h < H; ++h) {
           const float *x1 = xr + h * D, *x2 = x1 + half;
           float *y1 = yr + h * D, *y2 = y1 + half;
@@ -64,12 +78,14 @@ void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D
 
 }  // namespace
 
-void rope_fwd(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
-  rotate(x, y, B, T, H, D, theta, 1.0f);
+void rope_fwd(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+              bool interleaved) {
+  rotate(x, y, B, T, H, D, theta, 1.0f, interleaved);
 }
 
-void rope_bwd(const float *dy, float *dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
-  rotate(dy, dx, B, T, H, D, theta, -1.0f);
+void rope_bwd(const float *dy, float *dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+              bool interleaved) {
+  rotate(dy, dx, B, T, H, D, theta, -1.0f, interleaved);
 }
 
 }  // namespace ctr::cpu

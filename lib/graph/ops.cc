@@ -198,7 +198,7 @@ void pow_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
 // silu (x) ; swiglu(gate, up) (gelu and softmax: ops_math.cc)
 
 // ---------------------------------------------------------------------------
-// rope(x[B, T, H*D]) attrs heads, theta
+// rope(x[B, T, H*D]) attrs heads, theta, interleaved (0: pairs (i, i + D/2), 1: (2i, 2i+1))
 
 void rope_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   need_dtype(g, n, 0, CTR_DTYPE_F32);
@@ -209,6 +209,9 @@ void rope_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
     bad_node(g, n, strformat("attribute heads=%lld must divide the last dim %lld into even "
                              "head sizes",
                              static_cast<long long>(H), static_cast<long long>(x[2])));
+  const int64_t il = n.attr_int("interleaved", 0);
+  if (il != 0 && il != 1)
+    bad_node(g, n, strformat("attribute interleaved=%lld must be 0 or 1", static_cast<long long>(il)));
   out = {f32(x)};
 }
 
@@ -588,6 +591,7 @@ void rope_decode(const Graph &, const Node &n, void *out) {
   auto *p = static_cast<ctr_rope_params *>(out);
   p->heads = n.attr_int("heads", 1);
   p->theta = static_cast<float>(n.attr_float("theta", 10000.0));
+  p->interleaved = n.attr_int("interleaved", 0) != 0;
 }
 
 // attention reads q as input 0, attention_bwd as input 1 (after the gradient).

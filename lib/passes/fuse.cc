@@ -8,6 +8,8 @@
 // kernels and their gradients run instead:
 //
 //   rope       x*cos + cat(-x2, x1)*sin with constant tables   -> rope(x) heads, theta
+//              complex form: (re + i im)(cos + i sin), re/im the -> rope(x) heads, theta, interleaved=1
+//              even/odd lanes of x, cat(re', im') on a last dim
 //   attention  softmax(mask(q k^T * scale)) v, causal mask     -> attention(q, k, v) causal=1
 //   rmsnorm    x * rsqrt(mean(x^2, -1, keepdim) + eps) * w      -> rmsnorm(x, w) eps
 //   swiglu     silu(a) * b                                     -> swiglu(a, b)
@@ -320,24 +322,28 @@ int const_prefix(const Fuser &f, int t, std::string &why) {
 //   add(mul(x, cos), mul(cat(neg(slice(x, D/2..D)), slice(x, 0..D/2), -1), sin))
 // with x [B,H,T,D] or [B,T,H,D] and cos/sin tables [max, D] (cat(f, f)) cut to T.
 
-// theta with table(t, i) = cos/sin(t theta^(-2i/D)) (both halves) within 1e-5
-// over every stored row, or a reason.
-bool rope_theta(const Fuser &f, int cos_c, int sin_c, int64_t D, double &theta, std::string &why) {
+// theta with table(t, j) = cos/sin(t theta^(-2i/D)), i = j mod D/2, over every
+// stored row of `cols` columns (D: both halves, as rotate-half tables are; D/2:
+// one column per pair, as the complex form's are), or a reason. Within 1e-5 plus
+// 2^-22 |angle|: torch builds the angles in float32, whose round-off grows with
+// the position (about 1.5e-4 at row 4096), which a fixed bound would refuse.
+bool rope_theta(const Fuser &f, int cos_c, int sin_c, int64_t D, int64_t cols, double &theta, std::string &why) {
   const std::vector<float> c = f.values(cos_c), s = f.values(sin_c);
-  if (c.size() != s.size() || c.size() % static_cast<size_t>(D) != 0 || c.size() < 2 * static_cast<size_t>(D)) {
+  if (c.size() != s.size() || c.size() % static_cast<size_t>(cols) != 0 ||
+      c.size() < 2 * static_cast<size_t>(cols)) {
     why = "the cos and sin tables differ in shape";
     return false;
   }
-  const int64_t rows = static_cast<int64_t>(c.size()) / D, half = D / 2;
+  const int64_t rows = static_cast<int64_t>(c.size()) / cols, half = D / 2;
   theta = 10000.0;  // any value serves when D == 2: the one frequency is 1
   if (half > 1) {
     // The slowest frequency theta^(-2(h-1)/D), read at the last row whose angle
     // is still below pi/2 (atan2 unambiguous, most digits).
     const int64_t i = half - 1;
-    double freq = std::atan2(static_cast<double>(s[D + i]), static_cast<double>(c[D + i]));
+    double freq = std::atan2(static_cast<double>(s[cols + i]), static_cast<double>(c[cols + i]));
     for (int64_t t = rows - 1; t > 1; --t)
       if (t * freq < 1.5) {
-        freq = std::atan2(static_cast<double>(s[t * D + i]), static_cast<double>(c[t * D + i])) / t;
+        freq = std::atan2(static_cast<double>(s[t * cols + i]), static_cast<double>(c[t * cols + i])) / t;
         break;
       }
     if (!(freq > 0 && freq < 1)) {
@@ -348,9 +354,10 @@ bool rope_theta(const Fuser &f, int cos_c, int sin_c, int64_t D, double &theta, 
     if (std::fabs(theta - std::round(theta)) < 1e-3 * theta) theta = std::round(theta);
   }
   for (int64_t t = 0; t < rows; ++t)
-    for (int64_t j = 0; j < D; ++j) {
+    for (int64_t j = 0; j < cols; ++j) {
       const double ang = static_cast<double>(t) * std::pow(theta, -2.0 * static_cast<double>(j % half) / D);
-      if (std::fabs(c[t * D + j] - std::cos(ang)) > 1e-5 || std::fabs(s[t * D + j] - std::sin(ang)) > 1e-5) {
+      const double tol = 1e-5 + std::ldexp(ang, -22);
+      if (std::fabs(c[t * cols + j] - std::cos(ang)) > tol || std::fabs(s[t * cols + j] - std::sin(ang)) > tol) {
         why = strformat("the rotary tables differ from theta=%g at row %lld, column %lld", theta,
                         static_cast<long long>(t), static_cast<long long>(j));
         return false;
@@ -374,33 +381,171 @@ int table_axis(const Shape &x, const Shape &tab) {
   return axis;
 }
 
-// The complex-number form (Meta's Llama: view_as_complex, multiply, view_as_real)
-// rotates interleaved pairs (2i, 2i+1), which rope's rotate-half convention does
-// not: cat(re, im) on a last dim of 2, re = a*c - b*s and im = a*s + b*c with
-// constant c, s. Recognised only to say why it stays as it is.
-bool complex_rope(const Fuser &f, const Node &cat) {
-  if (cat.inputs.size() != 2 || f.S(cat.outputs[0]).empty() || f.S(cat.outputs[0]).back() != 2) return false;
-  auto parts = [&](int t, const char *op) {
-    const Node *r = f.prod(t, "reshape");
-    const Node *n = r ? f.prod(r->inputs[0], op) : nullptr;
-    if (!n) return false;
-    std::string why;
-    for (int in : n->inputs) {
-      const Node *m = f.prod(in, "mul");
-      if (!m || !either(m, [&](int, int c) { return const_prefix(f, c, why) >= 0; })) return false;
+// The axis (1 or 2) of x [a0, a1, a2, w] along which table tab runs over the
+// positions. One position (T = 1) leaves the cut table no positions axis; the
+// stored one's, where the cut kept the rank, says which axis it is.
+int positions_axis(const Fuser &f, const Shape &xs, int tab) {
+  int a = table_axis(xs, f.S(tab));
+  std::string w;
+  const int c = a < 0 ? const_prefix(f, tab, w) : -1;
+  if (c >= 0 && f.S(c).size() == f.S(tab).size()) {
+    const Shape &k = f.S(c);
+    const int b = table_axis({xs[0], k.size() > 2 ? k[k.size() - 3] : 1, k.size() > 1 ? k[k.size() - 2] : 1, xs[3]}, k);
+    if (b > 0 && xs[b] == 1) a = b;
+  }
+  return a;
+}
+
+// The rope node in place of a matched pattern: rope(x) on x as [B, T, H*D],
+// its result handed to `out` ([B,T,H,D], [B,H,T,D] when head_major, or
+// [B,T,H,D/2,2] when interleaved) through reshapes and a transpose.
+Node emit_rope(Fuser &f, int x, int out, const Node &root, bool head_major, bool interleaved, int64_t B, int64_t Tn,
+               int64_t H, int64_t D, double theta) {
+  const int at = f.index_of(&root), block = root.block;
+  const std::string base = f.node_name(scope(root.name) + ".rope");
+  int xt = x;  // x with positions before heads
+  if (head_major) {
+    const Node *tr = f.prod(x, "transpose");
+    if (tr && is_perm(tr, {0, 2, 1, 3})) {
+      xt = tr->inputs[0];
+    } else {
+      xt = f.tensor(base + ".in", {B, Tn, H, D});
+      f.emit(at, "transpose", base + ".in", {x}, {xt}, block, {{"perm", Attr::of_ints({0, 2, 1, 3})}});
     }
+  }
+  const int xr = f.flat(xt, at, block, H * D);
+  const int r = f.tensor(base, {B, Tn, H * D});
+  std::map<std::string, Attr> attrs = {{"heads", Attr::of_int(H)}, {"theta", Attr::of_float(theta)}};
+  if (interleaved) attrs["interleaved"] = Attr::of_int(1);
+  f.emit(at, "rope", base, {xr}, {r}, block, std::move(attrs));
+  const Attr split = Attr::of_ints(interleaved ? Shape{0, 0, H, D / 2, 2} : Shape{0, 0, H, D});
+  if (head_major) {
+    const int r4 = f.tensor(base + ".heads", {B, Tn, H, D});
+    f.emit(at, "reshape", base + ".heads", {r}, {r4}, block, {{"shape", split}});
+    f.emit(at, "transpose", base + ".out", {r4}, {out}, block, {{"perm", Attr::of_ints({0, 2, 1, 3})}});
+  } else {
+    f.emit(at, "reshape", base + ".out", {r}, {out}, block, {{"shape", split}});
+  }
+  Node made;
+  made.name = base;
+  made.block = block;
+  return made;
+}
+
+// ---------------------------------------------------------------------------
+// RoPE, complex form (Meta's Llama: view_as_complex, multiply by polar(1, angles),
+// view_as_real), which rotates interleaved pairs (2i, 2i+1). As ctr_export writes it:
+//   X5 = reshape(x) [B,T,H,D/2,2]; re, im = reshape(slice(X5, last dim, 0..1 | 1..2)) [B,T,H,D/2]
+//   cat(reshape(re*c - im*s), reshape(re*s + im*c), -1) [B,T,H,D/2,2]
+// with c, s the table's real and imaginary parts, [max, D/2] constants cut to T
+// -> rope(x) heads=H theta interleaved=1. Returns false when cat does not
+// start the pattern at all; a candidate that fails a check is reported.
+
+bool fuse_complex_rope(Fuser &f, Report &rep, const Node &cat) {
+  const Shape &cs = f.S(cat.outputs[0]);
+  if (cat.inputs.size() != 2 || cs.size() != 5 || cs[4] != 2 || !is_last(cat.attr_int("dim", 0), 5)) return false;
+  const Shape xs = {cs[0], cs[1], cs[2], cs[3]}, piece = {cs[0], cs[1], cs[2], cs[3], 1};
+  const Node *r_re = f.prod(cat.inputs[0], "reshape"), *r_im = f.prod(cat.inputs[1], "reshape");
+  const Node *sub = r_re ? f.prod(r_re->inputs[0], "sub") : nullptr;
+  const Node *add = r_im ? f.prod(r_im->inputs[0], "add") : nullptr;
+  if (!sub || !add) return false;
+  // lane(t): t = reshape(slice(X5, last dim, k..k+1)) [B,T,H,D/2] of X5 [B,T,H,D/2,2]; sets X5 and k.
+  std::vector<const Node *> nodes = {&cat, r_re, r_im, sub, add};
+  auto lane = [&](int t, int &x5, int &k) {
+    const Node *r = f.prod(t, "reshape");
+    const Node *sl = r ? f.prod(r->inputs[0], "slice") : nullptr;
+    if (!sl || f.S(t) != xs || f.S(sl->inputs[0]) != cs || !is_last(sl->attr_int("dim", 0), 5)) return false;
+    if (sl->attr_int("step", 1) != 1 || (sl->has_attr("end") && sl->attrs.at("end").type != Attr::Int)) return false;
+    int64_t start = sl->attr_int("start", 0), end = sl->attr_int("end", 2);
+    start = start < 0 ? start + 2 : start;
+    end = end < 0 ? end + 2 : std::min<int64_t>(end, 2);
+    if (end != start + 1 || (start != 0 && start != 1)) return false;
+    x5 = sl->inputs[0];
+    k = static_cast<int>(start);
+    nodes.insert(nodes.end(), {sl, r});
     return true;
   };
-  return parts(cat.inputs[0], "sub") && parts(cat.inputs[1], "add");
+  // m = mul(lane k of X5, table): the table, or -1.
+  int x5 = -1;
+  auto term = [&](int t, int k) {
+    const Node *m = f.prod(t, "mul");
+    int tab = -1;
+    either(m, [&](int a, int b) {
+      int xa = -1, ka = -1;
+      const size_t mark = nodes.size();
+      if (!lane(a, xa, ka) || ka != k || (x5 >= 0 && xa != x5)) {
+        nodes.resize(mark);
+        return false;
+      }
+      x5 = xa;
+      tab = b;
+      return true;
+    });
+    if (tab >= 0) nodes.push_back(m);
+    return tab;
+  };
+  // re*c - im*s, and re*s + im*c in either order.
+  const int c1 = term(sub->inputs[0], 0), s1 = c1 < 0 ? -1 : term(sub->inputs[1], 1);
+  int s2 = -1, c2 = -1;
+  if (s1 >= 0) {
+    const size_t mark = nodes.size();
+    for (int o = 0; o < 2 && c2 < 0; ++o) {
+      nodes.resize(mark);
+      s2 = term(add->inputs[o], 0);
+      c2 = s2 < 0 ? -1 : term(add->inputs[1 - o], 1);
+    }
+  }
+  if (c2 < 0) return false;
+  // Each lane is read by two products: list its nodes once.
+  std::vector<const Node *> once;
+  for (const Node *n : nodes)
+    if (std::find(once.begin(), once.end(), n) == once.end()) once.push_back(n);
+  nodes = std::move(once);
+  // The candidate: from here on, a failure is reported.
+  std::string why;
+  const int64_t B = cs[0], Tn = cs[1], H = cs[2], h = cs[3], D = 2 * h;
+  int cc = -1, sc = -1;
+  double theta = 0;
+  auto same_table = [&](int a, int b, int &c) {
+    std::string w;
+    c = const_prefix(f, a, why);
+    return c >= 0 && const_prefix(f, b, w) == c && f.S(a) == f.S(b);
+  };
+  for (const Node *n : {r_re, r_im})
+    if (why.empty() && f.S(n->inputs[0]) != xs) why = "the real and imaginary parts are not [B, T, H, D/2]";
+  if (why.empty() && (f.S(cat.inputs[0]) != piece || f.S(cat.inputs[1]) != piece))
+    why = "the real and imaginary parts are not each put as one lane of the last dim";
+  if (why.empty() && (!same_table(c1, c2, cc) || !same_table(s1, s2, sc)) && why.empty())
+    why = "the real part's table (or the imaginary part's) differs between the products";
+  if (why.empty()) {
+    const int axis = positions_axis(f, xs, c1);
+    if (axis != 1 || positions_axis(f, xs, s1) != 1)
+      why = "the tables do not broadcast as [T, D/2] over the positions of [B, T, H, D/2]";
+  }
+  if (why.empty()) {
+    Shape big;
+    for (int64_t d : f.S(cc))
+      if (d != 1) big.push_back(d);
+    if (big.size() != 2 || big[1] != h) why = "the stored tables are not [max_seq, head_dim/2]";
+  }
+  if (why.empty()) rope_theta(f, cc, sc, D, h, theta, why);
+  if (why.empty()) f.self_contained(nodes, cat.outputs[0], why);
+  if (!why.empty()) {
+    rep.skip("rope", cat, why);
+    return true;
+  }
+  const Node made = emit_rope(f, x5, cat.outputs[0], cat, false, true, B, Tn, H, D, theta);
+  rep.done("rope", made, nodes);
+  f.replace(nodes);
+  return true;
 }
 
 void fuse_rope(Fuser &f, Report &rep) {
   const size_t nn = f.g().nodes.size();
   for (size_t ni = 0; ni < nn; ++ni) {
     const Node &cat = f.g().nodes[ni];
-    if (cat.op == "cat" && complex_rope(f, cat))
-      rep.skip("rope", cat, "the complex form rotates interleaved pairs, not rope's halves (left as it is)");
     if (cat.op != "cat" || cat.inputs.size() != 2) continue;
+    if (fuse_complex_rope(f, rep, cat)) continue;
     const Shape &cs = f.S(cat.outputs[0]);
     if (cs.size() != 4 || !is_last(cat.attr_int("dim", 0), 4) || cs[3] % 2 != 0) continue;
     const int64_t D = cs[3], half = D / 2;
@@ -446,28 +591,15 @@ void fuse_rope(Fuser &f, Report &rep) {
       rep.skip("rope", cat, "the rotated half is not combined as x*cos + rotate_half(x)*sin");
       continue;
     }
-    // One position (T = 1) leaves the cut table no positions axis; the stored
-    // one's, where the cut kept the rank, says which axis it is.
-    auto axis_of = [&](int tab) {
-      int a = table_axis(cs, f.S(tab));
-      std::string w;
-      const int c = a < 0 ? const_prefix(f, tab, w) : -1;
-      if (c >= 0 && f.S(c).size() == f.S(tab).size()) {
-        const Shape &k = f.S(c);
-        const int b = table_axis({cs[0], k.size() > 2 ? k[k.size() - 3] : 1, k.size() > 1 ? k[k.size() - 2] : 1, D}, k);
-        if (b > 0 && cs[b] == 1) a = b;
-      }
-      return a;
-    };
-    const int axis = axis_of(cos_t);
-    if (axis < 0 || axis_of(sin_t) != axis || f.S(add->outputs[0]) != cs) {
+    const int axis = positions_axis(f, cs, cos_t);
+    if (axis < 0 || positions_axis(f, cs, sin_t) != axis || f.S(add->outputs[0]) != cs) {
       rep.skip("rope", cat, "the cos/sin tables do not broadcast as [T, D] over the positions");
       continue;
     }
     const int cc = const_prefix(f, cos_t, why), sc = cc < 0 ? -1 : const_prefix(f, sin_t, why);
     double theta = 0;
     std::vector<const Node *> nodes = {s1, s2, neg, &cat, m2, m1, add};
-    if (sc < 0 || !rope_theta(f, cc, sc, D, theta, why) || !f.self_contained(nodes, add->outputs[0], why)) {
+    if (sc < 0 || !rope_theta(f, cc, sc, D, D, theta, why) || !f.self_contained(nodes, add->outputs[0], why)) {
       rep.skip("rope", cat, why);
       continue;
     }
@@ -482,32 +614,7 @@ void fuse_rope(Fuser &f, Report &rep) {
     // x is [B,H,T,D] when the table's positions run along axis 2, else [B,T,H,D].
     const bool head_major = axis == 2;
     const int64_t B = cs[0], Tn = cs[axis], H = cs[head_major ? 1 : 2];
-    const int at = f.index_of(add), block = add->block;
-    const std::string base = f.node_name(scope(add->name) + ".rope");
-    int xt = x;  // x with positions before heads
-    if (head_major) {
-      const Node *tr = f.prod(x, "transpose");
-      if (tr && is_perm(tr, {0, 2, 1, 3})) {
-        xt = tr->inputs[0];
-      } else {
-        xt = f.tensor(base + ".in", {B, Tn, H, D});
-        f.emit(at, "transpose", base + ".in", {x}, {xt}, block, {{"perm", Attr::of_ints({0, 2, 1, 3})}});
-      }
-    }
-    const int xr = f.flat(xt, at, block, H * D);
-    const int r = f.tensor(base, {B, Tn, H * D});
-    f.emit(at, "rope", base, {xr}, {r}, block, {{"heads", Attr::of_int(H)}, {"theta", Attr::of_float(theta)}});
-    const std::map<std::string, Attr> split = {{"shape", Attr::of_ints({0, 0, H, D})}};
-    if (head_major) {
-      const int r4 = f.tensor(base + ".heads", {B, Tn, H, D});
-      f.emit(at, "reshape", base + ".heads", {r}, {r4}, block, split);
-      f.emit(at, "transpose", base + ".out", {r4}, {add->outputs[0]}, block, {{"perm", Attr::of_ints({0, 2, 1, 3})}});
-    } else {
-      f.emit(at, "reshape", base + ".out", {r}, {add->outputs[0]}, block, split);
-    }
-    Node made;
-    made.name = base;
-    made.block = block;
+    const Node made = emit_rope(f, x, add->outputs[0], *add, head_major, false, B, Tn, H, D, theta);
     rep.done("rope", made, nodes);
     f.replace(nodes);
   }

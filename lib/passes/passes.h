@@ -146,7 +146,8 @@ void pass_autodiff(Graph &g);
 // rewritten to the library's fused ops before autodiff: causal attention
 // (matmul, scale, causal mask, softmax, matmul between head transposes; grouped
 // kv heads through repeat_kv / repeat_interleave), RMSNorm, SwiGLU, the tanh
-// GELU written out, and rotate-half RoPE with constant tables. Each rewrite is
+// GELU written out, and RoPE with constant tables (rotate-half, and the complex
+// form on interleaved pairs). Each rewrite is
 // exact up to round-off and happens only when the pattern's intermediates are
 // read inside it alone. Returns what was fused and what was left, and why.
 // Option fuse (1; 0 turns the pass off).

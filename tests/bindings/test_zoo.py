@@ -66,9 +66,8 @@ FUSED = {
     "nanogpt": dict(attention=2, gelu=2),
     "nanogpt-nobias": dict(attention=2, gelu=2),
     "gpt2_hf": dict(attention=2, gelu=2),
-    # The complex-number rotary embedding interleaves pairs, which rope's rotate-half
-    # convention does not: it stays primitive ops.
-    "llama_meta": dict(attention=2, rmsnorm=5, swiglu=2),
+    # The complex-number rotary embedding becomes rope interleaved=1 (q and k per layer).
+    "llama_meta": dict(attention=2, rmsnorm=5, swiglu=2, rope=4),
     "llama_hf": dict(attention=2, rmsnorm=5, swiglu=2, rope=4),
 }
 FUSED_OPS = ("attention", "rmsnorm", "swiglu", "gelu", "rope")

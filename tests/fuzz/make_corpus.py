@@ -194,7 +194,7 @@ def layout_ops_graph():
     """tokens -> embedding + a positional table sliced to "seq" -> times a constant
     (rotary-like) table sliced to "seq" -> reshape by size expressions, strided slices
     (torch's end 9223372036854775807 among them), cat of two and of three inputs,
-    transpose -> linear head -> cross-entropy. Every layout op with symbolic sizes,
+    transpose, rope on interleaved pairs -> linear head -> cross-entropy. Every layout op with symbolic sizes,
     with max_seq above the fuzzer's seq so that the slices cut."""
     import numpy as np
     gf = graphfile()
@@ -239,6 +239,7 @@ def layout_ops_graph():
     pairs = node("reshape", "pairs", [swapped], {"dims": "batch,seq,2,4"})
     pairs = node("transpose", "pairs_t", [pairs], {"perm": [0, 1, 3, 2]})
     y = node("reshape", "mixed", [pairs], {"dims": "batch, seq, 2*4"})
+    y = node("rope", "rope_pairs", [y], {"heads": 2, "theta": 100.0, "interleaved": 1})
     wide = node("cat", "wide", [y, x, y], {"dim": 2})
     logits = node("linear", "logits", [wide, head])
     loss = node("cross_entropy", "loss", [logits, targets])

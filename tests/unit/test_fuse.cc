@@ -137,10 +137,10 @@ std::vector<float> causal(bool additive) {
   return m;
 }
 
-// Rotate-half tables [kMax, D]: cos/sin(t theta^(-2 (i mod D/2) / D)), as float32 like torch.
-std::vector<float> rope_table(int64_t D, double theta, bool sine) {
-  std::vector<float> v(kMax * D);
-  for (int64_t t = 0; t < kMax; ++t)
+// Rotate-half tables [rows, D]: cos/sin(t theta^(-2 (i mod D/2) / D)), as float32 like torch.
+std::vector<float> rope_table(int64_t D, double theta, bool sine, int64_t rows = kMax) {
+  std::vector<float> v(rows * D);
+  for (int64_t t = 0; t < rows; ++t)
     for (int64_t i = 0; i < D; ++i) {
       const float f = static_cast<float>(1.0 / std::pow(theta, static_cast<double>(2 * (i % (D / 2))) / D));
       const float ang = static_cast<float>(t) * f;
@@ -526,6 +526,101 @@ INSTANTIATE_TEST_SUITE_P(Cases, FuseRope,
                          ::testing::Values(RopeCase{"head_major"}, RopeCase{"token_major", false},
                                            RopeCase{"other_theta", true, 500000, false}),
                          [](const ::testing::TestParamInfo<RopeCase> &i) { return i.param.label; });
+
+// ---------------------------------------------------------------------------
+// RoPE, complex form (Meta's Llama), as ctr_export writes view_as_complex,
+// the product with polar(1, angles) and view_as_real
+
+// The real (cos) or imaginary (sin) part of the polar table [rows, D/2].
+std::vector<float> polar_table(int64_t D, double theta, bool sine, int64_t rows = kMax) {
+  const std::vector<float> full = rope_table(D, theta, sine, rows);
+  std::vector<float> v;
+  for (int64_t t = 0; t < rows; ++t) v.insert(v.end(), full.begin() + t * D, full.begin() + t * D + D / 2);
+  return v;
+}
+
+struct ComplexCase {
+  std::string label;
+  bool freqs_first = false;     // freqs * x: tables as the left operands, add's products swapped
+  double sin_theta = 10000;     // != 10000: the tables disagree
+  bool lane_read_elsewhere = false;
+  bool fused = true;
+  const char *why = "";         // expected in the report when not fused ("": not even a candidate)
+  bool lanes_swapped = false;   // re from the odd lanes, im from the even: another rotation
+  int64_t rows = kMax;          // stored table rows (float32 angles drift past 1e-5 by 4096)
+};
+
+class FuseComplexRope : public ::testing::TestWithParam<ComplexCase> {};
+
+TEST_P(FuseComplexRope, FusedWhenTablesMatch) {
+  const ComplexCase &c = GetParam();
+  const int64_t H = 2, D = 8, h = D / 2;
+  Builder b(16);
+  // x [B, T, H, D/2, 2]: lanes 0 and 1 are the real and imaginary parts.
+  const int x5 = b.op("reshape", {b.linear(b.x, 16, H * D, "wq")}, {{"dims", astr("batch,seq,2,4,2")}});
+  auto lane = [&](int64_t k) {
+    const int s = b.op("slice", {x5}, {{"dim", ai(4)}, {"start", ai(k)}, {"end", ai(k + 1)}});
+    return b.op("reshape", {s}, {{"dims", astr("batch,seq,2,4")}});
+  };
+  const int re = lane(c.lanes_swapped ? 1 : 0), im = lane(c.lanes_swapped ? 0 : 1);
+  // Tables [1, max, 1, D/2] cut on dim 1, as reshape_for_broadcast views them.
+  const std::vector<float> re_tab = polar_table(D, 10000, false, c.rows);
+  const int cos = b.op("slice", {b.constant("freqs.re", {1, c.rows, 1, h}, re_tab)},
+                       {{"dim", ai(1)}, {"end", astr("seq")}});
+  const int sin = b.op("slice", {b.constant("freqs.im", {1, c.rows, 1, h}, polar_table(D, c.sin_theta, true, c.rows))},
+                       {{"dim", ai(1)}, {"end", astr("seq")}});
+  if (c.rows > kMax) {
+    // The float32 table is more than 1e-5 off somewhere: a fixed bound would refuse it.
+    double worst = 0;
+    for (int64_t t = 0; t < c.rows; ++t)
+      for (int64_t i = 0; i < h; ++i)
+        worst = std::max(worst, std::fabs(re_tab[t * h + i] - std::cos(t * std::pow(10000.0, -2.0 * i / D))));
+    EXPECT_GT(worst, 1e-5);
+  }
+  auto mul = [&](int x, int t) { return c.freqs_first ? b.op("mul", {t, x}) : b.op("mul", {x, t}); };
+  const int rr = b.op("sub", {mul(re, cos), mul(im, sin)});
+  const int ri = c.freqs_first ? b.op("add", {mul(im, cos), mul(re, sin)}) : b.op("add", {mul(re, sin), mul(im, cos)});
+  const int out = b.op("cat", {b.op("reshape", {rr}, {{"dims", astr("batch,seq,2,4,1")}}),
+                               b.op("reshape", {ri}, {{"dims", astr("batch,seq,2,4,1")}})},
+                       {{"dim", ai(4)}});
+  int y = b.op("reshape", {out}, {{"dims", astr("batch,seq,16")}});
+  if (c.lane_read_elsewhere) {
+    const int twice = b.op("reshape", {b.op("cat", {re, re}, {{"dim", ai(-1)}})}, {{"dims", astr("batch,seq,16")}});
+    y = b.op("add", {y, twice});
+  }
+  b.finish(y, 16);
+  ctr_graph *g = b.load();
+  const std::string report = inspect(g);
+  const StepOut fused = run_step(g, 1), plain = run_step(g, 0);
+  EXPECT_EQ(count(fused, "rope"), c.fused ? 1 : 0) << report;
+  if (c.fused) {
+    EXPECT_NE(report.find("fuse: 1 rope"), std::string::npos) << report;
+    EXPECT_NE(report.find("= rope(%"), std::string::npos) << report;
+    EXPECT_NE(report.find("heads=2 interleaved=1 theta=10000"), std::string::npos) << report;
+    for (const char *op : {"cat", "slice", "mul", "sub", "add"}) EXPECT_EQ(count(fused, op), 0) << op;
+  } else if (*c.why) {
+    EXPECT_NE(report.find("rope in block 0 not fused: "), std::string::npos) << report;
+    EXPECT_NE(report.find(c.why), std::string::npos) << report;
+  } else {
+    EXPECT_EQ(report.find("rope in block"), std::string::npos) << report;
+  }
+  expect_same_training(fused, plain);
+  // One position: the cut tables have no positions axis, the stored ones tell.
+  const StepOut one = run_step(g, 1, 1);
+  EXPECT_EQ(count(one, "rope"), c.fused ? 1 : 0);
+  expect_same_training(one, run_step(g, 0, 1));
+  ctr_graph_free(g);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, FuseComplexRope,
+    ::testing::Values(ComplexCase{"x_times_freqs"}, ComplexCase{"freqs_times_x", true},
+                      ComplexCase{"other_theta", false, 500000, false, false, "the rotary tables differ"},
+                      ComplexCase{"lane_read_elsewhere", false, 10000, true, false,
+                                  "'blk.reshape_4' (#7) is also read outside the pattern"},
+                      ComplexCase{"lanes_swapped", false, 10000, false, false, "", true},
+                      ComplexCase{"long_table", false, 10000, false, true, "", false, 4096}),
+    [](const ::testing::TestParamInfo<ComplexCase> &i) { return i.param.label; });
 
 // ---------------------------------------------------------------------------
 // The option and the pass list

@@ -1153,6 +1153,12 @@ std::vector<OpCase> op_cases() {
                  int x = b.add_param("x", {2, 5, 8});
                  b.finish(b.add_op("rope", {x}, {{"heads", ai(2)}}), {2, 5, 8});
                }, {}});
+  c.push_back({"rope_interleaved", [](OpGraph &b) {
+                 int x = b.add_param("x", {2, 5, 12});
+                 b.finish(b.add_op("rope", {x},
+                                   {{"heads", ai(2)}, {"theta", ctr::Attr::of_float(100.0)}, {"interleaved", ai(1)}}),
+                          {2, 5, 12});
+               }, {}});
   for (int causal : {1, 0})
     c.push_back({causal ? "attention_causal" : "attention_full", [causal](OpGraph &b) {
                    int q = b.add_param("q", {2, 5, 8});
@@ -1628,6 +1634,22 @@ TEST(LayoutOps, BadAttributesAndShapesNameTheNode) {
     int x = b.add_param("x", {6, 4});
     b.finish(b.add_op("reshape", {x}, attrs), {6, 4});
     expect_refused(b, "'" + b.g.nodes[0].name + "' (reshape)", what);
+  }
+}
+
+TEST(RopeOp, BadAttributesNameTheNode) {
+  using Attrs = std::map<std::string, ctr::Attr>;
+  const std::pair<Attrs, std::string> cases[] = {
+      {{{"heads", ai(2)}, {"interleaved", ai(2)}}, "attribute interleaved=2 must be 0 or 1"},
+      {{{"heads", ai(2)}, {"interleaved", ai(-1)}}, "attribute interleaved=-1 must be 0 or 1"},
+      {{{"heads", ai(2)}, {"interleaved", astr("yes")}}, "attribute 'interleaved' must be an integer"},
+      {{{"heads", ai(3)}, {"interleaved", ai(1)}}, "heads=3 must divide the last dim 8"},
+  };
+  for (const auto &[attrs, what] : cases) {
+    OpGraph b;
+    int x = b.add_param("x", {2, 5, 8});
+    b.finish(b.add_op("rope", {x}, attrs), {2, 5, 8});
+    expect_refused(b, "'" + b.g.nodes[0].name + "' (rope)", what);
   }
 }
 

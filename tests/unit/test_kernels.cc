@@ -226,7 +226,8 @@ NormOut ref_rmsnorm(const Dv &x, const Dv &w, int64_t R, int64_t C, double eps) 
   return o;
 }
 
-Dv ref_rope(const Dv &x, int64_t B, int64_t T, int64_t H, int64_t D, double theta) {
+// Pair i is (i, i + D/2), or (2i, 2i+1) when interleaved.
+Dv ref_rope(const Dv &x, int64_t B, int64_t T, int64_t H, int64_t D, double theta, bool interleaved = false) {
   Dv y(x.size());
   const int64_t half = D / 2;
   for (int64_t b = 0; b < B; ++b)
@@ -235,9 +236,10 @@ Dv ref_rope(const Dv &x, int64_t B, int64_t T, int64_t H, int64_t D, double thet
         const int64_t base = ((b * T + t) * H + h) * D;
         for (int64_t i = 0; i < half; ++i) {
           const double ang = t * std::pow(theta, -2.0 * i / D);
-          const double x1 = x[base + i], x2 = x[base + i + half];
-          y[base + i] = x1 * std::cos(ang) - x2 * std::sin(ang);
-          y[base + i + half] = x1 * std::sin(ang) + x2 * std::cos(ang);
+          const int64_t j1 = base + (interleaved ? 2 * i : i), j2 = base + (interleaved ? 2 * i + 1 : i + half);
+          const double x1 = x[j1], x2 = x[j2];
+          y[j1] = x1 * std::cos(ang) - x2 * std::sin(ang);
+          y[j2] = x1 * std::sin(ang) + x2 * std::cos(ang);
         }
       }
   return y;
@@ -919,6 +921,50 @@ TEST(Rope, BackwardMatchesFiniteDifferences) {
   ctr::cpu::rope_bwd(dy.data(), dx.data(), B, T, H, D, 500.0f);
   expect_grad(
       dx, [&](const Dv &v) { return ref_rope(v, B, T, H, D, 500.0); }, x, dy, 1e-6, 1e-6, "rope");
+}
+
+TEST(Rope, InterleavedMatchesReference) {
+  for (auto d : {std::array<int64_t, 4>{2, 5, 3, 4}, std::array<int64_t, 4>{2, 300, 4, 64},
+                 std::array<int64_t, 4>{1, 7, 2, 2}}) {
+    const int64_t B = d[0], T = d[1], H = d[2], D = d[3];
+    F x = random_vec(B * T * H * D, 1), y(x.size(), NAN);
+    ctr::cpu::rope_fwd(x.data(), y.data(), B, T, H, D, 10000.0f, true);
+    expect_close(y, ref_rope(to_d(x), B, T, H, D, 10000.0, true), 1e-6, 1e-6, "rope interleaved");
+    // In place (x aliasing y) gives the same bits.
+    F z = x;
+    ctr::cpu::rope_fwd(z.data(), z.data(), B, T, H, D, 10000.0f, true);
+    EXPECT_EQ(0, std::memcmp(z.data(), y.data(), y.size() * sizeof(float)));
+  }
+}
+
+TEST(Rope, InterleavedIsRotateHalfOnPermutedHeads) {
+  // Head dim j = 2i + r of the interleaved form is dim i + r*D/2 of the
+  // rotate-half form: permuting x, rotating and permuting back gives the same bits.
+  const int64_t B = 2, T = 33, H = 3, D = 16, half = D / 2;
+  F x = random_vec(B * T * H * D, 3), xp(x.size()), yi(x.size(), NAN), yp(x.size(), NAN), dyi(x.size(), NAN),
+    dyp(x.size(), NAN);
+  auto perm = [&](int64_t k) {  // rotate-half position of interleaved element k
+    const int64_t j = k % D;
+    return k - j + (j % 2) * half + j / 2;
+  };
+  for (int64_t k = 0; k < static_cast<int64_t>(x.size()); ++k) xp[perm(k)] = x[k];
+  ctr::cpu::rope_fwd(x.data(), yi.data(), B, T, H, D, 500.0f, true);
+  ctr::cpu::rope_fwd(xp.data(), yp.data(), B, T, H, D, 500.0f);
+  ctr::cpu::rope_bwd(x.data(), dyi.data(), B, T, H, D, 500.0f, true);
+  ctr::cpu::rope_bwd(xp.data(), dyp.data(), B, T, H, D, 500.0f);
+  for (int64_t k = 0; k < static_cast<int64_t>(x.size()); ++k) {
+    ASSERT_EQ(yi[k], yp[perm(k)]) << "forward at " << k;
+    ASSERT_EQ(dyi[k], dyp[perm(k)]) << "backward at " << k;
+  }
+}
+
+TEST(Rope, InterleavedBackwardMatchesFiniteDifferences) {
+  const int64_t B = 2, T = 5, H = 3, D = 6;
+  F x = random_vec(B * T * H * D, 1), dy = random_vec(x.size(), 2), dx(x.size(), NAN);
+  ctr::cpu::rope_bwd(dy.data(), dx.data(), B, T, H, D, 500.0f, true);
+  expect_grad(
+      dx, [&](const Dv &v) { return ref_rope(v, B, T, H, D, 500.0, true); }, x, dy, 1e-6, 1e-6,
+      "rope interleaved");
 }
 
 // ---------------------------------------------------------------------------

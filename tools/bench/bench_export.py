@@ -32,8 +32,8 @@ sys.dont_write_bytecode = True
 PRESET = {"nanogpt": "gpt", "gpt2_hf": "gpt", "llama_meta": "llama", "llama_hf": "llama"}
 NOTES = {"nanogpt": "exact GELU (preset: tanh)",
          "gpt2_hf": "hand-written tanh GELU; preset built --untied like the model",
-         "llama_meta": "rotary embeddings in complex form (left unfused); preset built with the "
-                       "model's feed-forward width",
+         "llama_meta": "rotary embeddings in complex form (fused as rope interleaved=1); preset "
+                       "built with the model's feed-forward width",
          "llama_hf": "preset built --tied and with the model's feed-forward width"}
 
 

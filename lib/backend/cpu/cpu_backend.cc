@@ -308,7 +308,7 @@ void k_log_softmax_bwd(const Args &c) {
   const auto s = dim_split(c.in_shape(0), c.params<ctr_softmax_params>());
   cpu::log_softmax_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), s.outer, s.C, s.inner);
 }
-struct RopeDims { int64_t B, T, H, D; float theta; };
+struct RopeDims { int64_t B, T, H, D; float theta; bool interleaved; };
 RopeDims rope_dims(const Args &c) {
   const auto &x = c.in_shape(0);
   RopeDims d;
@@ -318,15 +318,16 @@ RopeDims rope_dims(const Args &c) {
   d.H = p.heads;
   d.D = x[2] / d.H;
   d.theta = p.theta;
+  d.interleaved = p.interleaved != 0;
   return d;
 }
 void k_rope(const Args &c) {
   auto d = rope_dims(c);
-  cpu::rope_fwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta);
+  cpu::rope_fwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta, d.interleaved);
 }
 void k_rope_bwd(const Args &c) {
   auto d = rope_dims(c);
-  cpu::rope_bwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta);
+  cpu::rope_bwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta, d.interleaved);
 }
 struct AttnDims { int64_t B, T, Hq, Hkv, D; float scale; bool causal; };
 AttnDims attn_dims(const Args &c, int q_input) {
