@@ -135,8 +135,17 @@ Graph load_graph_buffer(const void *data, size_t size, const std::string &src) {
           a.i = fa->i();
           a.f = fa->f();
           if (fa->s()) a.s = fa->s()->str();
-          if (fa->ints()) a.ints.assign(fa->ints()->begin(), fa->ints()->end());
-          if (fa->floats()) a.floats.assign(fa->floats()->begin(), fa->floats()->end());
+          // The verifier checks a vector's length field, not that its 8-byte
+          // elements are 8-byte aligned (a crafted file may misplace them):
+          // copy the bytes rather than load them as int64/double.
+          if (fa->ints()) {
+            a.ints.resize(fa->ints()->size());
+            std::memcpy(a.ints.data(), fa->ints()->Data(), a.ints.size() * sizeof(int64_t));
+          }
+          if (fa->floats()) {
+            a.floats.resize(fa->floats()->size());
+            std::memcpy(a.floats.data(), fa->floats()->Data(), a.floats.size() * sizeof(double));
+          }
           n.attrs[fa->name()->str()] = std::move(a);
         }
       }
