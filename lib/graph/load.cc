@@ -138,11 +138,11 @@ Graph load_graph_buffer(const void *data, size_t size, const std::string &src) {
           // The verifier checks a vector's length field, not that its 8-byte
           // elements are 8-byte aligned (a crafted file may misplace them):
           // copy the bytes rather than load them as int64/double.
-          if (fa->ints()) {
+          if (fa->ints() && fa->ints()->size() > 0) {
             a.ints.resize(fa->ints()->size());
             std::memcpy(a.ints.data(), fa->ints()->Data(), a.ints.size() * sizeof(int64_t));
           }
-          if (fa->floats()) {
+          if (fa->floats() && fa->floats()->size() > 0) {
             a.floats.resize(fa->floats()->size());
             std::memcpy(a.floats.data(), fa->floats()->Data(), a.floats.size() * sizeof(double));
           }
