@@ -52,6 +52,9 @@ SIZES = dict(vocab=128, seq=32, dim=64, heads=4, layers=2)
 CASES = {
     "nanogpt": ("nanogpt", {}),
     "nanogpt-nobias": ("nanogpt", dict(bias=False)),
+    # scaled_dot_product_attention(is_causal=True) (PyTorch 1.13's private form here),
+    # mapped by the exporter straight onto libctr's attention.
+    "nanogpt-flash": ("nanogpt", dict(flash=True)),
     "gpt2_hf": ("gpt2_hf", {}),
     "llama_meta": ("llama_meta", {}),
     "llama_hf": ("llama_hf", {}),
@@ -65,6 +68,7 @@ FUSE_RTOL = 1e-5
 FUSED = {
     "nanogpt": dict(attention=2, gelu=2),
     "nanogpt-nobias": dict(attention=2, gelu=2),
+    "nanogpt-flash": dict(attention=2, gelu=2),
     "gpt2_hf": dict(attention=2, gelu=2),
     # The complex-number rotary embedding becomes rope interleaved=1 (q and k per layer).
     "llama_meta": dict(attention=2, rmsnorm=5, swiglu=2, rope=4),

@@ -1,11 +1,21 @@
 """A GPT in the style of nanoGPT: fused qkv projection split in three, explicit causal
-attention with a registered lower-triangular buffer, LayerNorm with optional bias, exact GELU,
+attention with a registered lower-triangular buffer (or, with flash=True, the fused
+scaled_dot_product_attention(is_causal=True) call), LayerNorm with optional bias, exact GELU,
 dropout, a head tied to the token embedding by assignment, and the loss inside forward."""
 import math
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False):
+    """F.scaled_dot_product_attention, or on PyTorch 1.13 its private predecessor (same
+    semantics, returns (output, weights))."""
+    if hasattr(F, "scaled_dot_product_attention"):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal)
+    return F._scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, False, is_causal)[0]
 
 
 class LayerNorm(nn.Module):
@@ -19,8 +29,9 @@ class LayerNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd, n_head, block_size, bias):
+    def __init__(self, n_embd, n_head, block_size, bias, flash=False):
         super().__init__()
+        self.flash = flash
         self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.attn_dropout = nn.Dropout(0.0)
@@ -36,11 +47,14 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
-        att = F.softmax(att, dim=-1)
-        att = self.attn_dropout(att)
-        y = att @ v
+        if self.flash:
+            y = scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -58,10 +72,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd, n_head, block_size, bias):
+    def __init__(self, n_embd, n_head, block_size, bias, flash=False):
         super().__init__()
         self.ln_1 = LayerNorm(n_embd, bias)
-        self.attn = CausalSelfAttention(n_embd, n_head, block_size, bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, block_size, bias, flash)
         self.ln_2 = LayerNorm(n_embd, bias)
         self.mlp = MLP(n_embd, bias)
 
@@ -72,14 +86,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size, block_size, n_embd, n_head, n_layer, bias=True):
+    def __init__(self, vocab_size, block_size, n_embd, n_head, n_layer, bias=True, flash=False):
         super().__init__()
         self.block_size = block_size
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab_size, n_embd),
             wpe=nn.Embedding(block_size, n_embd),
             drop=nn.Dropout(0.0),
-            h=nn.ModuleList([Block(n_embd, n_head, block_size, bias) for _ in range(n_layer)]),
+            h=nn.ModuleList([Block(n_embd, n_head, block_size, bias, flash)
+                             for _ in range(n_layer)]),
             ln_f=LayerNorm(n_embd, bias),
         ))
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
@@ -118,6 +133,6 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def build(vocab, seq, dim, heads, layers, seed, bias=True):
+def build(vocab, seq, dim, heads, layers, seed, bias=True, flash=False):
     torch.manual_seed(seed)
-    return GPT(vocab, seq, dim, heads, layers, bias=bias), None
+    return GPT(vocab, seq, dim, heads, layers, bias=bias, flash=flash), None

@@ -277,6 +277,7 @@ class _AtenConverter(_Converter):
             else:
                 self.placeholders[n] = ("input", ("tokens", "targets")[i - np_ - nb], None)
         self.const_cache: Dict[Any, Any] = {}
+        self.transposed: Dict[int, Any] = {}  # transpose output -> (its input, perm)
 
     # --- sizes --------------------------------------------------------------------------------
 
@@ -665,11 +666,20 @@ def a_t(c, node):
 
 
 def _transpose(c, node, x, perm):
+    # A transpose of a transpose is one (or none): undoing the head split around an
+    # attention call costs nothing.
+    src = c.transposed.get(x.idx)
+    if src is not None:
+        base, first = src
+        perm = [first[p] for p in perm]
+        x = base
     if perm == list(range(x.rank)):
         return x
     s1 = tuple(x.s1[p] for p in perm)
     s2 = tuple(x.s2[p] for p in perm)
-    return c.emit("transpose", [x], s1, s2, {"perm": perm}, dtype=x.dtype, node=node)
+    out = c.emit("transpose", [x], s1, s2, {"perm": perm}, dtype=x.dtype, node=node)
+    c.transposed[out.idx] = (x, perm)
+    return out
 
 
 def a_transpose(c, node):
@@ -1177,6 +1187,61 @@ def a_compare(c, node):
            "(registered buffers such as a causal tril, or masks built from arange)")
 
 
+def _sdpa(c, node, q_arg, k_arg, v_arg, mask, dropout, causal, scale):
+    """Fused causal attention on [B, H, T, D] tensors -> libctr's attention on [B, T, H*D]."""
+    if mask is not None:
+        c.fail("scaled_dot_product_attention with attn_mask: libctr's attention is causal "
+               "(use is_causal=True and no mask)")
+    if dropout:
+        c.fail(f"scaled_dot_product_attention with dropout_p={dropout} (libctr has no dropout)")
+    if not causal:
+        c.fail("scaled_dot_product_attention without is_causal=True (libctr's attention is "
+               "causal)")
+    q, k, v = (_f32(c, c.val(a)) for a in (q_arg, k_arg, v_arg))
+    if q.rank != 4 or k.rank != 4 or v.rank != 4:
+        c.fail("scaled_dot_product_attention on tensors other than [batch, heads, seq, dim]")
+    H, Hkv, D = q.s1[1], k.s1[1], q.s1[3]
+    if v.s1[1] != Hkv or k.s1[3] != D or v.s1[3] != D or H % Hkv or q.s1[2] != k.s1[2]:
+        c.fail(f"scaled_dot_product_attention of q {c.shape_str(q.s1, q.s2)}, k "
+               f"{c.shape_str(k.s1, k.s2)}, v {c.shape_str(v.s1, v.s2)}")
+
+    def flat(x):  # [B, h, T, D] -> [B, T, h*D]
+        t = _transpose(c, node, x, [0, 2, 1, 3])
+        return c.reshape(t, t.s1[:2] + (t.s1[2] * t.s1[3],), t.s2[:2] + (t.s2[2] * t.s2[3],))
+    qf, kf, vf = flat(q), flat(k), flat(v)
+    attrs = {"heads": int(H), "kv_heads": int(Hkv), "causal": 1,
+             "scale": float(scale) if scale is not None else 1.0 / math.sqrt(D)}
+    out = c.emit("attention", [qf, kf, vf], qf.s1, qf.s2, attrs, node=node)
+    o4 = c.reshape(out, q.s1[:1] + (q.s1[2], H, D), q.s2[:1] + (q.s2[2], H, D))
+    return _transpose(c, node, o4, [0, 2, 1, 3])
+
+
+def a_sdpa_113(c, node):
+    # PyTorch 1.13: (q, k, v, attn_mask, dropout_p, need_attn_weights, is_causal)
+    q, k, v, mask, dropout, _need_weights, causal = (list(node.args) + [None] * 7)[:7]
+    out = _sdpa(c, node, q, k, v, mask, dropout, causal, None)
+    return _Tuple([out, None])
+
+
+def a_sdpa(c, node):
+    # PyTorch 2: scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
+    # *, scale) and its CPU flash kernel (q, k, v, dropout_p, is_causal, *, attn_mask, scale),
+    # which returns (output, logsumexp).
+    a = list(node.args)
+    kw = node.kwargs
+    if "flash" in str(node.target):
+        q, k, v = a[:3]
+        dropout = a[3] if len(a) > 3 else kw.get("dropout_p", 0.0)
+        causal = a[4] if len(a) > 4 else kw.get("is_causal", False)
+        out = _sdpa(c, node, q, k, v, kw.get("attn_mask"), dropout, causal, kw.get("scale"))
+        return _Tuple([out, None])
+    q, k, v = a[:3]
+    mask = a[3] if len(a) > 3 else kw.get("attn_mask")
+    dropout = a[4] if len(a) > 4 else kw.get("dropout_p", 0.0)
+    causal = a[5] if len(a) > 5 else kw.get("is_causal", False)
+    return _sdpa(c, node, q, k, v, mask, dropout, causal, kw.get("scale"))
+
+
 def a_dropout(c, node):
     p = float(node.args[1])
     train = node.args[2] if len(node.args) > 2 else True
@@ -1243,6 +1308,12 @@ def _register():
     A[aten.view_as_complex.default] = a_view_as_complex
     A[aten.view_as_real.default] = a_view_as_real
     A[aten.native_dropout.default] = a_dropout
+    for name in ("_scaled_dot_product_attention_forward",):
+        if hasattr(aten, name):
+            A[getattr(aten, name).default] = a_sdpa_113
+    for name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            A[getattr(aten, name).default] = a_sdpa
     A[aten.repeat.default] = a_repeat
     for name in ("gt", "lt", "ge", "le", "eq", "ne"):
         for overload in ("Scalar", "Tensor"):
