@@ -936,8 +936,34 @@ class TcpStore final : public Store {
     TimePoint deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
     std::string host = server_ ? server_->connect_host() : cfg_.addr;
     where_ = strformat("%s:%d", cfg_.addr.c_str(), cfg_.port);
-    connect_until(host, deadline);
     std::lock_guard<std::mutex> lock(mu_);
+    // Rank 0 drops the oldest unadmitted connection when strangers flood it, and
+    // that may be this rank's before it has proved itself: a connection lost
+    // during admission is made again while time is left. Refusals (a wrong
+    // token, another protocol) are final.
+    int64_t backoff_ms = 10;
+    for (;;) {
+      connect_until(host, deadline);
+      lost_ = false;
+      broken_ = false;
+      try {
+        admit(deadline);
+        break;
+      } catch (const Error &) {
+        if (!lost_ || Clock::now() >= deadline) throw;
+      }
+      fd_.reset();
+      ::poll(nullptr, 0, static_cast<int>(std::min<int64_t>(backoff_ms, ms_until(deadline))));
+      backoff_ms = std::min<int64_t>(backoff_ms * 2, 250);
+    }
+    int64_t left = ms_until(deadline);
+    request(Writer(static_cast<uint8_t>(Req::Join)).i64(left).take(),
+            Clock::now() + std::chrono::milliseconds(left + kReplyGraceMs), "join");
+  }
+
+  // HELLO and PROOF: this rank and rank 0 prove to each other that they hold
+  // the job's token (or, tokenless, that they are the same user on loopback).
+  void admit(TimePoint deadline) {
     const auto reply_by = [&] {
       return Clock::now() + std::chrono::milliseconds(ms_until(deadline) + kReplyGraceMs);
     };
@@ -981,9 +1007,6 @@ class TcpStore final : public Store {
       }
     }
     request(Writer(static_cast<uint8_t>(Req::Proof)).str(proof).take(), reply_by(), "PROOF");
-    int64_t left = ms_until(deadline);
-    request(Writer(static_cast<uint8_t>(Req::Join)).i64(left).take(),
-            Clock::now() + std::chrono::milliseconds(left + kReplyGraceMs), "join");
   }
 
   void set(const std::string &key, const std::string &value) override {
@@ -1154,6 +1177,7 @@ class TcpStore final : public Store {
   }
 
   [[noreturn]] void lost(const char *what, const std::string &why) {
+    lost_ = true;
     fail(CTR_STATUS_COMM_ERROR, strformat("rendezvous: %s: lost the connection to the store at %s "
                                           "(rank 0): %s",
                                           what, where_.c_str(), why.c_str()));
@@ -1171,6 +1195,7 @@ class TcpStore final : public Store {
   Fd fd_;
   bool loopback_ = false;
   bool broken_ = false;
+  bool lost_ = false;  // the last failure was the connection's loss, not a refusal
 };
 
 }  // namespace
