@@ -110,6 +110,18 @@ struct Node {
   int block = -1;
   bool backward = false;  // created by autodiff
 
+  static Node make(std::string op, std::string name, std::vector<int> inputs, std::vector<int> outputs, int block,
+                   std::map<std::string, Attr> attrs = {}) {
+    Node n;
+    n.op = std::move(op);
+    n.name = std::move(name);
+    n.inputs = std::move(inputs);
+    n.outputs = std::move(outputs);
+    n.attrs = std::move(attrs);
+    n.block = block;
+    return n;
+  }
+
   bool has_attr(const std::string &k) const { return attrs.count(k) != 0; }
   int64_t attr_int(const std::string &k, int64_t def) const;
   double attr_float(const std::string &k, double def) const;

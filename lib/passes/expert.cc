@@ -37,18 +37,6 @@ int add_activation(Graph &g, const std::string &name) {
   return g.add_tensor(std::move(t));
 }
 
-Node make_node(const std::string &op, const std::string &name, std::vector<int> in, std::vector<int> out, int block,
-               std::map<std::string, Attr> attrs) {
-  Node n;
-  n.op = op;
-  n.name = name;
-  n.inputs = std::move(in);
-  n.outputs = std::move(out);
-  n.block = block;
-  n.attrs = std::move(attrs);
-  return n;
-}
-
 }  // namespace
 
 void pass_expert(Graph &g, const CompileOptions &opt) {
@@ -69,9 +57,9 @@ void pass_expert(Graph &g, const CompileOptions &opt) {
     if (n.op == "moe_aux_loss") {
       const int stats = add_activation(g, n.name + ".stats");
       const int global = add_activation(g, n.name + ".stats_all");
-      before[ni].push_back(make_node("moe_aux_stats", n.name + ".stats", {n.inputs[0], n.inputs[1]}, {stats},
+      before[ni].push_back(Node::make("moe_aux_stats", n.name + ".stats", {n.inputs[0], n.inputs[1]}, {stats},
                                      n.block, {}));
-      before[ni].push_back(make_node("all_reduce", n.name + ".stats_all", {stats}, {global}, n.block,
+      before[ni].push_back(Node::make("all_reduce", n.name + ".stats_all", {stats}, {global}, n.block,
                                      {{"axis", Attr::of_string("world")}, {"reduce", Attr::of_string("sum")}}));
       n.op = "moe_aux_loss_global";
       g.nodes[ni].inputs.push_back(global);
@@ -88,7 +76,7 @@ void pass_expert(Graph &g, const CompileOptions &opt) {
     const int xr = add_activation(g, base + ".received");
     const int seg = add_activation(g, base + ".received_counts");
     const std::map<std::string, Attr> ex = {{"axis", Attr::of_string("ep")}, {"ranks", Attr::of_int(P)}};
-    after[ni].push_back(make_node("moe_dispatch", base + ".dispatch", {xp, counts}, {xr, seg}, block, ex));
+    after[ni].push_back(Node::make("moe_dispatch", base + ".dispatch", {xp, counts}, {xr, seg}, block, ex));
     for (size_t k = 0; k < g.nodes.size(); ++k) {
       Node &m = g.nodes[k];
       const bool reads_xp = std::find(m.inputs.begin(), m.inputs.end(), xp) != m.inputs.end();
@@ -111,7 +99,7 @@ void pass_expert(Graph &g, const CompileOptions &opt) {
       if (m.op == "moe_unpermute" && m.inputs[2] == slots) {
         const int local = add_activation(g, g.tensors[m.inputs[0]].name + ".returned");
         before[k].push_back(
-            make_node("moe_combine", m.name + ".combine", {m.inputs[0], counts, seg}, {local}, m.block, ex));
+            Node::make("moe_combine", m.name + ".combine", {m.inputs[0], counts, seg}, {local}, m.block, ex));
         g.nodes[k].inputs[0] = local;
       }
     }

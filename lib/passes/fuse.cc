@@ -143,14 +143,7 @@ class Fuser {
   // Appends a node to run right before node `at` (the pattern's root).
   void emit(int at, const std::string &op, const std::string &name, std::vector<int> in, std::vector<int> out,
             int block, std::map<std::string, Attr> attrs = {}) {
-    Node n;
-    n.op = op;
-    n.name = name;
-    n.inputs = std::move(in);
-    n.outputs = std::move(out);
-    n.block = block;
-    n.attrs = std::move(attrs);
-    before_[at].push_back(std::move(n));
+    before_[at].push_back(Node::make(op, name, std::move(in), std::move(out), block, std::move(attrs)));
   }
   // Marks the pattern's nodes as replaced (the new nodes go before `root`).
   void replace(const std::vector<const Node *> &nodes) {
@@ -270,12 +263,13 @@ bool is_last(int64_t v, size_t r) { return v == -1 || v == static_cast<int64_t>(
 struct Report {
   std::vector<std::string> fused, left;
   std::map<std::string, int> counts;
-  void done(const std::string &pattern, const Node &made, const std::vector<const Node *> &nodes) {
+  // The fused node `name` (in `block`) replaces `nodes`.
+  void done(const std::string &pattern, const std::string &name, int block, const std::vector<const Node *> &nodes) {
     ++counts[pattern];
     std::string list;
     for (const Node *n : nodes) list += (list.empty() ? "" : ", ") + n->name;
-    fused.push_back(strformat("%s in block %d fused: '%s' replaces %zu nodes (%s)", pattern.c_str(), made.block,
-                              made.name.c_str(), nodes.size(), list.c_str()));
+    fused.push_back(strformat("%s in block %d fused: '%s' replaces %zu nodes (%s)", pattern.c_str(), block,
+                              name.c_str(), nodes.size(), list.c_str()));
   }
   void skip(const std::string &pattern, const Node &at, const std::string &why) {
     left.push_back(strformat("%s in block %d not fused: %s (at node '%s')", pattern.c_str(), at.block, why.c_str(),
@@ -398,8 +392,9 @@ int positions_axis(const Fuser &f, const Shape &xs, int tab) {
 
 // The rope node in place of a matched pattern: rope(x) on x as [B, T, H*D],
 // its result handed to `out` ([B,T,H,D], [B,H,T,D] when head_major, or
-// [B,T,H,D/2,2] when interleaved) through reshapes and a transpose.
-Node emit_rope(Fuser &f, int x, int out, const Node &root, bool head_major, bool interleaved, int64_t B, int64_t Tn,
+// [B,T,H,D/2,2] when interleaved) through reshapes and a transpose. Returns the
+// rope node's name.
+std::string emit_rope(Fuser &f, int x, int out, const Node &root, bool head_major, bool interleaved, int64_t B, int64_t Tn,
                int64_t H, int64_t D, double theta) {
   const int at = f.index_of(&root), block = root.block;
   const std::string base = f.node_name(scope(root.name) + ".rope");
@@ -426,10 +421,7 @@ Node emit_rope(Fuser &f, int x, int out, const Node &root, bool head_major, bool
   } else {
     f.emit(at, "reshape", base + ".out", {r}, {out}, block, {{"shape", split}});
   }
-  Node made;
-  made.name = base;
-  made.block = block;
-  return made;
+  return base;
 }
 
 // ---------------------------------------------------------------------------
@@ -534,8 +526,7 @@ bool fuse_complex_rope(Fuser &f, Report &rep, const Node &cat) {
     rep.skip("rope", cat, why);
     return true;
   }
-  const Node made = emit_rope(f, x5, cat.outputs[0], cat, false, true, B, Tn, H, D, theta);
-  rep.done("rope", made, nodes);
+  rep.done("rope", emit_rope(f, x5, cat.outputs[0], cat, false, true, B, Tn, H, D, theta), cat.block, nodes);
   f.replace(nodes);
   return true;
 }
@@ -614,8 +605,8 @@ void fuse_rope(Fuser &f, Report &rep) {
     // x is [B,H,T,D] when the table's positions run along axis 2, else [B,T,H,D].
     const bool head_major = axis == 2;
     const int64_t B = cs[0], Tn = cs[axis], H = cs[head_major ? 1 : 2];
-    const Node made = emit_rope(f, x, add->outputs[0], *add, head_major, false, B, Tn, H, D, theta);
-    rep.done("rope", made, nodes);
+    rep.done("rope", emit_rope(f, x, add->outputs[0], *add, head_major, false, B, Tn, H, D, theta), add->block,
+             nodes);
     f.replace(nodes);
   }
   f.commit();
@@ -829,10 +820,7 @@ void fuse_attention(Fuser &f, Report &rep) {
             {"kv_heads", Attr::of_int(k.heads)},
             {"causal", Attr::of_int(1)},
             {"scale", Attr::of_float(scale)}});
-    Node made;
-    made.name = base;
-    made.block = block;
-    rep.done("attention", made, nodes);
+    rep.done("attention", base, block, nodes);
     f.replace(nodes);
   }
   f.commit();
@@ -888,10 +876,7 @@ void fuse_rmsnorm(Fuser &f, Report &rep) {
     }
     const std::string name = f.node_name(scope(n2->name) + ".rmsnorm");
     f.emit(f.index_of(n2), "rmsnorm", name, {x, w}, {n2->outputs[0]}, n2->block, {{"eps", Attr::of_float(eps)}});
-    Node made;
-    made.name = name;
-    made.block = n2->block;
-    rep.done("rmsnorm", made, nodes);
+    rep.done("rmsnorm", name, n2->block, nodes);
     f.replace(nodes);
   }
   f.commit();
@@ -926,10 +911,7 @@ void fuse_swiglu(Fuser &f, Report &rep) {
     }
     const std::string name = f.node_name(scope(mul->name) + ".swiglu");
     f.emit(f.index_of(mul), "swiglu", name, {a, b}, {mul->outputs[0]}, mul->block);
-    Node made;
-    made.name = name;
-    made.block = mul->block;
-    rep.done("swiglu", made, nodes);
+    rep.done("swiglu", name, mul->block, nodes);
     f.replace(nodes);
   }
   f.commit();
@@ -1034,10 +1016,7 @@ void fuse_gelu(Fuser &f, Report &rep) {
     const std::string name = f.node_name(scope(root->name) + ".gelu");
     f.emit(f.index_of(root), "gelu", name, {x}, {root->outputs[0]}, root->block,
            {{"approximate", Attr::of_string("tanh")}});
-    Node made;
-    made.name = name;
-    made.block = root->block;
-    rep.done("gelu", made, nodes);
+    rep.done("gelu", name, root->block, nodes);
     f.replace(nodes);
   }
   f.commit();

@@ -19,7 +19,6 @@ Exits 77 (skipped) when torch or numpy is missing; prints "N passed, N failed" l
 import os
 import sys
 import tempfile
-import traceback
 
 sys.dont_write_bytecode = True
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,7 +30,6 @@ sys.path.insert(0, HERE)
 
 try:
     import numpy as np
-    import torch
     import torch.nn as nn
 except ImportError as e:
     print(f"test_zoo: {e.name} is not installed; skipped")
@@ -43,7 +41,7 @@ import subprocess  # noqa: E402
 
 import ctr  # noqa: E402
 import ctr_export  # noqa: E402
-from test_parity import BATCH, LOSS_RTOL, OPT, STEPS, WEIGHT_ATOL, batches, train_ctr, \
+from test_parity import BATCH, LOSS_RTOL, OPT, WEIGHT_ATOL, batches, run_all, train_ctr, \
     train_torch  # noqa: E402
 
 SIZES = dict(vocab=128, seq=32, dim=64, heads=4, layers=2)
@@ -145,7 +143,7 @@ def run_case(case, results):
     assert not bad, f"{case}: fused and unfused losses differ beyond {FUSE_RTOL:g} relative at " + \
         ", ".join(f"step {i}: fused {a:.7f} unfused {b:.7f}" for i, a, b in bad[:5])
     rel = [abs(a - b) / abs(a) for a, b in zip(torch_losses, losses)]
-    results.append((case, max(rel), worst))
+    results.append((case, "export", max(rel), worst, where))
     print(f"  {case:15s} loss {torch_losses[0]:.4f} -> {torch_losses[-1]:.4f}  max rel loss diff "
           f"{max(rel):.2e}  max |weight diff| {worst:.2e} ({where})  fused/unfused {max(frel):.2e}")
     bad = [(i, a, b) for i, (a, b, r) in enumerate(zip(torch_losses, losses, rel)) if r > LOSS_RTOL]
@@ -155,27 +153,5 @@ def run_case(case, results):
     assert torch_losses[-1] < torch_losses[0] - 0.5, f"{case}: the loss did not fall"
 
 
-def main(argv):
-    torch.set_num_threads(2)
-    cases = argv or list(CASES)
-    passed = failed = 0
-    results = []
-    for case in cases:
-        try:
-            run_case(case, results)
-        except Exception:
-            failed += 1
-            print(f"FAIL {case}:\n{traceback.format_exc()}")
-        else:
-            passed += 1
-            print(f"ok   {case}")
-    if results:
-        print(f"tolerances: loss {LOSS_RTOL:g} relative per step, weights {WEIGHT_ATOL:g} absolute; "
-              f"worst seen: loss {max(r[1] for r in results):.2e}, "
-              f"weights {max(r[2] for r in results):.2e}")
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_all(sys.argv[1:] or list(CASES), run_case))

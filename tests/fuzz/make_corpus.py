@@ -83,45 +83,65 @@ def graphfile():
 UNARY_VOCAB, UNARY_DIM, UNARY_SEQ = 128, 8, 4  # the vocabulary covers `ctr run`'s synthetic corpus
 
 
+class GraphWriter:
+    """A graph file built tensor by tensor for the written seeds: parameters drawn from a
+    seeded normal, constants and nodes appended in order (ids are list positions)."""
+
+    def __init__(self, seed):
+        import numpy as np
+        self.np = np
+        self.gf = graphfile()
+        self.rng = np.random.default_rng(seed)
+        self.tensors, self.nodes = [], []
+
+    def tensor(self, name, **kw):
+        self.tensors.append(self.gf.TensorDef(name=name, **kw))
+        return len(self.tensors) - 1
+
+    def ids(self, name):
+        return self.tensor(name, dtype=self.gf.DTYPE["I32"], dims=["batch", "seq"],
+                           role=self.gf.ROLE["Input"])
+
+    def param(self, name, shape, std):
+        data = (self.rng.standard_normal(shape) * std).astype("<f4").tobytes()
+        return self.tensor(name, dims=list(shape), role=self.gf.ROLE["Param"],
+                           init=self.gf.INIT["Data"], data=data)
+
+    def const(self, name, values, shape):
+        data = self.np.asarray(values, dtype="<f4").reshape(shape).tobytes()
+        return self.tensor(name, dims=list(shape), role=self.gf.ROLE["Const"],
+                           init=self.gf.INIT["Data"], data=data)
+
+    def node(self, op, name, inputs, attrs=None):
+        out = self.tensor(name)
+        self.nodes.append(self.gf.NodeDef(op=op, name=name, inputs=inputs, outputs=[out],
+                                          attrs=attrs or {}))
+        return out
+
+    def graph(self, name, loss, vocab, max_seq):
+        return self.gf.GraphDef(name=name, tensors=self.tensors, nodes=self.nodes, loss=loss,
+                                metadata=[("vocab", str(vocab)), ("max_seq", str(max_seq))])
+
+
 def unary_ops_graph():
     """tokens -> embedding -> every element-wise unary op in turn -> linear head ->
     cross-entropy. Each op's input stays in its domain whatever the weights: tanh and erf
     bound the embedding, sigmoid maps it into (0.3, 0.7), and from there sqrt, rsqrt,
     reciprocal and pow stay in (0.5, 1.4), log below 0, neg above 0, exp in (1, 1.6)."""
-    import numpy as np
-    gf = graphfile()
-    DTYPE, INIT, ROLE = gf.DTYPE, gf.INIT, gf.ROLE
-    GraphDef, NodeDef, TensorDef = gf.GraphDef, gf.NodeDef, gf.TensorDef
+    w = GraphWriter(0)
 
-    rng = np.random.default_rng(0)
-    tensors, nodes = [], []
-
-    def tensor(name, **kw):
-        tensors.append(TensorDef(name=name, **kw))
-        return len(tensors) - 1
-
-    def param(name, shape, std):
-        data = (rng.standard_normal(shape) * std).astype("<f4").tobytes()
-        return tensor(name, dims=list(shape), role=ROLE["Param"], init=INIT["Data"], data=data)
-
-    def node(op, name, inputs, attrs=None):
-        out = tensor(name)
-        nodes.append(NodeDef(op=op, name=name, inputs=inputs, outputs=[out], attrs=attrs or {}))
-        return out
-
-    tokens = tensor("tokens", dtype=DTYPE["I32"], dims=["batch", "seq"], role=ROLE["Input"])
-    targets = tensor("targets", dtype=DTYPE["I32"], dims=["batch", "seq"], role=ROLE["Input"])
-    wte = param("wte", (UNARY_VOCAB, UNARY_DIM), 1.0)
-    head = param("head.weight", (UNARY_VOCAB, UNARY_DIM), 0.5)
-    x = node("embedding", "emb", [wte, tokens])
+    tokens = w.ids("tokens")
+    targets = w.ids("targets")
+    wte = w.param("wte", (UNARY_VOCAB, UNARY_DIM), 1.0)
+    head = w.param("head.weight", (UNARY_VOCAB, UNARY_DIM), 0.5)
+    x = w.node("embedding", "emb", [wte, tokens])
     for op, attrs in [("tanh", None), ("erf", None), ("sigmoid", None), ("sqrt", None),
                       ("rsqrt", None), ("reciprocal", None), ("pow", {"exponent": 1.5}),
                       ("log", None), ("neg", None), ("exp", None)]:
-        x = node(op, op, [x], attrs)
-    logits = node("linear", "logits", [x, head])
-    loss = node("cross_entropy", "loss", [logits, targets])
-    return GraphDef(name="unary_ops", tensors=tensors, nodes=nodes, loss=loss,
-                    metadata=[("vocab", str(UNARY_VOCAB)), ("max_seq", str(UNARY_SEQ))])
+        x = w.node(op, op, [x], attrs)
+    logits = w.node("linear", "logits", [x, head])
+    loss = w.node("cross_entropy", "loss", [logits, targets])
+    return w.graph("unary_ops", loss, UNARY_VOCAB, UNARY_SEQ)
 
 
 def math_ops_graph():
@@ -130,61 +150,37 @@ def math_ops_graph():
     expand, masked_fill with -inf under a constant mask, softmax, log_softmax over the seq
     dim, sum, exact gelu) -> linear head -> cross-entropy. The mask leaves some features
     unmasked, so the softmax never sees a row of -inf."""
-    import numpy as np
-    gf = graphfile()
-    DTYPE, INIT, ROLE = gf.DTYPE, gf.INIT, gf.ROLE
-    GraphDef, NodeDef, TensorDef = gf.GraphDef, gf.NodeDef, gf.TensorDef
-
-    rng = np.random.default_rng(1)
-    tensors, nodes = [], []
-
-    def tensor(name, **kw):
-        tensors.append(TensorDef(name=name, **kw))
-        return len(tensors) - 1
-
-    def param(name, shape, std):
-        data = (rng.standard_normal(shape) * std).astype("<f4").tobytes()
-        return tensor(name, dims=list(shape), role=ROLE["Param"], init=INIT["Data"], data=data)
-
-    def const(name, values, shape):
-        data = np.asarray(values, dtype="<f4").reshape(shape).tobytes()
-        return tensor(name, dims=list(shape), role=ROLE["Const"], init=INIT["Data"], data=data)
-
-    def node(op, name, inputs, attrs=None):
-        out = tensor(name)
-        nodes.append(NodeDef(op=op, name=name, inputs=inputs, outputs=[out], attrs=attrs or {}))
-        return out
+    w = GraphWriter(1)
 
     D = UNARY_DIM
-    tokens = tensor("tokens", dtype=DTYPE["I32"], dims=["batch", "seq"], role=ROLE["Input"])
-    targets = tensor("targets", dtype=DTYPE["I32"], dims=["batch", "seq"], role=ROLE["Input"])
-    wte = param("wte", (UNARY_VOCAB, D), 1.0)
-    bias = param("bias", (D,), 0.1)
-    head = param("head.weight", (UNARY_VOCAB, D), 0.5)
-    half = const("half", [0.5], [])
-    two = const("two", [2.0], [1])
-    one = const("one", [1.0], [])
-    mask = const("mask", [0, 1, 0, 0, 1, 0, 0, 0][:D], [D])
-    x = node("embedding", "emb", [wte, tokens])
-    a = node("mul", "scaled", [x, half])
-    a = node("sub", "shifted", [a, bias])
-    a = node("div", "halved", [a, two])
-    mu = node("mean", "mu", [a], {"dims": [-1], "keepdim": 1})
-    a = node("sub", "centred", [a, mu])
-    va = node("var", "var", [a], {"dims": [-1], "keepdim": 1})
-    a = node("div", "normed", [a, node("add", "var1", [va, one])])
-    mx = node("amax", "max", [a], {"dims": [-1], "keepdim": 1})
-    a = node("add", "plus_max", [a, node("expand", "max_wide", [mx], {"shape": [-1, -1, D]})])
-    a = node("masked_fill", "masked", [a, mask], {"value": float("-inf")})
-    p = node("softmax", "probs", [a], {"dim": -1})
-    q = node("log_softmax", "seq_logp", [x], {"dim": 1})
-    s = node("sum", "seq_sum", [q], {"dims": [1], "keepdim": 1})
-    h = node("mul", "mixed", [p, s])
-    h = node("gelu", "gelu", [h], {"approximate": "none"})
-    logits = node("linear", "logits", [h, head])
-    loss = node("cross_entropy", "loss", [logits, targets])
-    return GraphDef(name="math_ops", tensors=tensors, nodes=nodes, loss=loss,
-                    metadata=[("vocab", str(UNARY_VOCAB)), ("max_seq", str(UNARY_SEQ))])
+    tokens = w.ids("tokens")
+    targets = w.ids("targets")
+    wte = w.param("wte", (UNARY_VOCAB, D), 1.0)
+    bias = w.param("bias", (D,), 0.1)
+    head = w.param("head.weight", (UNARY_VOCAB, D), 0.5)
+    half = w.const("half", [0.5], [])
+    two = w.const("two", [2.0], [1])
+    one = w.const("one", [1.0], [])
+    mask = w.const("mask", [0, 1, 0, 0, 1, 0, 0, 0][:D], [D])
+    x = w.node("embedding", "emb", [wte, tokens])
+    a = w.node("mul", "scaled", [x, half])
+    a = w.node("sub", "shifted", [a, bias])
+    a = w.node("div", "halved", [a, two])
+    mu = w.node("mean", "mu", [a], {"dims": [-1], "keepdim": 1})
+    a = w.node("sub", "centred", [a, mu])
+    va = w.node("var", "var", [a], {"dims": [-1], "keepdim": 1})
+    a = w.node("div", "normed", [a, w.node("add", "var1", [va, one])])
+    mx = w.node("amax", "max", [a], {"dims": [-1], "keepdim": 1})
+    a = w.node("add", "plus_max", [a, w.node("expand", "max_wide", [mx], {"shape": [-1, -1, D]})])
+    a = w.node("masked_fill", "masked", [a, mask], {"value": float("-inf")})
+    p = w.node("softmax", "probs", [a], {"dim": -1})
+    q = w.node("log_softmax", "seq_logp", [x], {"dim": 1})
+    s = w.node("sum", "seq_sum", [q], {"dims": [1], "keepdim": 1})
+    h = w.node("mul", "mixed", [p, s])
+    h = w.node("gelu", "gelu", [h], {"approximate": "none"})
+    logits = w.node("linear", "logits", [h, head])
+    loss = w.node("cross_entropy", "loss", [logits, targets])
+    return w.graph("math_ops", loss, UNARY_VOCAB, UNARY_SEQ)
 
 
 LAYOUT_MAX_SEQ = 8
@@ -197,54 +193,34 @@ def layout_ops_graph():
     transpose, rope on interleaved pairs -> linear head -> cross-entropy. Every layout op with symbolic sizes,
     with max_seq above the fuzzer's seq so that the slices cut."""
     import numpy as np
-    gf = graphfile()
-    DTYPE, INIT, ROLE = gf.DTYPE, gf.INIT, gf.ROLE
-    GraphDef, NodeDef, TensorDef = gf.GraphDef, gf.NodeDef, gf.TensorDef
-
-    rng = np.random.default_rng(1)
-    tensors, nodes = [], []
+    w = GraphWriter(1)
     D, V = 8, UNARY_VOCAB
 
-    def tensor(name, **kw):
-        tensors.append(TensorDef(name=name, **kw))
-        return len(tensors) - 1
-
-    def param(name, shape, std):
-        data = (rng.standard_normal(shape) * std).astype("<f4").tobytes()
-        return tensor(name, dims=list(shape), role=ROLE["Param"], init=INIT["Data"], data=data)
-
-    def node(op, name, inputs, attrs=None):
-        out = tensor(name)
-        nodes.append(NodeDef(op=op, name=name, inputs=inputs, outputs=[out], attrs=attrs or {}))
-        return out
-
-    tokens = tensor("tokens", dtype=DTYPE["I32"], dims=["batch", "seq"], role=ROLE["Input"])
-    targets = tensor("targets", dtype=DTYPE["I32"], dims=["batch", "seq"], role=ROLE["Input"])
-    wte = param("wte", (V, D), 1.0)
-    pos = param("wpe", (LAYOUT_MAX_SEQ, D), 0.1)
+    tokens = w.ids("tokens")
+    targets = w.ids("targets")
+    wte = w.param("wte", (V, D), 1.0)
+    pos = w.param("wpe", (LAYOUT_MAX_SEQ, D), 0.1)
     angles = np.arange(LAYOUT_MAX_SEQ)[:, None] * 0.5 ** np.arange(D)[None, :]
-    cos = tensor("rotary_cos", dims=[LAYOUT_MAX_SEQ, D], role=ROLE["Const"], init=INIT["Data"],
-                 data=np.cos(angles).astype("<f4").tobytes())
-    head = param("head.weight", (V, 3 * D), 0.5)
-    x = node("embedding", "emb", [wte, tokens])
-    p = node("slice", "pos_seq", [pos], {"dim": 0, "end": "seq"})
-    x = node("add", "emb_pos", [x, p])
-    c = node("slice", "cos_seq", [cos], {"dim": 0, "start": 0, "end": "seq"})
-    x = node("mul", "rotated", [x, c])
-    flat = node("reshape", "flat", [x], {"dims": "batch*seq,-1"})
-    even = node("slice", "even", [flat], {"dim": -1, "start": 0, "end": 9223372036854775807,
+    cos = w.const("rotary_cos", np.cos(angles), [LAYOUT_MAX_SEQ, D])
+    head = w.param("head.weight", (V, 3 * D), 0.5)
+    x = w.node("embedding", "emb", [wte, tokens])
+    p = w.node("slice", "pos_seq", [pos], {"dim": 0, "end": "seq"})
+    x = w.node("add", "emb_pos", [x, p])
+    c = w.node("slice", "cos_seq", [cos], {"dim": 0, "start": 0, "end": "seq"})
+    x = w.node("mul", "rotated", [x, c])
+    flat = w.node("reshape", "flat", [x], {"dims": "batch*seq,-1"})
+    even = w.node("slice", "even", [flat], {"dim": -1, "start": 0, "end": 9223372036854775807,
                                           "step": 2})
-    odd = node("slice", "odd", [flat], {"dim": 1, "start": 1, "step": 2})
-    swapped = node("cat", "swapped", [odd, even], {"dim": -1})
-    pairs = node("reshape", "pairs", [swapped], {"dims": "batch,seq,2,4"})
-    pairs = node("transpose", "pairs_t", [pairs], {"perm": [0, 1, 3, 2]})
-    y = node("reshape", "mixed", [pairs], {"dims": "batch, seq, 2*4"})
-    y = node("rope", "rope_pairs", [y], {"heads": 2, "theta": 100.0, "interleaved": 1})
-    wide = node("cat", "wide", [y, x, y], {"dim": 2})
-    logits = node("linear", "logits", [wide, head])
-    loss = node("cross_entropy", "loss", [logits, targets])
-    return GraphDef(name="layout_ops", tensors=tensors, nodes=nodes, loss=loss,
-                    metadata=[("vocab", str(V)), ("max_seq", str(LAYOUT_MAX_SEQ))])
+    odd = w.node("slice", "odd", [flat], {"dim": 1, "start": 1, "step": 2})
+    swapped = w.node("cat", "swapped", [odd, even], {"dim": -1})
+    pairs = w.node("reshape", "pairs", [swapped], {"dims": "batch,seq,2,4"})
+    pairs = w.node("transpose", "pairs_t", [pairs], {"perm": [0, 1, 3, 2]})
+    y = w.node("reshape", "mixed", [pairs], {"dims": "batch, seq, 2*4"})
+    y = w.node("rope", "rope_pairs", [y], {"heads": 2, "theta": 100.0, "interleaved": 1})
+    wide = w.node("cat", "wide", [y, x, y], {"dim": 2})
+    logits = w.node("linear", "logits", [wide, head])
+    loss = w.node("cross_entropy", "loss", [logits, targets])
+    return w.graph("layout_ops", loss, V, LAYOUT_MAX_SEQ)
 
 
 def written_graphs(out):

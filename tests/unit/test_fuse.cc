@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "abi_helpers.h"
 #include "api/handles.h"
 #include "api/internal.h"
 #include "core/status.h"
@@ -35,21 +36,8 @@ using ctr::Graph;
 
 constexpr int64_t kMax = 8, kSeq = 5, kBatch = 2, kVocab = 11;
 
-struct Opts {
-  ctr_options *o = nullptr;
-  Opts() { EXPECT_EQ(ctr_options_create(&o), CTR_STATUS_OK); }
-  ~Opts() { ctr_options_free(o); }
-  Opts &i(const char *k, int64_t v) {
-    EXPECT_EQ(ctr_options_set_int(o, k, v), CTR_STATUS_OK);
-    return *this;
-  }
-};
-
-struct Mesh {
-  ctr_mesh *m = nullptr;
-  Mesh() { EXPECT_EQ(ctr_mesh_create(nullptr, &m), CTR_STATUS_OK); }
-  ~Mesh() { ctr_mesh_free(m); }
-};
+using ctr_test::Mesh;
+using ctr_test::Opts;
 
 Attr ai(int64_t v) { return Attr::of_int(v); }
 Attr af(double v) { return Attr::of_float(v); }

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "abi_helpers.h"
 #include "api/handles.h"
 #include "common/op_params.h"
 #include "api/internal.h"
@@ -40,29 +41,8 @@ using ctr::Graph;
 // ---------------------------------------------------------------------------
 // Small helpers
 
-struct Opts {
-  ctr_options *o = nullptr;
-  Opts() { EXPECT_EQ(ctr_options_create(&o), CTR_STATUS_OK); }
-  ~Opts() { ctr_options_free(o); }
-  Opts &i(const char *k, int64_t v) {
-    EXPECT_EQ(ctr_options_set_int(o, k, v), CTR_STATUS_OK);
-    return *this;
-  }
-  Opts &f(const char *k, double v) {
-    EXPECT_EQ(ctr_options_set_float(o, k, v), CTR_STATUS_OK);
-    return *this;
-  }
-  Opts &s(const char *k, const char *v) {
-    EXPECT_EQ(ctr_options_set_string(o, k, v), CTR_STATUS_OK);
-    return *this;
-  }
-};
-
-struct Mesh {
-  ctr_mesh *m = nullptr;
-  Mesh() { EXPECT_EQ(ctr_mesh_create(nullptr, &m), CTR_STATUS_OK); }
-  ~Mesh() { ctr_mesh_free(m); }
-};
+using ctr_test::Mesh;
+using ctr_test::Opts;
 
 ctr_graph *preset(const char *name, Opts &o) {
   ctr_graph *g = nullptr;
@@ -685,20 +665,17 @@ struct OpGraph {
   // A parameter with given initial values (row-major), for cases that need
   // particular values: routing ties, experts that receive no token.
   int add_param_data(const std::string &name, std::vector<int64_t> shape, const std::vector<float> &values) {
-    ctr::Tensor t;
-    t.name = name;
-    t.role = ctr::Role::Param;
-    for (int64_t d : shape) t.dims.push_back(ctr::Dim{d, ""});
-    t.init.kind = ctr::InitKind::Data;
-    t.data.assign(reinterpret_cast<const uint8_t *>(values.data()),
-                  reinterpret_cast<const uint8_t *>(values.data() + values.size()));
-    return g.add_tensor(t);
+    return add_data(name, ctr::Role::Param, shape, values);
   }
   // A constant with embedded values (row-major): a mask, a rotary table; no gradient.
   int add_const(const std::string &name, std::vector<int64_t> shape, const std::vector<float> &values) {
+    return add_data(name, ctr::Role::Const, shape, values);
+  }
+  int add_data(const std::string &name, ctr::Role role, const std::vector<int64_t> &shape,
+               const std::vector<float> &values) {
     ctr::Tensor t;
     t.name = name;
-    t.role = ctr::Role::Const;
+    t.role = role;
     for (int64_t d : shape) t.dims.push_back(ctr::Dim{d, ""});
     t.init.kind = ctr::InitKind::Data;
     t.data.assign(reinterpret_cast<const uint8_t *>(values.data()),

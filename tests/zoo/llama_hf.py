@@ -6,7 +6,6 @@ output layer tied to the embedding, and forward(input_ids, labels) returning (lo
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 

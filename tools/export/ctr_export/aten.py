@@ -38,7 +38,7 @@ from torch.fx.experimental import proxy_tensor
 
 from .graphfile import ROLE, GraphDef
 from .trace import (_F32, _I32, _INT_TYPES, _OWN_DIR, _TORCH_DIR, ExportError, _Converter,
-                    _second_inputs, _T, _TMeta)
+                    _output_nodes, _raising_frame, _second_inputs, _T, _TMeta)
 
 aten = torch.ops.aten
 
@@ -313,9 +313,6 @@ class _AtenConverter(_Converter):
         a2 = n2.args[i] if i < len(n2.args) else default
         return a1, a2
 
-    def kw2(self, node, k, default=None):
-        return node.kwargs.get(k, default), self.other[node].kwargs.get(k, default)
-
     def same(self, node, i, what, default=None):
         a1, a2 = self.arg2(node, i, default)
         if a1 != a2:
@@ -556,19 +553,8 @@ class _AtenConverter(_Converter):
         super().fail(why, node=node, op=op)
 
     def finish_outputs(self, outputs):
-        flat = []
-
-        def walk(a):
-            if isinstance(a, fx.Node):
-                flat.append(a)
-            elif isinstance(a, (tuple, list)):
-                for x in a:
-                    walk(x)
-            elif isinstance(a, dict):
-                for x in a.values():
-                    walk(x)
-        walk(outputs)
-        for n in flat:
+        """Materialises the outputs' values (views, tuples) as graph tensors for finish()."""
+        for n in _output_nodes(outputs):
             v = self.env.get(n)
             if v is not None and not isinstance(v, (_Tuple, _Unavailable)):
                 self.env[n] = self.mat(v)
@@ -621,14 +607,7 @@ def a_to_copy(c, node):
 def a_view(c, node):
     v = c.val(node.args[0])
     s1, s2 = _out(c, node)
-    if isinstance(v, tuple) and v and v[0] == "const":
-        v = c.const_tensor(v[1])
-    if isinstance(v, _Reshaped):
-        base = v.base
-    elif isinstance(v, _T):
-        base = v
-    else:
-        base = c.mat(v)
+    base = v.base if isinstance(v, _Reshaped) else c.mat(v)
     if (s1, s2) == (base.s1, base.s2):
         return base
     return _Reshaped(base, s1, s2)
@@ -1083,10 +1062,6 @@ def a_stack(c, node):
     return _emit_like(c, "cat", parts, node, {"dim": dim}, dtype=parts[0].dtype)
 
 
-def a_unsqueeze(c, node):
-    return a_view(c, node)
-
-
 def _const_bool(c, a):
     if not c.is_const(a):
         c.fail("a mask computed from the model's activations: libctr masks with constants "
@@ -1399,7 +1374,6 @@ def convert_aten(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
         except ExportError:
             raise
         except Exception as e:
-            from .trace import _raising_frame
             file, line, code = _raising_frame(e)
             where = f" at {file}:{line}" if file else ""
             src = f"\n    {code}" if code else ""

@@ -531,18 +531,7 @@ class _Converter:
     # --- finishing ----------------------------------------------------------------------------
 
     def finish(self, outputs, name: str, metadata) -> GraphDef:
-        flat: List[fx.Node] = []
-
-        def walk(a):
-            if isinstance(a, fx.Node):
-                flat.append(a)
-            elif isinstance(a, (tuple, list)):
-                for x in a:
-                    walk(x)
-            elif isinstance(a, dict):
-                for x in a.values():
-                    walk(x)
-        walk(outputs)
+        flat = _output_nodes(outputs)
         tensors = [(n, self.env.get(n)) for n in flat if isinstance(self.env.get(n), _T)]
         losses = [(n, t) for n, t in tensors if t.rank == 0 and t.dtype == _F32]
         if not losses:
@@ -597,6 +586,23 @@ class _Converter:
                                  [remap[x] for x in n.outputs], n.attrs, n.block))
         return GraphDef(name=name, tensors=tensors, nodes=nodes, loss=remap[loss_idx],
                         metadata=list(metadata))
+
+
+def _output_nodes(outputs) -> List[fx.Node]:
+    """The fx nodes of a graph's output structure (tuples, lists, dicts), in order."""
+    flat: List[fx.Node] = []
+
+    def walk(a):
+        if isinstance(a, fx.Node):
+            flat.append(a)
+        elif isinstance(a, (tuple, list)):
+            for x in a:
+                walk(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                walk(x)
+    walk(outputs)
+    return flat
 
 
 # ------------------------------------------------------------------------------------------------
