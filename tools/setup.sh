@@ -59,6 +59,12 @@ else
   set --
 fi
 
+# nvcc lives outside PATH in the CUDA toolkit's standard prefix; meson finds the
+# CUDA compiler on PATH only.
+if [ -x /usr/local/cuda/bin/nvcc ]; then
+  case ":$PATH:" in *:/usr/local/cuda/bin:*) ;; *) PATH="$PATH:/usr/local/cuda/bin"; export PATH ;; esac
+fi
+
 # The test suites need GoogleTest, which only --tests installs: a build made for
 # the quick start leaves them out, and --tests turns them on.
 if [ -n "$mode" ]; then tests=true; else tests=false; fi

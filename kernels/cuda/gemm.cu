@@ -1,0 +1,232 @@
+// GEMMs through cuBLASLt: linear (bias in the epilogue) and batched matmul,
+// forward and backward. Storage is f32 or bf16 with f32 accumulation;
+// parameter gradients are written in their own dtype (f32 master gradients
+// from bf16 activations). The heuristic's choice of algorithm and the
+// descriptors are cached per shape, so a step's GEMMs cost one lookup each
+// after the first run.
+//
+// Everything here is row-major: C[M,N] = op(A)[M,K] op(B)[K,N] is the
+// column-major product C^T = op(B)^T op(A)^T, so cuBLASLt is called with the
+// operands swapped and m = N, n = M.
+
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+
+namespace ctr::cuda {
+
+namespace {
+
+cudaDataType_t cuda_type(int32_t dtype) { return dtype == CTR_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+// One product: row-major operands, optional strided batch and bias.
+struct GemmKey {
+  int32_t ta, tb;
+  int64_t M, N, K, lda, ldb, ldc;
+  int64_t batch, sa, sb, sc;
+  int32_t a_type, b_type, c_type, bias_type;  // bias_type -1: no bias
+  bool operator==(const GemmKey &o) const { return std::memcmp(this, &o, sizeof *this) == 0; }
+};
+
+struct GemmKeyHash {
+  size_t operator()(const GemmKey &k) const {
+    const auto *p = reinterpret_cast<const unsigned char *>(&k);
+    size_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < sizeof k; ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+  }
+};
+
+struct GemmPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool has_algo = false;
+};
+
+}  // namespace
+
+struct GemmCache {
+  std::mutex mu;
+  std::unordered_map<GemmKey, GemmPlan, GemmKeyHash> plans;
+};
+
+GemmCache *gemm_cache_create() { return new GemmCache; }
+
+void gemm_cache_destroy(GemmCache *c) {
+  if (!c) return;
+  for (auto &[k, p] : c->plans) {
+    if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+    if (p.c) cublasLtMatrixLayoutDestroy(p.c);
+  }
+  delete c;
+}
+
+namespace {
+
+// Zeroes key padding so that memcmp/hash see only the fields.
+GemmKey make_key() {
+  GemmKey k;
+  std::memset(&k, 0, sizeof k);
+  return k;
+}
+
+// Column-major layout of a row-major rows x cols matrix with row stride ld.
+cublasLtMatrixLayout_t layout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, int64_t batch,
+                              int64_t stride) {
+  cublasLtMatrixLayout_t l = nullptr;
+  cublasLtMatrixLayoutCreate(&l, t, static_cast<uint64_t>(cols), static_cast<uint64_t>(rows), ld);
+  if (batch > 1) {
+    int32_t bc = static_cast<int32_t>(batch);
+    cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc);
+    cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride);
+  }
+  return l;
+}
+
+GemmPlan &plan_for(StreamCtx &s, const GemmKey &k) {
+  GemmCache &cache = *s.gemm;
+  std::lock_guard<std::mutex> lock(cache.mu);
+  auto it = cache.plans.find(k);
+  if (it != cache.plans.end()) return it->second;
+  GemmPlan p;
+  cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  // Swapped operands: cuBLASLt's A is our B and its B is our A.
+  const cublasOperation_t opa = k.tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = k.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa);
+  cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb);
+  if (k.bias_type >= 0) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi);
+    const cudaDataType_t bt = cuda_type(k.bias_type);
+    cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt);
+  }
+  // Row-major shapes as stored: A is [M,K] (or [K,M] when transposed), B [K,N] (or [N,K]).
+  p.b = layout(cuda_type(k.a_type), k.ta ? k.K : k.M, k.ta ? k.M : k.K, k.lda, k.batch, k.sa);
+  p.a = layout(cuda_type(k.b_type), k.tb ? k.N : k.K, k.tb ? k.K : k.N, k.ldb, k.batch, k.sb);
+  p.c = layout(cuda_type(k.c_type), k.M, k.N, k.ldc, k.batch, k.sc);
+  cublasLtMatmulPreference_t pref = nullptr;
+  cublasLtMatmulPreferenceCreate(&pref);
+  const uint64_t ws = s.workspace_bytes;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  if (cublasLtMatmulAlgoGetHeuristic(s.lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found) ==
+          CUBLAS_STATUS_SUCCESS &&
+      found > 0) {
+    p.algo = res.algo;
+    p.has_algo = true;
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  return cache.plans.emplace(k, p).first->second;
+}
+
+// C[M,N] = op(A) op(B) (+ bias[N]) for each of `batch` products.
+void rm_gemm(StreamCtx &s, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const ctr_tensor_ref &A, int64_t lda,
+             const ctr_tensor_ref &B, int64_t ldb, const ctr_tensor_ref &C, int64_t ldc, int64_t batch = 1,
+             int64_t sa = 0, int64_t sb = 0, int64_t sc = 0, const ctr_tensor_ref *bias = nullptr) {
+  GemmKey k = make_key();
+  k.ta = ta;
+  k.tb = tb;
+  k.M = M;
+  k.N = N;
+  k.K = K;
+  k.lda = lda;
+  k.ldb = ldb;
+  k.ldc = ldc;
+  k.batch = batch;
+  k.sa = sa;
+  k.sb = sb;
+  k.sc = sc;
+  k.a_type = A.dtype;
+  k.b_type = B.dtype;
+  k.c_type = C.dtype;
+  k.bias_type = bias ? bias->dtype : -1;
+  GemmPlan &p = plan_for(s, k);
+  if (bias) {
+    const void *bp = bias->data;
+    cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof bp);
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  cublasLtMatmul(s.lt, p.desc, &alpha, B.data, p.a, A.data, p.b, &beta, C.data, p.c, C.data, p.c,
+                 p.has_algo ? &p.algo : nullptr, s.workspace, s.workspace_bytes, s.stream);
+}
+
+// linear: y[M,N] = x[M,K] w[N,K]^T (+ b[N])
+void k_linear(const Args &c) {
+  const int64_t N = c.in_dim(1, 0), K = c.in_dim(1, 1), M = c.in_numel(0) / K;
+  rm_gemm(*c.s, false, true, M, N, K, c.in_ref(0), K, c.in_ref(1), K, c.out_ref(0), N, 1, 0, 0, 0,
+          c.num_inputs() > 2 ? &c.in_ref(2) : nullptr);
+}
+// linear_bwd_x(dy, w): dx[M,K] = dy[M,N] w[N,K]
+void k_linear_bwd_x(const Args &c) {
+  const int64_t N = c.in_dim(1, 0), K = c.in_dim(1, 1), M = c.in_numel(0) / N;
+  rm_gemm(*c.s, false, false, M, K, N, c.in_ref(0), N, c.in_ref(1), K, c.out_ref(0), K);
+}
+// linear_bwd_w(dy, x): dw[N,K] = dy[M,N]^T x[M,K]
+void k_linear_bwd_w(const Args &c) {
+  const int64_t N = c.out_dim(0, 0), K = c.out_dim(0, 1), M = c.in_numel(1) / K;
+  rm_gemm(*c.s, true, false, N, K, M, c.in_ref(0), N, c.in_ref(1), K, c.out_ref(0), K);
+}
+
+struct MatmulDims {
+  int64_t batch, M, K, N;
+  bool shared;
+};
+MatmulDims matmul_dims(const ctr_tensor_ref &a, const ctr_tensor_ref &b) {
+  MatmulDims d;
+  d.M = a.shape[a.ndim - 2];
+  d.K = a.shape[a.ndim - 1];
+  d.N = b.shape[b.ndim - 1];
+  d.batch = a.numel / (d.M * d.K);
+  d.shared = b.ndim == 2;
+  return d;
+}
+
+// matmul: c[batch,M,N] = a[batch,M,K] b[batch,K,N]; a shared b (2-D) makes
+// one product of batch*M rows.
+void k_matmul(const Args &c) {
+  const MatmulDims d = matmul_dims(c.in_ref(0), c.in_ref(1));
+  if (d.shared)
+    rm_gemm(*c.s, false, false, d.batch * d.M, d.N, d.K, c.in_ref(0), d.K, c.in_ref(1), d.N, c.out_ref(0), d.N);
+  else
+    rm_gemm(*c.s, false, false, d.M, d.N, d.K, c.in_ref(0), d.K, c.in_ref(1), d.N, c.out_ref(0), d.N, d.batch,
+            d.M * d.K, d.K * d.N, d.M * d.N);
+}
+// matmul_bwd(g, a, b): da = g b^T ; db = a^T g (summed over batch when b is shared).
+void k_matmul_bwd(const Args &c) {
+  const MatmulDims d = matmul_dims(c.in_ref(1), c.in_ref(2));
+  const ctr_tensor_ref &g = c.in_ref(0), &a = c.in_ref(1), &b = c.in_ref(2);
+  if (c.out_ref(0).data) {
+    if (d.shared)
+      rm_gemm(*c.s, false, true, d.batch * d.M, d.K, d.N, g, d.N, b, d.N, c.out_ref(0), d.K);
+    else
+      rm_gemm(*c.s, false, true, d.M, d.K, d.N, g, d.N, b, d.N, c.out_ref(0), d.K, d.batch, d.M * d.N, d.K * d.N,
+              d.M * d.K);
+  }
+  if (c.num_outputs() > 1 && c.out_ref(1).data) {
+    if (d.shared)
+      rm_gemm(*c.s, true, false, d.K, d.N, d.batch * d.M, a, d.K, g, d.N, c.out_ref(1), d.N);
+    else
+      rm_gemm(*c.s, true, false, d.K, d.N, d.M, a, d.K, g, d.N, c.out_ref(1), d.N, d.batch, d.M * d.K, d.M * d.N,
+              d.K * d.N);
+  }
+}
+
+}  // namespace
+
+const KernelEntry kGemmKernels[] = {
+    {"linear", bind<k_linear>},
+    {"linear_bwd_x", bind<k_linear_bwd_x>},
+    {"linear_bwd_w", bind<k_linear_bwd_w>},
+    {"matmul", bind<k_matmul>},
+    {"matmul_bwd", bind<k_matmul_bwd>},
+};
+const size_t kGemmKernelCount = sizeof(kGemmKernels) / sizeof(kGemmKernels[0]);
+
+}  // namespace ctr::cuda

@@ -1,0 +1,32 @@
+// The CUDA backend's kernel tables, one per kernel file, and the flat
+// optimizer primitives. lib/backend/cuda/cuda_backend.cc joins the tables into
+// the lookup by op name.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace ctr::cuda {
+
+extern const KernelEntry kElementwiseKernels[];
+extern const size_t kElementwiseKernelCount;
+extern const KernelEntry kGemmKernels[];
+extern const size_t kGemmKernelCount;
+
+// GEMM state shared by a backend's streams: cuBLASLt algorithm choices per
+// shape. Created and destroyed by the backend.
+GemmCache *gemm_cache_create();
+void gemm_cache_destroy(GemmCache *c);
+
+// Flat optimizer primitives over f32 device buffers (optim.cu).
+// sum of squares of x[n] into *out (one double), in a fixed order.
+void sum_squares(const float *x, int64_t n, double *out, double *scratch, int64_t scratch_len, cudaStream_t s);
+int64_t sum_squares_scratch_len();
+void add_into(float *acc, const float *x, int64_t n, cudaStream_t s);
+// One launch for every segment (ctr_adamw_args); segments are copied to the
+// device by the caller (dev_segments).
+void adamw(const ctr_adamw_args &a, const ctr_adamw_segment *dev_segments, cudaStream_t s);
+
+}  // namespace ctr::cuda

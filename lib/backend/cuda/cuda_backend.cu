@@ -1,0 +1,487 @@
+// The CUDA backend, libctr-cuda.so: a plugin behind lib/backend/plugin.h.
+//
+// Device. "cuda" picks GPU CTR_CUDA_DEVICE if set, else CTR_LOCAL_RANK modulo
+// the number of visible GPUs, else 0; it needs compute capability 8.0 or later
+// (bf16). Without a driver or a GPU, init fails with the CUDA runtime's reason,
+// which the factory reports as CTR_STATUS_UNSUPPORTED.
+//
+// Streams. Stream 0 is a CUDA stream: kernels, copies and fills are queued on
+// it and run asynchronously. Every further stream is a host worker thread with
+// a queue, as on the CPU backend: it carries communication (host functions
+// that issue and wait for collectives), which must be free to block and to call
+// the CUDA runtime, neither of which a CUDA host callback may do. Work the
+// executor puts on a worker (copies, fills, kernels) runs on the worker's own
+// CUDA stream, synchronized before the next item.
+//
+// Events. An event recorded on stream 0 is a CUDA event (from a small ring per
+// event id, so that a worker waiting on one record is not moved on by the
+// next); one recorded on a worker is a generation counter. Stream 0 waits for
+// a CUDA record with cudaStreamWaitEvent and for a worker's record by blocking
+// the calling thread (the kernels queued after it are queued after the wait, so
+// the order holds); a worker waits for either by blocking.
+//
+// Copies between host and device on stream 0 are synchronous (the step hands
+// over temporary host buffers); device copies and fills are asynchronous.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "backend/plugin.h"
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+
+namespace ctr::cuda {
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLASLt workspace per stream
+constexpr int kEventRing = 8;
+
+// Sets the calling thread's current device once per thread and backend device.
+thread_local int tl_device = -1;
+void use_device(int dev) {
+  if (tl_device != dev) {
+    cudaSetDevice(dev);
+    tl_device = dev;
+  }
+}
+
+// A host worker stream (streams >= 1).
+class Worker {
+ public:
+  explicit Worker(int device) : device_(device) { thread_ = std::thread([this] { loop(); }); }
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void push(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(fn));
+      ++pushed_;
+    }
+    cv_.notify_all();
+  }
+  void drain() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t want = pushed_;
+    cv_.wait(lock, [&] { return finished_ >= want; });
+  }
+  StreamCtx ctx;  // the worker's own CUDA stream, for copies and kernels it runs
+
+ private:
+  void loop() {
+    use_device(device_);
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      fn();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++finished_;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  int device_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  uint64_t pushed_ = 0, finished_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+struct Event {
+  cudaEvent_t ring[kEventRing] = {};
+  int next = 0;          // ring slot of the next CUDA record
+  bool on_gpu = false;   // the latest record was on stream 0
+  uint64_t target = 0;   // generation of the latest worker record
+  uint64_t done = 0;     // generation the worker has reached
+};
+
+struct Cuda {
+  int device = 0;
+  StreamCtx s0;
+  std::vector<std::unique_ptr<Worker>> workers;  // stream s >= 1 is workers[s - 1]
+  std::mutex mu;                                 // events
+  std::condition_variable cv;
+  std::deque<Event> events;
+  std::unordered_map<std::string, ctr_kernel_fn> kernels;
+  double *sum_scratch = nullptr;  // device: partial sums, then the result
+  double *sum_host = nullptr;     // pinned
+  ctr_adamw_segment *segments = nullptr;  // device copy of the AdamW segment table
+  int64_t segments_cap = 0;
+  std::mutex adamw_mu;
+
+  // Runs fn on stream s: queued on the CUDA stream for 0 (fn enqueues), on the
+  // worker otherwise (fn enqueues on the worker's stream, then waits for it).
+  void submit(int s, std::function<void(StreamCtx &)> fn) {
+    use_device(device);
+    if (s == 0) {
+      fn(s0);
+      return;
+    }
+    Worker *w = workers[static_cast<size_t>(s - 1)].get();
+    w->push([w, fn = std::move(fn)] {
+      fn(w->ctx);
+      cudaStreamSynchronize(w->ctx.stream);
+    });
+  }
+  void complete(int e, uint64_t gen) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      Event &ev = events[static_cast<size_t>(e)];
+      ev.done = std::max(ev.done, gen);
+    }
+    cv.notify_all();
+  }
+  void block_until(int e, uint64_t gen) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return events[static_cast<size_t>(e)].done >= gen; });
+  }
+};
+
+Cuda &C(void *ctx) { return *static_cast<Cuda *>(ctx); }
+
+bool init_stream(StreamCtx &s, GemmCache *cache_owner_hint) {
+  (void)cache_owner_hint;
+  if (cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking) != cudaSuccess) return false;
+  if (cublasLtCreate(&s.lt) != CUBLAS_STATUS_SUCCESS) return false;
+  if (cudaMalloc(&s.workspace, kWorkspaceBytes) != cudaSuccess) return false;
+  s.workspace_bytes = kWorkspaceBytes;
+  s.gemm = gemm_cache_create();  // per stream: plans carry per-call pointers
+  return true;
+}
+
+void free_stream(StreamCtx &s) {
+  if (s.stream) cudaStreamSynchronize(s.stream);
+  gemm_cache_destroy(s.gemm);
+  if (s.workspace) cudaFree(s.workspace);
+  if (s.lt) cublasLtDestroy(s.lt);
+  if (s.stream) cudaStreamDestroy(s.stream);
+  s = StreamCtx{};
+}
+
+// ---------------------------------------------------------------------------
+// Interface slots
+
+void *cu_alloc(void *ctx, size_t bytes) {
+  Cuda &c = C(ctx);
+  use_device(c.device);
+  void *p = nullptr;
+  const size_t n = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
+  if (cudaMalloc(&p, n) != cudaSuccess) return nullptr;
+  if (cudaMemset(p, 0, n) != cudaSuccess) {
+    cudaFree(p);
+    return nullptr;
+  }
+  return p;
+}
+void cu_free(void *ctx, void *p) {
+  if (!p) return;
+  Cuda &c = C(ctx);
+  use_device(c.device);
+  cudaStreamSynchronize(c.s0.stream);
+  cudaFree(p);
+}
+void copy_on(Cuda &c, void *dst, const void *src, size_t bytes, int stream, cudaMemcpyKind kind) {
+  if (!bytes) return;
+  if (stream == 0) {
+    use_device(c.device);
+    cudaMemcpyAsync(dst, src, bytes, kind, c.s0.stream);
+    if (kind != cudaMemcpyDeviceToDevice) cudaStreamSynchronize(c.s0.stream);
+    return;
+  }
+  c.submit(stream, [=](StreamCtx &s) { cudaMemcpyAsync(dst, src, bytes, kind, s.stream); });
+}
+void cu_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes, int stream) {
+  copy_on(C(ctx), dst, src, bytes, stream, cudaMemcpyHostToDevice);
+}
+void cu_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes, int stream) {
+  copy_on(C(ctx), dst, src, bytes, stream, cudaMemcpyDeviceToHost);
+}
+void cu_copy_d2d(void *ctx, void *dst, const void *src, size_t bytes, int stream) {
+  copy_on(C(ctx), dst, src, bytes, stream, cudaMemcpyDeviceToDevice);
+}
+void cu_fill(void *ctx, void *dst, int byte, size_t bytes, int stream) {
+  if (!bytes) return;
+  C(ctx).submit(stream, [=](StreamCtx &s) { cudaMemsetAsync(dst, byte, bytes, s.stream); });
+}
+int cu_create_stream(void *ctx) {
+  Cuda &c = C(ctx);
+  use_device(c.device);
+  auto w = std::make_unique<Worker>(c.device);
+  if (!init_stream(w->ctx, nullptr)) {
+    free_stream(w->ctx);
+    return -1;
+  }
+  w->ctx.sm_count = c.s0.sm_count;
+  c.workers.push_back(std::move(w));
+  return static_cast<int>(c.workers.size());
+}
+int cu_create_event(void *ctx) {
+  Cuda &c = C(ctx);
+  use_device(c.device);
+  Event ev;
+  for (auto &e : ev.ring)
+    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) return -1;
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.events.push_back(ev);
+  return static_cast<int>(c.events.size() - 1);
+}
+void cu_record_event(void *ctx, int e, int stream) {
+  Cuda &c = C(ctx);
+  if (stream == 0) {
+    use_device(c.device);
+    std::lock_guard<std::mutex> lock(c.mu);
+    Event &ev = c.events[static_cast<size_t>(e)];
+    ev.next = (ev.next + 1) % kEventRing;
+    cudaEventRecord(ev.ring[ev.next], c.s0.stream);
+    ev.on_gpu = true;
+    return;
+  }
+  uint64_t gen;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    Event &ev = c.events[static_cast<size_t>(e)];
+    gen = ++ev.target;
+    ev.on_gpu = false;
+  }
+  Cuda *cp = &c;
+  c.workers[static_cast<size_t>(stream - 1)]->push([cp, e, gen] { cp->complete(e, gen); });
+}
+void cu_wait_event(void *ctx, int e, int stream) {
+  Cuda &c = C(ctx);
+  bool on_gpu;
+  cudaEvent_t ce;
+  uint64_t gen;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    Event &ev = c.events[static_cast<size_t>(e)];
+    on_gpu = ev.on_gpu;
+    ce = ev.ring[ev.next];
+    gen = ev.target;
+  }
+  if (stream == 0) {
+    use_device(c.device);
+    if (on_gpu)
+      cudaStreamWaitEvent(c.s0.stream, ce, 0);
+    else
+      c.block_until(e, gen);
+    return;
+  }
+  Cuda *cp = &c;
+  if (on_gpu)
+    c.workers[static_cast<size_t>(stream - 1)]->push([ce] { cudaEventSynchronize(ce); });
+  else
+    c.workers[static_cast<size_t>(stream - 1)]->push([cp, e, gen] { cp->block_until(e, gen); });
+}
+void cu_host_fn(void *ctx, int stream, ctr_host_fn fn, void *user) {
+  Cuda &c = C(ctx);
+  if (stream == 0) {
+    // Host work on stream 0 runs in order with its kernels: wait for them.
+    use_device(c.device);
+    cudaStreamSynchronize(c.s0.stream);
+    fn(user);
+    return;
+  }
+  c.workers[static_cast<size_t>(stream - 1)]->push([fn, user] { fn(user); });
+}
+void cu_synchronize(void *ctx, int stream) {
+  Cuda &c = C(ctx);
+  if (stream == 0) {
+    use_device(c.device);
+    cudaStreamSynchronize(c.s0.stream);
+    return;
+  }
+  c.workers[static_cast<size_t>(stream - 1)]->drain();
+}
+ctr_kernel_fn cu_kernel(void *ctx, int32_t, const char *name) {
+  Cuda &c = C(ctx);
+  auto it = c.kernels.find(name ? name : "");
+  return it == c.kernels.end() ? nullptr : it->second;
+}
+void cu_launch(void *ctx, ctr_kernel_fn fn, const ctr_kernel_args *args, int stream) {
+  Cuda &c = C(ctx);
+  if (stream == 0) {
+    use_device(c.device);
+    fn(args, &c.s0);
+    return;
+  }
+  c.submit(stream, [fn, args](StreamCtx &s) { fn(args, &s); });
+}
+double cu_sum_squares(void *ctx, const float *x, int64_t n, int stream) {
+  Cuda &c = C(ctx);
+  cu_synchronize(ctx, stream);
+  use_device(c.device);
+  if (n <= 0) return 0.0;
+  const int64_t len = sum_squares_scratch_len();
+  sum_squares(x, n, c.sum_scratch + len, c.sum_scratch, len, c.s0.stream);
+  cudaMemcpyAsync(c.sum_host, c.sum_scratch + len, sizeof(double), cudaMemcpyDeviceToHost, c.s0.stream);
+  cudaStreamSynchronize(c.s0.stream);
+  return *c.sum_host;
+}
+void cu_add_into(void *ctx, float *acc, const float *x, int64_t n, int stream) {
+  C(ctx).submit(stream, [=](StreamCtx &s) { add_into(acc, x, n, s.stream); });
+}
+void cu_adamw(void *ctx, const ctr_adamw_args *a, int stream) {
+  Cuda &c = C(ctx);
+  use_device(c.device);
+  std::lock_guard<std::mutex> lock(c.adamw_mu);
+  if (a->num_segments > c.segments_cap) {
+    cudaStreamSynchronize(c.s0.stream);
+    cudaFree(c.segments);
+    c.segments = nullptr;
+    c.segments_cap = 0;
+    if (cudaMalloc(&c.segments, static_cast<size_t>(a->num_segments) * sizeof(ctr_adamw_segment)) != cudaSuccess)
+      return;  // the step sees it at its next synchronize through cudaGetLastError
+    c.segments_cap = a->num_segments;
+  }
+  ctr_adamw_args copy = *a;
+  // The table may change between steps: copied in order on the stream (a
+  // synchronous copy from pageable memory, so the host table may go at once).
+  c.submit(stream, [&c, copy](StreamCtx &s) {
+    cudaMemcpyAsync(c.segments, copy.segments, static_cast<size_t>(copy.num_segments) * sizeof(ctr_adamw_segment),
+                    cudaMemcpyHostToDevice, s.stream);
+    cudaStreamSynchronize(s.stream);
+    adamw(copy, c.segments, s.stream);
+  });
+}
+void cu_destroy(void *ctx) {
+  Cuda *c = static_cast<Cuda *>(ctx);
+  use_device(c->device);
+  c->workers.clear();
+  for (Event &ev : c->events)
+    for (auto &e : ev.ring)
+      if (e) cudaEventDestroy(e);
+  free_stream(c->s0);
+  cudaFree(c->sum_scratch);
+  cudaFree(c->segments);
+  cudaFreeHost(c->sum_host);
+  delete c;
+}
+
+const ctr_backend_iface kIface = {
+    sizeof(ctr_backend_iface),
+    CTR_BACKEND_ABI,
+    "cuda",
+    cu_alloc,
+    cu_free,
+    cu_copy_h2d,
+    cu_copy_d2h,
+    cu_copy_d2d,
+    cu_fill,
+    cu_create_stream,
+    cu_create_event,
+    cu_record_event,
+    cu_wait_event,
+    cu_host_fn,
+    cu_synchronize,
+    cu_kernel,
+    cu_launch,
+    cu_sum_squares,
+    cu_add_into,
+    cu_adamw,
+    cu_destroy,
+};
+
+void say(char *err, size_t size, const std::string &msg) {
+  if (err && size) std::snprintf(err, size, "%s", msg.c_str());
+}
+
+int env_int(const char *name, int fallback) {
+  const char *v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char *end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  return (*end || x < 0 || x > 1 << 20) ? -1 : static_cast<int>(x);
+}
+
+}  // namespace
+}  // namespace ctr::cuda
+
+extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_backend_plugin_init(
+    uint32_t abi, const char *device, void **ctx, char *err, size_t err_size) {
+  using namespace ctr::cuda;
+  if (abi != CTR_BACKEND_ABI) {
+    say(err, err_size, "libctr-cuda.so speaks backend ABI " + std::to_string(CTR_BACKEND_ABI) + ", the caller " +
+                           std::to_string(abi));
+    return nullptr;
+  }
+  if (!device || std::strcmp(device, "cuda") != 0) {
+    say(err, err_size, std::string("libctr-cuda.so serves device 'cuda', not '") + (device ? device : "") + "'");
+    return nullptr;
+  }
+  int count = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
+    say(err, err_size,
+        std::string("no usable GPU: ") +
+            (e != cudaSuccess ? cudaGetErrorString(e) : "the CUDA driver sees no device") +
+            " (the CUDA backend needs an NVIDIA GPU of compute capability 8.0 or later and its driver)");
+    return nullptr;
+  }
+  const int explicit_dev = env_int("CTR_CUDA_DEVICE", -2);
+  const int local = env_int("CTR_LOCAL_RANK", 0);
+  if (explicit_dev == -1 || local < 0) {
+    say(err, err_size, "CTR_CUDA_DEVICE / CTR_LOCAL_RANK must be a non-negative integer");
+    return nullptr;
+  }
+  const int dev = explicit_dev >= 0 ? explicit_dev : local % count;
+  if (dev >= count) {
+    say(err, err_size, "CTR_CUDA_DEVICE=" + std::to_string(dev) + " but only " + std::to_string(count) +
+                           " GPU(s) are visible");
+    return nullptr;
+  }
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, dev) != cudaSuccess || prop.major < 8) {
+    say(err, err_size, std::string("GPU ") + std::to_string(dev) + " (" + prop.name + ") has compute capability " +
+                           std::to_string(prop.major) + "." + std::to_string(prop.minor) +
+                           "; the CUDA backend needs 8.0 or later");
+    return nullptr;
+  }
+  auto c = std::make_unique<Cuda>();
+  c->device = dev;
+  tl_device = -1;
+  use_device(dev);
+  c->s0.sm_count = prop.multiProcessorCount;
+  const int64_t len = sum_squares_scratch_len();
+  if (!init_stream(c->s0, nullptr) || cudaMalloc(&c->sum_scratch, static_cast<size_t>(len + 1) * sizeof(double)) !=
+                                          cudaSuccess ||
+      cudaMallocHost(&c->sum_host, sizeof(double)) != cudaSuccess) {
+    say(err, err_size, std::string("cannot set up GPU ") + std::to_string(dev) + ": " +
+                           cudaGetErrorString(cudaGetLastError()));
+    free_stream(c->s0);
+    return nullptr;
+  }
+  auto add = [&](const KernelEntry *t, size_t n) {
+    for (size_t i = 0; i < n; ++i) c->kernels[t[i].name] = t[i].fn;
+  };
+  add(kElementwiseKernels, kElementwiseKernelCount);
+  add(kGemmKernels, kGemmKernelCount);
+  *ctx = c.release();
+  return &kIface;
+}
