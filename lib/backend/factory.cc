@@ -1,13 +1,16 @@
 // The backend factory: a device name becomes a backend instance.
 //
-// "cpu" is built in. Any other name is a plugin: libctr-NAME.so, opened with
-// dlopen on the ordinary library search path (or the directory named by
-// CTR_PLUGIN_PATH first) and asked through its C entry point
+// "cpu" is built in. Any other name is a plugin: libctr-NAME.so, looked for in
+// the directory named by CTR_PLUGIN_PATH, then beside the binary that holds
+// libctr (libctr.so, or a program linking libctr statically) and in ../lib from
+// there (an installed bin/ and lib/), then on the ordinary library search path;
+// it is asked through its C entry point
 // ctr_backend_plugin_init for an interface table. A plugin whose table is of
 // another CTR_BACKEND_ABI, or smaller than this build's, is refused: the table
 // layout is the whole contract between the two sides.
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -34,15 +37,30 @@ BackendHandle own(Backend b, void *lib) {
   });
 }
 
+// The directory of the binary this code was linked into ("" if unknown).
+std::string own_directory() {
+  Dl_info info{};
+  if (!::dladdr(reinterpret_cast<void *>(&create_backend), &info) || !info.dli_fname) return "";
+  std::string path = info.dli_fname;
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "" : path.substr(0, slash);
+}
+
 BackendHandle load_plugin(const std::string &device) {
   const std::string file = "libctr-" + device + ".so";
   std::string tried;
   void *lib = nullptr;
-  if (const char *dir = std::getenv("CTR_PLUGIN_PATH"); dir && *dir) {
-    std::string path = std::string(dir) + "/" + file;
+  auto try_dir = [&](const std::string &dir) {
+    if (lib || dir.empty()) return;
+    const std::string path = dir + "/" + file;
+    if (::access(path.c_str(), F_OK) != 0) return;
     lib = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!lib) tried = ::dlerror();
-  }
+    if (!lib) tried += (tried.empty() ? "" : "; ") + std::string(::dlerror());
+  };
+  if (const char *dir = std::getenv("CTR_PLUGIN_PATH"); dir && *dir) try_dir(dir);
+  const std::string here = own_directory();
+  try_dir(here);
+  if (!here.empty()) try_dir(here + "/../lib");
   if (!lib) {
     lib = ::dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!lib) tried += (tried.empty() ? "" : "; ") + std::string(::dlerror());

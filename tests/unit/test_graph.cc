@@ -147,7 +147,7 @@ TEST(Mesh, BadOptionsNameTheProblem) {
   }
   {
     Opts o;
-    o.s("device", "cuda");
+    o.s("device", "nosuchdev");
     EXPECT_EQ(ctr_mesh_create(o.o, &m), CTR_STATUS_UNSUPPORTED);
   }
   EXPECT_EQ(m, nullptr);

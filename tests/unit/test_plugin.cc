@@ -56,11 +56,35 @@ TEST(Plugin, MismatchedAbiIsRefused) {
 
 TEST(Plugin, MissingPluginNamesTheLibrary) {
   ctr_mesh *m = nullptr;
-  EXPECT_EQ(mesh_on("cuda", &m), CTR_STATUS_UNSUPPORTED);
-  EXPECT_NE(std::string(ctr_last_error()).find("device 'cuda' needs the backend plugin libctr-cuda.so"),
+  EXPECT_EQ(mesh_on("nosuchdev", &m), CTR_STATUS_UNSUPPORTED);
+  EXPECT_NE(std::string(ctr_last_error()).find("device 'nosuchdev' needs the backend plugin libctr-nosuchdev.so"),
             std::string::npos)
       << ctr_last_error();
   EXPECT_EQ(mesh_on("../evil", &m), CTR_STATUS_INVALID_OPTION);
+  EXPECT_EQ(m, nullptr);
+}
+
+// Device "cuda": on a machine with a GPU the mesh is created; without one (or
+// without the plugin) the error is CTR_STATUS_UNSUPPORTED and says why. A build
+// with the CUDA backend finds libctr-cuda.so beside libctr by itself (this test
+// does not point CTR_PLUGIN_PATH at it), so the reason is the driver's.
+TEST(Plugin, CudaWithoutGpuSaysWhy) {
+  ctr_mesh *m = nullptr;
+  const ctr_status st = mesh_on("cuda", &m);
+  if (st == CTR_STATUS_OK) {
+    EXPECT_STREQ(ctr_mesh_device(m), "cuda");
+    ctr_mesh_free(m);
+    GTEST_SKIP() << "this machine has a usable GPU";
+  }
+  EXPECT_EQ(st, CTR_STATUS_UNSUPPORTED) << ctr_last_error();
+  const std::string err = ctr_last_error();
+#ifdef CTR_TEST_CUDA_PLUGIN
+  EXPECT_NE(err.find("backend plugin libctr-cuda.so cannot serve device 'cuda': no usable GPU: "), std::string::npos)
+      << err;
+  EXPECT_NE(err.find("compute capability 8.0"), std::string::npos) << err;
+#else
+  EXPECT_NE(err.find("device 'cuda' needs the backend plugin libctr-cuda.so"), std::string::npos) << err;
+#endif
   EXPECT_EQ(m, nullptr);
 }
 

@@ -24,6 +24,7 @@
 // over temporary host buffers); device copies and fills are asynchronous.
 
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -434,6 +435,15 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
   }
   if (!device || std::strcmp(device, "cuda") != 0) {
     say(err, err_size, std::string("libctr-cuda.so serves device 'cuda', not '") + (device ? device : "") + "'");
+    return nullptr;
+  }
+  // Without the driver library the runtime only says its version is too new.
+  if (void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL)) {
+    dlclose(driver);
+  } else {
+    say(err, err_size,
+        "no usable GPU: the NVIDIA driver library libcuda.so.1 cannot be loaded (the CUDA backend needs an NVIDIA "
+        "GPU of compute capability 8.0 or later and its driver)");
     return nullptr;
   }
   int count = 0;
