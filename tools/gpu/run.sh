@@ -1,0 +1,78 @@
+#!/bin/sh
+# Runs the GPU suite and the GPU benchmarks from an unpacked bundle (made by
+# tools/gpu/bundle.sh) and writes a report into REPORT_DIR:
+#
+#   tar xJf gpu-bundle.tar.xz && ctr-gpu/run.sh REPORT_DIR [--quick]
+#
+# REPORT_DIR receives: env.txt (GPU, driver, where cuBLASLt came from),
+# plugin.log, gpu_suite.log and gpu_suite.json (GoogleTest), bench_*.jsonl
+# (ctr run --metrics per step) and summary.txt. --quick runs the suite and a
+# short benchmark only. cuBLASLt is taken from CUDA_HOME or /usr/local/cuda,
+# else from PyTorch's nvidia-cublas wheel.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+report=${1:?usage: run.sh REPORT_DIR [--quick]}
+quick=${2:-}
+mkdir -p "$report"
+report=$(cd "$report" && pwd)
+
+cublas_dir=""
+for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu; do
+  if ls "$d"/libcublasLt.so.13* >/dev/null 2>&1; then cublas_dir=$d; break; fi
+done
+if [ -z "$cublas_dir" ]; then
+  for py in python3 /usr/bin/python3; do
+    d=$($py -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null) &&
+      ls "$d"/libcublasLt.so.13* >/dev/null 2>&1 && cublas_dir=$d && break
+  done
+fi
+LD_LIBRARY_PATH="$here/lib${cublas_dir:+:$cublas_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+UCX_MODULE_DIR="$here/lib/ucx"
+CTR_PLUGIN_PATH="$here/lib"
+export LD_LIBRARY_PATH UCX_MODULE_DIR CTR_PLUGIN_PATH
+
+# The system's loader, or the bundled one when the system's C library is older.
+run() { "$@"; }
+if ! "$here/bin/ctr" version >/dev/null 2>&1; then
+  loader=$(ls "$here"/lib/ld-linux-x86-64.so.* 2>/dev/null | head -1)
+  run() { prog=$1; shift; "$loader" --library-path "$LD_LIBRARY_PATH" "$prog" "$@"; }
+fi
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "bundle commit: $(cat "$here/COMMIT")"
+  echo "cuBLASLt from: ${cublas_dir:-not found}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
+  run "$here/bin/ctr" version 2>&1
+} > "$report/env.txt"
+
+status=0
+CTR_PLUGIN_PATH="$here/lib" run "$here/bin/test_plugin" > "$report/plugin.log" 2>&1 || status=1
+run "$here/bin/test_gpu" --gtest_output="json:$report/gpu_suite.json" > "$report/gpu_suite.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && status=1
+
+# Benchmarks: tokens/s and MFU of ctr run on the GPU (median over the timed steps
+# in the metrics file). GPT-2 small at T=1024 and a ~1B Llama-style preset.
+bench() {
+  name=$1 steps=$2 batch=$3; shift 3
+  run "$here/bin/ctr" graph build "$@" -o "$report/$name.ctrg" > /dev/null 2>&1 || { echo "$name: graph build failed"; return; }
+  if run "$here/bin/ctr" run "$report/$name.ctrg" --device cuda --steps "$steps" --batch "$batch" \
+      --log-every 5 --metrics "$report/bench_$name.jsonl" > "$report/bench_$name.log" 2>&1; then
+    echo "$name: ok (see bench_$name.jsonl)"
+  else
+    echo "$name: failed: $(tail -1 "$report/bench_$name.log")"
+  fi
+}
+{
+  echo "gpu suite exit: $rc (0 passed, 77 skipped)"
+  grep -E "^\[  (PASSED|FAILED) " "$report/gpu_suite.log" | head -40
+  if [ "$quick" = --quick ]; then
+    bench gpt2_small 10 4 --preset gpt --layers 12 --dim 768 --heads 12 --vocab 50304 --seq 1024
+  else
+    bench gpt2_small 30 8 --preset gpt --layers 12 --dim 768 --heads 12 --vocab 50304 --seq 1024
+    bench llama_1b 20 4 --preset llama --layers 16 --dim 2048 --heads 16 --kv-heads 8 --vocab 32000 --seq 2048
+  fi
+} > "$report/summary.txt" 2>&1
+cat "$report/summary.txt"
+exit $status
