@@ -492,6 +492,7 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
   };
   add(kElementwiseKernels, kElementwiseKernelCount);
   add(kGemmKernels, kGemmKernelCount);
+  add(kLayoutKernels, kLayoutKernelCount);
   *ctx = c.release();
   return &kIface;
 }
