@@ -258,6 +258,25 @@ void mul_bwd(const Args &c) {
   }
 }
 
+// cast: a copy in the output's dtype (f32 <-> bf16, round to nearest even).
+template <typename I, typename O>
+__global__ void cast_kernel(const I *x, O *y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    store(y, i, load(x, i));
+}
+void k_cast(const Args &c) {
+  const int64_t n = c.in_numel(0);
+  if (n == 0) return;
+  const bool in16 = c.in_ref(0).dtype == CTR_DTYPE_BF16, out16 = c.out_ref(0).dtype == CTR_DTYPE_BF16;
+  if (in16 == out16)
+    cudaMemcpyAsync(c.out<void>(0), c.in<void>(0), static_cast<size_t>(c.in_ref(0).bytes), cudaMemcpyDeviceToDevice,
+                    c.stream());
+  else if (out16)
+    cast_kernel<<<grid_for(n), 256, 0, c.stream()>>>(c.in<const float>(0), c.out<__nv_bfloat16>(0), n);
+  else
+    cast_kernel<<<grid_for(n), 256, 0, c.stream()>>>(c.in<const __nv_bfloat16>(0), c.out<float>(0), n);
+}
+
 void k_gelu(const Args &c) { CTR_CUDA_DISPATCH(c, gelu); }
 void k_gelu_bwd(const Args &c) { CTR_CUDA_DISPATCH(c, gelu_bwd); }
 void k_silu(const Args &c) { CTR_CUDA_DISPATCH(c, silu); }
@@ -270,6 +289,7 @@ void k_mul_bwd(const Args &c) { c.in_ref(0).dtype == CTR_DTYPE_BF16 ? mul_bwd<__
 }  // namespace
 
 const KernelEntry kElementwiseKernels[] = {
+    {"cast", bind<k_cast>},
     {"gelu", bind<k_gelu>},
     {"gelu_bwd", bind<k_gelu_bwd>},
     {"silu", bind<k_silu>},

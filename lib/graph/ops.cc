@@ -754,6 +754,8 @@ std::vector<OpDef> library_ops() {
   v.push_back(internal("cross_entropy_bwd", 5, 1));
   v.push_back(internal("add_same", 2, 1));
   v.push_back(internal("take_rows_bwd", 1, 1));
+  // precision pass: a copy of an f32 tensor in the output's dtype (bf16).
+  v.push_back(internal("cast", 1, 1));
   v.push_back(with_params<ctr_moe_router_params>(internal("moe_router_bwd", 3, 1), moe_router_decode));
   v.push_back(with_params<ctr_moe_loss_params>(internal("moe_aux_loss_bwd", 3, 1), moe_loss_decode<10>));
   v.push_back(with_params<ctr_moe_loss_params>(internal("moe_z_loss_bwd", 2, 1), moe_loss_decode<1>));

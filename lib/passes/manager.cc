@@ -34,6 +34,10 @@ void run_fuse(PassContext &c) { c.fused = pass_fuse(c.graph, c.opt); }
 void run_expert(PassContext &c) { pass_expert(c.graph, c.opt); }
 void run_autodiff(PassContext &c) { pass_autodiff(c.graph); }
 void run_recompute(PassContext &c) { pass_recompute(c.graph, c.opt); }
+void run_precision(PassContext &c) {
+  c.opt.precision = resolve_precision(c.opt.precision, c.has_kernel);
+  c.precision = pass_precision(c.graph, c.opt.precision);
+}
 void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }
 void run_bucket(PassContext &c) { pass_bucket(c.graph, c.opt); }
 void run_reorder(PassContext &c) { c.schedule = pass_reorder(c.graph, c.opt); }
@@ -43,6 +47,8 @@ void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.prog
 std::string dump_lower(const PassContext &c) { return dump_program(c.graph, c.program); }
 
 std::string dump_fuse(const PassContext &c) { return c.fused + dump_graph(c.graph); }
+
+std::string dump_precision(const PassContext &c) { return c.precision + "\n" + dump_graph(c.graph); }
 
 std::string dump_reorder(const PassContext &c) { return c.schedule + "\n" + dump_graph(c.graph); }
 
@@ -82,6 +88,8 @@ const std::vector<PassDef> &pass_list() {
       {"autodiff", "the backward graph appended", false, nullptr, run_autodiff, nullptr},
       {"recompute", "activation checkpointing: block forwards copied into backward", false,
        read_recompute_options, run_recompute, nullptr},
+      {"precision", "activations stored as bf16 where the backend computes in bf16 (option precision)", false,
+       read_precision_options, run_precision, dump_precision},
       {"shard", "parameters placed on the mesh, collectives inserted", false, read_shard, run_shard, nullptr},
       {"bucket", "collectives of a block merged into one (many tensors, no copies)", false, read_bucket_options,
        run_bucket, nullptr},

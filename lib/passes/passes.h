@@ -43,6 +43,7 @@ struct CompileOptions {
   int64_t memory_budget = 0;    // reorder: bound on the planned arena in bytes (0 = none)
   bool overlap = true;          // lower: false waits for every collective at its issue
   std::string recompute = "none";  // recompute: none, all or selective
+  std::string precision = "auto";  // precision: auto, fp32 or bf16 (activation storage)
   std::string bucket = "block";    // bucket: block, bytes or none
   int64_t bucket_bytes = 0;        // bucket: byte budget per bucket in "bytes" mode (0 = none)
   MeshPlacement mesh;
@@ -98,6 +99,7 @@ struct PassContext {
   std::vector<std::string> ran;  // names of the passes run, in order
   std::string schedule;          // what reorder chose
   std::string fused;             // what fuse rewrote and what it left
+  std::string precision;         // what precision chose
 };
 
 struct PassDef {
@@ -165,6 +167,15 @@ void pass_expert(Graph &g, const CompileOptions &opt);
 // backward reading the copies, so the originals die after forward.
 void pass_recompute(Graph &g, const CompileOptions &opt);
 void read_recompute_options(OptionReader &r, CompileOptions &opt);
+
+// precision.cc: with "bf16", activations stored as bf16 (statistics, the loss and
+// parameter gradients stay f32) and bf16 copies of the f32 parameters and
+// constants that bf16 nodes read (`cast` nodes). resolve_precision turns
+// "auto" into "bf16" where the backend has bf16 kernels, else "fp32".
+// Returns a one-line summary of what it did.
+std::string pass_precision(Graph &g, const std::string &precision);
+void read_precision_options(OptionReader &r, CompileOptions &opt);
+std::string resolve_precision(const std::string &option, const std::function<bool(OpId)> &has_kernel);
 
 // shard.cc: places parameters on the mesh: each param is cut on dim 0 into `fsdp`
 // shards of equal (padded) row count and this rank keeps its shard. An

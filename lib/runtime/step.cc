@@ -171,6 +171,11 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   backend_ = create_backend(mesh.device);
   be_ = *backend_;
   {
+    const OpDef *cast = find_op("cast");
+    CTR_REQUIRE(copt_.precision != "bf16" || (cast && backend_has_kernel(be_, cast->id)), CTR_STATUS_UNSUPPORTED,
+                "ctr_step_create: option 'precision' bf16: the %s backend computes in fp32 only (use precision "
+                "fp32 or auto, or a device with bf16 kernels such as cuda)",
+                be_.iface->name);
     PassContext ctx(g_, copt_, [this](OpId op) { return backend_has_kernel(be_, op); });
     run_passes(ctx);
     prog_ = std::move(ctx.program);
@@ -767,6 +772,16 @@ void Step::get_output(const std::string &name, float *out, size_t count) {
               static_cast<long long>(g_.tensors[t].numel()), count);
   CTR_REQUIRE(ran_forward_, CTR_STATUS_INVALID_STATE,
               "ctr_step_get_output: no step or evaluation has run yet");
+  if (g_.tensors[t].dtype == CTR_DTYPE_BF16) {
+    // bf16 storage (precision pass): widened on the host, exactly.
+    std::vector<uint16_t> half(count);
+    be_.iface->copy_d2h(be_.ctx, half.data(), exec_->addr(t), count * 2, 0);
+    for (size_t i = 0; i < count; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(half[i]) << 16;
+      std::memcpy(out + i, &bits, 4);
+    }
+    return;
+  }
   be_.iface->copy_d2h(be_.ctx, out, exec_->addr(t), count * 4, 0);
 }
 

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <random>
 #include <set>
 #include <string>
@@ -25,6 +26,7 @@
 
 #include "abi_helpers.h"
 #include "api/handles.h"
+#include "backend/backend.h"
 #include "common/op_params.h"
 #include "api/internal.h"
 #include "core/status.h"
@@ -838,6 +840,85 @@ void check_gradients(ctr_graph *graph, const std::map<std::string, int> &id_inpu
   EXPECT_NEAR(dir_an, fd, 1e-2 * std::fabs(dir_an) + 1e-4) << "directional derivative";
   EXPECT_GT(std::fabs(dir_an), 1e-3) << "gradient vanishes: the check would prove nothing";
   ctr_step_free(s);
+}
+
+// The precision pass with a backend that has bf16 kernels: activations become
+// bf16, while the loss, saved statistics and parameter gradients (with the
+// partials summed into a tied weight's) stay f32, and every f32 parameter or
+// constant a bf16 node reads comes through one cast node. With "auto" on the
+// CPU backend nothing changes, and an explicit bf16 step on the CPU is refused.
+TEST(Precision, Bf16StorageKeepsAccumulationInF32) {
+  for (const char *name : {"gpt", "llama"}) {
+    SCOPED_TRACE(name);
+    Graph g = internal_preset(name);
+    ctr::CompileOptions o;
+    o.batch = 2;
+    o.precision = "bf16";
+    ctr::PassContext ctx(g, o, [](ctr::OpId) { return true; });
+    ctr::run_passes(ctx, "precision");
+    std::map<int, int> producer;
+    for (size_t ni = 0; ni < g.nodes.size(); ++ni)
+      for (int t : g.nodes[ni].outputs) producer[t] = static_cast<int>(ni);
+    int casts = 0, bf16 = 0;
+    std::set<int> cast_sources;
+    for (size_t ni = 0; ni < g.nodes.size(); ++ni) {
+      const ctr::Node &n = g.nodes[ni];
+      if (n.op == "cast") {
+        ++casts;
+        EXPECT_TRUE(cast_sources.insert(n.inputs[0]).second) << "two casts of one tensor";
+        EXPECT_EQ(g.tensors[n.outputs[0]].dtype, CTR_DTYPE_BF16);
+        continue;
+      }
+      bool reads_bf16 = false;
+      for (int t : n.inputs) reads_bf16 = reads_bf16 || g.tensors[t].dtype == CTR_DTYPE_BF16;
+      for (int t : n.inputs) {
+        const ctr::Tensor &x = g.tensors[t];
+        if (reads_bf16 && (x.role == ctr::Role::Param || x.role == ctr::Role::Const))
+          EXPECT_EQ(t, g.loss_seed) << n.name << " reads f32 " << x.name << " directly";
+      }
+    }
+    for (size_t t = 0; t < g.tensors.size(); ++t) {
+      const ctr::Tensor &x = g.tensors[t];
+      if (x.dtype == CTR_DTYPE_BF16) ++bf16;
+      if (x.grad_of >= 0 && g.tensors[x.grad_of].role == ctr::Role::Param)
+        EXPECT_EQ(x.dtype, CTR_DTYPE_F32) << x.name;
+      if (x.role == ctr::Role::Param) EXPECT_EQ(x.dtype, CTR_DTYPE_F32) << x.name;
+    }
+    EXPECT_EQ(g.tensors[g.loss].dtype, CTR_DTYPE_F32);
+    for (const ctr::Node &n : g.nodes)
+      if (n.op == "layernorm" || n.op == "rmsnorm" || n.op == "attention" || n.op == "cross_entropy") {
+        EXPECT_EQ(g.tensors[n.outputs[1]].dtype, CTR_DTYPE_F32) << n.name << " statistic";
+        if (n.op != "cross_entropy") EXPECT_EQ(g.tensors[n.outputs[0]].dtype, CTR_DTYPE_BF16) << n.name;
+      }
+    EXPECT_GT(casts, 0);
+    EXPECT_GT(bf16, casts);
+    // Every forward node after the pass reads its weights through a cast.
+    for (const ctr::Node &n : g.nodes)
+      if (n.op == "linear") EXPECT_EQ(g.nodes[producer[n.inputs[1]]].op, "cast") << n.name;
+  }
+  {
+    Graph g = internal_preset("gpt");
+    ctr::CompileOptions o;
+    ctr::Backend be = ctr::cpu_backend_create(false);
+    ctr::PassContext ctx(g, o, [&](ctr::OpId op) { return ctr::backend_has_kernel(be, op); });
+    ctr::run_passes(ctx, "precision");
+    be.iface->destroy(be.ctx);
+    for (const ctr::Tensor &x : g.tensors) EXPECT_NE(x.dtype, CTR_DTYPE_BF16) << x.name;
+    for (const ctr::Node &n : g.nodes) EXPECT_NE(n.op, "cast");
+  }
+  Opts go;
+  go.i("layers", 1).i("dim", 16).i("heads", 2).i("vocab", 11).i("seq", 6);
+  ctr_graph *graph = preset("gpt", go);
+  Mesh m;
+  Opts so;
+  so.s("precision", "bf16").i("batch", 1);
+  ctr_step *s = nullptr;
+  EXPECT_EQ(ctr_step_create(m.m, graph, so.o, &s), CTR_STATUS_UNSUPPORTED);
+  EXPECT_NE(std::string(ctr_last_error()).find("'precision' bf16: the cpu backend computes in fp32 only"),
+            std::string::npos)
+      << ctr_last_error();
+  EXPECT_EQ(s, nullptr);
+  ctr_graph_free(graph);
 }
 
 // A reshape's output is placed on its input (through chains, and on constants),

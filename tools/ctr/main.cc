@@ -263,7 +263,7 @@ int cmd_graph_build(const BuildArgs &a) {
 struct ScheduleArgs {
   int64_t prefetch = 1, memory_budget = 0;
   bool no_defer = false, no_overlap = false, no_fuse = false;
-  std::string recompute = "none", bucket = "block";
+  std::string recompute = "none", bucket = "block", precision = "auto";
   int64_t bucket_bytes = 0;
 
   void add_flags(CLI::App *cmd) {
@@ -296,6 +296,12 @@ struct ScheduleArgs {
     cmd->add_flag("--no-overlap", no_overlap,
                   "Wait for every collective as soon as it is issued (the baseline overlap is "
                   "measured against)");
+    cmd->add_option("--precision", precision,
+                    "Activation storage: bf16 (parameters, optimizer state, statistics and gradients "
+                    "of parameters stay f32), fp32, or auto (bf16 where the device has bf16 kernels: "
+                    "cuda; fp32 on the CPU)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"auto", "fp32", "bf16"}));
     cmd->add_flag("--no-fuse", no_fuse,
                   "Keep exported primitive patterns as they are instead of rewriting them to fused ops "
                   "(attention, rmsnorm, swiglu, gelu, rope)");
@@ -308,6 +314,7 @@ struct ScheduleArgs {
     set_int(o, "fuse", no_fuse ? 0 : 1);
     set_string(o, "recompute", recompute);
     set_string(o, "bucket", bucket);
+    set_string(o, "precision", precision);
     if (bucket_bytes > 0) set_int(o, "bucket_bytes", bucket_bytes);
   }
 };

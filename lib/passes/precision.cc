@@ -1,0 +1,144 @@
+// The precision pass: bf16 storage for activations, f32 for everything that
+// accumulates.
+//
+// With precision "bf16" every f32 activation becomes bf16 except
+//   - the loss and the seed of its gradient,
+//   - the saved statistics of forward ops (the outputs infer_shapes appends:
+//     normalisation means and reciprocal deviations, attention's log-sum-exp,
+//     cross-entropy's), which backends keep in f32,
+//   - parameter gradients, and the partial gradients summed into them, which
+//     are reduced across ranks and read by the optimizer in f32.
+// Parameters stay f32 (master weights) and so do constants; a node that reads
+// one while its other float tensors are bf16 reads a bf16 copy made by a `cast`
+// node placed before the copy's first reader (one per tensor, shared by forward
+// and backward readers). Kernels therefore see one storage type for data and f32
+// for statistics and parameter gradients.
+//
+// "auto" (the default) means bf16 where the backend has bf16 kernels (it has a
+// kernel for `cast`) and f32 otherwise; the CPU backend computes in f32 only.
+// Collectives move f32 parameters and gradients only, so the pass runs before
+// shard: the gathers shard inserts feed the casts. Mixture-of-experts layers
+// (their token exchanges move f32 rows) stay f32 as a whole: the pass refuses
+// bf16 for a graph that has them.
+
+#include <functional>
+#include <map>
+
+#include "core/options.h"
+#include "core/status.h"
+#include "graph/ops.h"
+#include "passes/passes.h"
+
+namespace ctr {
+std::string resolve_precision(const std::string &option, const std::function<bool(OpId)> &has_kernel) {
+  if (option != "auto") return option;
+  const OpDef *cast = find_op("cast");
+  return cast && has_kernel && has_kernel(cast->id) ? "bf16" : "fp32";
+}
+
+std::string pass_precision(Graph &g, const std::string &precision) {
+  CTR_CHECK(g.num_forward >= 0);
+  if (precision != "bf16") return "precision: fp32 (every activation f32)";
+  const size_t nt = g.tensors.size();
+  for (const Node &n : g.nodes)
+    CTR_REQUIRE(n.op.rfind("moe_", 0) != 0, CTR_STATUS_UNSUPPORTED,
+                "precision bf16: node '%s' (%s) is a mixture-of-experts op, which runs in f32 only; use precision "
+                "fp32 for this graph",
+                n.name.c_str(), n.op.c_str());
+
+  // What stays f32.
+  std::vector<bool> f32(nt, false);
+  if (g.loss >= 0) f32[static_cast<size_t>(g.loss)] = true;
+  if (g.loss_seed >= 0) f32[static_cast<size_t>(g.loss_seed)] = true;
+  for (int ni = 0; ni < g.num_forward; ++ni) {
+    const Node &n = g.nodes[static_cast<size_t>(ni)];
+    const OpDef *d = find_op(n.op);
+    if (!d) continue;
+    for (size_t k = static_cast<size_t>(d->num_outputs); k < n.outputs.size(); ++k)
+      f32[static_cast<size_t>(n.outputs[k])] = true;
+  }
+  // Parameter gradients and, backwards through add_same, their partial sums.
+  std::map<int, int> producer;
+  for (size_t ni = 0; ni < g.nodes.size(); ++ni)
+    for (int o : g.nodes[ni].outputs) producer[o] = static_cast<int>(ni);
+  std::vector<int> work;
+  for (size_t t = 0; t < nt; ++t) {
+    const int of = g.tensors[t].grad_of;
+    if (of >= 0 && g.tensors[static_cast<size_t>(of)].role == Role::Param) work.push_back(static_cast<int>(t));
+  }
+  while (!work.empty()) {
+    const int t = work.back();
+    work.pop_back();
+    if (f32[static_cast<size_t>(t)] && g.tensors[static_cast<size_t>(t)].grad_of < 0) continue;
+    f32[static_cast<size_t>(t)] = true;
+    auto it = producer.find(t);
+    if (it == producer.end()) continue;
+    const Node &n = g.nodes[static_cast<size_t>(it->second)];
+    if (n.op == "add_same")
+      for (int in : n.inputs)
+        if (!f32[static_cast<size_t>(in)]) work.push_back(in);
+  }
+
+  // Activations to bf16.
+  for (size_t t = 0; t < nt; ++t) {
+    Tensor &x = g.tensors[t];
+    if (x.role == Role::Activation && x.dtype == CTR_DTYPE_F32 && !f32[t] && producer.count(static_cast<int>(t)))
+      x.dtype = CTR_DTYPE_BF16;
+  }
+
+  // bf16 copies of the f32 parameters and constants read by bf16 nodes.
+  const OpDef *cast_def = find_op("cast");
+  CTR_CHECK(cast_def != nullptr);
+  std::map<int, int> copy_of;
+  std::vector<Node> out;
+  out.reserve(g.nodes.size() * 2);
+  int num_forward = g.num_forward;
+  for (size_t ni = 0; ni < g.nodes.size(); ++ni) {
+    Node n = g.nodes[ni];
+    bool bf16 = false;
+    for (int t : n.outputs) bf16 = bf16 || g.tensors[static_cast<size_t>(t)].dtype == CTR_DTYPE_BF16;
+    for (int t : n.inputs) bf16 = bf16 || g.tensors[static_cast<size_t>(t)].dtype == CTR_DTYPE_BF16;
+    if (bf16) {
+      for (int &in : n.inputs) {
+        const Tensor &src = g.tensors[static_cast<size_t>(in)];
+        if (src.dtype != CTR_DTYPE_F32 || (src.role != Role::Param && src.role != Role::Const) || in == g.loss_seed)
+          continue;
+        auto it = copy_of.find(in);
+        if (it == copy_of.end()) {
+          Tensor c;
+          c.name = src.name + ".bf16";
+          c.dtype = CTR_DTYPE_BF16;
+          c.role = Role::Activation;
+          c.shape = src.shape;
+          c.has_shape = true;
+          for (int64_t d : src.shape) c.dims.push_back(Dim{d, ""});
+          const int ct = g.add_tensor(std::move(c));
+          Node cn = Node::make("cast", src.name + ".cast", {in}, {ct}, n.block, {{"dtype", Attr::of_string("bf16")}});
+          cn.backward = n.backward;
+          out.push_back(std::move(cn));
+          if (static_cast<int>(ni) < g.num_forward) ++num_forward;
+          it = copy_of.emplace(in, ct).first;
+        }
+        in = it->second;
+      }
+    }
+    out.push_back(std::move(n));
+  }
+  g.nodes = std::move(out);
+  g.num_forward = num_forward;
+  int64_t half = 0, whole = 0;
+  for (const Tensor &t : g.tensors) {
+    if (t.role != Role::Activation || !t.has_shape) continue;
+    if (t.dtype == CTR_DTYPE_BF16) ++half;
+    if (t.dtype == CTR_DTYPE_F32) ++whole;
+  }
+  return strformat("precision: bf16 (%lld activations bf16, %lld kept f32, %zu bf16 copies of parameters and "
+                   "constants)",
+                   static_cast<long long>(half), static_cast<long long>(whole), copy_of.size());
+}
+
+void read_precision_options(OptionReader &r, CompileOptions &o) {
+  o.precision = r.get_string("precision", "auto", {"auto", "fp32", "bf16"});
+}
+
+}  // namespace ctr
