@@ -14,6 +14,8 @@ extern const KernelEntry kElementwiseKernels[];
 extern const size_t kElementwiseKernelCount;
 extern const KernelEntry kGemmKernels[];
 extern const size_t kGemmKernelCount;
+extern const KernelEntry kNormKernels[];
+extern const size_t kNormKernelCount;
 
 // GEMM state shared by a backend's streams: cuBLASLt algorithm choices per
 // shape. Created and destroyed by the backend.

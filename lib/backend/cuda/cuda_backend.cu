@@ -482,6 +482,7 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
   };
   add(kElementwiseKernels, kElementwiseKernelCount);
   add(kGemmKernels, kGemmKernelCount);
+  add(kNormKernels, kNormKernelCount);
   *ctx = c.release();
   return &kIface;
 }
