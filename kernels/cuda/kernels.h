@@ -16,6 +16,8 @@ extern const KernelEntry kGemmKernels[];
 extern const size_t kGemmKernelCount;
 extern const KernelEntry kNormKernels[];
 extern const size_t kNormKernelCount;
+extern const KernelEntry kRowKernels[];
+extern const size_t kRowKernelCount;
 
 // GEMM state shared by a backend's streams: cuBLASLt algorithm choices per
 // shape. Created and destroyed by the backend.

@@ -483,6 +483,7 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
   add(kElementwiseKernels, kElementwiseKernelCount);
   add(kGemmKernels, kGemmKernelCount);
   add(kNormKernels, kNormKernelCount);
+  add(kRowKernels, kRowKernelCount);
   *ctx = c.release();
   return &kIface;
 }
