@@ -18,6 +18,8 @@ extern const KernelEntry kNormKernels[];
 extern const size_t kNormKernelCount;
 extern const KernelEntry kRowKernels[];
 extern const size_t kRowKernelCount;
+extern const KernelEntry kLossKernels[];
+extern const size_t kLossKernelCount;
 
 // GEMM state shared by a backend's streams: cuBLASLt algorithm choices per
 // shape. Created and destroyed by the backend.

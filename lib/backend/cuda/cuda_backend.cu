@@ -484,6 +484,7 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
   add(kGemmKernels, kGemmKernelCount);
   add(kNormKernels, kNormKernelCount);
   add(kRowKernels, kRowKernelCount);
+  add(kLossKernels, kLossKernelCount);
   *ctx = c.release();
   return &kIface;
 }
