@@ -20,6 +20,8 @@ extern const KernelEntry kRowKernels[];
 extern const size_t kRowKernelCount;
 extern const KernelEntry kLossKernels[];
 extern const size_t kLossKernelCount;
+extern const KernelEntry kAttentionKernels[];
+extern const size_t kAttentionKernelCount;
 
 // GEMM state shared by a backend's streams: cuBLASLt algorithm choices per
 // shape. Created and destroyed by the backend.

@@ -485,6 +485,7 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
   add(kNormKernels, kNormKernelCount);
   add(kRowKernels, kRowKernelCount);
   add(kLossKernels, kLossKernelCount);
+  add(kAttentionKernels, kAttentionKernelCount);
   *ctx = c.release();
   return &kIface;
 }
