@@ -31,9 +31,10 @@
 //  3. dq per query row: it reads its D_i back from its own segment, then
 //     dq_i = scale * sum_j dS_ij k_j overwrites the segment.
 // Each output row has one owner that adds in a fixed order.
-// Head dims above 256 take the same kernels with every operand read from
-// global memory instead of shared memory and the accumulated dims processed in
-// windows of 256 (each window recomputes the dot products): slower, same math.
+// Head dims above 256 (or a device whose shared memory per block is too small
+// for the 256 tiles) take the same kernels with every operand read from global
+// memory instead of shared memory and the accumulated dims processed in windows
+// of 256 (each window recomputes the dot products): slower, same math.
 
 #include <algorithm>
 
@@ -132,14 +133,16 @@ __device__ __forceinline__ float prob(float dot, float lse, bool ok, const Dims 
   return d.have_lse ? math::exp_fast(dot * d.scale - lse) : 1.0f;
 }
 
-// Work items: (batch, head, 32-row tile), tiles fastest.
+// Work items: (batch, head, 32-row tile), tiles fastest. With a causal mask
+// the last query tiles see the most keys; `last_first` hands them out first so
+// the long items do not all start at the end of the grid.
 struct Item {
   int64_t b, h, r0;
 };
-__device__ __forceinline__ Item item_of(int64_t it, int64_t heads, int64_t T) {
+__device__ __forceinline__ Item item_of(int64_t it, int64_t heads, int64_t T, bool last_first) {
   const int64_t tiles = (T + kRows - 1) / kRows;
-  const int64_t bh = it / tiles;
-  return Item{bh / heads, bh % heads, (it % tiles) * kRows};
+  const int64_t bh = it / tiles, t = it % tiles;
+  return Item{bh / heads, bh % heads, (last_first ? tiles - 1 - t : t) * kRows};
 }
 
 // ---------------------------------------------------------------------------
@@ -155,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const T *q, const T 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t items = (d.T + kRows - 1) / kRows * d.B * d.Hq;
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const Item w = item_of(it, d.Hq, d.T);
+    const Item w = item_of(it, d.Hq, d.T, d.causal);
     const int64_t g = w.h / d.group;
     const T *qb = q + w.b * d.T * d.ldq + w.h * d.D;
     const T *kb = k + w.b * d.T * d.ldkv + g * d.D, *vb = v + w.b * d.T * d.ldkv + g * d.D;
@@ -236,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) attn_delta_kernel(const T *dout, con
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t items = (d.T + kRows - 1) / kRows * d.B * d.Hq;
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const Item w = item_of(it, d.Hq, d.T);
+    const Item w = item_of(it, d.Hq, d.T, d.causal);
     const int64_t g = w.h / d.group;
     const T *qb = q + w.b * d.T * d.ldq + w.h * d.D, *gb = dout + w.b * d.T * d.ldq + w.h * d.D;
     const T *kb = k + w.b * d.T * d.ldkv + g * d.D, *vb = v + w.b * d.T * d.ldkv + g * d.D;
@@ -296,7 +299,7 @@ __global__ void __launch_bounds__(kThreads) attn_dkv_kernel(const T *dout, const
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t items = (d.T + kRows - 1) / kRows * d.B * d.Hkv;
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const Item w = item_of(it, d.Hkv, d.T);  // w.h: the kv head
+    const Item w = item_of(it, d.Hkv, d.T, false);  // w.h: the kv head; first key tiles are the long ones
     const T *kb = k + w.b * d.T * d.ldkv + w.h * d.D, *vb = v + w.b * d.T * d.ldkv + w.h * d.D;
     const int64_t rbase = w.r0 + warp * kRowsPerWarp;  // this warp's first key row
     if constexpr (Stage) {
@@ -387,7 +390,7 @@ __global__ void __launch_bounds__(kThreads) attn_dq_kernel(const T *dout, const 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t items = (d.T + kRows - 1) / kRows * d.B * d.Hq;
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const Item w = item_of(it, d.Hq, d.T);
+    const Item w = item_of(it, d.Hq, d.T, d.causal);
     const int64_t g = w.h / d.group;
     const T *qb = q + w.b * d.T * d.ldq + w.h * d.D, *gb = dout + w.b * d.T * d.ldq + w.h * d.D;
     const T *kb = k + w.b * d.T * d.ldkv + g * d.D, *vb = v + w.b * d.T * d.ldkv + g * d.D;
@@ -467,6 +470,17 @@ unsigned blocks_for(int64_t items) {
 template <int DM>
 constexpr size_t smem_bytes() { return sizeof(float) * (2 * kRows * DM + 2 * kTile * (DM + 1)); }
 
+// Whether the staged kernels of DM fit this device's shared memory per block
+// (sm_86/89 offer 99 KB, too little for 256); otherwise the operands stay in
+// global memory.
+template <int DM>
+bool staged_fits() {
+  int dev = 0, optin = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  return smem_bytes<DM>() <= static_cast<size_t>(optin);
+}
+
 template <typename K>
 void allow_smem(K kernel, size_t bytes) {
   if (bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
@@ -511,7 +525,7 @@ void attention(const Args &c) {
   if (d.D <= 32) forward_as<T, 32, true>(c, d);
   else if (d.D <= 64) forward_as<T, 64, true>(c, d);
   else if (d.D <= 128) forward_as<T, 128, true>(c, d);
-  else if (d.D <= 256) forward_as<T, 256, true>(c, d);
+  else if (d.D <= 256 && staged_fits<256>()) forward_as<T, 256, true>(c, d);
   else forward_as<T, 256, false>(c, d);
 }
 
@@ -523,7 +537,7 @@ void attention_bwd(const Args &c) {
   if (d.D <= 32) backward_as<T, 32, true>(c, d);
   else if (d.D <= 64) backward_as<T, 64, true>(c, d);
   else if (d.D <= 128) backward_as<T, 128, true>(c, d);
-  else if (d.D <= 256) backward_as<T, 256, true>(c, d);
+  else if (d.D <= 256 && staged_fits<256>()) backward_as<T, 256, true>(c, d);
   else backward_as<T, 256, false>(c, d);
 }
 
