@@ -16,6 +16,14 @@ extern const KernelEntry kGemmKernels[];
 extern const size_t kGemmKernelCount;
 extern const KernelEntry kLayoutKernels[];
 extern const size_t kLayoutKernelCount;
+extern const KernelEntry kNormKernels[];
+extern const size_t kNormKernelCount;
+extern const KernelEntry kRowKernels[];
+extern const size_t kRowKernelCount;
+extern const KernelEntry kLossKernels[];
+extern const size_t kLossKernelCount;
+extern const KernelEntry kAttentionKernels[];
+extern const size_t kAttentionKernelCount;
 
 // GEMM state shared by a backend's streams: cuBLASLt algorithm choices per
 // shape. Created and destroyed by the backend.

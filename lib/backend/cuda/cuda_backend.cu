@@ -493,6 +493,10 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
   add(kElementwiseKernels, kElementwiseKernelCount);
   add(kGemmKernels, kGemmKernelCount);
   add(kLayoutKernels, kLayoutKernelCount);
+  add(kNormKernels, kNormKernelCount);
+  add(kRowKernels, kRowKernelCount);
+  add(kLossKernels, kLossKernelCount);
+  add(kAttentionKernels, kAttentionKernelCount);
   *ctx = c.release();
   return &kIface;
 }
