@@ -35,7 +35,18 @@ extern "C" {
 #endif
 
 /* Bumped whenever ctr_backend_iface or ctr_kernel_args change layout or meaning. */
-#define CTR_BACKEND_ABI 1
+#define CTR_BACKEND_ABI 2
+
+/* The stream argument of a copy or fill that runs at once on the calling
+ * thread and returns when done, ordered after nothing queued on any stream (the
+ * caller has ordered it: host work on a stream stages its data this way). */
+#define CTR_STREAM_SYNC (-1)
+
+/* ctr_backend_iface.flags */
+/* Memory from alloc is not host-addressable: host code reaches it through
+ * copies only (a GPU, or the fenced CPU test backend). Collectives over host
+ * memory are then staged through host buffers. */
+#define CTR_BACKEND_DEVICE_MEMORY 1u
 #define CTR_MAX_DIMS 8
 
 typedef struct ctr_tensor_ref {
@@ -90,7 +101,8 @@ typedef struct ctr_backend_iface {
   void *(*alloc)(void *ctx, size_t bytes);
   void (*free)(void *ctx, void *p);
   /* Copies and fills, ordered on `stream`. A host pointer given to an
-   * asynchronous stream must stay valid until the stream is synchronized. */
+   * asynchronous stream must stay valid until the stream is synchronized.
+   * stream CTR_STREAM_SYNC: at once, on the calling thread. */
   void (*copy_h2d)(void *ctx, void *dst, const void *src, size_t bytes, int stream);
   void (*copy_d2h)(void *ctx, void *dst, const void *src, size_t bytes, int stream);
   void (*copy_d2d)(void *ctx, void *dst, const void *src, size_t bytes, int stream);
@@ -117,6 +129,8 @@ typedef struct ctr_backend_iface {
   void (*adamw)(void *ctx, const ctr_adamw_args *args, int stream);
 
   void (*destroy)(void *ctx);
+
+  uint32_t flags;        /* CTR_BACKEND_* flags */
 } ctr_backend_iface;
 
 typedef const ctr_backend_iface *(*ctr_backend_plugin_init_fn)(uint32_t abi, const char *device,

@@ -37,6 +37,8 @@ struct Executor::Collective {
   enum class Exchange { None, Dispatch, Combine, DispatchRows } exchange = Exchange::None;
   std::vector<ctr_tensor_ref> ins, outs;
   int64_t timeout_ms = -1;
+  // Host copies of the buffers when the backend's memory is not host memory.
+  std::vector<std::vector<char>> host_in, host_out;
 };
 
 namespace {
@@ -62,6 +64,7 @@ ctr_tensor_ref make_ref(const Tensor &t, void *addr) {
 
 Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backend be, std::vector<void *> addr)
     : g_(g), prog_(prog), mesh_(mesh), be_(be), addr_(std::move(addr)) {
+  staged_ = (be_.iface->flags & CTR_BACKEND_DEVICE_MEMORY) != 0;
   const size_t nn = g.nodes.size();
   calls_.resize(nn);
   colls_.resize(nn);
@@ -169,6 +172,33 @@ void Executor::run_collective(void *user) {
     const CommIface *ci = c->comm.iface;
     const CollectiveName name(strformat("%s '%s'", c->node->op.c_str(), c->node->name.c_str()));
     CommWork *w = nullptr;
+    // Device memory is staged through host buffers: copied out before the
+    // collective, its results copied in after (the comm stream waited for the
+    // kernels that wrote the inputs, and compute waits for this collective).
+    const bool staged = ex.staged_ && c->exchange == Collective::Exchange::None;
+    const ctr_backend_iface *bi = ex.be_.iface;
+    const size_t members = static_cast<size_t>(c->comm.iface->size(c->comm.ctx));
+    auto send_bytes = [&](size_t j) {
+      return c->kind == CollDesc::AllGather       ? c->count[j]
+             : c->kind == CollDesc::ReduceScatter ? c->count[j] * members * 4
+                                                  : c->count[j] * 4;
+    };
+    auto recv_bytes = [&](size_t j) {
+      return c->kind == CollDesc::AllGather ? c->count[j] * members : c->count[j] * 4;
+    };
+    std::vector<void *> send(c->src.size()), recv(c->src.size());
+    for (size_t j = 0; j < c->src.size(); ++j) {
+      send[j] = c->src[j].data;
+      recv[j] = c->dst[j].data;
+      if (!staged) continue;
+      c->host_in.resize(c->src.size());
+      c->host_out.resize(c->src.size());
+      c->host_in[j].resize(send_bytes(j));
+      c->host_out[j].resize(recv_bytes(j));
+      bi->copy_d2h(ex.be_.ctx, c->host_in[j].data(), send[j], send_bytes(j), CTR_STREAM_SYNC);
+      send[j] = c->host_in[j].data();
+      recv[j] = c->host_out[j].data();
+    }
     if (c->exchange != Collective::Exchange::None) {
       // Fault injection (exitcomm): an exchange is left by dying before it
       // starts, so the peers are inside theirs when this rank is gone.
@@ -178,25 +208,27 @@ void Executor::run_collective(void *user) {
       std::vector<CollDesc> d(c->src.size());
       for (size_t j = 0; j < d.size(); ++j) {
         d[j].kind = c->kind;
-        d[j].send = c->src[j].data;
-        d[j].recv = c->dst[j].data;
+        d[j].send = send[j];
+        d[j].recv = recv[j];
         d[j].count = c->count[j];
       }
       w = ci->batch(c->comm.ctx, d.data(), d.size(), CTR_DTYPE_F32, c->reduce);
     } else {
       switch (c->kind) {
-        case CollDesc::AllGather: w = ci->all_gather(c->comm.ctx, c->src[0].data, c->dst[0].data, c->count[0]); break;
+        case CollDesc::AllGather: w = ci->all_gather(c->comm.ctx, send[0], recv[0], c->count[0]); break;
         case CollDesc::ReduceScatter:
-          w = ci->reduce_scatter(c->comm.ctx, c->src[0].data, c->dst[0].data, c->count[0], CTR_DTYPE_F32,
-                                 c->reduce);
+          w = ci->reduce_scatter(c->comm.ctx, send[0], recv[0], c->count[0], CTR_DTYPE_F32, c->reduce);
           break;
         case CollDesc::AllReduce:
-          w = ci->all_reduce(c->comm.ctx, c->src[0].data, c->dst[0].data, c->count[0], CTR_DTYPE_F32, c->reduce);
+          w = ci->all_reduce(c->comm.ctx, send[0], recv[0], c->count[0], CTR_DTYPE_F32, c->reduce);
           break;
       }
     }
     if (ex.exit_countdown_.load() > 0 && --ex.exit_countdown_ == 0) _exit(87);
     if (w) ci->wait(c->comm.ctx, w, c->timeout_ms);
+    if (staged)
+      for (size_t j = 0; j < c->dst.size(); ++j)
+        bi->copy_h2d(ex.be_.ctx, c->dst[j].data, recv[j], recv_bytes(j), CTR_STREAM_SYNC);
   } catch (const Error &e) {
     std::lock_guard<std::mutex> lock(ex.err_mu_);
     ex.err_code_ = e.code();
@@ -217,10 +249,36 @@ void Executor::run_collective(void *user) {
 // rank how many of its rows are coming (an all-to-all of counts), then moves
 // the rows. Rows past the counted ones in an output are zeroed.
 void Executor::run_exchange(Collective &c) {
+  // On device memory every input is copied to the host first and every output
+  // back after; the refs below then point at the host copies.
+  std::vector<ctr_tensor_ref> ins = c.ins, outs = c.outs;
+  if (staged_) {
+    c.host_in.resize(ins.size());
+    c.host_out.resize(outs.size());
+    for (size_t i = 0; i < ins.size(); ++i) {
+      c.host_in[i].resize(static_cast<size_t>(ins[i].bytes));
+      be_.iface->copy_d2h(be_.ctx, c.host_in[i].data(), ins[i].data, static_cast<size_t>(ins[i].bytes),
+                          CTR_STREAM_SYNC);
+      ins[i].data = c.host_in[i].data();
+    }
+    for (size_t i = 0; i < outs.size(); ++i) {
+      c.host_out[i].assign(static_cast<size_t>(outs[i].bytes), 0);
+      outs[i].data = c.host_out[i].data();
+    }
+  }
+  exchange_rows(c, ins, outs);
+  if (staged_)
+    for (size_t i = 0; i < outs.size(); ++i)
+      be_.iface->copy_h2d(be_.ctx, c.outs[i].data, outs[i].data, static_cast<size_t>(outs[i].bytes),
+                          CTR_STREAM_SYNC);
+}
+
+void Executor::exchange_rows(Collective &c, const std::vector<ctr_tensor_ref> &ins,
+                             const std::vector<ctr_tensor_ref> &outs) {
   const CommIface *ci = c.comm.iface;
   const size_t P = static_cast<size_t>(ci->size(c.comm.ctx));
-  const ctr_tensor_ref &x = c.ins[0], &cnt = c.ins[1];
-  const ctr_tensor_ref &y = c.outs[0];
+  const ctr_tensor_ref &x = ins[0], &cnt = ins[1];
+  const ctr_tensor_ref &y = outs[0];
   const size_t E = static_cast<size_t>(cnt.numel), El = E / P;
   const size_t row = static_cast<size_t>(x.shape[1]);  // floats per row
   const int32_t *counts = static_cast<const int32_t *>(cnt.data);
@@ -228,13 +286,13 @@ void Executor::run_exchange(Collective &c) {
   std::vector<size_t> ones(P, El), blocks(P);
   for (size_t j = 0; j < P; ++j) blocks[j] = j * El;
   if (c.exchange == Collective::Exchange::Dispatch) {
-    int32_t *received = static_cast<int32_t *>(c.outs[1].data);
+    int32_t *received = static_cast<int32_t *>(outs[1].data);
     ci->wait(c.comm.ctx,
              ci->all_to_all_v(c.comm.ctx, counts, ones.data(), blocks.data(), received, ones.data(), blocks.data(), 4),
              c.timeout_ms);
     seg = received;
   } else {
-    seg = static_cast<const int32_t *>(c.ins[2].data);
+    seg = static_cast<const int32_t *>(ins[2].data);
   }
   // Rows per peer: by destination block of the local counts, and by source of
   // the received segment counts.

@@ -62,12 +62,14 @@ class Executor {
   struct Collective;  // a collective, resolved
   static void run_collective(void *user);
   void run_exchange(Collective &c);
+  void exchange_rows(Collective &c, const std::vector<ctr_tensor_ref> &ins, const std::vector<ctr_tensor_ref> &outs);
   void raise_if_failed();
 
   const Graph &g_;
   const Program &prog_;
   const Mesh &mesh_;
   Backend be_;
+  bool staged_ = false;  // the backend's memory is not host memory: collectives stage it
   std::vector<void *> addr_;
   std::vector<std::unique_ptr<Call>> calls_;        // by node, null for non-kernels
   std::vector<std::unique_ptr<Collective>> colls_;  // by node, null for non-collectives

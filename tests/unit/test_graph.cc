@@ -873,28 +873,37 @@ TEST(Precision, Bf16StorageKeepsAccumulationInF32) {
       for (int t : n.inputs) reads_bf16 = reads_bf16 || g.tensors[t].dtype == CTR_DTYPE_BF16;
       for (int t : n.inputs) {
         const ctr::Tensor &x = g.tensors[t];
-        if (reads_bf16 && (x.role == ctr::Role::Param || x.role == ctr::Role::Const))
+        if (reads_bf16 && (x.role == ctr::Role::Param || x.role == ctr::Role::Const)) {
           EXPECT_EQ(t, g.loss_seed) << n.name << " reads f32 " << x.name << " directly";
+        }
       }
     }
     for (size_t t = 0; t < g.tensors.size(); ++t) {
       const ctr::Tensor &x = g.tensors[t];
       if (x.dtype == CTR_DTYPE_BF16) ++bf16;
-      if (x.grad_of >= 0 && g.tensors[x.grad_of].role == ctr::Role::Param)
+      if (x.grad_of >= 0 && g.tensors[x.grad_of].role == ctr::Role::Param) {
         EXPECT_EQ(x.dtype, CTR_DTYPE_F32) << x.name;
-      if (x.role == ctr::Role::Param) EXPECT_EQ(x.dtype, CTR_DTYPE_F32) << x.name;
+      }
+      if (x.role == ctr::Role::Param) {
+        EXPECT_EQ(x.dtype, CTR_DTYPE_F32) << x.name;
+      }
     }
     EXPECT_EQ(g.tensors[g.loss].dtype, CTR_DTYPE_F32);
     for (const ctr::Node &n : g.nodes)
       if (n.op == "layernorm" || n.op == "rmsnorm" || n.op == "attention" || n.op == "cross_entropy") {
         EXPECT_EQ(g.tensors[n.outputs[1]].dtype, CTR_DTYPE_F32) << n.name << " statistic";
-        if (n.op != "cross_entropy") EXPECT_EQ(g.tensors[n.outputs[0]].dtype, CTR_DTYPE_BF16) << n.name;
+        if (n.op != "cross_entropy") {
+          EXPECT_EQ(g.tensors[n.outputs[0]].dtype, CTR_DTYPE_BF16) << n.name;
+        }
       }
     EXPECT_GT(casts, 0);
     EXPECT_GT(bf16, casts);
     // Every forward node after the pass reads its weights through a cast.
-    for (const ctr::Node &n : g.nodes)
-      if (n.op == "linear") EXPECT_EQ(g.nodes[producer[n.inputs[1]]].op, "cast") << n.name;
+    for (const ctr::Node &n : g.nodes) {
+      if (n.op == "linear") {
+        EXPECT_EQ(g.nodes[producer[n.inputs[1]]].op, "cast") << n.name;
+      }
+    }
   }
   {
     Graph g = internal_preset("gpt");
@@ -903,8 +912,12 @@ TEST(Precision, Bf16StorageKeepsAccumulationInF32) {
     ctr::PassContext ctx(g, o, [&](ctr::OpId op) { return ctr::backend_has_kernel(be, op); });
     ctr::run_passes(ctx, "precision");
     be.iface->destroy(be.ctx);
-    for (const ctr::Tensor &x : g.tensors) EXPECT_NE(x.dtype, CTR_DTYPE_BF16) << x.name;
-    for (const ctr::Node &n : g.nodes) EXPECT_NE(n.op, "cast");
+    for (const ctr::Tensor &x : g.tensors) {
+      EXPECT_NE(x.dtype, CTR_DTYPE_BF16) << x.name;
+    }
+    for (const ctr::Node &n : g.nodes) {
+      EXPECT_NE(n.op, "cast");
+    }
   }
   Opts go;
   go.i("layers", 1).i("dim", 16).i("heads", 2).i("vocab", 11).i("seq", 6);

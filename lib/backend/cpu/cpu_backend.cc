@@ -697,9 +697,9 @@ struct Cpu {
     fn();
     fence.leave();
   }
-  // Runs fn on `stream`: at once for stream 0, queued otherwise.
+  // Runs fn on `stream`: at once for stream 0 and CTR_STREAM_SYNC, queued otherwise.
   void submit(int stream, std::function<void()> fn) {
-    if (stream == 0) {
+    if (stream <= 0) {
       guarded(fn);
       return;
     }
@@ -750,6 +750,12 @@ void cpu_free(void *ctx, void *p) {
 }
 void cpu_copy(void *ctx, void *dst, const void *src, size_t bytes, int stream) {
   if (!bytes) return;
+  // A synchronous copy comes from host work on a comm stream: one thread, so
+  // that it takes no core from the compute on stream 0.
+  if (stream == CTR_STREAM_SYNC) {
+    C(ctx).guarded([=] { std::memcpy(dst, src, bytes); });
+    return;
+  }
   C(ctx).submit(stream, [=] { cpu::copy(src, dst, static_cast<int64_t>(bytes)); });
 }
 void cpu_fill(void *ctx, void *dst, int byte, size_t bytes, int stream) {
@@ -842,29 +848,36 @@ void cpu_adamw(void *ctx, const ctr_adamw_args *a, int stream) {
 }
 void cpu_destroy(void *ctx) { delete static_cast<Cpu *>(ctx); }
 
-const ctr_backend_iface kCpuIface = {
-    sizeof(ctr_backend_iface),
-    CTR_BACKEND_ABI,
-    "cpu",
-    cpu_alloc,
-    cpu_free,
-    cpu_copy,
-    cpu_copy,
-    cpu_copy,
-    cpu_fill,
-    cpu_create_stream,
-    cpu_create_event,
-    cpu_record_event,
-    cpu_wait_event,
-    cpu_host_fn,
-    cpu_synchronize,
-    cpu_kernel,
-    cpu_launch,
-    cpu_sum_squares,
-    cpu_add_into,
-    cpu_adamw,
-    cpu_destroy,
-};
+// The fenced backend presents itself as device memory, so that everything that
+// stages device memory for host code (collectives) is exercised on the CPU.
+constexpr ctr_backend_iface cpu_iface(uint32_t flags) {
+  return {
+      sizeof(ctr_backend_iface),
+      CTR_BACKEND_ABI,
+      "cpu",
+      cpu_alloc,
+      cpu_free,
+      cpu_copy,
+      cpu_copy,
+      cpu_copy,
+      cpu_fill,
+      cpu_create_stream,
+      cpu_create_event,
+      cpu_record_event,
+      cpu_wait_event,
+      cpu_host_fn,
+      cpu_synchronize,
+      cpu_kernel,
+      cpu_launch,
+      cpu_sum_squares,
+      cpu_add_into,
+      cpu_adamw,
+      cpu_destroy,
+      flags,
+  };
+}
+const ctr_backend_iface kCpuIface = cpu_iface(0);
+const ctr_backend_iface kFencedIface = cpu_iface(CTR_BACKEND_DEVICE_MEMORY);
 
 }  // namespace
 
@@ -877,7 +890,7 @@ Backend cpu_backend_create(bool fenced) {
   register_library_kernels();
   auto *c = new Cpu;
   c->fenced = fenced;
-  return Backend{&kCpuIface, c};
+  return Backend{fenced ? &kFencedIface : &kCpuIface, c};
 }
 
 }  // namespace ctr

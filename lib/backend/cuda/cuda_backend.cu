@@ -22,6 +22,8 @@
 //
 // Copies between host and device on stream 0 are synchronous (the step hands
 // over temporary host buffers); device copies and fills are asynchronous.
+// CTR_STREAM_SYNC copies run on the calling thread outside every stream: host
+// work on a worker (a collective) stages device memory that way.
 
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -211,6 +213,12 @@ void cu_free(void *ctx, void *p) {
 }
 void copy_on(Cuda &c, void *dst, const void *src, size_t bytes, int stream, cudaMemcpyKind kind) {
   if (!bytes) return;
+  if (stream == CTR_STREAM_SYNC) {
+    // On the calling thread, outside every stream: the caller ordered it.
+    use_device(c.device);
+    cudaMemcpy(dst, src, bytes, kind);
+    return;
+  }
   if (stream == 0) {
     use_device(c.device);
     cudaMemcpyAsync(dst, src, bytes, kind, c.s0.stream);
@@ -230,6 +238,11 @@ void cu_copy_d2d(void *ctx, void *dst, const void *src, size_t bytes, int stream
 }
 void cu_fill(void *ctx, void *dst, int byte, size_t bytes, int stream) {
   if (!bytes) return;
+  if (stream == CTR_STREAM_SYNC) {
+    use_device(C(ctx).device);
+    cudaMemset(dst, byte, bytes);
+    return;
+  }
   C(ctx).submit(stream, [=](StreamCtx &s) { cudaMemsetAsync(dst, byte, bytes, s.stream); });
 }
 int cu_create_stream(void *ctx) {
@@ -408,6 +421,7 @@ const ctr_backend_iface kIface = {
     cu_add_into,
     cu_adamw,
     cu_destroy,
+    CTR_BACKEND_DEVICE_MEMORY,
 };
 
 void say(char *err, size_t size, const std::string &msg) {
