@@ -54,6 +54,9 @@ int main(int argc, char **argv) {
   CHECK(ctr_options_create(&mo));
   CHECK(ctr_options_set_string(mo, "mesh", mesh_spec));
   CHECK(ctr_options_set_float(mo, "timeout", 60.0));
+  /* The GPU suite runs the same programs on another device. */
+  if (getenv("CTR_TEST_DEVICE") && *getenv("CTR_TEST_DEVICE"))
+    CHECK(ctr_options_set_string(mo, "device", getenv("CTR_TEST_DEVICE")));
   CHECK(ctr_mesh_create_from_env(mo, &mesh));
   rank = ctr_mesh_rank(mesh);
   world = ctr_mesh_world_size(mesh);

@@ -5,7 +5,8 @@
 #
 #   tools/gpu/bundle.sh [OUT]        default OUT: gpu-bundle.tar.xz
 #
-# The bundle holds libctr, libctr-cuda.so, the ctr tool, the GPU suite and the
+# The bundle holds libctr, libctr-cuda.so, the ctr tool, the GPU suite (its
+# C++ tests and the two-ranks-on-one-GPU test with its training program), the
 # plugin test, tools/gpu/run.sh, and every shared library they need except the
 # CUDA libraries (cuBLASLt, the driver), which run.sh finds on the target. The
 # C and C++ runtimes and their loader are included, so the programs also start
@@ -23,13 +24,15 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
 fi
 libctr=$(ninja -C "$BUILD_DIR" -t targets all | sed -n 's/^\(lib\/libctr\.so\.[0-9.]*\): .*/\1/p' | head -1)
 ninja -C "$BUILD_DIR" "$libctr" lib/libctr-cuda.so tools/ctr tests/test_gpu tests/test_plugin \
-  tests/libctr-testdev.so tests/libctr-badabi.so >/dev/null
+  tests/equiv_train tests/libctr-testdev.so tests/libctr-badabi.so >/dev/null
 
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 b="$stage/ctr-gpu"
 mkdir -p "$b/bin" "$b/lib"
-cp "$BUILD_DIR/tools/ctr" "$BUILD_DIR/tests/test_gpu" "$BUILD_DIR/tests/test_plugin" "$b/bin/"
+cp "$BUILD_DIR/tools/ctr" "$BUILD_DIR/tests/test_gpu" "$BUILD_DIR/tests/test_plugin" "$BUILD_DIR/tests/equiv_train" \
+  "$b/bin/"
+cp tests/gpu/test_gpu_ranks.py "$b/"
 cp -L "$BUILD_DIR/lib/libctr.so" "$b/lib/libctr.so.1"
 cp "$BUILD_DIR/lib/libctr-cuda.so" "$BUILD_DIR/tests/libctr-testdev.so" "$BUILD_DIR/tests/libctr-badabi.so" "$b/lib/"
 cp tools/gpu/run.sh "$b/"

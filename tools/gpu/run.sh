@@ -5,7 +5,7 @@
 #   tar xJf gpu-bundle.tar.xz && ctr-gpu/run.sh REPORT_DIR [--quick]
 #
 # REPORT_DIR receives: env.txt (GPU, driver, where cuBLASLt came from),
-# plugin.log, gpu_suite.log and gpu_suite.json (GoogleTest), bench_*.jsonl
+# plugin.log, gpu_suite.log and gpu_suite.json (GoogleTest), gpu_ranks.log, bench_*.jsonl
 # (ctr run --metrics per step) and summary.txt. --quick runs the suite and a
 # short benchmark only. cuBLASLt is taken from CUDA_HOME or /usr/local/cuda,
 # else from PyTorch's nvidia-cublas wheel.
@@ -51,6 +51,19 @@ CTR_PLUGIN_PATH="$here/lib" run "$here/bin/test_plugin" > "$report/plugin.log" 2
 run "$here/bin/test_gpu" --gtest_output="json:$report/gpu_suite.json" > "$report/gpu_suite.log" 2>&1
 rc=$?
 [ $rc -ne 0 ] && status=1
+# Two ranks on one GPU: the programs go through the bundled loader when needed.
+if [ -n "${loader:-}" ]; then
+  printf '#!/bin/sh\nexec "%s" --library-path "%s" "%s" "$@"\n' "$loader" "$LD_LIBRARY_PATH" "$here/bin/ctr" > "$report/ctr"
+  printf '#!/bin/sh\nexec "%s" --library-path "%s" "%s" "$@"\n' "$loader" "$LD_LIBRARY_PATH" "$here/bin/equiv_train" \
+    > "$report/equiv_train"
+  chmod +x "$report/ctr" "$report/equiv_train"
+  ctr_bin=$report/ctr equiv_bin=$report/equiv_train
+else
+  ctr_bin=$here/bin/ctr equiv_bin=$here/bin/equiv_train
+fi
+python3 "$here/test_gpu_ranks.py" "$ctr_bin" "$equiv_bin" > "$report/gpu_ranks.log" 2>&1
+ranks_rc=$?
+[ $ranks_rc -ne 0 ] && status=1
 
 # Benchmarks: tokens/s and MFU of ctr run on the GPU (median over the timed steps
 # in the metrics file). GPT-2 small at T=1024 and a ~1B Llama-style preset.
@@ -66,6 +79,8 @@ bench() {
 }
 {
   echo "gpu suite exit: $rc (0 passed, 77 skipped)"
+  echo "two ranks on one GPU exit: $ranks_rc"
+  tail -n 4 "$report/gpu_ranks.log"
   grep -E "^\[  (PASSED|FAILED) " "$report/gpu_suite.log" | head -40
   if [ "$quick" = --quick ]; then
     bench gpt2_small 10 4 --preset gpt --layers 12 --dim 768 --heads 12 --vocab 50304 --seq 1024
