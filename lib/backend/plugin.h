@@ -131,6 +131,17 @@ typedef struct ctr_backend_iface {
   void (*destroy)(void *ctx);
 
   uint32_t flags;        /* CTR_BACKEND_* flags */
+
+  /* Graph capture, optional (all four NULL where the backend has none).
+   * capture_begin makes what is queued on `stream` be recorded instead of run
+   * (0 on success); capture_end stops and returns a graph id >= 0, or -1 when
+   * the recording cannot be replayed (nothing recorded has run then either);
+   * graph_launch queues one replay on `stream`; graph_destroy frees a graph.
+   * A replay runs the recorded launches with the arguments they had. */
+  int (*capture_begin)(void *ctx, int stream);
+  int (*capture_end)(void *ctx, int stream);
+  void (*graph_launch)(void *ctx, int graph, int stream);
+  void (*graph_destroy)(void *ctx, int graph);
 } ctr_backend_iface;
 
 typedef const ctr_backend_iface *(*ctr_backend_plugin_init_fn)(uint32_t abi, const char *device,

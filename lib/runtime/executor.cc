@@ -145,6 +145,16 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
     CTR_REQUIRE(streams_[static_cast<size_t>(s)] >= 0, CTR_STATUS_INTERNAL,
                 "backend '%s' cannot create a stream", be_.iface->name);
   }
+  // A phase can be captured as one graph when it is stream-0 kernels and fills.
+  auto stream0_only = [](const std::vector<Instr> &list) {
+    for (const Instr &in : list)
+      if (in.stream != 0 || (in.kind != Instr::Kernel && in.kind != Instr::Fill)) return false;
+    return true;
+  };
+  const bool can_capture = be_.iface->capture_begin && be_.iface->capture_end && be_.iface->graph_launch &&
+                           be_.iface->graph_destroy;
+  capturable_[0] = can_capture && stream0_only(prog.forward);
+  capturable_[1] = can_capture && stream0_only(prog.backward);
   for (int e = 0; e < prog.num_events; ++e) {
     int id = be_.iface->create_event(be_.ctx);
     CTR_REQUIRE(id >= 0, CTR_STATUS_INTERNAL, "backend '%s' cannot create an event", be_.iface->name);
@@ -155,9 +165,23 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
 Executor::~Executor() {
   // Nothing may still be queued that points into this executor.
   for (size_t s = 1; s < streams_.size(); ++s) be_.iface->synchronize(be_.ctx, streams_[s]);
+  drop_graphs();
+}
+
+void Executor::drop_graphs() {
+  for (int &g : graph_) {
+    if (g >= 0) be_.iface->graph_destroy(be_.ctx, g);
+    g = -1;
+  }
 }
 
 void Executor::rebind(int t, void *addr) {
+  if (addr_[static_cast<size_t>(t)] == addr) return;
+  // A captured graph has the old address baked in.
+  if (graph_[0] >= 0 || graph_[1] >= 0) {
+    drop_graphs();
+    ++recaptures_;
+  }
   addr_[static_cast<size_t>(t)] = addr;
   for (ctr_tensor_ref *r : refs_of_[static_cast<size_t>(t)]) r->data = addr;
 }
@@ -343,6 +367,35 @@ void Executor::run(Phase phase) {
   const std::vector<Instr> &list = phase == Phase::Forward ? prog_.forward : prog_.backward;
   const ctr_backend_iface *bi = be_.iface;
   void *ctx = be_.ctx;
+  const int p = phase == Phase::Forward ? 0 : 1;
+  constexpr int kMaxRecaptures = 3;
+  if (graphs_on_ && capturable_[p] && recaptures_ <= kMaxRecaptures) {
+    if (graph_[p] < 0 && bi->capture_begin(ctx, 0) == 0) {
+      issue(list);
+      graph_[p] = bi->capture_end(ctx, 0);
+      if (graph_[p] < 0) {
+        // Not replayable: nothing recorded ran; run it as it is, and stop trying.
+        recaptures_ = kMaxRecaptures + 1;
+        issue(list);
+        return;
+      }
+    }
+    if (graph_[p] >= 0) {
+      bi->graph_launch(ctx, graph_[p], 0);
+      ++graph_replays_;
+      return;
+    }
+  }
+  issue(list);
+  const auto t0 = Clock::now();
+  for (size_t s = 1; s < streams_.size(); ++s) bi->synchronize(ctx, streams_[s]);
+  if (streams_.size() > 1) exposed_ns_ += ns_since(t0);
+  raise_if_failed();
+}
+
+void Executor::issue(const std::vector<Instr> &list) {
+  const ctr_backend_iface *bi = be_.iface;
+  void *ctx = be_.ctx;
   for (const Instr &in : list) {
     const int stream = streams_[static_cast<size_t>(in.stream)];
     switch (in.kind) {
@@ -371,10 +424,6 @@ void Executor::run(Phase phase) {
         break;
     }
   }
-  const auto t0 = Clock::now();
-  for (size_t s = 1; s < streams_.size(); ++s) bi->synchronize(ctx, streams_[s]);
-  if (streams_.size() > 1) exposed_ns_ += ns_since(t0);
-  raise_if_failed();
 }
 
 }  // namespace ctr

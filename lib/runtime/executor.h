@@ -53,6 +53,14 @@ class Executor {
   // communication that compute did not hide.
   double take_exposed_ms();
 
+  // Replay each phase as a captured graph where the backend can capture and the
+  // phase is stream-0 work alone (no collectives): captured at its first run,
+  // replayed after, captured again when an address it baked in changes (given up
+  // after a few times: inputs that move every run). Off by default.
+  void enable_graphs(bool on) { graphs_on_ = on; }
+  // Graph replays so far (for tests and metrics).
+  int64_t graph_replays() const { return graph_replays_; }
+
   // Fault injection for the failure tests: the process exits (status 87) right
   // after issuing its n-th collective from now, leaving it in flight.
   void exit_after_collectives(int n) { exit_countdown_ = n; }
@@ -61,6 +69,7 @@ class Executor {
   struct Call;        // a kernel launch, resolved
   struct Collective;  // a collective, resolved
   static void run_collective(void *user);
+  void issue(const std::vector<Instr> &list);
   void run_exchange(Collective &c);
   void exchange_rows(Collective &c, const std::vector<ctr_tensor_ref> &ins, const std::vector<ctr_tensor_ref> &outs);
   void raise_if_failed();
@@ -70,6 +79,12 @@ class Executor {
   const Mesh &mesh_;
   Backend be_;
   bool staged_ = false;  // the backend's memory is not host memory: collectives stage it
+  bool graphs_on_ = false;
+  int graph_[2] = {-1, -1};        // captured graph per phase, -1: none
+  bool capturable_[2] = {false, false};
+  int recaptures_ = 0;
+  int64_t graph_replays_ = 0;
+  void drop_graphs();
   std::vector<void *> addr_;
   std::vector<std::unique_ptr<Call>> calls_;        // by node, null for non-kernels
   std::vector<std::unique_ptr<Collective>> colls_;  // by node, null for non-collectives

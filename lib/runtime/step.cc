@@ -119,6 +119,8 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   const std::string keep = r.get_string("keep", "");
   async_save_ = r.get_int("async_save", 0, 0, 1) != 0;
   async_save_lag_ = r.get_int("async_save_lag", 2, 1, 1 << 20);
+  // Replay phases as captured graphs where the backend can (CUDA graphs).
+  const bool graphs = r.get_int("graphs", 1, 0, 1) != 0;
   // Refuse a plan larger than the machine before touching any of it: allocation
   // may succeed lazily and the first write would then end the process.
   const int64_t phys = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
@@ -284,6 +286,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     tokens_per_micro_ = g_.tensors[inputs_slots_[0].tensor].numel();
 
   exec_ = std::make_unique<Executor>(g_, prog_, mesh_, be_, std::move(addr));
+  exec_->enable_graphs(graphs);
   ckpt_ = std::make_unique<Checkpointer>(mesh_, async_save_lag_);
   init_params(seed);
   free_on_throw.armed = false;
@@ -304,6 +307,8 @@ Step::~Step() { free_buffers(); }
 float *Step::param_ptr(int t) const { return static_cast<float *>(exec_->addr(t)); }
 
 void *Step::device_address(int t) const { return exec_->addr(t); }
+
+int64_t Step::graph_replays() const { return exec_->graph_replays(); }
 
 void Step::write_param(int t, const float *full) {
   const Tensor &x = g_.tensors[t];

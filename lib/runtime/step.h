@@ -79,6 +79,8 @@ class Step : private CheckpointState {
   const Graph &graph() const { return g_; }
   // Device address of a tensor (tests of the memory fence only).
   void *device_address(int t) const;
+  // Phases replayed as captured graphs so far (the executor's count).
+  int64_t graph_replays() const;
 
  private:
   struct ParamSlot {

@@ -395,6 +395,7 @@ struct RunArgs {
               *mesh_opt = nullptr, *timeout_opt = nullptr;
   double timeout = 60;
   std::string on_nonfinite = "stop";
+  bool no_graphs = false;
   int64_t straggler_every = 50;     // steps between straggler checks (0: none)
   double straggler_factor = 1.5;    // slower than the median by this: named
   int64_t idle_expert_steps = 100;  // an expert without tokens this many steps in a row: warned (0: never)
@@ -651,6 +652,7 @@ int cmd_run(const RunArgs &a) {
     set_int(step_opts.get(), "decay_steps", std::max<int64_t>(0, a.steps - a.warmup));
     set_string(step_opts.get(), "schedule", a.schedule);
   if (a.on_nonfinite == "skip") set_string(step_opts.get(), "on_nonfinite", "skip");
+    if (a.no_graphs) set_int(step_opts.get(), "graphs", 0);
     set_float(step_opts.get(), "weight_decay", a.weight_decay);
     if (a.beta1_opt->count() > 0) set_float(step_opts.get(), "beta1", a.beta1);
     if (a.beta2_opt->count() > 0) set_float(step_opts.get(), "beta2", a.beta2);
@@ -1203,6 +1205,9 @@ int run_main(int argc, char **argv) {
                         ->check(kPositive);
   run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default), or a backend plugin's device such as cuda (libctr-DEVICE.so)");
   run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4");
+  run_cmd->add_flag("--no-graphs", run.no_graphs,
+                    "Launch every kernel each step instead of replaying the step as a captured graph "
+                    "(CUDA graphs; the CPU backend always launches)");
   run_cmd->add_option("--on-nonfinite", run.on_nonfinite,
                       "A step whose loss or gradient is not finite: stop (the run fails), skip "
                       "(no update; the run goes on), or rewind (back to the latest checkpoint, "

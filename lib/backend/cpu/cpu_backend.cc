@@ -874,6 +874,10 @@ constexpr ctr_backend_iface cpu_iface(uint32_t flags) {
       cpu_adamw,
       cpu_destroy,
       flags,
+      nullptr,
+      nullptr,
+      nullptr,
+      nullptr,
   };
 }
 const ctr_backend_iface kCpuIface = cpu_iface(0);

@@ -134,6 +134,7 @@ struct Cuda {
   std::condition_variable cv;
   std::deque<Event> events;
   std::unordered_map<std::string, ctr_kernel_fn> kernels;
+  std::vector<cudaGraphExec_t> graphs;  // by graph id; null: destroyed (under mu)
   double *sum_scratch = nullptr;  // device: partial sums, then the result
   double *sum_host = nullptr;     // pinned
   ctr_adamw_segment *segments = nullptr;  // device copy of the AdamW segment table
@@ -385,10 +386,70 @@ void cu_adamw(void *ctx, const ctr_adamw_args *a, int stream) {
     adamw(copy, c.segments, s.stream);
   });
 }
+// CUDA graphs of stream 0's work (the executor captures a phase once and
+// replays it every step).
+int cu_capture_begin(void *ctx, int stream) {
+  Cuda &c = C(ctx);
+  if (stream != 0) return -1;
+  use_device(c.device);
+  return cudaStreamBeginCapture(c.s0.stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess ? 0 : -1;
+}
+int cu_capture_end(void *ctx, int stream) {
+  Cuda &c = C(ctx);
+  if (stream != 0) return -1;
+  use_device(c.device);
+  cudaGraph_t graph = nullptr;
+  if (cudaStreamEndCapture(c.s0.stream, &graph) != cudaSuccess || !graph) {
+    cudaGetLastError();  // a failed capture leaves its error behind
+    return -1;
+  }
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  std::lock_guard<std::mutex> lock(c.mu);
+  for (size_t i = 0; i < c.graphs.size(); ++i)
+    if (!c.graphs[i]) {
+      c.graphs[i] = exec;
+      return static_cast<int>(i);
+    }
+  c.graphs.push_back(exec);
+  return static_cast<int>(c.graphs.size() - 1);
+}
+void cu_graph_launch(void *ctx, int graph, int stream) {
+  Cuda &c = C(ctx);
+  use_device(c.device);
+  cudaGraphExec_t exec;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    exec = c.graphs[static_cast<size_t>(graph)];
+  }
+  if (stream == 0) {
+    cudaGraphLaunch(exec, c.s0.stream);
+    return;
+  }
+  c.submit(stream, [exec](StreamCtx &s) { cudaGraphLaunch(exec, s.stream); });
+}
+void cu_graph_destroy(void *ctx, int graph) {
+  Cuda &c = C(ctx);
+  use_device(c.device);
+  cudaStreamSynchronize(c.s0.stream);
+  std::lock_guard<std::mutex> lock(c.mu);
+  if (graph >= 0 && static_cast<size_t>(graph) < c.graphs.size() && c.graphs[static_cast<size_t>(graph)]) {
+    cudaGraphExecDestroy(c.graphs[static_cast<size_t>(graph)]);
+    c.graphs[static_cast<size_t>(graph)] = nullptr;
+  }
+}
+
 void cu_destroy(void *ctx) {
   Cuda *c = static_cast<Cuda *>(ctx);
   use_device(c->device);
   c->workers.clear();
+  for (cudaGraphExec_t g : c->graphs)
+    if (g) cudaGraphExecDestroy(g);
   for (Event &ev : c->events)
     for (auto &e : ev.ring)
       if (e) cudaEventDestroy(e);
@@ -422,6 +483,10 @@ const ctr_backend_iface kIface = {
     cu_adamw,
     cu_destroy,
     CTR_BACKEND_DEVICE_MEMORY,
+    cu_capture_begin,
+    cu_capture_end,
+    cu_graph_launch,
+    cu_graph_destroy,
 };
 
 void say(char *err, size_t size, const std::string &msg) {
