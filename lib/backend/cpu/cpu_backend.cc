@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/host_worker.h"
 #include "common/op_params.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
@@ -621,70 +622,13 @@ struct Event {
   uint64_t done = 0;    // generation the stream has reached
 };
 
-class Worker {
- public:
-  explicit Worker(std::function<void(std::function<void()> &)> run) : run_(std::move(run)) {
-    thread_ = std::thread([this] { loop(); });
-  }
-  ~Worker() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void push(std::function<void()> fn) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(fn));
-      ++pushed_;
-    }
-    cv_.notify_all();
-  }
-  void drain() {
-    std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t want = pushed_;
-    cv_.wait(lock, [&] { return finished_ >= want; });
-  }
-
- private:
-  void loop() {
-    apply_comm_nice();  // worker streams carry communication
-    for (;;) {
-      std::function<void()> fn;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        fn = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      run_(fn);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++finished_;
-      }
-      cv_.notify_all();
-    }
-  }
-
-  std::function<void(std::function<void()> &)> run_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  uint64_t pushed_ = 0, finished_ = 0;
-  bool stop_ = false;
-  std::thread thread_;
-};
-
 struct Cpu {
   bool fenced = false;
   Fence fence;
   std::mutex mu;  // events
   std::condition_variable cv;
   std::deque<Event> events;
-  std::vector<std::unique_ptr<Worker>> workers;  // stream s >= 1 is workers[s - 1]
+  std::vector<std::unique_ptr<HostWorker>> workers;  // stream s >= 1 is workers[s - 1]
 
   // Runs fn inside the fence (a no-op unless fenced).
   template <typename F>
@@ -765,7 +709,9 @@ void cpu_fill(void *ctx, void *dst, int byte, size_t bytes, int stream) {
 int cpu_create_stream(void *ctx) {
   Cpu &c = C(ctx);
   Cpu *cp = &c;
-  c.workers.push_back(std::make_unique<Worker>([cp](std::function<void()> &fn) { cp->guarded(fn); }));
+  // Worker streams carry communication: they run at the comm threads' priority.
+  c.workers.push_back(
+      std::make_unique<HostWorker>(apply_comm_nice, [cp](std::function<void()> &fn) { cp->guarded(fn); }));
   return static_cast<int>(c.workers.size());
 }
 int cpu_create_event(void *ctx) {

@@ -42,6 +42,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backend/host_worker.h"
 #include "backend/plugin.h"
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
@@ -61,61 +62,21 @@ void use_device(int dev) {
   }
 }
 
-// A host worker stream (streams >= 1).
-class Worker {
- public:
-  explicit Worker(int device) : device_(device) { thread_ = std::thread([this] { loop(); }); }
+void free_stream(StreamCtx &s);
+
+// A host worker stream (streams >= 1) with its own CUDA stream for the copies
+// and kernels it runs.
+struct Worker {
+  explicit Worker(int device)
+      : queue([device] { use_device(device); }, [](std::function<void()> &fn) { fn(); }) {}
   ~Worker() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
+    queue.drain();
+    free_stream(ctx);
   }
-  void push(std::function<void()> fn) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(fn));
-      ++pushed_;
-    }
-    cv_.notify_all();
-  }
-  void drain() {
-    std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t want = pushed_;
-    cv_.wait(lock, [&] { return finished_ >= want; });
-  }
-  StreamCtx ctx;  // the worker's own CUDA stream, for copies and kernels it runs
-
- private:
-  void loop() {
-    use_device(device_);
-    for (;;) {
-      std::function<void()> fn;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        fn = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      fn();
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++finished_;
-      }
-      cv_.notify_all();
-    }
-  }
-
-  int device_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  uint64_t pushed_ = 0, finished_ = 0;
-  bool stop_ = false;
-  std::thread thread_;
+  void push(std::function<void()> fn) { queue.push(std::move(fn)); }
+  void drain() { queue.drain(); }
+  HostWorker queue;
+  StreamCtx ctx;
 };
 
 struct Event {
