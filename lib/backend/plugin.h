@@ -47,6 +47,10 @@ extern "C" {
  * copies only (a GPU, or the fenced CPU test backend). Collectives over host
  * memory are then staged through host buffers. */
 #define CTR_BACKEND_DEVICE_MEMORY 1u
+/* The attention kernels keep the log-sum-exp of each score row, f32
+ * [B, H, T], as the op's saved output instead of the probabilities
+ * [B, H, T, T] (flash-style attention): the memory plan sizes it so. */
+#define CTR_BACKEND_ATTENTION_LSE 2u
 #define CTR_MAX_DIMS 8
 
 typedef struct ctr_tensor_ref {

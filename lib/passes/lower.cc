@@ -20,6 +20,7 @@
 #include <set>
 #include <sstream>
 
+#include "backend/plugin.h"
 #include "core/status.h"
 #include "passes/passes.h"
 
@@ -161,6 +162,19 @@ const char *kind_name(Instr::Kind k) {
 }
 
 }  // namespace
+
+void apply_backend_layouts(Graph &g, uint32_t backend_flags) {
+  if (!(backend_flags & CTR_BACKEND_ATTENTION_LSE)) return;
+  for (const Node &n : g.nodes) {
+    if (n.op != "attention" || n.outputs.size() < 2) continue;
+    Tensor &saved = g.tensors[static_cast<size_t>(n.outputs[1])];
+    if (saved.shape.size() != 4) continue;
+    saved.shape.pop_back();
+    saved.dims.resize(saved.shape.size());
+    for (size_t d = 0; d < saved.shape.size(); ++d) saved.dims[d] = Dim{saved.shape[d], ""};
+    saved.dtype = CTR_DTYPE_F32;
+  }
+}
 
 Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel, bool overlap) {
   CTR_CHECK(g.num_forward >= 0);

@@ -41,7 +41,10 @@ void run_precision(PassContext &c) {
 void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }
 void run_bucket(PassContext &c) { pass_bucket(c.graph, c.opt); }
 void run_reorder(PassContext &c) { c.schedule = pass_reorder(c.graph, c.opt); }
-void run_lower(PassContext &c) { c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap); }
+void run_lower(PassContext &c) {
+  apply_backend_layouts(c.graph, c.backend_flags);
+  c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap);
+}
 void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.program); }
 
 std::string dump_lower(const PassContext &c) { return dump_program(c.graph, c.program); }

@@ -100,6 +100,7 @@ struct PassContext {
   std::string schedule;          // what reorder chose
   std::string fused;             // what fuse rewrote and what it left
   std::string precision;         // what precision chose
+  uint32_t backend_flags = 0;    // the step's backend's CTR_BACKEND_* flags
 };
 
 struct PassDef {
@@ -226,6 +227,10 @@ void read_reorder_options(OptionReader &r, CompileOptions &opt);
 // false, stream 0 waits for each collective right after issuing it. Fails with
 // CTR_STATUS_UNSUPPORTED naming a node whose op the backend lacks.
 Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel, bool overlap = true);
+// Before lowering: tensors whose layout the backend decides (CTR_BACKEND_* flags):
+// attention's saved output becomes f32 [B, H, T] on a backend that keeps the
+// log-sum-exp there.
+void apply_backend_layouts(Graph &g, uint32_t backend_flags);
 
 // plan_memory.cc: liveness over the lowered schedule (a collective's buffers live
 // until stream 0 has waited for it) and a static arena; parameters, gradients,

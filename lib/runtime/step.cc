@@ -179,6 +179,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
                 "fp32 or auto, or a device with bf16 kernels such as cuda)",
                 be_.iface->name);
     PassContext ctx(g_, copt_, [this](OpId op) { return backend_has_kernel(be_, op); });
+    ctx.backend_flags = be_.iface->flags;
     run_passes(ctx);
     prog_ = std::move(ctx.program);
     plan_ = std::move(ctx.plan);

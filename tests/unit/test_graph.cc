@@ -27,6 +27,7 @@
 #include "abi_helpers.h"
 #include "api/handles.h"
 #include "backend/backend.h"
+#include "backend/plugin.h"
 #include "common/op_params.h"
 #include "api/internal.h"
 #include "core/status.h"
@@ -932,6 +933,35 @@ TEST(Precision, Bf16StorageKeepsAccumulationInF32) {
       << ctr_last_error();
   EXPECT_EQ(s, nullptr);
   ctr_graph_free(graph);
+}
+
+// A backend that keeps attention's log-sum-exp (CTR_BACKEND_ATTENTION_LSE) gets
+// a saved output of [B, H, T] f32 instead of [B, H, T, T], and a smaller plan.
+TEST(BackendLayouts, AttentionLseShrinksTheSavedOutput) {
+  int64_t arena[2] = {0, 0};
+  for (int lse = 0; lse < 2; ++lse) {
+    Graph g = internal_preset("llama");
+    ctr::CompileOptions o;
+    o.batch = 2;
+    ctr::PassContext ctx(g, o, [](ctr::OpId) { return true; });
+    ctx.backend_flags = lse ? CTR_BACKEND_ATTENTION_LSE : 0;
+    ctr::run_passes(ctx);
+    int seen = 0;
+    for (const ctr::Node &n : g.nodes) {
+      if (n.op != "attention") continue;
+      ++seen;
+      const ctr::Tensor &saved = g.tensors[n.outputs[1]];
+      EXPECT_EQ(saved.dtype, CTR_DTYPE_F32);
+      if (lse) {
+        EXPECT_EQ(saved.shape, (std::vector<int64_t>{2, 2, 6})) << saved.name;
+      } else {
+        EXPECT_EQ(saved.shape, (std::vector<int64_t>{2, 2, 6, 6})) << saved.name;
+      }
+    }
+    EXPECT_EQ(seen, 2);
+    arena[lse] = ctx.plan.arena_bytes;
+  }
+  EXPECT_LT(arena[1], arena[0]);
 }
 
 // A reshape's output is placed on its input (through chains, and on constants),

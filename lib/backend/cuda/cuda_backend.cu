@@ -443,7 +443,7 @@ const ctr_backend_iface kIface = {
     cu_add_into,
     cu_adamw,
     cu_destroy,
-    CTR_BACKEND_DEVICE_MEMORY,
+    CTR_BACKEND_DEVICE_MEMORY | CTR_BACKEND_ATTENTION_LSE,
     cu_capture_begin,
     cu_capture_end,
     cu_graph_launch,
