@@ -33,6 +33,10 @@ mkdir -p "$b/bin" "$b/lib"
 cp "$BUILD_DIR/tools/ctr" "$BUILD_DIR/tests/test_gpu" "$BUILD_DIR/tests/test_plugin" "$BUILD_DIR/tests/equiv_train" \
   "$b/bin/"
 cp tests/gpu/test_gpu_ranks.py "$b/"
+# The benchmark against PyTorch and the PyTorch models it builds.
+mkdir -p "$b/py/bench" "$b/py/export/models"
+cp tools/bench/bench_gpu.py tools/bench/torch_models.py "$b/py/bench/"
+cp tools/export/models/*.py "$b/py/export/models/"
 cp -L "$BUILD_DIR/lib/libctr.so" "$b/lib/libctr.so.1"
 cp "$BUILD_DIR/lib/libctr-cuda.so" "$BUILD_DIR/tests/libctr-testdev.so" "$BUILD_DIR/tests/libctr-badabi.so" "$b/lib/"
 cp tools/gpu/run.sh "$b/"

@@ -5,8 +5,8 @@
 #   tar xJf gpu-bundle.tar.xz && ctr-gpu/run.sh REPORT_DIR [--quick]
 #
 # REPORT_DIR receives: env.txt (GPU, driver, where cuBLASLt came from),
-# plugin.log, gpu_suite.log and gpu_suite.json (GoogleTest), gpu_ranks.log, bench_*.jsonl
-# (ctr run --metrics per step) and summary.txt. --quick runs the suite and a
+# plugin.log, gpu_suite.log and gpu_suite.json (GoogleTest), gpu_ranks.log,
+# bench_gpu_MODEL.json and bench_MODEL.log (libctr next to PyTorch) and summary.txt. --quick runs the suite and a
 # short benchmark only. cuBLASLt is taken from CUDA_HOME or /usr/local/cuda,
 # else from PyTorch's nvidia-cublas wheel.
 set -u
@@ -65,17 +65,12 @@ python3 "$here/test_gpu_ranks.py" "$ctr_bin" "$equiv_bin" > "$report/gpu_ranks.l
 ranks_rc=$?
 [ $ranks_rc -ne 0 ] && status=1
 
-# Benchmarks: tokens/s and MFU of ctr run on the GPU (median over the timed steps
-# in the metrics file). GPT-2 small at T=1024 and a ~1B Llama-style preset.
+# Benchmarks: libctr next to PyTorch (eager and torch.compile) on this GPU,
+# tokens/s and MFU (tools/bench/bench_gpu.py).
 bench() {
-  name=$1 steps=$2 batch=$3; shift 3
-  run "$here/bin/ctr" graph build "$@" -o "$report/$name.ctrg" > /dev/null 2>&1 || { echo "$name: graph build failed"; return; }
-  if run "$here/bin/ctr" run "$report/$name.ctrg" --device cuda --steps "$steps" --batch "$batch" \
-      --log-every 5 --metrics "$report/bench_$name.jsonl" > "$report/bench_$name.log" 2>&1; then
-    echo "$name: ok (see bench_$name.jsonl)"
-  else
-    echo "$name: failed: $(tail -1 "$report/bench_$name.log")"
-  fi
+  python3 "$here/py/bench/bench_gpu.py" --ctr "$ctr_bin" --out "$report" "$@" > "$report/bench_$2.log" 2>&1 ||
+    echo "bench $2 failed: $(tail -n 1 "$report/bench_$2.log")"
+  cat "$report/bench_$2.log"
 }
 {
   echo "gpu suite exit: $rc (0 passed, 77 skipped)"
@@ -83,10 +78,10 @@ bench() {
   tail -n 4 "$report/gpu_ranks.log"
   grep -E "^\[  (PASSED|FAILED) " "$report/gpu_suite.log" | head -40
   if [ "$quick" = --quick ]; then
-    bench gpt2_small 10 4 --preset gpt --layers 12 --dim 768 --heads 12 --vocab 50304 --seq 1024
+    bench --model gpt2_small --steps 10 --warmup 3
   else
-    bench gpt2_small 30 8 --preset gpt --layers 12 --dim 768 --heads 12 --vocab 50304 --seq 1024
-    bench llama_1b 20 4 --preset llama --layers 16 --dim 2048 --heads 16 --kv-heads 8 --vocab 32000 --seq 2048
+    bench --model gpt2_small --steps 20 --warmup 5
+    bench --model llama_1b --steps 10 --warmup 3
   fi
 } > "$report/summary.txt" 2>&1
 cat "$report/summary.txt"
