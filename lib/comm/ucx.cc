@@ -48,6 +48,17 @@
 // In UCX 1.13 an endpoint with peer error handling and wakeup cannot use CMA
 // (single-copy) for large messages, so those go through the shared-memory FIFO
 // in two copies; that is the price of failure detection.
+//
+// Shared memory. A communicator whose members all run on this host, in one
+// network namespace (members publish boot id, hostname, namespace and pid at
+// init), gets a shared-memory engine when it is created (lib/comm/shm.cc; two
+// all-gathers over UCX set it up), and its collectives bypass the operation
+// lists: one copy into a segment every member maps, then copies and reductions
+// straight out of it, on the engine's own thread. It fails like the UCX path
+// (a dead peer through the pidfd watch, a timeout naming the peer waited for)
+// and leaves a peer it timed out on to be closed by force in destroy().
+// CTR_SHM=0 keeps every communicator on UCX; groups that span hosts or network
+// namespaces always use it. The flight recorder lists both kinds alike.
 
 #include <poll.h>
 #include <sys/eventfd.h>
