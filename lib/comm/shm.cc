@@ -8,13 +8,10 @@
 // its own slot of a segment every member has mapped, and every member reads or
 // reduces straight from the slots into its output.
 //
-// Segment. Member 0 creates a memfd (mode 0600), the others open it through
-// /proc/PID/fd (which only the same user may), check its owner, mode, size and a
-// random key in its header, and map it; then every descriptor is closed, so
-// nothing is left behind whatever happens to the processes. Layout: a header
-// page, one control block per member, then kBuffers data buffers of kBufBytes
-// per member. Only counters and lengths are read from the segment, and each is
-// checked before use; every offset is computed locally.
+// Segment. A memfd of mode 0600 that member 0 creates and the others map
+// through /proc/PID/fd (shm_segment.cc); a slot of kBuffers buffers per member
+// (shm_segment.h). Only counters and lengths are read from a peer's part, and
+// each is checked before use.
 //
 // Protocol. A collective is a sequence of rounds, numbered per communicator. In
 // round R every member writes its piece into its buffer R % kBuffers, fills in
@@ -34,13 +31,8 @@
 
 #include "comm/shm.h"
 
-#include <fcntl.h>
 #include <linux/futex.h>
-#include <sys/mman.h>
-#include <sys/random.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -54,24 +46,16 @@
 #include <utility>
 
 #include "comm/reduce.h"
+#include "comm/shm_segment.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
 
 namespace ctr {
+namespace shm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Four buffers of 512 KiB per member: large enough that a round's fixed cost
-// (two counter publications, a wakeup at worst) is small against its copy,
-// small enough that a member's buffers stay in the cache between the writer
-// and the readers.
-constexpr uint32_t kBuffers = 4;
-constexpr size_t kBufBytes = size_t{512} << 10;
-// Larger groups on one host use the UCX path (the heads carry one length per member).
-constexpr int kMaxMembers = 64;
-constexpr uint64_t kMagic = 0x316d68732d727463ull;  // "ctr-shm1"
-constexpr size_t kPage = 4096;
 // A blocked engine polls this long before it sleeps: a peer's next round
 // usually follows within microseconds, and a futex sleep and wakeup costs more.
 constexpr int64_t kSpinUs = 100;
@@ -83,37 +67,6 @@ constexpr int64_t kLostGraceMs = 1000;
 // After its last collective the engine polls its queue this long before it
 // sleeps, so back-to-back collectives do not pay a thread wakeup each.
 constexpr int64_t kIdleSpinUs = 50;
-
-struct SegHeader {
-  uint64_t magic;
-  uint8_t key[16];
-  uint32_t members, buffers;
-  uint64_t buf_bytes, seg_bytes;
-  alignas(64) uint32_t gen;       // futex word: bumped after every publication
-  alignas(64) uint32_t sleepers;  // engines asleep on gen
-};
-static_assert(sizeof(SegHeader) <= kPage);
-
-// Written by the buffer's owner before it publishes the round.
-struct BufHead {
-  uint32_t rounds;  // how many rounds the writer's collective needs
-  uint32_t unused;
-  uint64_t shape;   // the writer's collective: kind and size, compared by readers
-  uint64_t len[kMaxMembers];  // bytes of each piece
-};
-
-struct MemberCtl {
-  alignas(64) uint32_t posted;  // rounds this member has written
-  alignas(64) uint32_t done;    // rounds this member has read
-  alignas(64) BufHead head[kBuffers];
-};
-
-constexpr size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-constexpr size_t kCtlStride = align_up(sizeof(MemberCtl), kPage);
-
-size_t segment_bytes(int n) {
-  return kPage + n * kCtlStride + static_cast<size_t>(n) * kBuffers * kBufBytes;
-}
 
 uint32_t load(const uint32_t &w) {
   return std::atomic_ref<uint32_t>(const_cast<uint32_t &>(w)).load(std::memory_order_acquire);
@@ -130,6 +83,11 @@ void store64(uint64_t &w, uint64_t v) {
 // Whether counter c has reached target (counters wrap; members are never more
 // than a few rounds apart).
 bool reached(uint32_t c, uint32_t target) { return static_cast<int32_t>(c - target) >= 0; }
+
+// One step of a short busy wait: it yields the core. Two ranks and their
+// threads share few cores; a pure spin (pause) measured 3-10x slower here,
+// as it keeps out the very thread it waits for.
+void relax() { std::this_thread::yield(); }
 
 long futex(uint32_t *addr, int op, uint32_t val, const timespec *ts) {
   return ::syscall(SYS_futex, addr, op, val, ts, nullptr, 0);
@@ -168,21 +126,6 @@ size_t piece(size_t total, uint32_t r, size_t chunk) {
 uint32_t rounds_for(size_t bytes, size_t chunk) {
   return static_cast<uint32_t>(std::max<size_t>(1, (bytes + chunk - 1) / chunk));
 }
-
-// ------------------------------------------------------------------------------------------
-// The segment
-
-struct Mapping {
-  char *base = nullptr;
-  size_t bytes = 0;
-  Mapping() = default;
-  Mapping(const Mapping &) = delete;
-  Mapping &operator=(const Mapping &) = delete;
-  Mapping(Mapping &&o) noexcept : base(std::exchange(o.base, nullptr)), bytes(o.bytes) {}
-  ~Mapping() {
-    if (base) ::munmap(base, bytes);
-  }
-};
 
 class Engine final : public ShmComm {
  public:
@@ -279,7 +222,7 @@ void Engine::run() {
     // Poll briefly for the next collective before sleeping on the queue.
     const auto spin_until = Clock::now() + std::chrono::microseconds(kIdleSpinUs);
     while (queued_.load(std::memory_order_acquire) == taken && Clock::now() < spin_until)
-      std::this_thread::yield();
+      relax();
     std::shared_ptr<ShmColl> c;
     bool stopping;
     {
@@ -680,11 +623,12 @@ void Engine::block(ShmColl &c, int waiting_for, Clock::time_point idle_since, ui
     const int g = members_[waiting_for];
     std::string why = peer_failed_(g);
     if (!why.empty())
-      throw Abort{CTR_STATUS_COMM_ERROR, strformat("%s: rank %d failed: ", c.label.c_str(), g) + why};
+      throw Abort{CTR_STATUS_COMM_ERROR,
+                  strformat("%s: rank %d failed: ", c.label.c_str(), g) + why};
   }
   const auto now = Clock::now();
   if (now - idle_since < std::chrono::microseconds(kSpinUs)) {
-    std::this_thread::yield();
+    relax();
     return;
   }
   check_abandoned(c, waiting_for);
@@ -706,103 +650,11 @@ void Engine::block(ShmColl &c, int waiting_for, Clock::time_point idle_since, ui
   sleepers.fetch_sub(1, std::memory_order_seq_cst);
 }
 
-// ------------------------------------------------------------------------------------------
-// Attaching
-
-// Creates the segment: a sealed memfd of mode 0600. Returns the descriptor
-// (kept open until every member has mapped it), or -1.
-int create_segment(size_t bytes, int n, const uint8_t key[16], Mapping *map) {
-  int fd = ::memfd_create("ctr-shm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0) return -1;
-  void *p = MAP_FAILED;
-  if (::fchmod(fd, 0600) == 0 && ::ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
-      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0)
-    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  if (p == MAP_FAILED) {
-    ::close(fd);
-    return -1;
-  }
-  map->base = static_cast<char *>(p);
-  map->bytes = bytes;
-  auto *h = reinterpret_cast<SegHeader *>(p);
-  h->magic = kMagic;
-  std::memcpy(h->key, key, 16);
-  h->members = static_cast<uint32_t>(n);
-  h->buffers = kBuffers;
-  h->buf_bytes = kBufBytes;
-  h->seg_bytes = bytes;
-  return fd;
-}
-
-// Maps member 0's segment through /proc, after checking that it is what member
-// 0 announced: a sealed file of this user, mode 0600, of the expected size and
-// with the key in its header.
-bool open_segment(long pid, int fd_num, size_t bytes, int n, const uint8_t key[16],
-                  Mapping *map) {
-  int fd = ::open(strformat("/proc/%ld/fd/%d", pid, fd_num).c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) return false;
-  struct stat st {};
-  const int seals = ::fcntl(fd, F_GET_SEALS);
-  bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
-            (st.st_mode & 077) == 0 && st.st_size == static_cast<off_t>(bytes) && seals >= 0 &&
-            (seals & F_SEAL_SHRINK) && (seals & F_SEAL_SEAL);
-  void *p = MAP_FAILED;
-  if (ok) p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  ::close(fd);
-  if (p == MAP_FAILED) return false;
-  map->base = static_cast<char *>(p);
-  map->bytes = bytes;
-  const auto *h = reinterpret_cast<const SegHeader *>(p);
-  return h->magic == kMagic && std::memcmp(h->key, key, 16) == 0 &&
-         h->members == static_cast<uint32_t>(n) && h->buffers == kBuffers &&
-         h->buf_bytes == kBufBytes && h->seg_bytes == bytes;
-}
-
-struct Offer {
-  uint64_t magic;
-  uint32_t willing;
-  int32_t fd;
-  int64_t pid;
-  uint64_t bytes;
-  uint8_t key[16];
-};
-
 }  // namespace
 
-std::unique_ptr<ShmComm> shm_attach(const ShmSetup &s) {
-  const int n = static_cast<int>(s.members.size());
-  const char *env = std::getenv("CTR_SHM");
-  const bool willing = !(env && std::strcmp(env, "0") == 0) && n >= 2 && n <= kMaxMembers;
-  const size_t bytes = segment_bytes(n);
-  Mapping map;
-  int fd = -1;
-  Offer mine{};
-  mine.magic = kMagic;
-  mine.pid = ::getpid();
-  mine.bytes = bytes;
-  if (s.me == 0 && willing && ::getrandom(mine.key, sizeof mine.key, 0) == sizeof mine.key)
-    fd = create_segment(bytes, n, mine.key, &map);
-  mine.willing = willing && (s.me != 0 || fd >= 0);
-  mine.fd = fd;
-  struct CloseFd {
-    int fd;
-    ~CloseFd() {
-      if (fd >= 0) ::close(fd);
-    }
-  } close_fd{fd};
-
-  std::vector<Offer> all(n);
-  s.all_gather(&mine, all.data(), sizeof(Offer));
-  bool go = true;
-  for (const Offer &o : all) go = go && o.magic == kMagic && o.willing && o.bytes == bytes;
-  uint32_t ok = go;
-  if (go && s.me != 0)
-    ok = open_segment(static_cast<long>(all[0].pid), all[0].fd, bytes, n, all[0].key, &map);
-  std::vector<uint32_t> oks(n);
-  s.all_gather(&ok, oks.data(), sizeof ok);
-  for (uint32_t o : oks)
-    if (o != 1) return nullptr;
+std::unique_ptr<ShmComm> make_engine(const ShmSetup &s, Mapping map) {
   return std::make_unique<Engine>(s, std::move(map));
 }
 
+}  // namespace shm
 }  // namespace ctr
