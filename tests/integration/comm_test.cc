@@ -24,11 +24,13 @@
 // Configuration comes from CTR_RANK, CTR_WORLD_SIZE, CTR_MASTER_ADDR,
 // CTR_MASTER_PORT, CTR_JOB_TOKEN and CTR_TIMEOUT_MS. CTR_TEST_PATH=shm or ucx
 // says which data path the communicators of several local ranks must take
-// (the shared-memory segment, or UCX alone under CTR_SHM=0); it is checked. Exit status 0 means every
-// check passed (for the failure modes: the expected failure was seen).
+// (the shared-memory segment, or UCX alone under CTR_SHM=0); it is checked.
+// Exit status 0 means every check passed (for the failure modes: the expected
+// failure was seen).
 
 #include "comm/comm.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -639,10 +641,25 @@ void check_path(const Env &e) {
   std::ifstream maps("/proc/self/maps");
   std::string line;
   int segments = 0;
-  while (std::getline(maps, line)) segments += line.find("ctr-shm") != std::string::npos;
+  while (std::getline(maps, line)) {
+    if (line.find("ctr-shm") == std::string::npos) continue;
+    ++segments;
+    // Only this user may open it: mode 0600 (where map_files may be looked at).
+    struct stat st {};
+    const std::string range = line.substr(0, line.find(' '));
+    if (::stat(("/proc/self/map_files/" + range).c_str(), &st) != 0) continue;
+    CHECK(st.st_uid == ::geteuid() && (st.st_mode & 077) == 0,
+          "the shared-memory segment %s is not private to this user", range.c_str());
+  }
   const bool shm = g_expect_shm && e.world > 1;
   CHECK((segments > 0) == shm, "CTR_TEST_PATH=%s but %d shared-memory segments are mapped", want,
         segments);
+  // Once mapped, no descriptor of it stays open.
+  for (int fd = 0; fd < 1024; ++fd) {
+    char target[256] = {};
+    if (::readlink(("/proc/self/fd/" + std::to_string(fd)).c_str(), target, sizeof target - 1) > 0)
+      CHECK(std::strstr(target, "ctr-shm") == nullptr, "descriptor %d of a segment is open", fd);
+  }
 }
 
 void check_store(ctr::Store &store, const Env &e) {
