@@ -135,7 +135,9 @@ typedef struct ctr_mesh ctr_mesh;
  *   "device"  string  "cpu" (default; CTR_DEVICE with _from_env), or the name D
  *                     of a backend plugin libctr-D.so (e.g. "cuda"), loaded with
  *                     dlopen from CTR_PLUGIN_PATH or the library search path
- *   "transport" string  communicator between ranks: "ucx" (default)
+ *   "transport" string  communicator between ranks: "ucx" (default). A group of
+ *                     ranks on one host, in one network namespace, moves data
+ *                     through a shared-memory segment; CTR_SHM=0 keeps it on UCX
  *   "rank"    int     this process's rank (default 0)
  *   "world"   int     number of ranks (default 1)
  *   "mesh"    string  axes as "dp=2,fsdp=4" (axes dp, fsdp, ep, tp, pp); product

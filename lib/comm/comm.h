@@ -10,8 +10,9 @@
 // a ctr::Error (CTR_STATUS_TIMEOUT / CTR_STATUS_COMM_ERROR) whose message names
 // the collective, the group and the peer rank (as a global rank) at fault.
 //
-// Implementations: lib/comm/ucx.cc moves host memory over UCP (shared memory on
-// one machine, TCP across machines); a NCCL communicator for device memory
+// Implementations: lib/comm/ucx.cc moves host memory over UCP (TCP across
+// machines), and through a shared-memory segment (lib/comm/shm.cc) for a group
+// whose members all run on one host; a NCCL communicator for device memory
 // implements the same table.
 #pragma once
 

@@ -48,6 +48,17 @@
 // In UCX 1.13 an endpoint with peer error handling and wakeup cannot use CMA
 // (single-copy) for large messages, so those go through the shared-memory FIFO
 // in two copies; that is the price of failure detection.
+//
+// Shared memory. A communicator whose members all run on this host, in one
+// network namespace (members publish boot id, hostname, namespace and pid at
+// init), gets a shared-memory engine when it is created (lib/comm/shm.cc; two
+// all-gathers over UCX set it up), and its collectives bypass the operation
+// lists: one copy into a segment every member maps, then copies and reductions
+// straight out of it, on the engine's own thread. It fails like the UCX path
+// (a dead peer through the pidfd watch, a timeout naming the peer waited for)
+// and leaves a peer it timed out on to be closed by force in destroy().
+// CTR_SHM=0 keeps every communicator on UCX; groups that span hosts or network
+// namespaces always use it. The flight recorder lists both kinds alike.
 
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -73,6 +84,8 @@
 
 #include "comm/auth.h"
 #include "comm/comm.h"
+#include "comm/reduce.h"
+#include "comm/shm.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
 
@@ -115,81 +128,6 @@ constexpr int64_t kSpinUs = 50;
 constexpr int64_t kMaxTimeoutMs = int64_t{1} << 40;
 
 std::string seconds(int64_t ms) { return strformat("%.1f s", static_cast<double>(ms) / 1000.0); }
-
-size_t dtype_bytes(ctr_dtype dt) {
-  switch (dt) {
-    case CTR_DTYPE_F32:
-    case CTR_DTYPE_I32:
-      return 4;
-    case CTR_DTYPE_F64:
-    case CTR_DTYPE_I64:
-      return 8;
-    default:
-      return 0;
-  }
-}
-
-// ------------------------------------------------------------------------------------------
-// Reductions: dst[i] = a[i] op b[i], then dst[i] /= divisor when divisor > 1.
-// dst may alias a or b exactly (in-place accumulation).
-
-template <typename T>
-T reduce_max(T a, T b) {
-  if (a != a) return a;  // NaN wins, whatever the order
-  return (b > a || b != b) ? b : a;
-}
-template <typename T>
-T reduce_min(T a, T b) {
-  if (a != a) return a;
-  return (b < a || b != b) ? b : a;
-}
-
-template <typename T>
-void reduce_typed(void *dst_v, const void *a_v, const void *b_v, size_t n, ReduceOp op,
-                  int64_t divisor) {
-  T *dst = static_cast<T *>(dst_v);
-  const T *a = static_cast<const T *>(a_v);
-  const T *b = static_cast<const T *>(b_v);
-  switch (op) {
-    case ReduceOp::Sum:
-    case ReduceOp::Avg:
-      if constexpr (std::is_integral_v<T>) {
-        // Wraps on overflow like the hardware does instead of being undefined.
-        using U = std::make_unsigned_t<T>;
-        for (size_t i = 0; i < n; ++i)
-          dst[i] = static_cast<T>(static_cast<U>(a[i]) + static_cast<U>(b[i]));
-      } else {
-        for (size_t i = 0; i < n; ++i) dst[i] = a[i] + b[i];
-      }
-      break;
-    case ReduceOp::Max:
-      for (size_t i = 0; i < n; ++i) dst[i] = reduce_max(a[i], b[i]);
-      break;
-    case ReduceOp::Min:
-      for (size_t i = 0; i < n; ++i) dst[i] = reduce_min(a[i], b[i]);
-      break;
-  }
-  if (divisor > 1) {
-    const T d = static_cast<T>(divisor);
-    for (size_t i = 0; i < n; ++i) dst[i] = dst[i] / d;
-  }
-}
-
-void reduce(void *dst, const void *a, const void *b, size_t n, ctr_dtype dt, ReduceOp op,
-            int64_t divisor) {
-  switch (dt) {
-    case CTR_DTYPE_F32:
-      return reduce_typed<float>(dst, a, b, n, op, divisor);
-    case CTR_DTYPE_F64:
-      return reduce_typed<double>(dst, a, b, n, op, divisor);
-    case CTR_DTYPE_I32:
-      return reduce_typed<int32_t>(dst, a, b, n, op, divisor);
-    case CTR_DTYPE_I64:
-      return reduce_typed<int64_t>(dst, a, b, n, op, divisor);
-    default:
-      break;
-  }
-}
 
 // ------------------------------------------------------------------------------------------
 // Groups, operations, collectives
@@ -298,6 +236,10 @@ struct Coll {
   bool global_src = false;  // tags carry world ranks, not group indices (split agreement)
   bool tolerant = false;    // operations with failed peers are skipped, not fatal (destroy)
   uint64_t flight_id = 0;   // its entry in the flight recorder (issue order, from 1)
+  // Run by the communicator's shared-memory engine instead of the operation list.
+  std::shared_ptr<ShmColl> shm;
+  ShmComm *shm_comm = nullptr;
+  size_t shm_bytes = 0;  // what this rank writes into the segment (flight recorder)
 
   // Progress thread only.
   size_t scan_from = 0;     // first operation that may still be waiting
@@ -535,7 +477,8 @@ struct Peer {
 class Transport {
  public:
   Transport(int rank, int world, int64_t timeout_ms)
-      : rank_(rank), world_(world), timeout_ms_(timeout_ms), peers_(world) {}
+      : rank_(rank), world_(world), timeout_ms_(timeout_ms), peers_(world),
+        same_node_(world, 0), down_(world), shm_silent_(world, 0) {}
   ~Transport() { shutdown(); }
 
   int rank() const { return rank_; }
@@ -551,6 +494,17 @@ class Transport {
   // needs no peer) and returns its handle.
   CommWork *issue(Coll *c);
   void wait(Coll *c, int64_t timeout_ms);
+  // Hands a collective to a communicator's shared-memory engine.
+  CommWork *issue_shm(Coll *c);
+
+  // Whether world rank r runs on this host, in this network namespace: a
+  // group of such ranks may use a shared-memory segment.
+  bool same_node(int r) const { return same_node_[r]; }
+  // Why world rank r failed ("" while it is not known to have). Thread-safe.
+  std::string peer_down(int r);
+  // A shared-memory collective failed, with the world rank that stopped
+  // answering, or -1: destroy() then treats it as the UCX path would.
+  void shm_failed(int silent_rank);
 
  private:
   void shutdown();
@@ -605,6 +559,17 @@ class Transport {
   bool broken_ = false;  // the progress thread died
   std::atomic<bool> any_failure_{false};
   std::atomic<bool> any_silent_{false};  // some peer stopped answering
+  std::vector<char> same_node_;
+  // Failed peers, for other threads: the shared-memory engines poll it.
+  std::mutex down_mu_;
+  std::vector<std::string> down_;   // by world rank: why it failed
+  std::vector<char> shm_silent_;    // by world rank: a shared-memory collective timed out on it
+  std::atomic<bool> any_down_{false};
+  void mark_down(int rank, const std::string &why) {
+    std::lock_guard<std::mutex> lock(down_mu_);
+    if (down_[rank].empty()) down_[rank] = why;
+    any_down_ = true;
+  }
 
  public:
   // The flight recorder: the last kFlightEntries collectives this process
@@ -667,6 +632,16 @@ std::string host_identity() {
   std::string boot;
   if (f >> boot) id += "/" + boot;
   return id;
+}
+
+// This process's network namespace ("net:[4026531840]"), or "". Ranks in
+// different namespaces of one kernel stand for different hosts (the tests and
+// benchmarks that emulate a slow link between hosts do that), so they do not
+// share memory segments.
+std::string net_namespace() {
+  char buf[128] = {};
+  ssize_t n = ::readlink("/proc/self/ns/net", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
 }
 
 // A process's start time in clock ticks since boot (field 22 of /proc/PID/stat),
@@ -773,10 +748,12 @@ void Transport::init(Store &store) {
   // yet reaped process keeps, and not at all while a send to it is stuck; so
   // local peers are watched through pidfds as well (remote ones through UCP's
   // TCP or RDMA endpoints, which see a connection drop).
-  const std::string me = host_identity();
+  // The network namespace goes last: it decides only whether a group may
+  // share memory segments (same_node_).
+  const std::string me = host_identity(), netns = net_namespace();
   const long pid = ::getpid();
   store.set(ns + "host/" + std::to_string(rank_),
-            strformat("%s\n%ld\n%llu", me.c_str(), pid, process_start(pid)));
+            strformat("%s\n%ld\n%llu\n%s", me.c_str(), pid, process_start(pid), netns.c_str()));
   bool single_host = true;
   for (int i = 0; i < world_; ++i) {
     peers_[i].t = this;
@@ -788,6 +765,8 @@ void Transport::init(Store &store) {
       single_host = false;
       continue;
     }
+    size_t c = rec.find('\n', b + 1);
+    same_node_[i] = !netns.empty() && c != std::string::npos && rec.substr(c + 1) == netns;
     peers_[i].pidfd = watch_process(std::strtol(rec.c_str() + a + 1, nullptr, 10),
                                     std::strtoull(rec.c_str() + b + 1, nullptr, 10));
   }
@@ -859,6 +838,22 @@ void Transport::init(Store &store) {
   thread_ = std::thread([this] { run(); });
 }
 
+std::string Transport::peer_down(int r) {
+  if (!any_down_.load(std::memory_order_acquire)) return {};
+  std::lock_guard<std::mutex> lock(down_mu_);
+  return down_[r];
+}
+
+void Transport::shm_failed(int silent_rank) {
+  any_failure_ = true;
+  if (silent_rank < 0) return;
+  {
+    std::lock_guard<std::mutex> lock(down_mu_);
+    shm_silent_[silent_rank] = 1;
+  }
+  any_silent_ = true;
+}
+
 void Transport::wake() {
   uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof one);
@@ -873,7 +868,7 @@ void Transport::flight_issue(Coll *c) {
   const std::string &name = CollectiveName::current();
   e.what = name.empty() ? c->what : name + ": " + c->what;
   e.seq = static_cast<uint32_t>((c->tag >> 16) & 0xffffff);
-  e.bytes = 0;
+  e.bytes = c->shm_bytes;
   for (const Op &op : c->ops)
     if (op.kind == Op::kSend) e.bytes += op.bytes;
   e.issued = Clock::now();
@@ -945,12 +940,43 @@ CommWork *Transport::issue(Coll *c) {
   return to_handle(c);
 }
 
+CommWork *Transport::issue_shm(Coll *c) {
+  flight_issue(c);
+  c->shm->done = [this, c](ctr_status code, const std::string &error) {
+    {
+      std::lock_guard<std::mutex> lock(c->mu);
+      c->code = code;
+      c->error = error;
+      c->finished = true;
+      flight_end(c, code == CTR_STATUS_OK);
+    }
+    c->cv.notify_all();
+    release(c);  // the engine's reference
+  };
+  c->shm_comm->issue(c->shm);
+  return to_handle(c);
+}
+
 void Transport::wait(Coll *c, int64_t timeout_ms) {
   timeout_ms = std::min(timeout_ms < 0 ? timeout_ms_ : timeout_ms, kMaxTimeoutMs);
   std::unique_lock<std::mutex> lock(c->mu);
   bool done =
       c->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), [c] { return c->finished; });
-  if (!done) {
+  if (!done && c->shm) {
+    // The engine fails it within a few milliseconds, naming the peer it waits for.
+    c->shm->abandoned_ms.store(timeout_ms, std::memory_order_release);
+    c->shm_comm->wake();
+    done = c->cv.wait_for(lock, std::chrono::milliseconds(kFailGraceMs + 2000),
+                          [c] { return c->finished; });
+    if (!done) {
+      std::string msg = strformat("%s: timed out after %s, and the engine could not be stopped",
+                                  c->label().c_str(), seconds(timeout_ms).c_str());
+      lock.unlock();
+      release(c);
+      ctr::fail(CTR_STATUS_TIMEOUT, msg);
+    }
+  }
+  if (!done && !c->shm) {
     lock.unlock();
     {
       // The queue holds a reference: the collective may finish, and this
@@ -1005,6 +1031,7 @@ void Transport::on_ep_error(void *arg, ucp_ep_h, ucs_status_t st) {
   p->failed = st;
   p->why = ucs_text(st);
   p->t->newly_failed_.push_back(p->rank);
+  p->t->mark_down(p->rank, p->why);
 }
 
 void Transport::complete(Op &op, ucs_status_t st, size_t recv_len) {
@@ -1179,6 +1206,7 @@ void Transport::watch_peers(int timeout_ms) {
     p.failed = UCS_ERR_CONNECTION_RESET;
     p.why = "its process exited";
     newly_failed_.push_back(p.rank);
+    mark_down(p.rank, p.why);
   }
 }
 
@@ -1459,7 +1487,8 @@ void Transport::shutdown() {
     thread_.join();
   }
   if (worker_) {
-    for (int i = 0; i < world_; ++i) close_ep(i, peers_[i].failed != UCS_OK || peers_[i].silent);
+    for (int i = 0; i < world_; ++i)
+      close_ep(i, peers_[i].failed != UCS_OK || peers_[i].silent || shm_silent_[i]);
     TimePoint deadline = Clock::now() + std::chrono::milliseconds(kCloseTimeoutMs);
     while (!closing_.empty() && Clock::now() < deadline) {
       ucp_worker_progress(worker_);
@@ -1494,6 +1523,9 @@ struct CommCtx {
   std::shared_ptr<Transport> t;
   std::shared_ptr<const Group> g;
   std::atomic<uint32_t> seq{0};
+  // Set when every member runs on this host: collectives go through a shared
+  // segment. Declared last so that it stops before the transport can go.
+  std::unique_ptr<ShmComm> shm;
 };
 
 CommCtx *ctx_of(void *ctx) { return static_cast<CommCtx *>(ctx); }
@@ -1508,6 +1540,25 @@ std::unique_ptr<Coll> new_coll(CommCtx *cc, const char *what) {
   uint32_t s = cc->seq.fetch_add(1, std::memory_order_relaxed) & kSeqMask;
   c->tag = (uint64_t{cc->g->id} << 40) | (uint64_t{s} << 16);
   return c;
+}
+
+// Hands c to the communicator's shared-memory engine.
+CommWork *issue_shm(CommCtx *cc, std::unique_ptr<Coll> c, std::shared_ptr<ShmColl> s) {
+  s->label = c->label();
+  c->shm_bytes = cc->shm->bytes_out(*s);
+  c->shm = std::move(s);
+  c->shm_comm = cc->shm.get();
+  return cc->t->issue_shm(c.release());
+}
+
+CommWork *issue_shm_batch(CommCtx *cc, std::unique_ptr<Coll> c, std::vector<CollDesc> descs,
+                          ctr_dtype dtype, ReduceOp op) {
+  auto s = std::make_shared<ShmColl>();
+  s->kind = ShmColl::kBatch;
+  s->descs = std::move(descs);
+  s->dtype = dtype;
+  s->op = op;
+  return issue_shm(cc, std::move(c), std::move(s));
 }
 
 void check_reduction(const char *what, ctr_dtype dt, ReduceOp op) {
@@ -1532,6 +1583,10 @@ CommWork *c_all_gather(void *ctx, const void *send, void *recv, size_t bytes) {
   CTR_REQUIRE(bytes == 0 || (send && recv), CTR_STATUS_INVALID_ARGUMENT,
               "ucx: all_gather: null buffer for %zu bytes", bytes);
   auto c = new_coll(cc, "all_gather");
+  if (cc->shm) {
+    CollDesc d{CollDesc::AllGather, send, recv, bytes};
+    return issue_shm_batch(cc, std::move(c), {d}, CTR_DTYPE_F32, ReduceOp::Sum);
+  }
   const Group &g = *cc->g;
   std::vector<size_t> off(g.size()), len(g.size(), bytes);
   for (int i = 0; i < g.size(); ++i) off[i] = i * bytes;
@@ -1549,6 +1604,10 @@ CommWork *c_reduce_scatter(void *ctx, const void *send, void *recv, size_t count
   auto c = new_coll(cc, "reduce_scatter");
   c->dtype = dtype;
   c->op = op;
+  if (cc->shm) {
+    CollDesc d{CollDesc::ReduceScatter, send, recv, count};
+    return issue_shm_batch(cc, std::move(c), {d}, dtype, op);
+  }
   const Group &g = *cc->g;
   std::vector<size_t> off(g.size()), cnt(g.size(), count);
   for (int i = 0; i < g.size(); ++i) off[i] = i * count;
@@ -1567,6 +1626,10 @@ CommWork *c_all_reduce(void *ctx, const void *send, void *recv, size_t count, ct
   auto c = new_coll(cc, "all_reduce");
   c->dtype = dtype;
   c->op = op;
+  if (cc->shm) {
+    CollDesc d{CollDesc::AllReduce, send, recv, count};
+    return issue_shm_batch(cc, std::move(c), {d}, dtype, op);
+  }
   const Group &g = *cc->g;
   const size_t esz = dtype_bytes(dtype);
   std::vector<size_t> off, cnt;
@@ -1601,6 +1664,7 @@ CommWork *c_batch(void *ctx, const CollDesc *d, size_t n, ctr_dtype dtype, Reduc
   auto c = new_coll(cc, "batch");
   c->dtype = dtype;
   c->op = op;
+  if (cc->shm) return issue_shm_batch(cc, std::move(c), std::vector<CollDesc>(d, d + n), dtype, op);
   const Group &g = *cc->g;
   const size_t esz = dtype_bytes(dtype);
   const int64_t divisor = op == ReduceOp::Avg ? g.size() : 0;
@@ -1670,6 +1734,18 @@ CommWork *c_all_to_all_v(void *ctx, const void *send, const size_t *send_counts,
               "ucx: all_to_all_v: rank %d sends itself %zu elements but expects %zu", g.members[r],
               send_counts[r], recv_counts[r]);
   auto c = new_coll(cc, "all_to_all_v");
+  if (cc->shm) {
+    auto sc = std::make_shared<ShmColl>();
+    sc->kind = ShmColl::kAllToAllV;
+    sc->send = send;
+    sc->recv = recv;
+    sc->send_counts.assign(send_counts, send_counts + n);
+    sc->send_displs.assign(send_displs, send_displs + n);
+    sc->recv_counts.assign(recv_counts, recv_counts + n);
+    sc->recv_displs.assign(recv_displs, recv_displs + n);
+    sc->elem_size = elem_size;
+    return issue_shm(cc, std::move(c), std::move(sc));
+  }
   const char *s = static_cast<const char *>(send);
   char *d = static_cast<char *>(recv);
   Builder b(*c);
@@ -1695,6 +1771,14 @@ CommWork *c_broadcast(void *ctx, void *buf, size_t bytes, int root) {
               n);
   CTR_REQUIRE(bytes == 0 || buf, CTR_STATUS_INVALID_ARGUMENT, "ucx: broadcast: null buffer");
   auto c = new_coll(cc, "broadcast");
+  if (cc->shm) {
+    auto s = std::make_shared<ShmColl>();
+    s->kind = ShmColl::kBroadcast;
+    s->buf = buf;
+    s->bytes = bytes;
+    s->root = root;
+    return issue_shm(cc, std::move(c), std::move(s));
+  }
   Builder b(*c);
   if (n > 1) {
     // A chain root -> root + 1 -> ... : each rank forwards segment k as soon as
@@ -1714,6 +1798,11 @@ CommWork *c_broadcast(void *ctx, void *buf, size_t bytes, int root) {
 CommWork *c_barrier(void *ctx) {
   CommCtx *cc = ctx_of(ctx);
   auto c = new_coll(cc, "barrier");
+  if (cc->shm) {
+    auto s = std::make_shared<ShmColl>();
+    s->kind = ShmColl::kBarrier;
+    return issue_shm(cc, std::move(c), std::move(s));
+  }
   Builder b(*c);
   build_barrier(b, *cc->g);
   return cc->t->issue(c.release());
@@ -1754,6 +1843,27 @@ const CommIface kIface = {
     c_test,       c_split,      c_destroy,    c_flight,
 };
 
+// Gives a communicator whose members all run on this host, in one network
+// namespace, a shared-memory engine. Every member decides alike (same_node is
+// symmetric), so either all of them attach, all-gathering twice over UCX as
+// they do, or none does.
+void attach_shm(CommCtx *cc) {
+  const Group &g = *cc->g;
+  Transport *t = cc->t.get();
+  if (g.size() < 2) return;
+  for (int m : g.members)
+    if (m != t->rank() && !t->same_node(m)) return;
+  ShmSetup s;
+  s.members = g.members;
+  s.me = g.me;
+  s.all_gather = [cc](const void *mine, void *all, size_t bytes) {
+    c_wait(cc, c_all_gather(cc, mine, all, bytes), -1);
+  };
+  s.peer_failed = [t](int r) { return t->peer_down(r); };
+  s.on_failure = [t](int r) { t->shm_failed(r); };
+  cc->shm = shm_attach(s);
+}
+
 Comm c_split(void *ctx, const std::vector<int> &members) {
   CommCtx *cc = ctx_of(ctx);
   const Group &parent = *cc->g;
@@ -1782,7 +1892,7 @@ Comm c_split(void *ctx, const std::vector<int> &members) {
   // The members agree on an id no communicator of any of them has used: the
   // largest of their next free ids. Serialised per process, so that two splits
   // on different threads cannot both take the same id.
-  std::lock_guard<std::mutex> lock(t.split_mu());
+  std::unique_lock<std::mutex> lock(t.split_mu());
   uint32_t &next = t.next_comm_id();
   if (g->size() > 1) {
     struct Offer {
@@ -1824,10 +1934,12 @@ Comm c_split(void *ctx, const std::vector<int> &members) {
   } else {
     g->id = next;  // a group of one sends nothing; any id will do
   }
-  auto *child = new CommCtx;
+  auto child = std::make_unique<CommCtx>();
   child->t = cc->t;
   child->g = std::move(g);
-  return Comm{&kIface, child};
+  lock.unlock();
+  attach_shm(child.get());
+  return Comm{&kIface, child.release()};
 }
 
 }  // namespace
@@ -1845,10 +1957,11 @@ Comm ucx_comm_create(Store &store, int rank, int world, int64_t timeout_ms) {
   g->me = rank;
   g->id = 0;
   g->name = "world";
-  auto *cc = new CommCtx;
+  auto cc = std::make_unique<CommCtx>();
   cc->t = std::move(t);
   cc->g = std::move(g);
-  return Comm{&kIface, cc};
+  attach_shm(cc.get());
+  return Comm{&kIface, cc.release()};
 }
 
 bool ucx_available() { return true; }

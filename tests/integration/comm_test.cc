@@ -14,17 +14,23 @@
 //                        naming rank 2
 //   comm_test dead       the last rank exits after joining; the next collective
 //                        of the others fails naming it, within the timeout
+//   comm_test dead-mid   the last rank exits in the middle of a large all_reduce;
+//                        the others' fails naming it, within the timeout
 //   comm_test hang       the last rank lives but skips a barrier: the others
 //                        time out naming it; everyone then shuts down promptly
 //   comm_test server-dead  rank 0 (the store) exits after the join: the others'
 //                        store requests fail at once instead of waiting
 //
 // Configuration comes from CTR_RANK, CTR_WORLD_SIZE, CTR_MASTER_ADDR,
-// CTR_MASTER_PORT, CTR_JOB_TOKEN and CTR_TIMEOUT_MS. Exit status 0 means every
-// check passed (for the failure modes: the expected failure was seen).
+// CTR_MASTER_PORT, CTR_JOB_TOKEN and CTR_TIMEOUT_MS. CTR_TEST_PATH=shm or ucx
+// says which data path the communicators of several local ranks must take
+// (the shared-memory segment, or UCX alone under CTR_SHM=0); it is checked.
+// Exit status 0 means every check passed (for the failure modes: the expected
+// failure was seen).
 
 #include "comm/comm.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,8 +41,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/status.h"
@@ -48,6 +56,7 @@ using ctr::CommWork;
 using ctr::ReduceOp;
 
 int g_rank = -1;
+bool g_expect_shm = false;  // CTR_TEST_PATH=shm
 
 [[noreturn]] __attribute__((format(printf, 1, 2))) void die(const char *fmt, ...) {
   va_list ap;
@@ -200,7 +209,10 @@ const char *type_name<int64_t>() {
   return "i64";
 }
 
-const size_t kCounts[] = {0, 1, 7, 1000, 100003};
+const std::vector<size_t> kCounts = {0, 1, 7, 1000, 100003};
+// Past the shared-memory path's slot (4 buffers of 512 KiB per member) and no
+// multiple of its chunk, so that rounds wrap around the buffers.
+const std::vector<size_t> kLargeCounts = {700001};
 const ReduceOp kOps[] = {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min};
 
 std::vector<int> members_of(const Comm &c) {
@@ -213,12 +225,12 @@ std::vector<int> members_of(const Comm &c) {
 // Checks, one collective kind each
 
 template <typename T>
-void check_reductions(const Comm &c, ctr_dtype dt) {
+void check_reductions(const Comm &c, ctr_dtype dt, const std::vector<size_t> &counts = kCounts) {
   const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
   const std::vector<int> ranks = members_of(c);
   const int gme = ranks[me];
   uint32_t salt = 1;
-  for (size_t count : kCounts) {
+  for (size_t count : counts) {
     for (ReduceOp op : kOps) {
       ++salt;
       std::vector<T> send(count), recv(count, T(-7));
@@ -251,11 +263,11 @@ void check_reductions(const Comm &c, ctr_dtype dt) {
   }
 }
 
-void check_all_gather(const Comm &c) {
+void check_all_gather(const Comm &c, const std::vector<size_t> &counts = kCounts) {
   const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
   const std::vector<int> ranks = members_of(c);
   uint32_t salt = 100;
-  for (size_t count : kCounts) {
+  for (size_t count : counts) {
     for (size_t esz : {1, 4, 8}) {
       const size_t bytes = count * esz;
       ++salt;
@@ -280,7 +292,7 @@ void check_all_gather(const Comm &c) {
 // reduce-scatters and all-reduces of odd and zero sizes, in one round.
 void check_batch(const Comm &c) {
   const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
-  const size_t sizes[] = {0, 1, 7, 1000, (size_t{1} << 18) + 3};
+  const size_t sizes[] = {0, 1, 7, 1000, (size_t{1} << 18) + 3, 600001};
   std::vector<std::vector<float>> send, got, want;
   std::vector<ctr::CollDesc> d;
   uint32_t salt = 900;
@@ -329,7 +341,8 @@ void check_broadcast(const Comm &c) {
   const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
   const std::vector<int> ranks = members_of(c);
   uint32_t salt = 200;
-  for (size_t bytes : {size_t{0}, size_t{1}, size_t{7}, size_t{4000}, size_t{3} << 20 | 5}) {
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{7}, size_t{4000}, size_t{3} << 20 | 5,
+                       size_t{9} << 20 | 1}) {
     for (int root = 0; root < n; ++root) {
       ++salt;
       std::vector<uint8_t> buf(bytes, 0xee);
@@ -354,7 +367,8 @@ void check_all_to_all(const Comm &c) {
   const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
   const std::vector<int> ranks = members_of(c);
   uint32_t salt = 300;
-  for (size_t scale : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{100003}}) {
+  for (size_t scale :
+       {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{100003}, size_t{700001}}) {
     ++salt;
     const size_t esz = 8;
     std::vector<size_t> sc(n), sd(n), rc(n), rd(n);
@@ -409,6 +423,21 @@ void check_identical(const Comm &c) {
       CHECK(std::fabs(recv[i] - want) <= 1e-5 * n,
             "float all_reduce count %zu: element %zu is %.9g, want %.9g", count, i, recv[i], want);
     }
+    // The same input gives the same bits again.
+    std::vector<float> again(count);
+    ctr::comm_wait(c, c.iface->all_reduce(c.ctx, send.data(), again.data(), count, CTR_DTYPE_F32,
+                                          ReduceOp::Sum));
+    CHECK(std::memcmp(again.data(), recv.data(), count * sizeof(float)) == 0,
+          "float all_reduce count %zu: a second run gave other bits", count);
+    // The shared-memory path adds in member order: exactly the serial float sum.
+    if (g_expect_shm && n > 1)
+      for (size_t i = 0; i < count; ++i) {
+        float want = value(ranks[0], i);
+        for (int r = 1; r < n; ++r) want += value(ranks[r], i);
+        CHECK(std::memcmp(&recv[i], &want, sizeof want) == 0,
+              "float all_reduce count %zu: element %zu is %.9g, the sum in member order %.9g",
+              count, i, recv[i], want);
+      }
     uint64_t h = fnv1a(recv.data(), count * sizeof(float));
     std::vector<uint64_t> all(n);
     ctr::comm_wait(c, c.iface->all_gather(c.ctx, &h, all.data(), sizeof h));
@@ -460,7 +489,12 @@ void check_all(const Comm &c) {
   check_reductions<double>(c, CTR_DTYPE_F64);
   check_reductions<int32_t>(c, CTR_DTYPE_I32);
   check_reductions<int64_t>(c, CTR_DTYPE_I64);
+  check_reductions<float>(c, CTR_DTYPE_F32, kLargeCounts);
+  check_reductions<double>(c, CTR_DTYPE_F64, kLargeCounts);
+  check_reductions<int32_t>(c, CTR_DTYPE_I32, kLargeCounts);
+  check_reductions<int64_t>(c, CTR_DTYPE_I64, kLargeCounts);
   check_all_gather(c);
+  check_all_gather(c, kLargeCounts);
   check_batch(c);
   check_broadcast(c);
   check_all_to_all(c);
@@ -537,6 +571,97 @@ void check_splits(const Comm &world) {
   sub.iface->destroy(sub.ctx);
 }
 
+// Many collectives of several kinds and sizes in flight on two communicators at
+// once (the world and a pair), waited for in an order unrelated to issue.
+void check_concurrent(const Comm &world) {
+  const int n = world.iface->size(world.ctx), me = world.iface->rank(world.ctx);
+  std::vector<int> pair = {me - me % 2};
+  if (pair[0] + 1 < n) pair.push_back(pair[0] + 1);
+  Comm sub = world.iface->split(world.ctx, pair);
+  std::vector<int> all(n);
+  for (int i = 0; i < n; ++i) all[i] = i;
+  struct Pending {
+    const Comm *c;
+    CommWork *w;
+    std::vector<int64_t> in, out;
+    std::vector<uint8_t> gin, gout;
+    ReduceOp op;
+    uint32_t salt;
+  };
+  constexpr int kRounds = 40;
+  std::vector<std::unique_ptr<Pending>> ps;
+  for (int k = 0; k < kRounds; ++k) {
+    const size_t count = k % 4 == 0 ? 200003 : k % 4 == 1 ? 1 : 1000 + k;
+    for (const Comm *c : {&world, static_cast<const Comm *>(&sub)}) {
+      const std::vector<int> &ranks = c == &world ? all : pair;
+      const uint32_t salt = 5000 + 2 * k + (c == &sub);
+      auto p = std::make_unique<Pending>();
+      p->c = c;
+      p->salt = salt;
+      p->op = k % 3 == 0 ? ReduceOp::Max : ReduceOp::Sum;
+      p->in.resize(count);
+      p->out.assign(count, -1);
+      for (size_t i = 0; i < count; ++i) p->in[i] = input<int64_t>(me, i, p->salt);
+      p->w = c->iface->all_reduce(c->ctx, p->in.data(), p->out.data(), count, CTR_DTYPE_I64, p->op);
+      ps.push_back(std::move(p));
+      // An all_gather right behind it on the same communicator.
+      auto q = std::make_unique<Pending>();
+      q->c = c;
+      q->salt = salt + 100000;
+      q->gin.resize(count);
+      q->gout.assign(count * ranks.size(), 0xee);
+      for (size_t i = 0; i < count; ++i) q->gin[i] = byte_at(me, i, q->salt);
+      q->w = c->iface->all_gather(c->ctx, q->gin.data(), q->gout.data(), count);
+      ps.push_back(std::move(q));
+    }
+  }
+  for (size_t j = ps.size(); j-- > 0;) {
+    Pending &p = *ps[(j * 7) % ps.size()];  // 7 is coprime to 4 * kRounds: each once
+    ctr::comm_wait(*p.c, p.w);
+  }
+  for (auto &pp : ps) {
+    Pending &p = *pp;
+    const std::vector<int> &ranks = p.c == &world ? all : pair;
+    for (size_t i = 0; i < p.in.size(); ++i)
+      CHECK(p.out[i] == reference<int64_t>(p.op, ranks, i, p.salt),
+            "concurrent all_reduce (salt %u) wrong at %zu", p.salt, i);
+    for (size_t r = 0; r < ranks.size() && !p.gin.empty(); ++r)
+      for (size_t i = 0; i < p.gin.size(); ++i)
+        CHECK(p.gout[r * p.gin.size() + i] == byte_at(ranks[r], i, p.salt),
+              "concurrent all_gather (salt %u) wrong at member %zu byte %zu", p.salt, r, i);
+  }
+  sub.iface->destroy(sub.ctx);
+}
+
+// The data path matches CTR_TEST_PATH: a shared-memory segment is mapped
+// exactly when the world has several (local) ranks and shm is expected.
+void check_path(const Env &e) {
+  const char *want = std::getenv("CTR_TEST_PATH");
+  if (!want) return;
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  int segments = 0;
+  while (std::getline(maps, line)) {
+    if (line.find("ctr-shm") == std::string::npos) continue;
+    ++segments;
+    // Only this user may open it: mode 0600 (where map_files may be looked at).
+    struct stat st {};
+    const std::string range = line.substr(0, line.find(' '));
+    if (::stat(("/proc/self/map_files/" + range).c_str(), &st) != 0) continue;
+    CHECK(st.st_uid == ::geteuid() && (st.st_mode & 077) == 0,
+          "the shared-memory segment %s is not private to this user", range.c_str());
+  }
+  const bool shm = g_expect_shm && e.world > 1;
+  CHECK((segments > 0) == shm, "CTR_TEST_PATH=%s but %d shared-memory segments are mapped", want,
+        segments);
+  // Once mapped, no descriptor of it stays open.
+  for (int fd = 0; fd < 1024; ++fd) {
+    char target[256] = {};
+    if (::readlink(("/proc/self/fd/" + std::to_string(fd)).c_str(), target, sizeof target - 1) > 0)
+      CHECK(std::strstr(target, "ctr-shm") == nullptr, "descriptor %d of a segment is open", fd);
+  }
+}
+
 void check_store(ctr::Store &store, const Env &e) {
   store.set("test/key/" + std::to_string(e.rank), "value of " + std::to_string(e.rank));
   std::string binary("a\0b\xff", 4);
@@ -566,8 +691,10 @@ int run_all(const Env &e) {
   Comm world = ctr::ucx_comm_create(*store, e.rank, e.world, e.timeout_ms);
   CHECK(world.iface->size(world.ctx) == e.world && world.iface->rank(world.ctx) == e.rank,
         "world rank/size wrong");
+  check_path(e);
   check_all(world);
   check_splits(world);
+  check_concurrent(world);
   check_many_small(world);
   // Argument errors are reported, not crashed on.
   expect_error("bad dtype", CTR_STATUS_UNSUPPORTED, {"dtype"}, [&] {
@@ -654,6 +781,53 @@ int run_dead(const Env &e) {
   return 0;
 }
 
+// The last rank exits while a large all_reduce is under way (issued, then gone
+// a few milliseconds later); the others' all_reduce fails naming it, within
+// the timeout plus a small grace.
+int run_dead_mid(const Env &e) {
+  auto store = ctr::store_join(rendezvous(e));
+  Comm world = ctr::ucx_comm_create(*store, e.rank, e.world, e.timeout_ms);
+  check_path(e);
+  std::vector<float> buf(size_t{16} << 20, 1.0f);  // 64 MiB: many rounds of the segment
+  auto all_reduce = [&] {
+    return world.iface->all_reduce(world.ctx, buf.data(), buf.data(), buf.size(), CTR_DTYPE_F32,
+                                   ReduceOp::Max);
+  };
+  constexpr int kBefore = 2;
+  for (int i = 0; i < kBefore; ++i) ctr::comm_wait(world, all_reduce());
+  const int dead = e.world - 1;
+  if (e.rank == dead) {
+    (void)all_reduce();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    std::printf("comm_test: rank %d of %d: exiting without a word\n", e.rank, e.world);
+    std::fflush(stdout);
+    std::_Exit(0);
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  std::string msg;
+  try {
+    for (int i = 0; i < 3; ++i) ctr::comm_wait(world, all_reduce());
+    die("all_reduce with a rank gone mid-collective succeeded");
+  } catch (const ctr::Error &err) {
+    msg = err.message();
+    CHECK(err.code() == CTR_STATUS_COMM_ERROR || err.code() == CTR_STATUS_TIMEOUT,
+          "unexpected status %d: %s", err.code(), err.what());
+    CHECK(msg.find("all_reduce") != std::string::npos &&
+              msg.find("rank " + std::to_string(dead)) != std::string::npos,
+          "the error does not name the all_reduce and rank %d: %s", dead, err.what());
+  }
+  double took = elapsed_s(t0);
+  CHECK(took < e.timeout_ms / 1000.0 + 3.0, "the failure took %.1f s", took);
+  auto t1 = std::chrono::steady_clock::now();
+  world.iface->destroy(world.ctx);
+  double destroy = elapsed_s(t1);
+  CHECK(destroy < 10.0, "destroy with a dead peer took %.1f s", destroy);
+  std::fprintf(stderr, "comm_test: rank %d: failed as expected after %.2f s (destroy %.2f s): %s\n",
+               e.rank, took, destroy, msg.c_str());
+  std::printf("comm_test: rank %d of %d: PASS dead-mid\n", e.rank, e.world);
+  return 0;
+}
+
 // The last rank stays alive but never enters the barrier the others are in:
 // they time out naming it, within the timeout they gave; then all shut down.
 int run_hang(const Env &e) {
@@ -717,12 +891,15 @@ int run_server_dead(const Env &e) {
 int main(int argc, char **argv) {
   Env e = read_env();
   g_rank = e.rank;
+  const char *path = std::getenv("CTR_TEST_PATH");
+  g_expect_shm = path && std::strcmp(path, "shm") == 0;
   std::string mode = argc > 1 ? argv[1] : "all";
   try {
     if (mode == "all") return run_all(e);
     if (mode == "token") return run_token(e);
     if (mode == "missing") return run_missing(e);
     if (mode == "dead") return run_dead(e);
+    if (mode == "dead-mid") return run_dead_mid(e);
     if (mode == "hang") return run_hang(e);
     if (mode == "server-dead") return run_server_dead(e);
   } catch (const ctr::Error &err) {

@@ -1,7 +1,10 @@
 #!/usr/bin/python3
 """Runs comm_test as N local processes: the collectives, then the failure modes.
 
-    run_comm.py BUILD/tests/comm_test
+    run_comm.py BUILD/tests/comm_test [--ucx]
+
+Local ranks take the shared-memory path; with --ucx they run with CTR_SHM=0 and
+take the UCX path alone. comm_test checks which one it got.
 
 Each case starts its ranks with the rendezvous on a free loopback port and a
 fresh job token, under a hard time limit (the processes are killed and the case
@@ -40,9 +43,10 @@ class Case:
         self.leaver = leaver        # a rank that exits on purpose, reporting no PASS
 
 
-def run(exe, case):
+def run(exe, case, ucx_only=False):
     port, token = free_port(), secrets.token_hex(8)
     base = {k: v for k, v in os.environ.items() if not k.startswith("CTR_")}
+    base.update({"CTR_SHM": "0", "CTR_TEST_PATH": "ucx"} if ucx_only else {"CTR_TEST_PATH": "shm"})
     procs = {}
     order = sorted(case.started, key=lambda r: (r == 0) if case.late_rank0 else 0)
     t0 = time.monotonic()
@@ -94,9 +98,12 @@ def run(exe, case):
 
 
 def main():
-    if len(sys.argv) != 2:
-        sys.exit("usage: run_comm.py COMM_TEST")
-    exe = sys.argv[1]
+    args = sys.argv[1:]
+    ucx_only = "--ucx" in args
+    args = [a for a in args if a != "--ucx"]
+    if len(args) != 1:
+        sys.exit("usage: run_comm.py COMM_TEST [--ucx]")
+    exe = args[0]
     cases = [Case(f"collectives, {n} rank{'s' if n > 1 else ''}", n) for n in (1, 2, 3)]
     cases.append(Case("collectives, 4 ranks, rank 0 starts last", 4, late_rank0=True))
     # The rank with another token finds out first: rank 0's proof does not match
@@ -114,6 +121,12 @@ def main():
     for n in (2, 3, 4):
         cases.append(Case(f"dead rank, {n} ranks", n, "dead", timeout_ms=5000, max_s=20, leaver=n - 1,
                           expect={r: [f"rank {n - 1}", "failed as expected"] for r in range(n - 1)}))
+    # Shared-memory path only: on the UCX path (UCX 1.13) the survivors' wait ends
+    # after the timeout with "its transfers could not be stopped" instead.
+    for n in (2, 3) if not ucx_only else ():
+        cases.append(Case(f"rank dead mid-collective, {n} ranks", n, "dead-mid", timeout_ms=5000,
+                          max_s=20, leaver=n - 1,
+                          expect={r: [f"rank {n - 1}", "failed as expected"] for r in range(n - 1)}))
     for n in (2, 3):
         cases.append(Case(f"hung rank, {n} ranks", n, "hang", timeout_ms=10000, max_s=25,
                           expect={r: [f"waiting for rank {n - 1}"] for r in range(n - 1)}))
@@ -123,7 +136,7 @@ def main():
 
     failed = 0
     for case in cases:
-        elapsed, problems, outs = run(exe, case)
+        elapsed, problems, outs = run(exe, case, ucx_only)
         print(f"{'ok  ' if not problems else 'FAIL'} {case.name} ({elapsed:.1f} s)", flush=True)
         if problems:
             failed += 1

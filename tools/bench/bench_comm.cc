@@ -1,7 +1,8 @@
 // One rank of the communicator benchmark; bench_comm.py starts two and sets the scene.
 //
-// Measures all_reduce (f32 sum), all_gather and all_to_all_v bandwidth of the UCX
-// communicator from 4 KiB to 64 MiB, memcpy bandwidth at the same sizes (the ceiling for any
+// Measures all_reduce (f32 sum), all_gather, reduce_scatter (f32 sum) and all_to_all_v
+// bandwidth of the UCX communicator (on one machine: its shared-memory path, unless
+// CTR_SHM=0) from 4 KiB to 64 MiB, memcpy bandwidth at the same sizes (the ceiling for any
 // transfer through memory on this machine), and the CPU time the process burns
 // while the communicator sits idle (the progress thread must sleep, not spin).
 // Rank 0 prints one line per figure in a fixed, parseable format:
@@ -11,11 +12,11 @@
 //   idle_cpu rank 0 pct 0.4
 //
 // Sizes follow NCCL's convention: all_reduce counts the array, all_gather the
-// gathered output, all_to_all_v each rank's send buffer (an equal share of it to
-// every rank, itself included: with two ranks, half to the peer, the MoE token
-// exchange's shape under even routing); bus bandwidth scales algorithm bandwidth
-// by 2(n-1)/n, (n-1)/n and (n-1)/n respectively, so it compares directly with a
-// point-to-point link.
+// gathered output, reduce_scatter each rank's input (every block), all_to_all_v
+// each rank's send buffer (an equal share of it to every rank, itself included:
+// with two ranks, half to the peer, the MoE token exchange's shape under even
+// routing); bus bandwidth scales algorithm bandwidth by 2(n-1)/n for all_reduce
+// and (n-1)/n for the others, so it compares directly with a point-to-point link.
 
 #include <sys/resource.h>
 
@@ -84,11 +85,13 @@ int main() {
     std::vector<size_t> sizes;
     for (size_t s = size_t{4} << 10; s <= size_t{64} << 20; s *= 4) sizes.push_back(s);
 
-    for (const char *op : {"all_reduce", "all_gather", "all_to_all_v"}) {
+    for (const char *op : {"all_reduce", "all_gather", "reduce_scatter", "all_to_all_v"}) {
       const bool ar = std::strcmp(op, "all_reduce") == 0;
       const bool a2a = std::strcmp(op, "all_to_all_v") == 0;
+      const bool rs = std::strcmp(op, "reduce_scatter") == 0;
       for (size_t bytes : sizes) {
-        std::vector<float> send(ar || a2a ? bytes / 4 : bytes / 4 / world, 1.0f), recv(bytes / 4);
+        std::vector<float> send(ar || a2a || rs ? bytes / 4 : bytes / 4 / world, 1.0f),
+            recv(rs ? bytes / 4 / world : bytes / 4);
         // all_to_all_v: block j of the send buffer to rank j, block j of the
         // receive buffer from rank j.
         const size_t block = bytes / 4 / world;
@@ -98,6 +101,9 @@ int main() {
           if (a2a)
             return c.iface->all_to_all_v(c.ctx, send.data(), counts.data(), displs.data(),
                                          recv.data(), counts.data(), displs.data(), 4);
+          if (rs)
+            return c.iface->reduce_scatter(c.ctx, send.data(), recv.data(), recv.size(),
+                                           CTR_DTYPE_F32, ctr::ReduceOp::Sum);
           return ar ? c.iface->all_reduce(c.ctx, send.data(), recv.data(), send.size(),
                                           CTR_DTYPE_F32, ctr::ReduceOp::Sum)
                     : c.iface->all_gather(c.ctx, send.data(), recv.data(), send.size() * 4);

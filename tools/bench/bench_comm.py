@@ -6,7 +6,7 @@
 Starts two bench_comm ranks (rendezvous on a free loopback port), then runs
 ucx_perftest's tag_bw (UCP tagged send/receive, one direction, one stream) as
 server and client at each size on 127.0.0.1, and prints one table: our all_reduce,
-all_gather and all_to_all_v bus bandwidth, ucx_perftest's bandwidth, memcpy
+all_gather, reduce_scatter and all_to_all_v bus bandwidth, ucx_perftest's bandwidth, memcpy
 bandwidth, and the ratios. Bus bandwidth is what one link carries (NCCL's convention), so it is
 comparable with a point-to-point figure; memcpy is the ceiling for moving bytes
 through memory here. Also prints the CPU use of an idle communicator.
@@ -15,6 +15,9 @@ ucx_perftest runs twice: with UCX's default transports, which on one machine
 include CMA (a single-copy read of the peer's memory), and with shared memory
 only (UCX_TLS=self,sysv), which is what the communicator's endpoints get: with
 peer failure detection and wakeups, UCX 1.13 does not use CMA.
+
+The two ranks share this host, so the communicator takes its shared-memory path;
+CTR_SHM=0 in the environment measures the UCX path instead.
 
 Nothing is asserted: figures depend on the machine and its load. Busy-polling
 peers suffer badly when other work competes for the cores, so --repeat N runs
@@ -165,16 +168,17 @@ def main():
           " bus bandwidth for the collectives")
     print("pt = ucx_perftest tag_bw (default transports), shm = the same on shared memory only,")
     print("mc = memcpy")
-    print(f"{'size':>8} {'all_reduce':>10} {'all_gather':>10} {'all_to_all':>10} {'pt':>7}"
-          f" {'shm':>7} {'mc':>7} {'ar/pt':>6} {'ag/pt':>6} {'a2a/pt':>6} {'ar/shm':>6}"
-          f" {'ag/shm':>6} {'a2a/shm':>7} {'ar/mc':>6} {'ag/mc':>6}")
+    print(f"{'size':>8} {'all_reduce':>10} {'all_gather':>10} {'red_scat':>10} {'all_to_all':>10}"
+          f" {'pt':>7} {'shm':>7} {'mc':>7} {'ar/pt':>6} {'ag/pt':>6} {'rs/pt':>6} {'a2a/pt':>6}"
+          f" {'ar/shm':>6} {'ag/shm':>6} {'a2a/shm':>7} {'ar/mc':>6} {'ag/mc':>6}")
     for s in SIZES:
         ar, ag = coll.get(("all_reduce", s)), coll.get(("all_gather", s))
-        a2a = coll.get(("all_to_all_v", s))
+        rs, a2a = coll.get(("reduce_scatter", s)), coll.get(("all_to_all_v", s))
         pt, sh, mc = peer.get(s), shm.get(s), memcpy.get(s)
-        print(f"{human(s):>8} {num(ar, 10)} {num(ag, 10)} {num(a2a, 10)} {num(pt, 7)} {num(sh, 7)}"
-              f" {num(mc, 7)} {ratio(ar, pt)} {ratio(ag, pt)} {ratio(a2a, pt)} {ratio(ar, sh)}"
-              f" {ratio(ag, sh)} {ratio(a2a, sh):>7} {ratio(ar, mc)} {ratio(ag, mc)}")
+        print(f"{human(s):>8} {num(ar, 10)} {num(ag, 10)} {num(rs, 10)} {num(a2a, 10)} {num(pt, 7)}"
+              f" {num(sh, 7)} {num(mc, 7)} {ratio(ar, pt)} {ratio(ag, pt)} {ratio(rs, pt)}"
+              f" {ratio(a2a, pt)} {ratio(ar, sh)} {ratio(ag, sh)} {ratio(a2a, sh):>7}"
+              f" {ratio(ar, mc)} {ratio(ag, mc)}")
     for r in sorted(idle):
         print(f"idle communicator, rank {r}: {idle[r]:.2f}% of one core")
 

@@ -1,0 +1,660 @@
+// Collectives through one shared-memory segment per communicator, for groups
+// whose members all run on this host (same boot id, hostname and network
+// namespace; decided in ucx.cc).
+//
+// Why. Between local ranks the UCX path moves large messages through UCX's
+// shared-memory FIFO in two copies plus per-message overhead (UCX 1.13 with peer
+// error handling cannot use CMA). Here each member copies its data once into
+// its own slot of a segment every member has mapped, and every member reads or
+// reduces straight from the slots into its output.
+//
+// Segment. A memfd of mode 0600 that member 0 creates and the others map
+// through /proc/PID/fd (shm_segment.cc); a slot of kBuffers buffers per member
+// (shm_segment.h). Only counters and lengths are read from a peer's part, and
+// each is checked before use.
+//
+// Protocol. A collective is a sequence of rounds, numbered per communicator. In
+// round R every member writes its piece into its buffer R % kBuffers, fills in
+// the buffer's head (lengths, the number of rounds it needs, the collective's
+// shape) and publishes posted = R + 1 (release). Once every member has posted
+// R, each reads what it needs from every buffer (acquire) and publishes
+// done = R + 1. A buffer is written again only after every member is done with
+// the round that used it last, so a member may run kBuffers rounds ahead of the
+// slowest reader: large messages are pipelined. Reductions add the members'
+// pieces in member order (0 + 1 + 2 ...), so every rank computes identical bits.
+//
+// Threads. Each communicator has one engine thread that runs its collectives in
+// issue order (different communicators progress concurrently); callers only
+// queue and wait. A blocked engine spins briefly and then sleeps on a futex word
+// in the segment that every publication bumps, waking at least every kSleepMs to
+// check for dead peers (the transport's pidfd watch) and abandoned waits.
+
+#include "comm/shm.h"
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include "comm/reduce.h"
+#include "comm/shm_segment.h"
+#include "core/status.h"
+#include "core/thread_pool.h"
+
+namespace ctr {
+namespace shm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A blocked engine polls this long before it sleeps: a peer's next round
+// usually follows within microseconds, and a futex sleep and wakeup costs more.
+constexpr int64_t kSpinUs = 100;
+// Longest futex sleep: how soon a dead peer or an abandoned wait is noticed.
+constexpr int kSleepMs = 5;
+// A blocked collective whose group lost a member other than the one it waits
+// for fails after this grace (the lost member may have done its part).
+constexpr int64_t kLostGraceMs = 1000;
+// After its last collective the engine polls its queue this long before it
+// sleeps, so back-to-back collectives do not pay a thread wakeup each.
+constexpr int64_t kIdleSpinUs = 50;
+
+uint32_t load(const uint32_t &w) {
+  return std::atomic_ref<uint32_t>(const_cast<uint32_t &>(w)).load(std::memory_order_acquire);
+}
+void store(uint32_t &w, uint32_t v) {
+  std::atomic_ref<uint32_t>(w).store(v, std::memory_order_seq_cst);
+}
+uint64_t load64(const uint64_t &w) {
+  return std::atomic_ref<uint64_t>(const_cast<uint64_t &>(w)).load(std::memory_order_relaxed);
+}
+void store64(uint64_t &w, uint64_t v) {
+  std::atomic_ref<uint64_t>(w).store(v, std::memory_order_relaxed);
+}
+// Whether counter c has reached target (counters wrap; members are never more
+// than a few rounds apart).
+bool reached(uint32_t c, uint32_t target) { return static_cast<int32_t>(c - target) >= 0; }
+
+// One step of a short busy wait: it yields the core. Two ranks and their
+// threads share few cores; a pure spin (pause) measured 3-10x slower here,
+// as it keeps out the very thread it waits for.
+void relax() { std::this_thread::yield(); }
+
+long futex(uint32_t *addr, int op, uint32_t val, const timespec *ts) {
+  return ::syscall(SYS_futex, addr, op, val, ts, nullptr, 0);
+}
+
+std::string seconds(int64_t ms) { return strformat("%.1f s", static_cast<double>(ms) / 1000.0); }
+
+// An engine's failure: ends the collective (and the communicator).
+struct Abort {
+  ctr_status code;
+  std::string msg;
+  int silent = -1;  // global rank of the peer that stopped answering
+};
+
+// One pass over the rounds of a single collective (a batch has one per entry).
+struct Phase {
+  enum Kind : uint8_t { kGather, kAllReduce, kReduceScatter, kAllToAll, kBroadcast, kBarrier };
+  Kind kind = kBarrier;
+  const char *send = nullptr;
+  char *out = nullptr;
+  size_t bytes = 0;  // gather: per member; all_reduce: the array; reduce_scatter: one block
+  size_t esz = 1;
+  size_t chunk = kBufBytes;  // bytes of one piece per round
+  uint32_t rounds = 1;       // this member's
+  bool agree = true;         // every member must need the same rounds and shape
+  uint64_t shape = 0;
+  const ShmColl *coll = nullptr;
+  int root = 0;
+  bool alias = false;  // reduce_scatter: recv overlaps this member's block of send
+};
+
+size_t piece(size_t total, uint32_t r, size_t chunk) {
+  size_t start = static_cast<size_t>(r) * chunk;
+  return start >= total ? 0 : std::min(chunk, total - start);
+}
+uint32_t rounds_for(size_t bytes, size_t chunk) {
+  return static_cast<uint32_t>(std::max<size_t>(1, (bytes + chunk - 1) / chunk));
+}
+
+class Engine final : public ShmComm {
+ public:
+  Engine(const ShmSetup &s, Mapping m)
+      : members_(s.members), me_(s.me), n_(static_cast<int>(s.members.size())),
+        peer_failed_(s.peer_failed), on_failure_(s.on_failure), map_(std::move(m)) {
+    hdr_ = reinterpret_cast<SegHeader *>(map_.base);
+    thread_ = std::thread([this] { run(); });
+  }
+  ~Engine() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    stopping_ = true;
+    cv_.notify_all();
+    wake();
+    thread_.join();
+  }
+
+  void issue(std::shared_ptr<ShmColl> c) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(c));
+      queued_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_one();
+  }
+
+  void wake() override {
+    std::atomic_ref<uint32_t>(hdr_->gen).fetch_add(1, std::memory_order_seq_cst);
+    futex(&hdr_->gen, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+
+  size_t bytes_out(const ShmColl &c) const override;
+
+ private:
+  MemberCtl &ctl(int m) const {
+    return *reinterpret_cast<MemberCtl *>(map_.base + kPage + m * kCtlStride);
+  }
+  char *data(int m, uint32_t round) const {
+    return map_.base + kPage + n_ * kCtlStride +
+           (static_cast<size_t>(m) * kBuffers + round % kBuffers) * kBufBytes;
+  }
+  // Index of member `to` among member `from`'s pieces (from skips itself).
+  static int slot_of(int from, int to) { return to < from ? to : to - 1; }
+
+  void publish(uint32_t &counter, uint32_t v) {
+    store(counter, v);
+    std::atomic_ref<uint32_t>(hdr_->gen).fetch_add(1, std::memory_order_seq_cst);
+    if (std::atomic_ref<uint32_t>(hdr_->sleepers).load(std::memory_order_seq_cst) > 0)
+      futex(&hdr_->gen, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+
+  void run();
+  void execute(ShmColl &c);
+  std::vector<Phase> plan(const ShmColl &c) const;
+  void run_phase(ShmColl &c, Phase &p);
+  void put(const Phase &p, uint32_t r, char *buf, BufHead &h);
+  void take(ShmColl &c, const Phase &p, uint32_t r, uint32_t round);
+  void block(ShmColl &c, int waiting_for, Clock::time_point idle_since, uint32_t seen_gen);
+  void check_abandoned(ShmColl &c, int waiting_for);
+  [[noreturn]] void mismatch(const ShmColl &c, int m, const char *what, uint64_t got,
+                             uint64_t want);
+
+  const std::vector<int> members_;
+  const int me_, n_;
+  std::function<std::string(int)> peer_failed_;
+  std::function<void(int)> on_failure_;
+  Mapping map_;
+  SegHeader *hdr_ = nullptr;
+  uint32_t round_ = 0;  // the next round of this communicator (engine thread only)
+  std::vector<char> scratch_;
+  Clock::time_point lost_since_{};  // when a blocked phase first saw a lost member
+  // The first failure: the members' rounds no longer line up, so every later
+  // collective fails at once with it.
+  ctr_status broken_code_ = CTR_STATUS_OK;
+  std::string broken_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<ShmColl>> queue_;
+  std::atomic<uint64_t> queued_{0};
+  bool stop_ = false;
+  std::atomic<bool> stopping_{false};  // stop_, for a blocked collective to see
+  std::vector<const char *> src_;      // take(): each member's piece
+  std::thread thread_;
+};
+
+void Engine::run() {
+  apply_comm_nice();
+  uint64_t taken = 0;
+  for (;;) {
+    // Poll briefly for the next collective before sleeping on the queue.
+    const auto spin_until = Clock::now() + std::chrono::microseconds(kIdleSpinUs);
+    while (queued_.load(std::memory_order_acquire) == taken && Clock::now() < spin_until)
+      relax();
+    std::shared_ptr<ShmColl> c;
+    bool stopping;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      c = queue_.front();
+      stopping = stop_;
+    }
+    if (stopping) {
+      // Destroyed with collectives in flight: fail them, touching no buffer.
+      c->done(CTR_STATUS_INVALID_STATE,
+              c->label + ": the communicator was destroyed while it was in flight");
+    } else {
+      execute(*c);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.pop_front();
+    }
+    ++taken;
+  }
+}
+
+void Engine::execute(ShmColl &c) {
+  ctr_status code = CTR_STATUS_OK;
+  std::string msg;
+  try {
+    if (broken_code_ != CTR_STATUS_OK)
+      throw Abort{broken_code_, c.label + ": the communicator failed before: " + broken_};
+    std::vector<Phase> phases = plan(c);
+    for (Phase &p : phases) run_phase(c, p);
+  } catch (const Abort &a) {
+    code = a.code;
+    msg = a.msg;
+    if (broken_code_ == CTR_STATUS_OK) {
+      broken_code_ = a.code;
+      broken_ = a.msg;
+      on_failure_(a.silent);
+    }
+  } catch (const std::exception &e) {
+    code = CTR_STATUS_INTERNAL;
+    msg = c.label + ": " + e.what();
+    if (broken_code_ == CTR_STATUS_OK) {
+      broken_code_ = code;
+      broken_ = msg;
+      on_failure_(-1);
+    }
+  }
+  c.done(code, msg);
+}
+
+uint64_t shape_of(const Phase &p, const ShmColl &c) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over what every member must agree on
+  const uint64_t fields[] = {static_cast<uint64_t>(p.kind), p.bytes, p.esz,
+                            static_cast<uint64_t>(p.root), static_cast<uint64_t>(c.dtype),
+                            static_cast<uint64_t>(c.op)};
+  for (uint64_t v : fields) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+std::vector<Phase> Engine::plan(const ShmColl &c) const {
+  std::vector<Phase> out;
+  // Pieces for every other member share a round's buffer.
+  const size_t split = (kBufBytes / static_cast<size_t>(n_ - 1)) / 64 * 64;
+  auto add = [&](Phase p) {
+    p.coll = &c;
+    p.rounds = rounds_for(p.bytes, p.chunk);
+    p.shape = shape_of(p, c);
+    out.push_back(p);
+  };
+  switch (c.kind) {
+    case ShmColl::kBarrier: {
+      Phase p;
+      p.kind = Phase::kBarrier;
+      add(p);
+      break;
+    }
+    case ShmColl::kBroadcast: {
+      Phase p;
+      p.kind = Phase::kBroadcast;
+      p.out = static_cast<char *>(c.buf);
+      p.send = p.out;
+      p.bytes = c.bytes;
+      p.root = c.root;
+      add(p);
+      break;
+    }
+    case ShmColl::kAllToAllV: {
+      Phase p;
+      p.kind = Phase::kAllToAll;
+      p.send = static_cast<const char *>(c.send);
+      p.out = static_cast<char *>(c.recv);
+      p.esz = c.elem_size;
+      p.chunk = split;
+      p.agree = false;
+      add(p);
+      // Rounds: enough for every message this member sends or receives; the
+      // collective takes the largest need of any member (read in round 0).
+      uint32_t r = 1;
+      for (int j = 0; j < n_; ++j) {
+        if (j == me_) continue;
+        r = std::max(r, rounds_for(c.send_counts[j] * c.elem_size, split));
+        r = std::max(r, rounds_for(c.recv_counts[j] * c.elem_size, split));
+      }
+      out.back().rounds = r;
+      break;
+    }
+    case ShmColl::kBatch:
+      for (const CollDesc &d : c.descs) {
+        Phase p;
+        p.send = static_cast<const char *>(d.send);
+        p.out = static_cast<char *>(d.recv);
+        switch (d.kind) {
+          case CollDesc::AllGather:
+            p.kind = Phase::kGather;
+            p.bytes = d.count;
+            break;
+          case CollDesc::AllReduce:
+            p.kind = Phase::kAllReduce;
+            p.esz = dtype_bytes(c.dtype);
+            p.bytes = d.count * p.esz;
+            break;
+          case CollDesc::ReduceScatter: {
+            p.kind = Phase::kReduceScatter;
+            p.esz = dtype_bytes(c.dtype);
+            p.bytes = d.count * p.esz;
+            p.chunk = split;
+            // recv overlapping send: this member's own block is staged before
+            // the reduction overwrites it.
+            const char *s0 = p.send, *s1 = p.send + n_ * p.bytes;
+            p.alias = p.bytes > 0 && p.out < s1 && p.out + p.bytes > s0;
+            break;
+          }
+        }
+        add(p);
+      }
+      break;
+  }
+  return out;
+}
+
+size_t Engine::bytes_out(const ShmColl &c) const {
+  switch (c.kind) {
+    case ShmColl::kBarrier:
+      return 0;
+    case ShmColl::kBroadcast:
+      return c.root == me_ ? c.bytes : 0;
+    case ShmColl::kAllToAllV: {
+      size_t b = 0;
+      for (int j = 0; j < n_; ++j)
+        if (j != me_) b += c.send_counts[j] * c.elem_size;
+      return b;
+    }
+    case ShmColl::kBatch: {
+      size_t b = 0;
+      for (const CollDesc &d : c.descs) {
+        if (d.kind == CollDesc::AllGather) b += d.count;
+        if (d.kind == CollDesc::AllReduce) b += d.count * dtype_bytes(c.dtype);
+        if (d.kind == CollDesc::ReduceScatter) b += (n_ - 1) * d.count * dtype_bytes(c.dtype);
+      }
+      return b;
+    }
+  }
+  return 0;
+}
+
+void Engine::run_phase(ShmColl &c, Phase &p) {
+  const uint32_t base = round_;
+  uint32_t total = p.agree ? p.rounds : 0;  // 0: not known before round 0 is read
+  uint32_t put_n = 0, take_n = 0;
+  MemberCtl &mine = ctl(me_);
+  auto idle_since = Clock::now();
+  lost_since_ = {};
+  for (;;) {
+    const uint32_t seen = std::atomic_ref<uint32_t>(hdr_->gen).load(std::memory_order_seq_cst);
+    bool progress = false;
+    int waiting = -1;
+    if (put_n < (total ? total : p.rounds)) {
+      // The buffer of round R was last used by round R - kBuffers: every member
+      // must be done with it.
+      const uint32_t r = base + put_n;
+      int busy = -1;
+      for (int m = 0; m < n_ && busy < 0; ++m)
+        if (!reached(load(ctl(m).done), r + 1 - kBuffers)) busy = m;
+      if (busy < 0) {
+        BufHead &h = mine.head[r % kBuffers];
+        put(p, put_n, data(me_, r), h);
+        std::atomic_ref<uint32_t>(h.rounds).store(p.rounds, std::memory_order_relaxed);
+        store64(h.shape, p.shape);
+        publish(mine.posted, r + 1);
+        ++put_n;
+        progress = true;
+      } else {
+        waiting = busy;
+      }
+    }
+    if (take_n < put_n) {
+      const uint32_t r = base + take_n;
+      int missing = -1;
+      for (int m = 0; m < n_ && missing < 0; ++m)
+        if (!reached(load(ctl(m).posted), r + 1)) missing = m;
+      if (missing < 0) {
+        if (take_n == 0) {
+          for (int m = 0; m < n_; ++m) {
+            const BufHead &h = ctl(m).head[r % kBuffers];
+            const uint32_t rounds = load(h.rounds);
+            if (p.agree && load64(h.shape) != p.shape)
+              throw Abort{CTR_STATUS_COMM_ERROR,
+                          strformat("%s: rank %d issued a different collective or size (do all "
+                                    "ranks issue the same collectives with the same sizes?)",
+                                    c.label.c_str(), members_[m])};
+            // A sanity bound: no exchange here needs 2^24 rounds (8 TiB).
+            if (!p.agree && (rounds == 0 || rounds > (1u << 24)))
+              mismatch(c, m, "rounds", rounds, p.rounds);
+            if (!p.agree) total = std::max(total, rounds);
+          }
+        }
+        take(c, p, take_n, r);
+        publish(mine.done, r + 1);
+        ++take_n;
+        progress = true;
+        if (take_n == total) {
+          round_ = base + total;
+          return;
+        }
+      } else {
+        waiting = missing;
+      }
+    }
+    if (progress) {
+      idle_since = Clock::now();
+      continue;
+    }
+    block(c, waiting, idle_since, seen);
+  }
+}
+
+void Engine::put(const Phase &p, uint32_t r, char *buf, BufHead &h) {
+  auto copy = [](char *dst, const char *src, size_t n) {
+    if (n) std::memcpy(dst, src, n);
+  };
+  const size_t at = static_cast<size_t>(r) * p.chunk;
+  switch (p.kind) {
+    case Phase::kGather:
+    case Phase::kAllReduce: {
+      const size_t len = piece(p.bytes, r, p.chunk);
+      copy(buf, p.send + at, len);
+      store64(h.len[0], len);
+      break;
+    }
+    case Phase::kBroadcast: {
+      const size_t len = me_ == p.root ? piece(p.bytes, r, p.chunk) : 0;
+      copy(buf, p.send + at, len);
+      store64(h.len[0], len);
+      break;
+    }
+    case Phase::kReduceScatter:
+      for (int j = 0; j < n_; ++j) {
+        if (j == me_) continue;
+        const size_t len = piece(p.bytes, r, p.chunk);
+        const int s = slot_of(me_, j);
+        copy(buf + s * p.chunk, p.send + j * p.bytes + at, len);
+        store64(h.len[s], len);
+      }
+      break;
+    case Phase::kAllToAll: {
+      const ShmColl &c = *p.coll;
+      if (r == 0 && c.send_counts[me_])
+        copy(p.out + c.recv_displs[me_] * p.esz, p.send + c.send_displs[me_] * p.esz,
+             c.send_counts[me_] * p.esz);
+      for (int j = 0; j < n_; ++j) {
+        if (j == me_) continue;
+        const size_t len = piece(c.send_counts[j] * p.esz, r, p.chunk);
+        const int s = slot_of(me_, j);
+        copy(buf + s * p.chunk, p.send + c.send_displs[j] * p.esz + at, len);
+        store64(h.len[s], len);
+      }
+      break;
+    }
+    case Phase::kBarrier:
+      store64(h.len[0], 0);
+      break;
+  }
+}
+
+void Engine::mismatch(const ShmColl &c, int m, const char *what, uint64_t got, uint64_t want) {
+  throw Abort{CTR_STATUS_COMM_ERROR,
+              strformat("%s: rank %d sent %llu %s where %llu were expected (do all ranks issue "
+                        "the same collectives with the same sizes?)",
+                        c.label.c_str(), members_[m], static_cast<unsigned long long>(got), what,
+                        static_cast<unsigned long long>(want))};
+}
+
+void Engine::take(ShmColl &c, const Phase &p, uint32_t r, uint32_t round) {
+  const size_t at = static_cast<size_t>(r) * p.chunk;
+  auto len_of = [&](int m, int s) { return load64(ctl(m).head[round % kBuffers].len[s]); };
+  switch (p.kind) {
+    case Phase::kGather: {
+      const size_t want = piece(p.bytes, r, p.chunk);
+      for (int m = 0; m < n_; ++m) {
+        char *dst = p.out + m * p.bytes + at;
+        if (m == me_) {
+          if (want && dst != p.send + at) std::memcpy(dst, p.send + at, want);
+          continue;
+        }
+        if (len_of(m, 0) != want) mismatch(c, m, "bytes", len_of(m, 0), want);
+        if (want) std::memcpy(dst, data(m, round), want);
+      }
+      break;
+    }
+    case Phase::kAllReduce:
+    case Phase::kReduceScatter: {
+      const size_t want = piece(p.bytes, r, p.chunk);
+      const bool rs = p.kind == Phase::kReduceScatter;
+      std::vector<const char *> &src = src_;
+      src.resize(n_);
+      for (int m = 0; m < n_; ++m) {
+        if (m == me_) {
+          // all_reduce reads its own piece from its buffer too: the output may be the input.
+          src[m] = rs ? p.send + me_ * p.bytes + at : data(m, round);
+          continue;
+        }
+        const int s = rs ? slot_of(m, me_) : 0;
+        if (len_of(m, s) != want) mismatch(c, m, "bytes", len_of(m, s), want);
+        src[m] = data(m, round) + s * p.chunk;
+      }
+      if (p.alias && want) {
+        scratch_.resize(p.chunk);
+        std::memcpy(scratch_.data(), src[me_], want);
+        src[me_] = scratch_.data();
+      }
+      const size_t count = want / p.esz;
+      if (count == 0) break;
+      const int64_t divisor = c.op == ReduceOp::Avg ? n_ : 0;
+      char *dst = p.out + at;
+      // Member order, whatever this member's index: identical bits everywhere.
+      reduce(dst, src[0], src[1], count, c.dtype, c.op, n_ == 2 ? divisor : 0);
+      for (int m = 2; m < n_; ++m)
+        reduce(dst, dst, src[m], count, c.dtype, c.op, m == n_ - 1 ? divisor : 0);
+      break;
+    }
+    case Phase::kAllToAll:
+      for (int m = 0; m < n_; ++m) {
+        if (m == me_) continue;
+        const size_t want = piece(c.recv_counts[m] * p.esz, r, p.chunk);
+        const int s = slot_of(m, me_);
+        if (len_of(m, s) != want) mismatch(c, m, "bytes", len_of(m, s), want);
+        if (want)
+          std::memcpy(p.out + c.recv_displs[m] * p.esz + at, data(m, round) + s * p.chunk, want);
+      }
+      break;
+    case Phase::kBroadcast:
+      if (me_ != p.root) {
+        const size_t want = piece(p.bytes, r, p.chunk);
+        if (len_of(p.root, 0) != want) mismatch(c, p.root, "bytes", len_of(p.root, 0), want);
+        if (want) std::memcpy(p.out + at, data(p.root, round), want);
+      }
+      break;
+    case Phase::kBarrier:
+      break;
+  }
+}
+
+// The current collective waits for member `waiting_for` (a group index, or -1).
+void Engine::check_abandoned(ShmColl &c, int waiting_for) {
+  auto timeout = [&](const ShmColl &x, int64_t ms) {
+    Abort a{CTR_STATUS_TIMEOUT, strformat("%s: timed out after %s", x.label.c_str(),
+                                          seconds(ms).c_str())};
+    if (waiting_for >= 0) {
+      a.silent = members_[waiting_for];
+      a.msg += strformat(" waiting for rank %d", a.silent);
+    }
+    if (&x != &c) a.msg = c.label + ": abandoned: " + a.msg;
+    return a;
+  };
+  const int64_t ms = c.abandoned_ms.load(std::memory_order_acquire);
+  if (ms >= 0) throw timeout(c, ms);
+  // A later collective's waiter gave up: it waits behind this one.
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto &q : queue_) {
+    const int64_t qms = q->abandoned_ms.load(std::memory_order_acquire);
+    if (qms >= 0) throw timeout(*q, qms);
+  }
+}
+
+void Engine::block(ShmColl &c, int waiting_for, Clock::time_point idle_since, uint32_t seen_gen) {
+  if (stopping_.load(std::memory_order_relaxed))
+    throw Abort{CTR_STATUS_INVALID_STATE,
+                c.label + ": the communicator was destroyed while it was in flight"};
+  if (c.abandoned_ms.load(std::memory_order_relaxed) >= 0) check_abandoned(c, waiting_for);
+  if (waiting_for >= 0) {
+    const int g = members_[waiting_for];
+    std::string why = peer_failed_(g);
+    if (!why.empty())
+      throw Abort{CTR_STATUS_COMM_ERROR,
+                  strformat("%s: rank %d failed: ", c.label.c_str(), g) + why};
+  }
+  const auto now = Clock::now();
+  if (now - idle_since < std::chrono::microseconds(kSpinUs)) {
+    relax();
+    return;
+  }
+  check_abandoned(c, waiting_for);
+  // Another member is gone: this collective may still complete if that member
+  // did its part before it went, so it gets a grace period.
+  for (int m = 0; m < n_; ++m) {
+    if (m == me_) continue;
+    std::string why = peer_failed_(members_[m]);
+    if (why.empty()) continue;
+    if (lost_since_ == Clock::time_point{}) lost_since_ = now;
+    if (now - lost_since_ >= std::chrono::milliseconds(kLostGraceMs))
+      throw Abort{CTR_STATUS_COMM_ERROR,
+                  strformat("%s: rank %d failed: ", c.label.c_str(), members_[m]) + why};
+  }
+  std::atomic_ref<uint32_t> sleepers(hdr_->sleepers);
+  sleepers.fetch_add(1, std::memory_order_seq_cst);
+  const timespec ts{0, kSleepMs * 1000000L};
+  futex(&hdr_->gen, FUTEX_WAIT, seen_gen, &ts);
+  sleepers.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+}  // namespace
+
+std::unique_ptr<ShmComm> make_engine(const ShmSetup &s, Mapping map) {
+  return std::make_unique<Engine>(s, std::move(map));
+}
+
+}  // namespace shm
+}  // namespace ctr

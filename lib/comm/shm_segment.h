@@ -1,0 +1,80 @@
+// The layout of a communicator's shared-memory segment, and the mapping of it:
+// shared by the engine (shm.cc) and the code that creates and maps segments
+// (shm_segment.cc). Internal to lib/comm.
+//
+// A header page, one control block per member, then kBuffers data buffers of
+// kBufBytes per member. Only counters and lengths are ever read from a peer's
+// part, and each is checked before use; every offset is computed locally from
+// these constants.
+#pragma once
+
+#include <sys/mman.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <utility>
+
+#include "comm/shm.h"
+
+namespace ctr::shm {
+
+// Four buffers of 512 KiB per member: large enough that a round's fixed cost
+// (two counter publications, a wakeup at worst) is small against its copy,
+// small enough that a member's buffers stay in the cache between the writer
+// and the readers.
+constexpr uint32_t kBuffers = 4;
+constexpr size_t kBufBytes = size_t{512} << 10;
+// Larger groups on one host use the UCX path (the heads carry one length per member).
+constexpr int kMaxMembers = 64;
+constexpr uint64_t kMagic = 0x316d68732d727463ull;  // "ctr-shm1"
+constexpr size_t kPage = 4096;
+
+struct SegHeader {
+  uint64_t magic;
+  uint8_t key[16];
+  uint32_t members, buffers;
+  uint64_t buf_bytes, seg_bytes;
+  alignas(64) uint32_t gen;       // futex word: bumped after every publication
+  alignas(64) uint32_t sleepers;  // engines asleep on gen
+};
+static_assert(sizeof(SegHeader) <= kPage);
+
+// Written by the buffer's owner before it publishes the round.
+struct BufHead {
+  uint32_t rounds;  // how many rounds the writer's collective needs
+  uint32_t unused;
+  uint64_t shape;   // the writer's collective: kind and size, compared by readers
+  uint64_t len[kMaxMembers];  // bytes of each piece
+};
+
+struct MemberCtl {
+  alignas(64) uint32_t posted;  // rounds this member has written
+  alignas(64) uint32_t done;    // rounds this member has read
+  alignas(64) BufHead head[kBuffers];
+};
+
+constexpr size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+constexpr size_t kCtlStride = align_up(sizeof(MemberCtl), kPage);
+
+inline size_t segment_bytes(int n) {
+  return kPage + n * kCtlStride + static_cast<size_t>(n) * kBuffers * kBufBytes;
+}
+
+// A mapped segment, unmapped when it goes.
+struct Mapping {
+  char *base = nullptr;
+  size_t bytes = 0;
+  Mapping() = default;
+  Mapping(const Mapping &) = delete;
+  Mapping &operator=(const Mapping &) = delete;
+  Mapping(Mapping &&o) noexcept : base(std::exchange(o.base, nullptr)), bytes(o.bytes) {}
+  ~Mapping() {
+    if (base) ::munmap(base, bytes);
+  }
+};
+
+// The engine over a mapped segment; starts its thread.
+std::unique_ptr<ShmComm> make_engine(const ShmSetup &s, Mapping map);
+
+}  // namespace ctr::shm
