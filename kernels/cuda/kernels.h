@@ -24,6 +24,8 @@ extern const KernelEntry kLossKernels[];
 extern const size_t kLossKernelCount;
 extern const KernelEntry kAttentionKernels[];
 extern const size_t kAttentionKernelCount;
+extern const KernelEntry kMoeKernels[];
+extern const size_t kMoeKernelCount;
 
 // GEMM state shared by a backend's streams: cuBLASLt algorithm choices per
 // shape. Created and destroyed by the backend.

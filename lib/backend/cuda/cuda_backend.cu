@@ -537,6 +537,7 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
   add(kRowKernels, kRowKernelCount);
   add(kLossKernels, kLossKernelCount);
   add(kAttentionKernels, kAttentionKernelCount);
+  add(kMoeKernels, kMoeKernelCount);
   *ctx = c.release();
   return &kIface;
 }
