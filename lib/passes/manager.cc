@@ -35,7 +35,7 @@ void run_expert(PassContext &c) { pass_expert(c.graph, c.opt); }
 void run_autodiff(PassContext &c) { pass_autodiff(c.graph); }
 void run_recompute(PassContext &c) { pass_recompute(c.graph, c.opt); }
 void run_precision(PassContext &c) {
-  c.opt.precision = resolve_precision(c.opt.precision, c.has_kernel);
+  c.opt.precision = resolve_precision(c.graph, c.opt.precision, c.has_kernel);
   c.precision = pass_precision(c.graph, c.opt.precision);
 }
 void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }

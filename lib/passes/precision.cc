@@ -15,7 +15,8 @@
 // for statistics and parameter gradients.
 //
 // "auto" (the default) means bf16 where the backend has bf16 kernels (it has a
-// kernel for `cast`) and f32 otherwise; the CPU backend computes in f32 only.
+// kernel for `cast`) and f32 otherwise (the CPU backend computes in f32 only),
+// and f32 for graphs with mixture-of-experts layers.
 // Collectives move f32 parameters and gradients only, so the pass runs before
 // shard: the gathers shard inserts feed the casts. Mixture-of-experts layers
 // (their token exchanges move f32 rows) stay f32 as a whole: the pass refuses
@@ -30,8 +31,11 @@
 #include "passes/passes.h"
 
 namespace ctr {
-std::string resolve_precision(const std::string &option, const std::function<bool(OpId)> &has_kernel) {
+std::string resolve_precision(const Graph &g, const std::string &option,
+                              const std::function<bool(OpId)> &has_kernel) {
   if (option != "auto") return option;
+  for (const Node &n : g.nodes)
+    if (n.op.rfind("moe_", 0) == 0) return "fp32";
   const OpDef *cast = find_op("cast");
   return cast && has_kernel && has_kernel(cast->id) ? "bf16" : "fp32";
 }

@@ -920,6 +920,21 @@ TEST(Precision, Bf16StorageKeepsAccumulationInF32) {
       EXPECT_NE(n.op, "cast");
     }
   }
+  {
+    // Mixture-of-experts graphs stay f32 under auto, even where bf16 kernels exist.
+    Opts mo;
+    mo.i("layers", 1).i("dim", 16).i("heads", 2).i("vocab", 11).i("seq", 6).i("experts", 2).i("ffn_dim", 8);
+    ctr_graph *moe = preset("moe", mo);
+    Graph g = moe->graph;
+    ctr_graph_free(moe);
+    ctr::CompileOptions o;
+    ctr::PassContext ctx(g, o, [](ctr::OpId) { return true; });
+    ctr::run_passes(ctx, "precision");
+    EXPECT_EQ(ctx.opt.precision, "fp32");
+    for (const ctr::Tensor &x : g.tensors) {
+      EXPECT_NE(x.dtype, CTR_DTYPE_BF16) << x.name;
+    }
+  }
   Opts go;
   go.i("layers", 1).i("dim", 16).i("heads", 2).i("vocab", 11).i("seq", 6);
   ctr_graph *graph = preset("gpt", go);
