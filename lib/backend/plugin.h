@@ -152,6 +152,127 @@ typedef const ctr_backend_iface *(*ctr_backend_plugin_init_fn)(uint32_t abi, con
                                                                void **ctx, char *err,
                                                                size_t err_size);
 
+/* ------------------------------------------------------------------------
+ * Device communicators (optional): collectives between ranks over the
+ * backend's own memory (NCCL for the CUDA backend), so a collective needs no
+ * copy through the host.
+ *
+ * A plugin that has them exports a second entry point
+ *
+ *   const ctr_device_comm_iface *ctr_device_comm_plugin_init(uint32_t abi, char *err,
+ *                                                            size_t err_size);
+ *
+ * returning NULL (with a message in err) when it cannot make them here (the
+ * communication library does not load). A second entry point rather than new
+ * slots in ctr_backend_iface: the backend table, its ABI (2) and every plugin
+ * written against it stay as they are, a plugin without device communicators
+ * simply lacks the symbol, and the two tables version independently
+ * (CTR_DEVICE_COMM_ABI). Every function takes the backend context the backend
+ * plugin's init returned (a communicator orders its work after that backend's
+ * stream 0), so both tables must come from the same library.
+ *
+ * Creation: member 0 of a group makes an id (unique_id) that the caller carries
+ * to every member (libctr: through the rendezvous store); each member then calls
+ * comm_create with it, its rank in the group and the group's size.
+ *
+ * Ops take device addresses of the backend's memory and return a work handle
+ * at once, or NULL with a message in err. The work is ordered after everything
+ * queued on the backend's stream 0 when the op is called; the caller must not
+ * reuse the buffers before the work is waited on. Ops on one communicator are
+ * issued in the same order on every member. A work handle is released by wait,
+ * whatever its outcome. Ops and wait may be called from different threads;
+ * one communicator serializes its own calls.
+ *
+ * Failures: wait has a deadline. On timeout, or when the library reports an
+ * asynchronous error (a peer failed), the communicator is aborted and wait
+ * returns CTR_DEVICE_COMM_TIMEOUT or CTR_DEVICE_COMM_FAILED with a message
+ * naming the collective and the library's error; every later op fails at once.
+ */
+
+/* Bumped whenever ctr_device_comm_iface or ctr_device_coll change layout or meaning. */
+#define CTR_DEVICE_COMM_ABI 1
+/* Upper bound of a unique id's size in bytes. */
+#define CTR_DEVICE_COMM_ID_MAX 512
+
+/* Results of wait (and comm_create). */
+#define CTR_DEVICE_COMM_OK 0
+#define CTR_DEVICE_COMM_FAILED (-1)
+#define CTR_DEVICE_COMM_TIMEOUT (-2)
+
+/* Reductions (the values of libctr's ReduceOp). */
+#define CTR_DEVICE_REDUCE_SUM 0
+#define CTR_DEVICE_REDUCE_AVG 1
+#define CTR_DEVICE_REDUCE_MAX 2
+#define CTR_DEVICE_REDUCE_MIN 3
+
+/* Kinds of ctr_device_coll. */
+#define CTR_DEVICE_COLL_ALL_GATHER 0
+#define CTR_DEVICE_COLL_REDUCE_SCATTER 1
+#define CTR_DEVICE_COLL_ALL_REDUCE 2
+
+typedef struct ctr_device_comm ctr_device_comm;
+typedef struct ctr_device_work ctr_device_work;
+
+/* One collective of a batch. count: all_gather, bytes per member;
+ * reduce_scatter, elements of the result (send holds nranks * count);
+ * all_reduce, elements. */
+typedef struct ctr_device_coll {
+  int32_t kind;          /* CTR_DEVICE_COLL_* */
+  const void *send;
+  void *recv;
+  size_t count;
+} ctr_device_coll;
+
+typedef struct ctr_device_comm_iface {
+  uint32_t size;         /* sizeof(ctr_device_comm_iface) of the plugin */
+  uint32_t abi;          /* CTR_DEVICE_COMM_ABI of the plugin */
+  const char *name;      /* the transport's name ("nccl") */
+
+  /* Writes a new unique id into buf (capacity *len on entry, its size on
+   * return). 0 on success. */
+  int (*unique_id)(void *backend_ctx, char *buf, size_t *len, char *err, size_t err_size);
+  /* Joins the communicator of `id` as member `rank` of `nranks`, waiting at
+   * most timeout_ms for the others. CTR_DEVICE_COMM_OK with *comm set, or
+   * CTR_DEVICE_COMM_FAILED / _TIMEOUT with *comm untouched. */
+  int (*comm_create)(void *backend_ctx, const char *id, size_t len, int rank, int nranks,
+                     int64_t timeout_ms, ctr_device_comm **comm, char *err, size_t err_size);
+
+  /* recv[nranks * bytes] receives every member's send[bytes], in rank order. */
+  ctr_device_work *(*all_gather)(ctr_device_comm *comm, const void *send, void *recv, size_t bytes,
+                                 char *err, size_t err_size);
+  /* dtype: CTR_DTYPE_F32, F64, I32, I64 or BF16 (ctr.h); op: CTR_DEVICE_REDUCE_*.
+   * send holds nranks * count elements; recv[count] gets block `rank` reduced. */
+  ctr_device_work *(*reduce_scatter)(ctr_device_comm *comm, const void *send, void *recv, size_t count,
+                                     int32_t dtype, int32_t op, char *err, size_t err_size);
+  /* recv[count] = reduction of every member's send[count]; send == recv allowed. */
+  ctr_device_work *(*all_reduce)(ctr_device_comm *comm, const void *send, void *recv, size_t count,
+                                 int32_t dtype, int32_t op, char *err, size_t err_size);
+  /* To member j: send_counts[j] elements of elem_size bytes at send +
+   * send_displs[j] elements; from member j: recv_counts[j] at recv +
+   * recv_displs[j]. Grouped point-to-point sends and receives. */
+  ctr_device_work *(*all_to_all_v)(ctr_device_comm *comm, const void *send, const size_t *send_counts,
+                                   const size_t *send_displs, void *recv, const size_t *recv_counts,
+                                   const size_t *recv_displs, size_t elem_size, char *err, size_t err_size);
+  /* buf[bytes] of member root to every member. */
+  ctr_device_work *(*broadcast)(ctr_device_comm *comm, void *buf, size_t bytes, int root, char *err,
+                                size_t err_size);
+  /* Several collectives as one work (one group); reductions use dtype and op. */
+  ctr_device_work *(*batch)(ctr_device_comm *comm, const ctr_device_coll *colls, size_t n, int32_t dtype,
+                            int32_t op, char *err, size_t err_size);
+
+  /* 1 once the work is complete (it must still be waited on), else 0. */
+  int (*test)(ctr_device_comm *comm, ctr_device_work *work);
+  /* Waits at most timeout_ms (< 0: the timeout given to comm_create) and
+   * releases the work. CTR_DEVICE_COMM_OK, _FAILED or _TIMEOUT (see above). */
+  int (*wait)(ctr_device_comm *comm, ctr_device_work *work, int64_t timeout_ms, char *err, size_t err_size);
+  /* Ends the communicator (aborting it if it is broken or does not finish in
+   * its timeout); accepts NULL. No work of it may still be unwaited. */
+  void (*destroy)(ctr_device_comm *comm);
+} ctr_device_comm_iface;
+
+typedef const ctr_device_comm_iface *(*ctr_device_comm_plugin_init_fn)(uint32_t abi, char *err,
+                                                                       size_t err_size);
+
 #ifdef __cplusplus
 }
 #endif

@@ -42,6 +42,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backend/cuda/cuda_backend.h"
 #include "backend/host_worker.h"
 #include "backend/plugin.h"
 #include "cuda/common.cuh"
@@ -101,6 +102,8 @@ struct Cuda {
   ctr_adamw_segment *segments = nullptr;  // device copy of the AdamW segment table
   int64_t segments_cap = 0;
   std::mutex adamw_mu;
+  cudaStream_t comm_stream = nullptr;  // device communicators' stream (backend_comm_stream)
+  std::mutex comm_mu;
 
   // Runs fn on stream s: queued on the CUDA stream for 0 (fn enqueues), on the
   // worker otherwise (fn enqueues on the worker's stream, then waits for it).
@@ -414,6 +417,10 @@ void cu_destroy(void *ctx) {
   for (Event &ev : c->events)
     for (auto &e : ev.ring)
       if (e) cudaEventDestroy(e);
+  if (c->comm_stream) {
+    cudaStreamSynchronize(c->comm_stream);
+    cudaStreamDestroy(c->comm_stream);
+  }
   free_stream(c->s0);
   cudaFree(c->sum_scratch);
   cudaFree(c->segments);
@@ -463,6 +470,19 @@ int env_int(const char *name, int fallback) {
 }
 
 }  // namespace
+
+int backend_device(void *backend_ctx) { return C(backend_ctx).device; }
+cudaStream_t backend_stream0(void *backend_ctx) { return C(backend_ctx).s0.stream; }
+cudaStream_t backend_comm_stream(void *backend_ctx) {
+  Cuda &c = C(backend_ctx);
+  std::lock_guard<std::mutex> lock(c.comm_mu);
+  if (!c.comm_stream) {
+    use_device(c.device);
+    if (cudaStreamCreateWithFlags(&c.comm_stream, cudaStreamNonBlocking) != cudaSuccess) c.comm_stream = nullptr;
+  }
+  return c.comm_stream;
+}
+
 }  // namespace ctr::cuda
 
 extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_backend_plugin_init(
