@@ -240,8 +240,9 @@ ctr_status mesh_create(const ctr_options *options, ctr_mesh **out, bool from_env
               m->rank, m->world);
   // Set before any communication thread starts (a process-wide setting).
   if (has_comm_nice) ctr::set_comm_nice(static_cast<int>(comm_nice));
-  // The device's backend is checked first: a missing plugin fails before any
-  // rendezvous. Each step makes its own instance.
+  // The transport and the device's backend are checked first: a missing plugin
+  // fails before any rendezvous. Each step makes its own backend instance.
+  ctr::check_transport(m->transport, m->device);
   ctr::create_backend(m->device);
   if (m->world > 1) {
     rc.rank = m->rank;

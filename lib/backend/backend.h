@@ -23,6 +23,9 @@ using KernelFn = ctr_kernel_fn;
 struct Backend {
   const ctr_backend_iface *iface = nullptr;
   void *ctx = nullptr;
+  // The plugin's ctr_device_comm_plugin_init, or null when it has no device
+  // communicators (comm/device_comm.h).
+  ctr_device_comm_plugin_init_fn device_comm_init = nullptr;
   explicit operator bool() const { return iface != nullptr; }
 };
 

@@ -89,7 +89,11 @@ BackendHandle load_plugin(const std::string &device) {
                    "(%zu bytes)",
                    file.c_str(), iface->abi, iface->size, CTR_BACKEND_ABI, sizeof(ctr_backend_iface)));
   }
-  return own(Backend{iface, ctx}, lib);
+  // Optional: device communicators (plugin.h), asked for when a mesh's
+  // transport needs them.
+  auto comm_init =
+      reinterpret_cast<ctr_device_comm_plugin_init_fn>(::dlsym(lib, "ctr_device_comm_plugin_init"));
+  return own(Backend{iface, ctx, comm_init}, lib);
 }
 
 }  // namespace

@@ -12,8 +12,8 @@
 //
 // Implementations: lib/comm/ucx.cc moves host memory over UCP (TCP across
 // machines), and through a shared-memory segment (lib/comm/shm.cc) for a group
-// whose members all run on one host; a NCCL communicator for device memory
-// implements the same table.
+// whose members all run on one host; lib/comm/device_comm.cc wraps a backend
+// plugin's device communicators (NCCL, device memory) in the same table.
 #pragma once
 
 #include <cstddef>
@@ -188,8 +188,17 @@ bool ucx_available();
 // naming a transport this build lacks.
 Comm comm_create(const std::string &transport, Store &store, int rank, int world, int64_t timeout_ms);
 
-// Transports this build can create.
+// Transports this build can create ("nccl" where a device backend provides it).
 std::vector<std::string> comm_transports();
+
+// Checks a mesh's transport against its device: "nccl" needs device "cuda"
+// (CTR_STATUS_INVALID_OPTION naming both), a name this build lacks fails with
+// CTR_STATUS_UNSUPPORTED listing the available ones.
+void check_transport(const std::string &transport, const std::string &device);
+
+// The host transport of a mesh whose option is `transport`: device transports
+// ("nccl") keep UCX for the mesh's own communicators.
+std::string host_transport(const std::string &transport);
 
 // The world communicator over UCX; addresses are exchanged through the store.
 // timeout_ms is the default deadline of every wait.

@@ -22,6 +22,8 @@ struct Executor::Call {
   ctr_kernel_args args{};
 };
 
+using Clock = std::chrono::steady_clock;
+
 // A collective node: one entry per (input, output) pair; a bucket has several,
 // issued as one batch.
 struct Executor::Collective {
@@ -37,13 +39,17 @@ struct Executor::Collective {
   enum class Exchange { None, Dispatch, Combine, DispatchRows } exchange = Exchange::None;
   std::vector<ctr_tensor_ref> ins, outs;
   int64_t timeout_ms = -1;
+  // On a device communicator: issued on the calling thread, waited for on the
+  // comm stream (work: the issue in flight, null when none or it failed).
+  bool device = false;
+  CommWork *work = nullptr;
+  Clock::time_point issued{};
   // Host copies of the buffers when the backend's memory is not host memory.
   std::vector<std::vector<char>> host_in, host_out;
 };
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 int64_t ns_since(Clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
 }
@@ -62,7 +68,8 @@ ctr_tensor_ref make_ref(const Tensor &t, void *addr) {
 
 }  // namespace
 
-Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backend be, std::vector<void *> addr)
+Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backend be, std::vector<void *> addr,
+                   const CommSet *device)
     : g_(g), prog_(prog), mesh_(mesh), be_(be), addr_(std::move(addr)) {
   staged_ = (be_.iface->flags & CTR_BACKEND_DEVICE_MEMORY) != 0;
   const size_t nn = g.nodes.size();
@@ -108,6 +115,13 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
         for (size_t i = 0; i < n.outputs.size(); ++i) refs_of_[static_cast<size_t>(n.outputs[i])].push_back(&c->outs[i]);
         colls_[ni] = std::move(c);
         return;
+      }
+      // Expert exchanges (above) read row counts on the host, so they stay on
+      // the mesh's host communicator, staged; the rest go to a device
+      // communicator where the axis has one.
+      if (const Comm *dc = device ? device->find(n.attr_string("axis", "")) : nullptr) {
+        c->comm = *dc;
+        c->device = true;
       }
       if (n.attr_string("reduce", "avg") == "sum") c->reduce = ReduceOp::Sum;
       CTR_CHECK(!n.inputs.empty() && n.inputs.size() == n.outputs.size());
@@ -254,17 +268,76 @@ void Executor::run_collective(void *user) {
       for (size_t j = 0; j < c->dst.size(); ++j)
         bi->copy_h2d(ex.be_.ctx, c->dst[j].data, recv[j], recv_bytes(j), CTR_STREAM_SYNC);
   } catch (const Error &e) {
-    std::lock_guard<std::mutex> lock(ex.err_mu_);
-    ex.err_code_ = e.code();
-    ex.err_msg_ = strformat("%s '%s': %s", c->node->op.c_str(), c->node->name.c_str(), e.message().c_str());
-    ex.failed_.store(true, std::memory_order_release);
+    ex.note_failure(*c, e.code(), e.message());
   } catch (const std::exception &e) {
-    std::lock_guard<std::mutex> lock(ex.err_mu_);
-    ex.err_code_ = CTR_STATUS_COMM_ERROR;
-    ex.err_msg_ = strformat("%s '%s': %s", c->node->op.c_str(), c->node->name.c_str(), e.what());
-    ex.failed_.store(true, std::memory_order_release);
+    ex.note_failure(*c, CTR_STATUS_COMM_ERROR, e.what());
   }
   ex.comm_ns_ += ns_since(t0);
+}
+
+void Executor::note_failure(const Collective &c, ctr_status code, const std::string &msg) {
+  std::lock_guard<std::mutex> lock(err_mu_);
+  err_code_ = code;
+  err_msg_ = strformat("%s '%s': %s", c.node->op.c_str(), c.node->name.c_str(), msg.c_str());
+  failed_.store(true, std::memory_order_release);
+}
+
+// A collective on a device communicator, issued on the calling thread: the
+// communicator orders it after the kernels already queued on stream 0 (which
+// wrote its inputs), so nothing is staged and compute goes on meanwhile.
+void Executor::issue_device(Collective &c) {
+  c.work = nullptr;
+  // After a failure the communicator is broken: issue nothing more on it.
+  if (failed_.load(std::memory_order_acquire)) return;
+  c.issued = Clock::now();
+  try {
+    const CommIface *ci = c.comm.iface;
+    const CollectiveName name(strformat("%s '%s'", c.node->op.c_str(), c.node->name.c_str()));
+    if (c.src.size() > 1) {
+      std::vector<CollDesc> d(c.src.size());
+      for (size_t j = 0; j < d.size(); ++j) {
+        d[j].kind = c.kind;
+        d[j].send = c.src[j].data;
+        d[j].recv = c.dst[j].data;
+        d[j].count = c.count[j];
+      }
+      c.work = ci->batch(c.comm.ctx, d.data(), d.size(), CTR_DTYPE_F32, c.reduce);
+    } else {
+      switch (c.kind) {
+        case CollDesc::AllGather:
+          c.work = ci->all_gather(c.comm.ctx, c.src[0].data, c.dst[0].data, c.count[0]);
+          break;
+        case CollDesc::ReduceScatter:
+          c.work = ci->reduce_scatter(c.comm.ctx, c.src[0].data, c.dst[0].data, c.count[0], CTR_DTYPE_F32, c.reduce);
+          break;
+        case CollDesc::AllReduce:
+          c.work = ci->all_reduce(c.comm.ctx, c.src[0].data, c.dst[0].data, c.count[0], CTR_DTYPE_F32, c.reduce);
+          break;
+      }
+    }
+  } catch (const Error &e) {
+    note_failure(c, e.code(), e.message());
+  } catch (const std::exception &e) {
+    note_failure(c, CTR_STATUS_COMM_ERROR, e.what());
+  }
+  if (exit_countdown_.load() > 0 && --exit_countdown_ == 0) _exit(87);
+}
+
+// The comm stream's part of a device collective: wait for it with the mesh's
+// deadline, so that a record after it on the comm stream marks its completion.
+void Executor::wait_device(void *user) {
+  auto *c = static_cast<Collective *>(user);
+  Executor &ex = *c->ex;
+  CommWork *w = std::exchange(c->work, nullptr);
+  if (!w) return;
+  try {
+    c->comm.iface->wait(c->comm.ctx, w, c->timeout_ms);
+  } catch (const Error &e) {
+    ex.note_failure(*c, e.code(), e.message());
+  } catch (const std::exception &e) {
+    ex.note_failure(*c, CTR_STATUS_COMM_ERROR, e.what());
+  }
+  ex.comm_ns_ += ns_since(c->issued);
 }
 
 // An expert exchange over the ep group (P ranks, this one q): experts are in P
@@ -404,9 +477,16 @@ void Executor::issue(const std::vector<Instr> &list) {
         if (!c.skip) bi->launch(ctx, c.fn, &c.args, stream);
         break;
       }
-      case Instr::Collective:
-        bi->host_fn(ctx, stream, run_collective, colls_[static_cast<size_t>(in.node)].get());
+      case Instr::Collective: {
+        Collective *c = colls_[static_cast<size_t>(in.node)].get();
+        if (c->device) {
+          issue_device(*c);
+          bi->host_fn(ctx, stream, wait_device, c);
+        } else {
+          bi->host_fn(ctx, stream, run_collective, c);
+        }
         break;
+      }
       case Instr::Fill:
         bi->fill(ctx, static_cast<char *>(addr_[static_cast<size_t>(in.tensor)]) + in.offset, 0,
                  static_cast<size_t>(in.bytes), stream);

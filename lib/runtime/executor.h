@@ -7,7 +7,9 @@
 // backend's events. Running a phase is then a walk over an array of
 // instructions: kernels launch on stream 0, collectives are queued on the comm
 // stream as host work (issue, then wait with the mesh's deadline), events order
-// the two. A collective's failure (a dead or hung peer) is kept and raised on
+// the two. A collective on a device communicator (NCCL) is issued from the
+// calling thread at its place in the list, which orders it after the kernels
+// queued before it on the device itself; only its wait goes to the comm stream. A collective's failure (a dead or hung peer) is kept and raised on
 // the calling thread at the next wait on stream 0 or at the end of the phase,
 // naming the collective and the peer; collectives queued after it are skipped.
 #pragma once
@@ -21,6 +23,7 @@
 
 #include "backend/backend.h"
 #include "comm/comm.h"
+#include "comm/device_comm.h"
 #include "passes/passes.h"
 
 namespace ctr {
@@ -30,8 +33,11 @@ class Mesh;
 class Executor {
  public:
   // addr: the device address of every tensor (by id), null for tensors without
-  // storage. The executor keeps references to g, prog and mesh.
-  Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backend be, std::vector<void *> addr);
+  // storage. device: communicators over the backend's memory by axis (transport
+  // "nccl"), or null; graph collectives on those axes run there, unstaged. The
+  // executor keeps references to g, prog, mesh and device.
+  Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backend be, std::vector<void *> addr,
+           const CommSet *device = nullptr);
   ~Executor();
   Executor(const Executor &) = delete;
   Executor &operator=(const Executor &) = delete;
@@ -69,6 +75,9 @@ class Executor {
   struct Call;        // a kernel launch, resolved
   struct Collective;  // a collective, resolved
   static void run_collective(void *user);
+  void issue_device(Collective &c);
+  static void wait_device(void *user);
+  void note_failure(const Collective &c, ctr_status code, const std::string &msg);
   void issue(const std::vector<Instr> &list);
   void run_exchange(Collective &c);
   void exchange_rows(Collective &c, const std::vector<ctr_tensor_ref> &ins, const std::vector<ctr_tensor_ref> &outs);

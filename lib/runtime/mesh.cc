@@ -119,12 +119,41 @@ std::string Mesh::first_error(const std::string &err) const {
 
 void Mesh::connect(const RendezvousConfig &rc) {
   store = store_join(rc);
-  world_comm = comm_create(transport, *store, rank, world, timeout_ms);
+  world_comm = comm_create(host_transport(transport), *store, rank, world, timeout_ms);
   for (const auto &a : axes) axis_comm[a.first] = world_comm.iface->split(world_comm.ctx, axis_group(a.first));
   // The first heartbeat goes before the mesh is handed out, so rank 0 watches this
   // rank from the moment its host can use the mesh.
   async_error_ = store->heartbeat();
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
+}
+
+std::unique_ptr<CommSet> Mesh::device_comms(const Backend &be) const {
+  if (transport != "nccl" || world <= 1) return nullptr;
+  // Every rank learns whether all can: one rank without NCCL must not leave
+  // the others waiting for it in the store.
+  std::string why;
+  const ctr_device_comm_iface *di = nullptr;
+  try {
+    di = device_comm_iface(be, transport);
+  } catch (const Error &e) {
+    why = e.message();
+  }
+  why = first_error(why);
+  CTR_REQUIRE(why.empty(), CTR_STATUS_UNSUPPORTED, "mesh transport 'nccl': %s", why.c_str());
+  // Steps are created in the same order on every rank, so the count names
+  // this creation alike everywhere.
+  const uint64_t generation = device_generation_++;
+  auto set = std::make_unique<CommSet>();
+  for (const auto &a : axes) {
+    const std::vector<int> group = axis_group(a.first);
+    std::string members;
+    for (int r : group) members += (members.empty() ? "" : ",") + std::to_string(r);
+    const std::string key =
+        strformat("%s/%llu/%s/%s", transport.c_str(), static_cast<unsigned long long>(generation), a.first.c_str(),
+                  members.c_str());
+    set->add(a.first, device_comm_create(di, be, *store, key, group, rank, timeout_ms));
+  }
+  return set;
 }
 
 // Liveness: a heartbeat to rank 0 eight times per timeout. The reply carries the

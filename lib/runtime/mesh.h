@@ -19,6 +19,7 @@
 
 #include "backend/backend.h"
 #include "comm/comm.h"
+#include "comm/device_comm.h"
 
 namespace ctr {
 
@@ -83,14 +84,23 @@ class Mesh {
   std::string forensics(const std::string &failure) const;
 
   // Connects a multi-rank mesh: joins the rendezvous, creates the world
-  // communicator with the transport's factory and splits one per axis.
+  // communicator with the transport's factory and splits one per axis. With
+  // transport "nccl" these are UCX communicators (host_transport).
   void connect(const RendezvousConfig &rc);
+
+  // Transport "nccl" on several ranks: one device communicator per axis from
+  // the step's backend (comm/device_comm.h). Collective: every rank's step
+  // calls it in the same order. Fails on every rank with
+  // CTR_STATUS_UNSUPPORTED when any rank's backend has no device communicators
+  // or cannot load NCCL, naming why. Null for other transports and one rank.
+  std::unique_ptr<CommSet> device_comms(const Backend &be) const;
 
  private:
   void heartbeat_loop();
   void publish_flight() const;
 
   mutable std::atomic<bool> failed_{false};
+  mutable uint64_t device_generation_ = 0;  // device_comms calls so far (store keys)
   // The heartbeat thread (multi-rank meshes) and what it learnt.
   std::thread heartbeat_;
   mutable std::mutex hb_mu_;

@@ -172,6 +172,8 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   find_moe_layers();
   backend_ = create_backend(mesh.device);
   be_ = *backend_;
+  // Graph collectives then run on device memory, without staging.
+  device_comms_ = mesh.device_comms(be_);
   {
     const OpDef *cast = find_op("cast");
     CTR_REQUIRE(copt_.precision != "bf16" || (cast && backend_has_kernel(be_, cast->id)), CTR_STATUS_UNSUPPORTED,
@@ -286,7 +288,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   if (tokens_per_micro_ == 0 && !inputs_slots_.empty())
     tokens_per_micro_ = g_.tensors[inputs_slots_[0].tensor].numel();
 
-  exec_ = std::make_unique<Executor>(g_, prog_, mesh_, be_, std::move(addr));
+  exec_ = std::make_unique<Executor>(g_, prog_, mesh_, be_, std::move(addr), device_comms_.get());
   exec_->enable_graphs(graphs);
   ckpt_ = std::make_unique<Checkpointer>(mesh_, async_save_lag_);
   init_params(seed);
@@ -296,6 +298,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
 void Step::free_buffers() {
   ckpt_.reset();  // a background write ends; nothing is published
   exec_.reset();
+  device_comms_.reset();  // nothing of theirs is in flight once the executor is gone
   opt_.reset();
   for (void **p : {&arena_, &params_, &grads_, &inputs_, &consts_}) {
     if (*p) be_.iface->free(be_.ctx, *p);

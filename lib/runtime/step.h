@@ -16,6 +16,7 @@
 
 #include "backend/backend.h"
 #include "ckpt/checkpoint.h"
+#include "comm/device_comm.h"
 #include "passes/passes.h"
 #include "runtime/optimizer.h"
 
@@ -128,6 +129,8 @@ class Step : private CheckpointState {
   Program prog_;
   BackendHandle backend_;
   Backend be_;
+  // Transport "nccl": the device communicators of every axis, on be_.
+  std::unique_ptr<CommSet> device_comms_;
   void *arena_ = nullptr, *params_ = nullptr, *grads_ = nullptr, *inputs_ = nullptr, *consts_ = nullptr;
   void free_buffers();  // the executor, optimizer, checkpointer and every allocation
   std::unique_ptr<Executor> exec_;
