@@ -57,6 +57,8 @@ int main(int argc, char **argv) {
   /* The GPU suite runs the same programs on another device. */
   if (getenv("CTR_TEST_DEVICE") && *getenv("CTR_TEST_DEVICE"))
     CHECK(ctr_options_set_string(mo, "device", getenv("CTR_TEST_DEVICE")));
+  if (getenv("CTR_TEST_TRANSPORT") && *getenv("CTR_TEST_TRANSPORT"))
+    CHECK(ctr_options_set_string(mo, "transport", getenv("CTR_TEST_TRANSPORT")));
   CHECK(ctr_mesh_create_from_env(mo, &mesh));
   rank = ctr_mesh_rank(mesh);
   world = ctr_mesh_world_size(mesh);

@@ -10,10 +10,11 @@
 
 namespace {
 
-ctr_status mesh_on(const char *device, ctr_mesh **m) {
+ctr_status mesh_on(const char *device, ctr_mesh **m, const char *transport = nullptr) {
   ctr_options *o = nullptr;
   ctr_options_create(&o);
   ctr_options_set_string(o, "device", device);
+  if (transport) ctr_options_set_string(o, "transport", transport);
   ctr_status s = ctr_mesh_create(o, m);
   ctr_options_free(o);
   return s;
@@ -82,6 +83,45 @@ TEST(Plugin, CudaWithoutGpuSaysWhy) {
   EXPECT_NE(err.find("backend plugin libctr-cuda.so cannot serve device 'cuda': no usable GPU: "), std::string::npos)
       << err;
   EXPECT_NE(err.find("compute capability 8.0"), std::string::npos) << err;
+#else
+  EXPECT_NE(err.find("device 'cuda' needs the backend plugin libctr-cuda.so"), std::string::npos) << err;
+#endif
+  EXPECT_EQ(m, nullptr);
+}
+
+// Transport "nccl" moves CUDA device memory: with another device the mesh is
+// refused before any backend is loaded, naming both.
+TEST(Plugin, NcclNeedsDeviceCuda) {
+  ctr_mesh *m = nullptr;
+  EXPECT_EQ(mesh_on("cpu", &m, "nccl"), CTR_STATUS_INVALID_OPTION);
+  const std::string err = ctr_last_error();
+  EXPECT_NE(err.find("transport 'nccl'"), std::string::npos) << err;
+  EXPECT_NE(err.find("device 'cuda', not 'cpu'"), std::string::npos) << err;
+  EXPECT_EQ(m, nullptr);
+}
+
+TEST(Plugin, UnknownTransportListsTheAvailableOnes) {
+  ctr_mesh *m = nullptr;
+  EXPECT_EQ(mesh_on("cpu", &m, "nosuch"), CTR_STATUS_UNSUPPORTED);
+  const std::string err = ctr_last_error();
+  EXPECT_NE(err.find("transport 'nosuch' is not available in this build (available: "), std::string::npos) << err;
+  EXPECT_NE(err.find("nccl"), std::string::npos) << err;
+  EXPECT_EQ(m, nullptr);
+}
+
+// "nccl" with device "cuda" gets as far as the backend: without a GPU, the
+// plugin's reason (NCCL itself is only loaded when a step needs it).
+TEST(Plugin, NcclWithoutGpuSaysWhy) {
+  ctr_mesh *m = nullptr;
+  const ctr_status st = mesh_on("cuda", &m, "nccl");
+  if (st == CTR_STATUS_OK) {
+    ctr_mesh_free(m);
+    GTEST_SKIP() << "this machine has a usable GPU";
+  }
+  EXPECT_EQ(st, CTR_STATUS_UNSUPPORTED) << ctr_last_error();
+  const std::string err = ctr_last_error();
+#ifdef CTR_TEST_CUDA_PLUGIN
+  EXPECT_NE(err.find("no usable GPU"), std::string::npos) << err;
 #else
   EXPECT_NE(err.find("device 'cuda' needs the backend plugin libctr-cuda.so"), std::string::npos) << err;
 #endif
