@@ -137,7 +137,13 @@ typedef struct ctr_mesh ctr_mesh;
  *                     dlopen from CTR_PLUGIN_PATH or the library search path
  *   "transport" string  communicator between ranks: "ucx" (default). A group of
  *                     ranks on one host, in one network namespace, moves data
- *                     through a shared-memory segment; CTR_SHM=0 keeps it on UCX
+ *                     through a shared-memory segment; CTR_SHM=0 keeps it on UCX.
+ *                     "nccl" (device "cuda" only, else CTR_STATUS_INVALID_OPTION):
+ *                     steps run graph collectives with NCCL on device memory
+ *                     (one GPU per rank; libnccl.so.2 loaded at the first step,
+ *                     CTR_NCCL_PATH names its directory), the mesh keeps UCX for
+ *                     host-side work and expert exchanges. An unknown name fails
+ *                     with CTR_STATUS_UNSUPPORTED listing the available ones
  *   "rank"    int     this process's rank (default 0)
  *   "world"   int     number of ranks (default 1)
  *   "mesh"    string  axes as "dp=2,fsdp=4" (axes dp, fsdp, ep, tp, pp); product

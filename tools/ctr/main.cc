@@ -383,7 +383,7 @@ int cmd_graph_inspect(const InspectArgs &a) {
 // ctr run
 
 struct RunArgs {
-  std::string graph, data, schedule = "cosine", metrics, device, mesh;
+  std::string graph, data, schedule = "cosine", metrics, device, mesh, transport;
   std::string save_dir = "checkpoints", resume, export_safetensors, init_safetensors;
   int64_t save_every = 0, keep = 3, stop_after = 0;
   bool async_save = false;
@@ -392,7 +392,7 @@ struct RunArgs {
   double lr = 3e-4, min_lr = 0, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0;
   CLI::Option *seq_opt = nullptr, *min_lr_opt = nullptr, *beta1_opt = nullptr,
               *beta2_opt = nullptr, *threads_opt = nullptr, *device_opt = nullptr,
-              *mesh_opt = nullptr, *timeout_opt = nullptr;
+              *mesh_opt = nullptr, *timeout_opt = nullptr, *transport_opt = nullptr;
   double timeout = 60;
   std::string on_nonfinite = "stop";
   bool no_graphs = false;
@@ -619,6 +619,7 @@ int cmd_run(const RunArgs &a) {
   if (a.threads_opt->count() > 0) set_int(mesh_opts.get(), "threads", a.threads);
   if (a.device_opt->count() > 0) set_string(mesh_opts.get(), "device", a.device);
   if (a.mesh_opt->count() > 0) set_string(mesh_opts.get(), "mesh", a.mesh);
+  if (a.transport_opt->count() > 0) set_string(mesh_opts.get(), "transport", a.transport);
   if (a.timeout_opt->count() > 0) set_float(mesh_opts.get(), "timeout", a.timeout);
   ctr_mesh *raw_mesh = nullptr;
   check(ctr_mesh_create_from_env(mesh_opts.get(), &raw_mesh));
@@ -1205,6 +1206,9 @@ int run_main(int argc, char **argv) {
                         ->check(kPositive);
   run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default), or a backend plugin's device such as cuda (libctr-DEVICE.so)");
   run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4");
+  run.transport_opt = run_cmd->add_option(
+      "--transport", run.transport,
+      "Communicator between ranks: ucx (default), or nccl with --device cuda (collectives on device memory)");
   run_cmd->add_flag("--no-graphs", run.no_graphs,
                     "Launch every kernel each step instead of replaying the step as a captured graph "
                     "(CUDA graphs; the CPU backend always launches)");
