@@ -86,7 +86,7 @@ constexpr size_t kMaxPending = 64;
 // Refusals printed to stderr before the rest are only counted.
 constexpr int kRefusalsShown = 10;
 // The admission protocol; a peer speaking another is refused by name.
-constexpr char kProtocol[] = "ctr-rendezvous/2";
+constexpr char kProtocol[] = "ctr-rendezvous/3";
 constexpr uint32_t kMaxFrame = 256u << 20;
 // Longer timeouts mean "forever"; capped so that now + timeout cannot overflow.
 constexpr int64_t kMaxTimeoutMs = int64_t{1} << 40;
@@ -711,12 +711,15 @@ class StoreServer {
         return;
       }
       case Req::Join: {
+        // The time left to the rank, and its whole join timeout (what the
+        // message names: connecting and admission took the difference).
         int64_t timeout = r.i64();
+        int64_t whole = r.i64();
         if (!check(c, r)) return;
         if (joined_ == cfg_.world) {
           send(c, ok_reply());
         } else {
-          join_waiters_.push_back({id, deadline_in(timeout), timeout});
+          join_waiters_.push_back({id, deadline_in(timeout), std::max(timeout, whole)});
         }
         return;
       }
@@ -957,7 +960,7 @@ class TcpStore final : public Store {
       backoff_ms = std::min<int64_t>(backoff_ms * 2, 250);
     }
     int64_t left = ms_until(deadline);
-    request(Writer(static_cast<uint8_t>(Req::Join)).i64(left).take(),
+    request(Writer(static_cast<uint8_t>(Req::Join)).i64(left).i64(cfg_.timeout_ms).take(),
             Clock::now() + std::chrono::milliseconds(left + kReplyGraceMs), "join");
   }
 

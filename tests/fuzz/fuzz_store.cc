@@ -51,7 +51,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr const char *kToken = "fuzz-token";
-constexpr const char *kProtocol = "ctr-rendezvous/2";  // as lib/comm/store.cc speaks
+constexpr const char *kProtocol = "ctr-rendezvous/3";  // as lib/comm/store.cc speaks
 constexpr int kWorld = 3;
 // How long the store may take to answer the harness at any point before it
 // counts as stuck; below libFuzzer's -timeout, so that the finding names itself.

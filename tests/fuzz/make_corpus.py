@@ -307,7 +307,7 @@ def checkpoint(build, out):
 # (strings are a u32 length and bytes, integers little-endian i64).
 
 HELLO, JOIN, SET, GET, ADD, BARRIER, PROOF, HEARTBEAT, FAILURE = 1, 2, 3, 4, 5, 6, 7, 8, 9
-PROTOCOL = b"ctr-rendezvous/2"  # as lib/comm/store.cc speaks
+PROTOCOL = b"ctr-rendezvous/3"  # as lib/comm/store.cc speaks
 WORLD = 3  # as in fuzz_store.cc
 # The first byte of a seed: who sends the rest (see fuzz_store.cc).
 STRANGER, RANK1 = b"\x00", b"\x01"
@@ -357,7 +357,7 @@ def store(out):
         "garbage": bytes(range(256)),
     }
     rank1 = {
-        "session": req(JOIN, i64(1000)) + req(SET, s(b"key"), s(b"value")) +
+        "session": req(JOIN, i64(1000), i64(1000)) + req(SET, s(b"key"), s(b"value")) +
                    req(GET, s(b"key"), i64(100)) + req(ADD, s(b"count"), i64(5)) +
                    req(ADD, s(b"count"), i64(-2)) + req(GET, s(b"count"), i64(100)),
         "heartbeats": req(HEARTBEAT) + req(HEARTBEAT) + req(HEARTBEAT, i64(1)),
@@ -374,7 +374,7 @@ def store(out):
         "proof_again": req(PROOF, s(b"x" * 32)),
         "unknown_request": req(99, i64(0)),
         "set_string_overruns": req(SET, struct.pack("<I", 1000) + b"short"),
-        "trailing_bytes": req(JOIN, i64(10) + b"extra"),
+        "trailing_bytes": req(JOIN, i64(10), i64(10) + b"extra"),
         "length_over_limit": struct.pack("<I", (256 << 20) + 1) + bytes([SET]),
         "empty_frame": frame(b""),
         "garbage": bytes(range(256)),

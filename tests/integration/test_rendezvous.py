@@ -18,7 +18,7 @@ import time
 
 CTR = os.path.abspath(sys.argv[1])
 BINDING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bindings", "python")
-PROTOCOL = b"ctr-rendezvous/2"
+PROTOCOL = b"ctr-rendezvous/3"
 failures = []
 
 
@@ -348,7 +348,7 @@ def forged_address_from_a_stranger():
     check(body is not None and body[0] == 0, f"tokenless HELLO refused: {error_text(body)}")
     s.sendall(frame(b"\x07" + s_(b"")))
     check(error_text(read_frame(s)) is None, "tokenless proof refused")
-    s.sendall(frame(b"\x02" + struct.pack("<q", 5000)))
+    s.sendall(frame(b"\x02" + struct.pack("<qq", 5000, 5000)))
     check(error_text(read_frame(s)) is None, "join refused")
     for key, value in ((b"ucx/0/host/1", b"elsewhere\n1\n1"), (b"ucx/0/addr/1", os.urandom(200))):
         s.sendall(frame(b"\x03" + s_(key) + s_(value)))
