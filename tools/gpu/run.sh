@@ -26,6 +26,14 @@ if [ -z "$cublas_dir" ]; then
       ls "$d"/libcublasLt.so.13* >/dev/null 2>&1 && cublas_dir=$d && break
   done
 fi
+# NCCL (transport nccl) is loaded by the plugin at run time: the CUDA
+# installation's, else PyTorch's nvidia-nccl wheel, unless CTR_NCCL_PATH is set.
+if [ -z "${CTR_NCCL_PATH:-}" ] && ! ls "${CUDA_HOME:-/usr/local/cuda}"/lib64/libnccl.so.2* >/dev/null 2>&1; then
+  for py in python3 /usr/bin/python3; do
+    d=$($py -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null) &&
+      ls "$d"/libnccl.so.2* >/dev/null 2>&1 && CTR_NCCL_PATH=$d && export CTR_NCCL_PATH && break
+  done
+fi
 LD_LIBRARY_PATH="$here/lib${cublas_dir:+:$cublas_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 UCX_MODULE_DIR="$here/lib/ucx"
 CTR_PLUGIN_PATH="$here/lib"
@@ -42,6 +50,7 @@ fi
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "bundle commit: $(cat "$here/COMMIT")"
   echo "cuBLASLt from: ${cublas_dir:-not found}"
+  echo "NCCL from: ${CTR_NCCL_PATH:-the CUDA installation or the library path}"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
   run "$here/bin/ctr" version 2>&1
 } > "$report/env.txt"
