@@ -250,6 +250,9 @@ struct Coll {
   int lost = -1;  // a member found failed while this was in flight (world rank)
   TimePoint lost_at{};
   bool retired = false;  // finished; the progress thread lets go at the end of its pass
+  // Retired with receives UCP still holds (their sender's process exited
+  // mid-message): the progress thread keeps its reference for good.
+  bool orphaned = false;
   ctr_status pending_code = CTR_STATUS_OK;  // a failure seen in a UCP callback, acted on later
   std::string pending_error;
   TimePoint fail_at{};
@@ -471,6 +474,7 @@ struct Peer {
   Transport *t = nullptr;
   int rank = -1;
   int pidfd = -1;  // a peer on this host: readable once its process has exited
+  bool exited = false;  // its pidfd said so: nothing more can come from it
   bool silent = false;  // a collective timed out waiting for it (stopped or hung)
 };
 
@@ -1130,7 +1134,7 @@ void Transport::loop() {
         flight_end(c, c->code == CTR_STATUS_OK);
       }
       c->cv.notify_all();
-      release(c);
+      if (!c->orphaned) release(c);
     }
     retired_.clear();
     if (stopping) {
@@ -1205,6 +1209,7 @@ void Transport::watch_peers(int timeout_ms) {
     if (p.failed != UCS_OK) continue;
     p.failed = UCS_ERR_CONNECTION_RESET;
     p.why = "its process exited";
+    p.exited = true;
     newly_failed_.push_back(p.rank);
     mark_down(p.rank, p.why);
   }
@@ -1435,6 +1440,27 @@ void Transport::enforce_deadlines(TimePoint now) {
     }
   }
   handle_failed_peers();
+  // A transfer with a peer whose process exited in the middle of it (a receive
+  // it had begun to send, a send to it) is neither completed nor cancelled by
+  // UCP, even once the endpoint is closed by force. After the grace that
+  // follows the failure and the forced closes, nothing more moves for it: the
+  // collective is handed back to its waiter with its error, and the Coll is
+  // kept, never freed, since UCP still holds those requests.
+  std::vector<Coll *> stuck;
+  for (Coll *c : active_) {
+    if (!c->failing || now < c->fail_at + std::chrono::milliseconds(2 * kFailGraceMs)) continue;
+    bool any = false, only_dead = true;
+    for (const Op &op : c->ops) {
+      if (op.state != Op::kPosted) continue;
+      any = true;
+      if (!peers_[c->group->members[op.peer]].exited) only_dead = false;
+    }
+    if (any && only_dead) stuck.push_back(c);
+  }
+  for (Coll *c : stuck) {
+    c->orphaned = true;
+    finish(c);
+  }
 }
 
 void Transport::close_ep(int rank, bool force) {
