@@ -128,7 +128,7 @@ ctr_slice_params slice_of(const Graph &g, const Node &n, const std::vector<int64
   p.size = size;
   p.start = start;
   p.step = step;
-  p.len = end > start ? (end - start + step - 1) / step : 0;
+  p.len = end > start ? (end - start - 1) / step + 1 : 0;  // no overflow for a huge step
   return p;
 }
 
