@@ -250,8 +250,9 @@ struct Coll {
   int lost = -1;  // a member found failed while this was in flight (world rank)
   TimePoint lost_at{};
   bool retired = false;  // finished; the progress thread lets go at the end of its pass
-  // Retired with receives UCP still holds (their sender's process exited
-  // mid-message): the progress thread keeps its reference for good.
+  // Retired with transfers UCP still holds (their peer's process exited
+  // mid-transfer): the progress thread keeps its reference until the worker
+  // is destroyed.
   bool orphaned = false;
   ctr_status pending_code = CTR_STATUS_OK;  // a failure seen in a UCP callback, acted on later
   std::string pending_error;
@@ -601,6 +602,7 @@ class Transport {
   std::vector<Coll *> active_;
   std::vector<Coll *> dirty_;
   std::vector<Coll *> retired_;
+  std::vector<Coll *> orphans_;  // retired with requests UCP still holds; freed after the worker
   std::vector<int> newly_failed_;
   std::vector<void *> closing_;  // ep close requests of forced closes
 };
@@ -1134,7 +1136,10 @@ void Transport::loop() {
         flight_end(c, c->code == CTR_STATUS_OK);
       }
       c->cv.notify_all();
-      if (!c->orphaned) release(c);
+      if (c->orphaned)
+        orphans_.push_back(c);
+      else
+        release(c);
     }
     retired_.clear();
     if (stopping) {
@@ -1445,7 +1450,7 @@ void Transport::enforce_deadlines(TimePoint now) {
   // UCP, even once the endpoint is closed by force. After the grace that
   // follows the failure and the forced closes, nothing more moves for it: the
   // collective is handed back to its waiter with its error, and the Coll is
-  // kept, never freed, since UCP still holds those requests.
+  // kept until the worker is destroyed, since UCP still holds those requests.
   std::vector<Coll *> stuck;
   for (Coll *c : active_) {
     if (!c->failing || now < c->fail_at + std::chrono::milliseconds(2 * kFailGraceMs)) continue;
@@ -1532,6 +1537,9 @@ void Transport::shutdown() {
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
   }
+  // UCP holds nothing of them any more.
+  for (Coll *c : orphans_) release(c);
+  orphans_.clear();
   for (Peer &p : peers_) {
     if (p.pidfd >= 0) ::close(p.pidfd);
     p.pidfd = -1;
