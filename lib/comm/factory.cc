@@ -30,6 +30,15 @@ std::vector<std::string> comm_transports() {
   return out;
 }
 
+namespace {
+[[noreturn]] void unknown_transport(const std::string &transport) {
+  std::string list;
+  for (const auto &t : comm_transports()) list += (list.empty() ? "" : ", ") + t;
+  fail(CTR_STATUS_UNSUPPORTED, strformat("mesh: transport '%s' is not available in this build (available: %s)",
+                                         transport.c_str(), list.empty() ? "none" : list.c_str()));
+}
+}  // namespace
+
 void check_transport(const std::string &transport, const std::string &device) {
   if (transport == "nccl") {
     CTR_REQUIRE(device == "cuda", CTR_STATUS_INVALID_OPTION,
@@ -38,10 +47,7 @@ void check_transport(const std::string &transport, const std::string &device) {
     return;
   }
   if (transport == "ucx") return;  // a single rank needs no communicator; connect checks the build
-  std::string list;
-  for (const auto &t : comm_transports()) list += (list.empty() ? "" : ", ") + t;
-  fail(CTR_STATUS_UNSUPPORTED, strformat("mesh: transport '%s' is not available in this build (available: %s)",
-                                         transport.c_str(), list.c_str()));
+  unknown_transport(transport);
 }
 
 std::string host_transport(const std::string &transport) { return transport == "nccl" ? "ucx" : transport; }
@@ -54,10 +60,7 @@ Comm comm_create(const std::string &transport, Store &store, int rank, int world
                 world);
     return ucx_comm_create(store, rank, world, timeout_ms);
   }
-  std::string list;
-  for (const auto &t : comm_transports()) list += (list.empty() ? "" : ", ") + t;
-  fail(CTR_STATUS_UNSUPPORTED, strformat("mesh: transport '%s' is not available in this build (available: %s)",
-                                         transport.c_str(), list.empty() ? "none" : list.c_str()));
+  unknown_transport(transport);
 }
 
 }  // namespace ctr
