@@ -286,7 +286,9 @@ typedef struct ctr_step ctr_step;
  *                            the parameters and optimizer state are not updated;
  *                            metrics.skipped_steps counts such steps
  *   "reshard_after_forward" int  free gathered parameters after forward and gather
- *                            them again for backward (1); 0 keeps them
+ *                            them again for backward: 1 (default) every block's but
+ *                            the last one's and the head's, which backward reads
+ *                            first; 2 every one; 0 none (all stay gathered)
  *   "keep" string            comma-separated forward tensors to keep readable with
  *                            ctr_step_get_output (e.g. "logits")
  *   "async_save" int         ctr_step_save writes in the background (0)

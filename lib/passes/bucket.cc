@@ -101,12 +101,29 @@ void bucket_phase(Graph &g, int begin, int end, const CompileOptions &opt, std::
     group_of[ni] = gi;
   }
 
-  // Merged nodes, placed at the earliest (gathers) or latest (reductions) member.
-  std::map<int, Node> merged_at;
+  // Merged nodes: a gather goes before its earliest member; a reduction after
+  // its latest member and after every collective it reads (an all-reduce merged
+  // over several reduce-scatters may read one merged later than itself), and,
+  // at one position, behind the merged reductions it reads.
+  struct Merged {
+    Node node;
+    int at = 0;     // comes out right after the node at this position
+    int depth = 0;  // merged reductions it reads at the same position, in a chain
+  };
+  std::vector<Merged> reductions;
+  std::map<int, size_t> reduction_of;  // member -> its merged reduction
+  std::map<int, Node> merged_before;
   std::set<int> dropped;
   for (const std::vector<int> &members : groups) {
-    if (members.size() < 2) continue;
     const Node &first = g.nodes[members.front()];
+    if (members.size() < 2) {
+      // A lone reduction behind a merged one moves with it.
+      if (first.op == "all_gather" || !coll_of_output.count(first.inputs[0])) continue;
+      reduction_of[members.front()] = reductions.size();
+      reductions.push_back({first, members.front(), 0});
+      dropped.insert(members.front());
+      continue;
+    }
     Node m;
     m.op = first.op;
     m.name = strformat("bucket.%s.%s", first.op.c_str(), first.name.c_str());
@@ -119,16 +136,47 @@ void bucket_phase(Graph &g, int begin, int end, const CompileOptions &opt, std::
       m.outputs.push_back(g.nodes[ni].outputs[0]);
       dropped.insert(ni);
     }
-    const int at = first.op == "all_gather" ? members.front() : members.back();
-    merged_at[at] = std::move(m);
-  }
-  for (int ni = begin; ni < end; ++ni) {
-    auto it = merged_at.find(ni);
-    if (it != merged_at.end()) {
-      out.push_back(std::move(it->second));
-    } else if (!dropped.count(ni)) {
-      out.push_back(std::move(g.nodes[ni]));
+    if (first.op == "all_gather") {
+      merged_before[members.front()] = std::move(m);
+      continue;
     }
+    for (int ni : members) reduction_of[ni] = reductions.size();
+    reductions.push_back({std::move(m), members.back(), 0});
+  }
+  // Positions settle in at most one round per merged reduction (chains are short).
+  for (size_t round = 0; round <= reductions.size(); ++round) {
+    bool moved = false;
+    for (Merged &r : reductions) {
+      int at = r.at, depth = 0;
+      std::vector<std::pair<int, int>> reads;  // (position, depth + 1 or 0) of what it reads
+      for (int in : r.node.inputs) {
+        auto c = coll_of_output.find(in);
+        if (c == coll_of_output.end()) continue;
+        auto h = reduction_of.find(c->second);
+        if (h == reduction_of.end()) {
+          reads.emplace_back(c->second, 0);
+        } else {
+          reads.emplace_back(reductions[h->second].at, reductions[h->second].depth + 1);
+        }
+      }
+      for (auto [p, d] : reads) at = std::max(at, p);
+      for (auto [p, d] : reads)
+        if (p == at) depth = std::max(depth, d);
+      moved |= at != r.at || depth != r.depth;
+      r.at = at;
+      r.depth = depth;
+    }
+    if (!moved) break;
+  }
+  std::map<int, std::vector<Merged *>> after;
+  for (Merged &r : reductions) after[r.at].push_back(&r);
+  for (auto &[at, list] : after)
+    std::stable_sort(list.begin(), list.end(), [](const Merged *a, const Merged *b) { return a->depth < b->depth; });
+  for (int ni = begin; ni < end; ++ni) {
+    if (auto it = merged_before.find(ni); it != merged_before.end()) out.push_back(std::move(it->second));
+    if (!dropped.count(ni)) out.push_back(std::move(g.nodes[ni]));
+    if (auto it = after.find(ni); it != after.end())
+      for (Merged *r : it->second) out.push_back(std::move(r->node));
   }
 }
 

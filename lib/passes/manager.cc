@@ -20,7 +20,7 @@ void read_shapes(OptionReader &r, CompileOptions &o) {
 }
 
 void read_shard(OptionReader &r, CompileOptions &o) {
-  o.reshard_after_forward = r.get_int("reshard_after_forward", 1, 0, 1) != 0;
+  o.reshard_after_forward = static_cast<int>(r.get_int("reshard_after_forward", 1, 0, 2));
 }
 
 void read_lower(OptionReader &r, CompileOptions &o) { o.overlap = r.get_int("overlap", 1, 0, 1) != 0; }

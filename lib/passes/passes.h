@@ -37,7 +37,10 @@ struct CompileOptions {
   int64_t seq = 0;            // binds "seq"; 0 = the graph's maximum
   int64_t micro_batches = 1;  // gradient accumulation steps
   bool fuse = true;           // fuse: exported primitive patterns -> fused ops
-  bool reshard_after_forward = true;
+  // shard: 0 keeps every gathered parameter from forward to backward; 1 frees them
+  // after forward except those of the last block and the head, which backward
+  // reads first; 2 frees every one and gathers it again for backward.
+  int reshard_after_forward = 1;
   int64_t prefetch = 1;         // reorder: all-gathers issued this many segments ahead
   bool defer_reduce = true;     // reorder: reduce-scatters behind the next segment's compute
   int64_t memory_budget = 0;    // reorder: bound on the planned arena in bytes (0 = none)
@@ -182,8 +185,8 @@ std::string resolve_precision(const Graph &g, const std::string &option,
 
 // shard.cc: places parameters on the mesh: each param is cut on dim 0 into `fsdp`
 // shards of equal (padded) row count and this rank keeps its shard. An
-// all_gather node rebuilds the full param before its first forward use and, with
-// reshard_after_forward, again before its first backward use. The full gradient
+// all_gather node rebuilds the full param before its first forward use and, when
+// reshard_after_forward frees it after forward, again before its first backward use. The full gradient
 // is reduce-scattered back to the shard (averaged over fsdp) and all-reduced over
 // dp. Collectives are ordinary nodes with attribute "axis". No-op on one rank.
 void pass_shard(Graph &g, const CompileOptions &opt);

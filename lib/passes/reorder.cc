@@ -11,8 +11,9 @@
 //   block i computes (forward and backward alike). prefetch 0 keeps the shard
 //   pass's placement.
 // - With defer_reduce, a gradient's reduce-scatter (and the all-reduce that
-//   follows it) moves to the end of the next segment, so the comm stream carries
-//   the next gathers first, which compute is waiting for.
+//   follows it) moves to the end of the next segment when that segment issues
+//   gathers, so the comm stream carries those first, which compute is
+//   waiting for; past the last gathers it is issued as soon as its gradient is.
 // - memory_budget (bytes, 0 = none) bounds the planned activation arena: the
 //   pass plans the schedule it would make (lower and plan_memory on the
 //   reordered nodes) and, while the plan is over the budget, tries shallower
@@ -26,7 +27,9 @@
 // the same for every setting.
 
 #include <algorithm>
+#include <functional>
 #include <map>
+#include <set>
 
 #include "core/options.h"
 #include "core/status.h"
@@ -48,14 +51,23 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
   std::vector<std::vector<int>> gathers_now(nseg);  // for segment s, issued at its start
   std::vector<std::vector<int>> gathers_at(nseg);   // for a later segment, issued at the start of s
   std::vector<std::vector<int>> reduces_after(nseg);  // issued at the end of segment s
+  std::vector<int> gathers_in(nseg);                  // gathers issued within segment s
   std::map<int, std::vector<int>> after_node;      // collectives kept right after a compute node
   std::map<int, std::vector<int>> before_node;     // collectives kept right before a compute node
-  // A reduction chain: a collective reading another collective's output stays
-  // right behind it.
-  std::map<int, int> chain_head;  // collective node -> the node it follows
-  std::map<int, std::vector<int>> chained;
+  // A reduction chain: a collective reading other collectives' outputs (an
+  // all-reduce behind reduce-scatters; merged by bucket, behind several) is
+  // issued right behind the last of them to be issued, and behind the compute
+  // node producing any other input it has.
+  std::map<int, std::vector<int>> dependents;  // node -> chained collectives reading it
+  std::map<int, int> missing;                  // chained collective -> its nodes not yet out
   std::map<int, int> coll_of_output;
+  std::vector<std::pair<int, int>> reductions;  // (reduce-scatter or all-reduce, its producer)
 
+  // Every collective's outputs first: a merged reduction may come before a
+  // collective it reads (bucket places each at its latest member).
+  for (int ni = begin; ni < end; ++ni)
+    if (is_collective(g.nodes[ni].op))
+      for (int o : g.nodes[ni].outputs) coll_of_output[o] = ni;
   for (int ni = begin; ni < end; ++ni) {
     const Node &n = g.nodes[ni];
     if (!is_collective(n.op)) continue;
@@ -69,19 +81,21 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
       after_node[prod].push_back(ni);
       continue;
     }
-    // A collective reading another's output (an all-reduce behind a
-    // reduce-scatter) stays right behind it.
-    int head = -1;
-    for (int in : n.inputs)
-      if (coll_of_output.count(in)) head = coll_of_output[in];
-    if (head >= 0) {
-      while (chain_head.count(head)) head = chain_head[head];
-      chain_head[ni] = head;
-      chained[head].push_back(ni);
-      for (int o : n.outputs) coll_of_output[o] = ni;
+    std::set<int> deps;
+    bool reads_collective = false;
+    for (int in : n.inputs) {
+      if (auto c = coll_of_output.find(in); c != coll_of_output.end()) {
+        deps.insert(c->second);
+        reads_collective = true;
+      } else if (auto p = producer.find(in); p != producer.end()) {
+        deps.insert(p->second);
+      }
+    }
+    if (reads_collective) {
+      missing[ni] = static_cast<int>(deps.size());
+      for (int d : deps) dependents[d].push_back(ni);
       continue;
     }
-    for (int o : n.outputs) coll_of_output[o] = ni;
     if (n.op == "all_gather") {
       // The first compute node reading any of its outputs.
       int reader = -1;
@@ -99,6 +113,7 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
       }
       const int use = seg_of_node[reader];
       const int target = std::max(0, use - static_cast<int>(prefetch));
+      ++gathers_in[static_cast<size_t>(prefetch == 0 ? use : target)];
       if (prefetch == 0) {
         // In place: right before its first reader (as the shard pass had it).
         before_node[reader].push_back(ni);
@@ -116,30 +131,42 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
         CTR_CHECK(p != producer.end());
         prod = std::max(prod, p->second);
       }
-      const int seg = seg_of_node[prod];
-      if (defer && seg + 1 < nseg) {
-        reduces_after[static_cast<size_t>(seg + 1)].push_back(ni);
-      } else {
-        after_node[prod].push_back(ni);
-      }
+      reductions.emplace_back(ni, prod);
+    }
+  }
+  // A reduction moves behind the next segment only where that segment issues
+  // gathers for the comm stream to carry first; past the last gathers
+  // (the end of backward) it is issued at once.
+  for (auto [ni, prod] : reductions) {
+    const int seg = seg_of_node[prod];
+    const bool gathers_next = seg + 1 < nseg && gathers_in[static_cast<size_t>(seg + 1)] > 0;
+    if (defer && gathers_next) {
+      reduces_after[static_cast<size_t>(seg + 1)].push_back(ni);
+    } else if (!reduces_after[static_cast<size_t>(seg)].empty()) {
+      // Behind the earlier gradients deferred to this segment's end.
+      reduces_after[static_cast<size_t>(seg)].push_back(ni);
+    } else {
+      after_node[prod].push_back(ni);
     }
   }
 
-  auto emit = [&](int ni) {
+  // Puts node ni out, then every chained collective it was the last one missing for.
+  std::function<void(int)> put = [&](int ni) {
     out.push_back(std::move(g.nodes[ni]));
-    for (int c : chained[ni]) out.push_back(std::move(g.nodes[c]));
+    for (int c : dependents[ni])
+      if (--missing[c] == 0) put(c);
   };
   for (int s = 0; s < nseg; ++s) {
-    for (int ni : gathers_now[static_cast<size_t>(s)]) emit(ni);
-    for (int ni : gathers_at[static_cast<size_t>(s)]) emit(ni);
+    for (int ni : gathers_now[static_cast<size_t>(s)]) put(ni);
+    for (int ni : gathers_at[static_cast<size_t>(s)]) put(ni);
     const int last = s + 1 < nseg ? seg_start[static_cast<size_t>(s + 1)] : static_cast<int>(compute.size());
     for (int k = seg_start[static_cast<size_t>(s)]; k < last; ++k) {
       const int ni = compute[static_cast<size_t>(k)];
-      for (int c : before_node[ni]) emit(c);
-      out.push_back(std::move(g.nodes[ni]));
-      for (int c : after_node[ni]) emit(c);
+      for (int c : before_node[ni]) put(c);
+      put(ni);
+      for (int c : after_node[ni]) put(c);
     }
-    for (int ni : reduces_after[static_cast<size_t>(s)]) emit(ni);
+    for (int ni : reduces_after[static_cast<size_t>(s)]) put(ni);
   }
 }
 

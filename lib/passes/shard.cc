@@ -46,6 +46,30 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
   const int nf = g.num_forward;
   const int ntensors = static_cast<int>(g.tensors.size());
 
+  // Which forward copies backward reuses (reshard_after_forward 1): those of the
+  // parameters whose last forward reader is in the last block or after it (the
+  // head) and whose first backward reader is in the head's backward or the last
+  // block's. Backward reads them first, so a fresh gather there would be waited
+  // for in full with no compute to hide under; kept, they stay alive only over
+  // the head's nodes and are freed after their last backward reader as before.
+  const PhaseSegments fwd_segs = segment_phase(g, 0, nf);
+  const PhaseSegments bwd_segs = segment_phase(g, nf, static_cast<int>(g.nodes.size()));
+  auto block_of = [&](const PhaseSegments &segs, int s) {
+    return g.nodes[static_cast<size_t>(segs.compute[static_cast<size_t>(segs.start[static_cast<size_t>(s)])])].block;
+  };
+  int last_block = -1;
+  for (int s = 0; s < fwd_segs.count(); ++s) last_block = std::max(last_block, block_of(fwd_segs, s));
+  // The last block's (last) forward segment and its first backward segment;
+  // with no blocks, the whole of each phase.
+  int keep_from = 0, keep_until = std::max(0, bwd_segs.count() - 1);
+  if (last_block >= 0) {
+    for (int s = 0; s < fwd_segs.count(); ++s)
+      if (block_of(fwd_segs, s) == last_block) keep_from = s;
+    keep_until = 0;
+    for (int s = bwd_segs.count() - 1; s >= 0; --s)
+      if (block_of(bwd_segs, s) == last_block) keep_until = s;
+  }
+
   for (int p = 0; p < ntensors; ++p) {
     if (g.tensors[p].role != Role::Param) continue;
     const std::vector<int64_t> full_shape = g.tensors[p].shape;
@@ -90,13 +114,18 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
         t.alloc_bytes = padded_bytes;
         return g.add_tensor(std::move(t));
       };
-      int first_fwd = -1, first_bwd = -1;
+      int first_fwd = -1, first_bwd = -1, last_fwd = -1;
       for (int ni = 0; ni < static_cast<int>(g.nodes.size()); ++ni)
         for (int in : g.nodes[ni].inputs)
           if (in == p) {
             if (ni < nf && first_fwd < 0) first_fwd = ni;
+            if (ni < nf) last_fwd = ni;
             if (ni >= nf && first_bwd < 0) first_bwd = ni;
           }
+      bool reshard = opt.reshard_after_forward == 2;
+      if (opt.reshard_after_forward == 1 && last_fwd >= 0 && first_bwd >= 0)
+        reshard = fwd_segs.seg_of[static_cast<size_t>(last_fwd)] < keep_from ||
+                  bwd_segs.seg_of[static_cast<size_t>(first_bwd)] > keep_until;
       int full_fwd = -1, full_bwd = -1;
       auto gather = [&](int full, int at) {
         Node n;
@@ -114,7 +143,7 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
         gather(full_fwd, first_fwd);
       }
       if (first_bwd >= 0) {
-        if (opt.reshard_after_forward || full_fwd < 0) {
+        if (reshard || full_fwd < 0) {
           full_bwd = make_full(".full_bwd");
           gather(full_bwd, first_bwd);
         } else {

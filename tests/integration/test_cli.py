@@ -29,14 +29,15 @@ def check(cond, msg):
         failures.append(msg)
 
 
-def forward_list(dump):
-    """The forward instruction list of a `--after lower` dump, as (stream, kind, op, name)."""
+def forward_list(dump, phase="forward"):
+    """The forward (or backward) instruction list of a `--after lower` dump, as
+    (stream, kind, op, name)."""
     out, on = [], False
     for line in dump.splitlines():
-        if line.startswith("forward:"):
+        if line.startswith(phase + ":"):
             on = True
             continue
-        if line.startswith("backward:"):
+        if on and re.match(r"^[a-z]", line):
             break
         if on:
             parts = line.split()
@@ -78,6 +79,26 @@ def check_schedule(tmp):
     check(gathers == 6, f"{gathers} forward collectives with --bucket block, expected 6")
     check(sum(1 for x in unbucketed if x[1] == "collective") > 40,
           "--bucket none should leave one all-gather per parameter")
+    # Backward reads the last block's parameters first: by default they stay gathered from
+    # forward (no backward all-gather of layers.3), and past the last gathers a gradient's
+    # reduce-scatter is issued before the next block computes (block 1's before block 0's).
+    dump = run("graph", "inspect", g4, "--after", "lower", "--fsdp", "2").stdout
+    bwd = forward_list(dump, "backward")
+    check(bwd, "no backward instructions in the lower dump")
+    bwd_gathers = [x[3] for x in bwd if x[2] == "all_gather"]
+    check(not any("layers.3." in n for n in bwd_gathers) and any("layers.2." in n for n in bwd_gathers),
+          f"backward gathers {bwd_gathers}: expected layers.2 but not layers.3")
+    # Kernels of backward are named by op; the last one is the embedding's backward.
+    rs1 = next((k for k, x in enumerate(bwd) if x[2] == "reduce_scatter" and "layers.1." in x[3]), None)
+    rs0 = next((k for k, x in enumerate(bwd) if x[2] == "reduce_scatter" and "layers.0." in x[3]), None)
+    kernels = [k for k, x in enumerate(bwd) if x[1] == "kernel"]
+    check(None not in (rs1, rs0) and rs1 < rs0 and sum(1 for k in kernels if rs1 < k < rs0) >= 10,
+          f"block 1's reduce-scatter (at {rs1}) is not issued before block 0's backward (its "
+          f"reduce-scatter at {rs0})")
+    always = forward_list(run("graph", "inspect", g4, "--after", "lower", "--fsdp", "2",
+                              "--reshard", "always").stdout, "backward")
+    check(any(x[2] == "all_gather" and "layers.3." in x[3] for x in always),
+          "--reshard always should gather layers.3 again in backward")
     # prefetch 0 keeps each gather right before its first reader.
     fwd0 = forward_list(run("graph", "inspect", g4, "--after", "lower", "--fsdp", "2",
                             "--prefetch", "0").stdout)

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """N ranks train like one: the gpt and llama presets on 1 rank and on fsdp=2,
-fsdp=4 and dp=2 x fsdp=2 (and fsdp=2 without resharding, and with micro-batches)
-with the same global batch give the same per-step losses within 1e-5 relative and
-the same final weights. So does the moe preset (4 experts, top-2) with its experts
+fsdp=4 and dp=2 x fsdp=2 (and fsdp=2 with every or no parameter resharded after
+forward, and with micro-batches) with the same global batch give the same per-step
+losses within 1e-5 relative and the same final weights. So does the moe preset (4 experts, top-2) with its experts
 split over ep: ep=2, ep=4, ep=2 x fsdp=2, dp=2 x ep=2, and dp=2 and fsdp=2 (the
 load-balancing loss is computed over the global batch on every mesh).
 
@@ -56,7 +56,7 @@ def main():
         if len(ref) != STEPS or not ref[-1] < ref[0]:
             failures.append(f"{preset}: reference run did not train: {ref}")
         cases = [(2, "fsdp=2", 1, 1), (4, "fsdp=4", 1, 1), (4, "dp=2,fsdp=2", 1, 1),
-                 (2, "dp=2", 1, 1), (2, "fsdp=2", 0, 1), (2, "fsdp=2", 1, 2)]
+                 (2, "dp=2", 1, 1), (2, "fsdp=2", 0, 1), (2, "fsdp=2", 2, 1), (2, "fsdp=2", 1, 2)]
         if preset == "moe":
             # The load-balancing loss is over each micro-batch of the global
             # batch, so micro-batches would change it: none here.

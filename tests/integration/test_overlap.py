@@ -7,7 +7,8 @@ Schedules: every collective waited for at its issue (overlap=0); collectives
 where the shard pass put them (prefetch=0, no deferral); the default (prefetch
 1, reduce-scatters deferred); prefetch 2 and 3; prefetch 3 within a small
 memory budget; recompute all, and selective with prefetch 2; buckets per block
-(the default), none, and by a byte budget. Meshes: one rank,
+(the default), none, and by a byte budget (also in place: an all-reduce bucket
+over several reduce-scatter buckets must follow the last of them). Meshes: one rank,
 fsdp=2, fsdp=4 and dp=2 x fsdp=2, on the gpt preset (2 layers), plus llama on
 one rank and on fsdp=2, and moe (its token exchanges on the comm stream) on ep=2 and
 ep=2 x fsdp=2.
@@ -33,6 +34,7 @@ SCHEDULES = [
     ("recompute all", "recompute=all"),
     ("no buckets", "bucket=none"),
     ("buckets of 20 KB", "bucket=bytes,bucket_bytes=20000"),
+    ("buckets of 20 KB in place", "bucket=bytes,bucket_bytes=20000,prefetch=0,defer_reduce=0"),
     ("recompute selective, prefetch 2", "recompute=selective,prefetch=2"),
 ]
 

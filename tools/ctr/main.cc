@@ -263,7 +263,7 @@ int cmd_graph_build(const BuildArgs &a) {
 struct ScheduleArgs {
   int64_t prefetch = 1, memory_budget = 0;
   bool no_defer = false, no_overlap = false, no_fuse = false;
-  std::string recompute = "none", bucket = "block", precision = "auto";
+  std::string recompute = "none", bucket = "block", precision = "auto", reshard = "default";
   int64_t bucket_bytes = 0;
 
   void add_flags(CLI::App *cmd) {
@@ -293,6 +293,12 @@ struct ScheduleArgs {
                     "backward reads) or selective (keep GEMM and attention outputs)")
         ->capture_default_str()
         ->check(CLI::IsMember({"none", "all", "selective"}));
+    cmd->add_option("--reshard", reshard,
+                    "Free gathered parameters after forward and gather them again for backward: "
+                    "default (every block but the last, whose parameters backward reads first), "
+                    "always, or never (keep every gathered parameter until backward)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"default", "always", "never"}));
     cmd->add_flag("--no-overlap", no_overlap,
                   "Wait for every collective as soon as it is issued (the baseline overlap is "
                   "measured against)");
@@ -312,6 +318,7 @@ struct ScheduleArgs {
     set_int(o, "memory_budget", memory_budget);
     set_int(o, "overlap", no_overlap ? 0 : 1);
     set_int(o, "fuse", no_fuse ? 0 : 1);
+    set_int(o, "reshard_after_forward", reshard == "never" ? 0 : reshard == "always" ? 2 : 1);
     set_string(o, "recompute", recompute);
     set_string(o, "bucket", bucket);
     set_string(o, "precision", precision);
@@ -322,7 +329,6 @@ struct ScheduleArgs {
 struct InspectArgs {
   std::string file, after = "verify";
   int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, ep = 1, rank = 0;
-  bool keep_params = false;
   ScheduleArgs schedule;
   CLI::Option *after_opt = nullptr, *seq_opt = nullptr;
 };
@@ -370,7 +376,6 @@ int cmd_graph_inspect(const InspectArgs &a) {
   set_int(opts.get(), "dp", a.dp);
   set_int(opts.get(), "ep", a.ep);
   set_int(opts.get(), "rank", a.rank);
-  set_int(opts.get(), "reshard_after_forward", a.keep_params ? 0 : 1);
   a.schedule.set(opts.get());
   const std::string dump = ctr::inspect_graph(graph.get(), opts.get(), a.after);
   std::fputs(dump.c_str(), stdout);
@@ -1155,8 +1160,6 @@ int run_main(int argc, char **argv) {
       ->check(kPositive);
   inspect_cmd->add_option("--rank", inspect.rank, "Which rank's placement to show")
       ->check(kNonNegative);
-  inspect_cmd->add_flag("--keep-params", inspect.keep_params,
-                        "Keep gathered params from forward to backward (no reshard)");
   inspect.schedule.add_flags(inspect_cmd);
 
   // run -------------------------------------------------------------------------------------
