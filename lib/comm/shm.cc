@@ -29,10 +29,12 @@
 // costs no thread handoff and no wakeup. Each communicator also has an engine
 // thread that takes what no waiter runs within kHandOffUs (a collective waited
 // for later, from another thread, or never while peers wait for it), so that
-// every communicator progresses on its own. The engine is not woken per issue:
-// while collectives come it looks at its queue every kPollUs, and it sleeps
-// until the next issue only after a look that found nothing new (each wakeup
-// would preempt a copying thread on a host of few cores). A blocked runner
+// every communicator progresses on its own, and at once the collectives of
+// kEngineBytes or more, for which it was measured faster than a waiter (see
+// there). For the others the engine is not woken per issue: while they come
+// it looks at its queue every kPollUs, and it sleeps until the next issue only
+// after a look that found nothing new (each wakeup would preempt a copying
+// thread on a host of few cores). A blocked runner
 // spins briefly and then sleeps on a futex word in the segment that every
 // publication bumps, waking at least every kSleepMs to check for dead peers
 // (the transport's pidfd watch) and abandoned waits.
@@ -81,6 +83,12 @@ constexpr int64_t kHandOffUs = 500;
 // cores); after a poll that found no new collective it sleeps until the next
 // issue wakes it.
 constexpr int64_t kPollUs = 1000;
+// A collective that writes at least this many bytes is left to the engine
+// thread, woken at its issue, as before waiters ran collectives: on a loaded
+// 2-core host long copies and reductions ran faster there (its raised
+// priority keeps its core, where the caller's thread loses it mid-collective),
+// and its two thread handoffs are small against them.
+constexpr size_t kEngineBytes = size_t{1} << 20;
 
 uint32_t load(const uint32_t &w) {
   return std::atomic_ref<uint32_t>(const_cast<uint32_t &>(w)).load(std::memory_order_acquire);
@@ -161,14 +169,16 @@ class Engine final : public ShmComm {
   }
 
   void issue(std::shared_ptr<ShmColl> c) override {
-    bool asleep;
+    const bool engine = bytes_out(*c) >= kEngineBytes;
+    bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back({std::move(c), Clock::now()});
+      queue_.push_back({std::move(c), Clock::now(), engine});
       ++issued_;
-      asleep = std::exchange(asleep_, false);
+      urgent_ += engine;
+      wake = std::exchange(asleep_, false) || engine;
     }
-    if (asleep) cv_.notify_one();
+    if (wake) cv_.notify_one();
   }
 
   void wake() override {
@@ -226,11 +236,13 @@ class Engine final : public ShmComm {
   struct Queued {
     std::shared_ptr<ShmColl> c;
     Clock::time_point at;  // when it was issued
+    bool engine;           // for the engine thread, at once (kEngineBytes)
   };
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Queued> queue_;
   uint64_t issued_ = 0;  // collectives ever issued (under mu_)
+  size_t urgent_ = 0;    // queued collectives for the engine thread (under mu_)
   bool stop_ = false;
   // Which thread runs the queue's head (under mu_): none, the engine's, or a
   // waiter's (help). The runner alone touches the segment and the state below.
@@ -262,7 +274,7 @@ void Engine::run() {
     }
     const auto now = Clock::now();
     if (runner_ == kNone && !queue_.empty() &&
-        now - queue_.front().at >= std::chrono::microseconds(kHandOffUs)) {
+        (urgent_ > 0 || now - queue_.front().at >= std::chrono::microseconds(kHandOffUs))) {
       // Nobody came for it: run the queue here until it is empty.
       runner_ = kEngine;
       lock.unlock();
@@ -309,6 +321,7 @@ bool Engine::run_head() {
     execute(*c);
   }
   std::lock_guard<std::mutex> lock(mu_);
+  urgent_ -= queue_.front().engine;
   queue_.pop_front();
   return true;
 }
@@ -317,9 +330,9 @@ void Engine::help(const ShmColl &target, Clock::time_point deadline, int64_t tim
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (runner_ != kNone || stop_) return;  // its runner completes target
-    if (std::none_of(queue_.begin(), queue_.end(),
-                     [&](const Queued &q) { return q.c.get() == &target; }))
-      return;
+    auto it = std::find_if(queue_.begin(), queue_.end(),
+                           [&](const Queued &q) { return q.c.get() == &target; });
+    if (it == queue_.end() || it->engine) return;
     runner_ = kHelper;
   }
   help_target_ = &target;
@@ -339,8 +352,9 @@ void Engine::help(const ShmColl &target, Clock::time_point deadline, int64_t tim
   std::lock_guard<std::mutex> lock(mu_);
   runner_ = kNone;
   // The engine thread finds what is left on its next look; only a destructor
-  // waiting for this runner is told now (under the lock: it frees the engine).
-  if (stop_) cv_.notify_all();
+  // waiting for this runner, or collectives left to the engine, wake it now
+  // (under the lock: a destructor frees the engine once it sees kNone).
+  if (stop_ || urgent_ > 0) cv_.notify_all();
 }
 
 void Engine::execute(ShmColl &c) {

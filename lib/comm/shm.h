@@ -65,11 +65,12 @@ class ShmComm {
   // waits for them (help) or else on the engine's own thread.
   virtual void issue(std::shared_ptr<ShmColl> c) = 0;
   // The caller is about to wait for c: unless another thread is running this
-  // communicator's collectives, runs them on the calling thread, in issue
-  // order, up to and including c (which then has completed or failed). A
-  // thread that waits right after issuing (the executor's comm stream) so
-  // moves the bytes itself, with no handoff to the engine thread and back.
-  // Fails what it runs, naming the peer it waits for, once deadline passes.
+  // communicator's collectives, or c is large enough to be left to the engine
+  // thread, runs them on the calling thread, in issue order, up to and
+  // including c (which then has completed or failed). A thread that waits
+  // right after issuing (the executor's comm stream) so moves the bytes
+  // itself, with no handoff to the engine thread and back. Fails what it
+  // runs, naming the peer it waits for, once deadline passes.
   virtual void help(const ShmColl &c, std::chrono::steady_clock::time_point deadline,
                     int64_t timeout_ms) = 0;
   // Makes the engine look at abandoned collectives now.
