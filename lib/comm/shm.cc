@@ -34,10 +34,10 @@
 // there). For the others the engine is not woken per issue: while they come
 // it looks at its queue every kPollUs, and it sleeps until the next issue only
 // after a look that found nothing new (each wakeup would preempt a copying
-// thread on a host of few cores). A blocked runner
-// spins briefly and then sleeps on a futex word in the segment that every
-// publication bumps, waking at least every kSleepMs to check for dead peers
-// (the transport's pidfd watch) and abandoned waits.
+// thread on a host of few cores). A blocked runner spins briefly and then
+// sleeps on a futex word in the segment that every publication bumps, waking
+// at least every kSleepMs to check for dead peers (the transport's pidfd
+// watch) and abandoned waits.
 
 #include "comm/shm.h"
 
@@ -298,7 +298,7 @@ void Engine::run() {
     auto until = now + std::chrono::microseconds(kPollUs);
     if (runner_ == kNone && !queue_.empty())
       until = std::min(until, queue_.front().at + std::chrono::microseconds(kHandOffUs));
-    cv_.wait_until(lock, until, [this] { return stop_; });
+    cv_.wait_until(lock, until, [this] { return stop_ || (urgent_ > 0 && runner_ == kNone); });
   }
 }
 
