@@ -23,11 +23,21 @@
 // slowest reader: large messages are pipelined. Reductions add the members'
 // pieces in member order (0 + 1 + 2 ...), so every rank computes identical bits.
 //
-// Threads. Each communicator has one engine thread that runs its collectives in
-// issue order (different communicators progress concurrently); callers only
-// queue and wait. A blocked engine spins briefly and then sleeps on a futex word
-// in the segment that every publication bumps, waking at least every kSleepMs to
-// check for dead peers (the transport's pidfd watch) and abandoned waits.
+// Threads. A communicator's collectives run in issue order, one thread at a
+// time: usually the thread that waits for one runs the queue up to it itself
+// (help), as the caller of a blocking collective would, so that a collective
+// costs no thread handoff and no wakeup. Each communicator also has an engine
+// thread that takes what no waiter runs within kHandOffUs (a collective waited
+// for later, from another thread, or never while peers wait for it), so that
+// every communicator progresses on its own, and at once the collectives of
+// kEngineBytes or more, for which it was measured faster than a waiter (see
+// there). For the others the engine is not woken per issue: while they come
+// it looks at its queue every kPollUs, and it sleeps until the next issue only
+// after a look that found nothing new (each wakeup would preempt a copying
+// thread on a host of few cores). A blocked runner spins briefly and then
+// sleeps on a futex word in the segment that every publication bumps, waking
+// at least every kSleepMs to check for dead peers (the transport's pidfd
+// watch) and abandoned waits.
 
 #include "comm/shm.h"
 
@@ -64,9 +74,21 @@ constexpr int kSleepMs = 5;
 // A blocked collective whose group lost a member other than the one it waits
 // for fails after this grace (the lost member may have done its part).
 constexpr int64_t kLostGraceMs = 1000;
-// After its last collective the engine polls its queue this long before it
-// sleeps, so back-to-back collectives do not pay a thread wakeup each.
-constexpr int64_t kIdleSpinUs = 50;
+// A queued collective that no thread runs is taken by the engine thread once
+// it has waited this long: its waiter comes later, or waits for a peer's
+// collective that only this one unblocks. Until then it is left to its waiter.
+constexpr int64_t kHandOffUs = 500;
+// How often an active engine thread looks at its queue. It is not woken on
+// every issue (each wakeup preempts a thread that copies, on a host of few
+// cores); after a poll that found no new collective it sleeps until the next
+// issue wakes it.
+constexpr int64_t kPollUs = 1000;
+// A collective that writes at least this many bytes is left to the engine
+// thread, woken at its issue, as before waiters ran collectives: on a loaded
+// 2-core host long copies and reductions ran faster there (its raised
+// priority keeps its core, where the caller's thread loses it mid-collective),
+// and its two thread handoffs are small against them.
+constexpr size_t kEngineBytes = size_t{1} << 20;
 
 uint32_t load(const uint32_t &w) {
   return std::atomic_ref<uint32_t>(const_cast<uint32_t &>(w)).load(std::memory_order_acquire);
@@ -147,12 +169,16 @@ class Engine final : public ShmComm {
   }
 
   void issue(std::shared_ptr<ShmColl> c) override {
+    const bool engine = bytes_out(*c) >= kEngineBytes;
+    bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(c));
-      queued_.fetch_add(1, std::memory_order_release);
+      queue_.push_back({std::move(c), Clock::now(), engine});
+      ++issued_;
+      urgent_ += engine;
+      wake = std::exchange(asleep_, false) || engine;
     }
-    cv_.notify_one();
+    if (wake) cv_.notify_one();
   }
 
   void wake() override {
@@ -161,6 +187,7 @@ class Engine final : public ShmComm {
   }
 
   size_t bytes_out(const ShmColl &c) const override;
+  void help(const ShmColl &target, Clock::time_point deadline, int64_t timeout_ms) override;
 
  private:
   MemberCtl &ctl(int m) const {
@@ -181,6 +208,7 @@ class Engine final : public ShmComm {
   }
 
   void run();
+  bool run_head();
   void execute(ShmColl &c);
   std::vector<Phase> plan(const ShmColl &c) const;
   void run_phase(ShmColl &c, Phase &p);
@@ -205,11 +233,26 @@ class Engine final : public ShmComm {
   ctr_status broken_code_ = CTR_STATUS_OK;
   std::string broken_;
 
+  struct Queued {
+    std::shared_ptr<ShmColl> c;
+    Clock::time_point at;  // when it was issued
+    bool engine;           // for the engine thread, at once (kEngineBytes)
+  };
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::shared_ptr<ShmColl>> queue_;
-  std::atomic<uint64_t> queued_{0};
+  std::deque<Queued> queue_;
+  uint64_t issued_ = 0;  // collectives ever issued (under mu_)
+  size_t urgent_ = 0;    // queued collectives for the engine thread (under mu_)
   bool stop_ = false;
+  // Which thread runs the queue's head (under mu_): none, the engine's, or a
+  // waiter's (help). The runner alone touches the segment and the state below.
+  enum Runner : uint8_t { kNone, kEngine, kHelper } runner_ = kNone;
+  bool asleep_ = false;  // the engine thread sleeps until issue() wakes it (under mu_)
+  // A helping waiter's target and deadline (runner only): past the deadline,
+  // what it runs fails with the target's timeout.
+  const ShmColl *help_target_ = nullptr;
+  Clock::time_point help_deadline_ = Clock::time_point::max();
+  int64_t help_timeout_ms_ = 0;
   std::atomic<bool> stopping_{false};  // stop_, for a blocked collective to see
   std::vector<const char *> src_;      // take(): each member's piece
   std::thread thread_;
@@ -217,34 +260,101 @@ class Engine final : public ShmComm {
 
 void Engine::run() {
   apply_comm_nice();
-  uint64_t taken = 0;
+  std::unique_lock<std::mutex> lock(mu_);
+  uint64_t seen = issued_;
   for (;;) {
-    // Poll briefly for the next collective before sleeping on the queue.
-    const auto spin_until = Clock::now() + std::chrono::microseconds(kIdleSpinUs);
-    while (queued_.load(std::memory_order_acquire) == taken && Clock::now() < spin_until)
-      relax();
-    std::shared_ptr<ShmColl> c;
-    bool stopping;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      c = queue_.front();
-      stopping = stop_;
+    if (stop_) {
+      // Destroyed: fail what is queued, once a helping waiter has let go.
+      cv_.wait(lock, [this] { return runner_ == kNone; });
+      runner_ = kEngine;
+      lock.unlock();
+      while (run_head()) {
+      }
+      return;
     }
-    if (stopping) {
-      // Destroyed with collectives in flight: fail them, touching no buffer.
-      c->done(CTR_STATUS_INVALID_STATE,
-              c->label + ": the communicator was destroyed while it was in flight");
-    } else {
-      execute(*c);
+    const auto now = Clock::now();
+    if (runner_ == kNone && !queue_.empty() &&
+        (urgent_ > 0 || now - queue_.front().at >= std::chrono::microseconds(kHandOffUs))) {
+      // Nobody came for it: run the queue here until it is empty.
+      runner_ = kEngine;
+      lock.unlock();
+      while (run_head()) {
+      }
+      lock.lock();
+      runner_ = kNone;
+      cv_.notify_all();  // a destructor may wait for the runner
+      seen = issued_;
+      continue;
     }
+    if (queue_.empty() && issued_ == seen) {
+      // Nothing issued since the last look: sleep until the next issue.
+      asleep_ = true;
+      cv_.wait(lock, [this] { return stop_ || !asleep_; });
+      asleep_ = false;
+      seen = issued_;
+      continue;
+    }
+    seen = issued_;
+    auto until = now + std::chrono::microseconds(kPollUs);
+    if (runner_ == kNone && !queue_.empty())
+      until = std::min(until, queue_.front().at + std::chrono::microseconds(kHandOffUs));
+    cv_.wait_until(lock, until, [this] { return stop_ || (urgent_ > 0 && runner_ == kNone); });
+  }
+}
+
+// Runs (or, once the communicator is stopping, fails) the collective at the
+// head of the queue; false when the queue is empty. Runner only.
+bool Engine::run_head() {
+  std::shared_ptr<ShmColl> c;
+  bool stopping;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (queue_.empty()) return false;
+    c = queue_.front().c;
+    stopping = stop_;
+  }
+  if (stopping) {
+    // Destroyed with collectives in flight: fail them, touching no buffer.
+    c->done(CTR_STATUS_INVALID_STATE,
+            c->label + ": the communicator was destroyed while it was in flight");
+  } else {
+    execute(*c);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  urgent_ -= queue_.front().engine;
+  queue_.pop_front();
+  return true;
+}
+
+void Engine::help(const ShmColl &target, Clock::time_point deadline, int64_t timeout_ms) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (runner_ != kNone || stop_) return;  // its runner completes target
+    auto it = std::find_if(queue_.begin(), queue_.end(),
+                           [&](const Queued &q) { return q.c.get() == &target; });
+    if (it == queue_.end() || it->engine) return;
+    runner_ = kHelper;
+  }
+  help_target_ = &target;
+  help_deadline_ = deadline;
+  help_timeout_ms_ = timeout_ms;
+  for (;;) {
+    const ShmColl *head;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.pop_front();
+      head = queue_.front().c.get();
     }
-    ++taken;
+    run_head();
+    if (head == &target) break;
   }
+  help_target_ = nullptr;
+  help_deadline_ = Clock::time_point::max();
+  std::lock_guard<std::mutex> lock(mu_);
+  runner_ = kNone;
+  // The engine thread finds what is left on its next look; only a destructor
+  // waiting for this runner, or collectives left to the engine, wake it now
+  // (under the lock: a destructor frees the engine once it sees kNone).
+  if (stop_ || urgent_ > 0) cv_.notify_all();
 }
 
 void Engine::execute(ShmColl &c) {
@@ -606,11 +716,14 @@ void Engine::check_abandoned(ShmColl &c, int waiting_for) {
   };
   const int64_t ms = c.abandoned_ms.load(std::memory_order_acquire);
   if (ms >= 0) throw timeout(c, ms);
+  // A helping waiter's deadline passed: it gives up on its collective, and on
+  // those ahead of it that it runs.
+  if (help_target_ && Clock::now() >= help_deadline_) throw timeout(*help_target_, help_timeout_ms_);
   // A later collective's waiter gave up: it waits behind this one.
   std::lock_guard<std::mutex> lock(mu_);
-  for (const auto &q : queue_) {
-    const int64_t qms = q->abandoned_ms.load(std::memory_order_acquire);
-    if (qms >= 0) throw timeout(*q, qms);
+  for (const Queued &q : queue_) {
+    const int64_t qms = q.c->abandoned_ms.load(std::memory_order_acquire);
+    if (qms >= 0) throw timeout(*q.c, qms);
   }
 }
 
@@ -619,6 +732,7 @@ void Engine::block(ShmColl &c, int waiting_for, Clock::time_point idle_since, ui
     throw Abort{CTR_STATUS_INVALID_STATE,
                 c.label + ": the communicator was destroyed while it was in flight"};
   if (c.abandoned_ms.load(std::memory_order_relaxed) >= 0) check_abandoned(c, waiting_for);
+  if (help_target_ && Clock::now() >= help_deadline_) check_abandoned(c, waiting_for);
   if (waiting_for >= 0) {
     const int g = members_[waiting_for];
     std::string why = peer_failed_(g);

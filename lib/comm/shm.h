@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -35,7 +36,7 @@ struct ShmColl {
   void *buf = nullptr;
   size_t bytes = 0;
   int root = 0;
-  // Runs once on the engine's thread when the collective has completed or
+  // Runs once, on the thread that ran the collective, when it has completed or
   // failed; the engine touches none of its buffers afterwards.
   std::function<void(ctr_status code, const std::string &error)> done;
   // A waiter whose deadline passed stores its timeout (ms) here and calls
@@ -60,8 +61,18 @@ struct ShmSetup {
 class ShmComm {
  public:
   virtual ~ShmComm() = default;
-  // Queues a collective; collectives run in issue order, on the engine's own thread.
+  // Queues a collective; collectives run in issue order, on the thread that
+  // waits for them (help) or else on the engine's own thread.
   virtual void issue(std::shared_ptr<ShmColl> c) = 0;
+  // The caller is about to wait for c: unless another thread is running this
+  // communicator's collectives, or c is large enough to be left to the engine
+  // thread, runs them on the calling thread, in issue order, up to and
+  // including c (which then has completed or failed). A thread that waits
+  // right after issuing (the executor's comm stream) so moves the bytes
+  // itself, with no handoff to the engine thread and back. Fails what it
+  // runs, naming the peer it waits for, once deadline passes.
+  virtual void help(const ShmColl &c, std::chrono::steady_clock::time_point deadline,
+                    int64_t timeout_ms) = 0;
   // Makes the engine look at abandoned collectives now.
   virtual void wake() = 0;
   // Bytes this member writes into the segment for c (for the flight recorder).

@@ -54,9 +54,11 @@
 // init), gets a shared-memory engine when it is created (lib/comm/shm.cc; two
 // all-gathers over UCX set it up), and its collectives bypass the operation
 // lists: one copy into a segment every member maps, then copies and reductions
-// straight out of it, on the engine's own thread. It fails like the UCX path
-// (a dead peer through the pidfd watch, a timeout naming the peer waited for)
-// and leaves a peer it timed out on to be closed by force in destroy().
+// straight out of it: below 1 MiB usually on the thread that waits for the
+// collective (Transport::wait has the engine run it there), else on the
+// engine's own thread. It fails like the UCX path (a dead peer through the
+// pidfd watch, a timeout naming the peer waited for) and leaves a peer it timed
+// out on to be closed by force in destroy().
 // CTR_SHM=0 keeps every communicator on UCX; groups that span hosts or network
 // namespaces always use it. The flight recorder lists both kinds alike.
 
@@ -966,6 +968,13 @@ CommWork *Transport::issue_shm(Coll *c) {
 void Transport::wait(Coll *c, int64_t timeout_ms) {
   timeout_ms = std::min(timeout_ms < 0 ? timeout_ms_ : timeout_ms, kMaxTimeoutMs);
   std::unique_lock<std::mutex> lock(c->mu);
+  if (c->shm && !c->finished) {
+    // Usually run right here, on this thread, unless another already runs the
+    // communicator's queue.
+    lock.unlock();
+    c->shm_comm->help(*c->shm, Clock::now() + std::chrono::milliseconds(timeout_ms), timeout_ms);
+    lock.lock();
+  }
   bool done =
       c->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), [c] { return c->finished; });
   if (!done && c->shm) {

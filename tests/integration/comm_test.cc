@@ -7,7 +7,8 @@
 // all_reduce on non-integer floats checks that all ranks got the same bits, by
 // all-gathering a hash of the result.
 //
-//   comm_test            every collective, dtype and size; splits; many small ones
+//   comm_test            every collective, dtype and size; splits; late and
+//                        out-of-order waits; many small ones
 //   comm_test token      the last rank presents a wrong job token: it is refused,
 //                        the others time out naming it
 //   comm_test missing    world 3 with ranks 0 and 1 started: the join times out
@@ -633,6 +634,66 @@ void check_concurrent(const Comm &world) {
   sub.iface->destroy(sub.ctx);
 }
 
+// Collectives whose waits come late, from another thread, or in another order
+// than the peers': on the shared-memory path the waiting thread usually runs a
+// collective itself, so one that nobody on this rank waits for yet must still
+// progress while the peers wait for it.
+void check_late_waits(const Comm &world) {
+  const int n = world.iface->size(world.ctx), me = world.iface->rank(world.ctx);
+  std::vector<int> all(n);
+  for (int i = 0; i < n; ++i) all[i] = i;
+  std::vector<int> pair = {me - me % 2};
+  if (pair[0] + 1 < n) pair.push_back(pair[0] + 1);
+  Comm sub = world.iface->split(world.ctx, pair);
+  const size_t big = 300007;  // several rounds of the segment's buffers
+  auto fill = [&](std::vector<int64_t> &v, uint32_t salt) {
+    for (size_t i = 0; i < v.size(); ++i) v[i] = input<int64_t>(me, i, salt);
+  };
+  auto verify = [&](const std::vector<int64_t> &out, const std::vector<int> &ranks, uint32_t salt,
+                    const char *what) {
+    for (size_t i = 0; i < out.size(); ++i)
+      CHECK(out[i] == reference<int64_t>(ReduceOp::Sum, ranks, i, salt), "%s wrong at %zu", what,
+            i);
+  };
+  // Issued on this thread; the last rank waits for it from another thread
+  // 100 ms later, the others at once.
+  for (size_t count : {size_t{1}, big}) {
+    std::vector<int64_t> in(count), out(count, -1);
+    fill(in, 7000);
+    CommWork *w = world.iface->all_reduce(world.ctx, in.data(), out.data(), count, CTR_DTYPE_I64,
+                                          ReduceOp::Sum);
+    if (me == n - 1) {
+      std::thread late([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        ctr::comm_wait(world, w);
+      });
+      late.join();
+    } else {
+      ctr::comm_wait(world, w);
+    }
+    verify(out, all, 7000, "late-waited all_reduce");
+  }
+  // One collective on each of two communicators; even ranks wait for the
+  // world's first, odd ranks for the pair's first.
+  std::vector<int64_t> in_w(big), out_w(big, -1), in_p(big), out_p(big, -1);
+  fill(in_w, 7100);
+  fill(in_p, 7200);
+  CommWork *ww = world.iface->all_reduce(world.ctx, in_w.data(), out_w.data(), big, CTR_DTYPE_I64,
+                                         ReduceOp::Sum);
+  CommWork *wp = sub.iface->all_reduce(sub.ctx, in_p.data(), out_p.data(), big, CTR_DTYPE_I64,
+                                       ReduceOp::Sum);
+  if (me % 2 == 0) {
+    ctr::comm_wait(world, ww);
+    ctr::comm_wait(sub, wp);
+  } else {
+    ctr::comm_wait(sub, wp);
+    ctr::comm_wait(world, ww);
+  }
+  verify(out_w, all, 7100, "world all_reduce waited out of order");
+  verify(out_p, pair, 7200, "pair all_reduce waited out of order");
+  sub.iface->destroy(sub.ctx);
+}
+
 // The data path matches CTR_TEST_PATH: a shared-memory segment is mapped
 // exactly when the world has several (local) ranks and shm is expected.
 void check_path(const Env &e) {
@@ -695,6 +756,7 @@ int run_all(const Env &e) {
   check_all(world);
   check_splits(world);
   check_concurrent(world);
+  check_late_waits(world);
   check_many_small(world);
   // Argument errors are reported, not crashed on.
   expect_error("bad dtype", CTR_STATUS_UNSUPPORTED, {"dtype"}, [&] {
