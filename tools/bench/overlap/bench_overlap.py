@@ -4,7 +4,7 @@ network namespaces joined by a veth pair shaped with tc (default 1 Gbit/s and 10
 way), UCX over TCP on that link only.
 
     sudo /usr/bin/python3 tools/bench/overlap/bench_overlap.py --ctr build/tools/ctr
-    ... --rate 1gbit --delay 100us --steps 12 --warmup 3
+    ... --rate 1gbit --delay 100us --steps 12 --warmup 3 --layers 12 [--only compute-bound]
 
 For two model sizes — one where communication per step is shorter than compute, one where
 it is longer — it runs the same training job under these schedules and prints, per schedule,
@@ -18,6 +18,9 @@ schedule's exposed communication that each schedule hides:
                         first of them, waited at first use (--prefetch 0 --no-defer-reduce)
     bucket+reorder      and gathered one block ahead, reduce-scatters deferred (the default)
     bucket+reorder k=2  gathered two blocks ahead
+    1 MiB buckets+reorder  buckets of at most 1 MiB instead of one per block, scheduled
+                        as the default: the first block's gathers and the last one's
+                        reductions, which nothing can hide, partly overlap that block
 
 Needs root (ip netns, tc). The namespaces (ctrbench0, ctrbench1) and the veth pair are
 created at the start and removed at the end; traffic stays between them.
@@ -41,6 +44,7 @@ SCHEDULES = [
     ("bucket", ["--prefetch", "0", "--no-defer-reduce"]),
     ("bucket+reorder", []),
     ("bucket+reorder k=2", ["--prefetch", "2"]),
+    ("1 MiB buckets+reorder", ["--bucket", "bytes", "--bucket-bytes", str(1 << 20)]),
 ]
 
 
@@ -121,6 +125,10 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="compute threads per rank (2 ranks share the machine)")
     ap.add_argument("--port", type=int, default=29731)
+    ap.add_argument("--layers", type=int, default=12,
+                    help="transformer blocks of both models (the first block's gathers and the last "
+                         "one's reductions cannot overlap anything: fewer blocks expose a larger share)")
+    ap.add_argument("--only", choices=["compute-bound", "comm-bound"], help="run one of the two models")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
     args.ctr = os.path.abspath(args.ctr)
@@ -129,8 +137,11 @@ def main():
     tmp = tempfile.mkdtemp(prefix="ctr-bench-overlap-")
     # Two sizes of the gpt preset: the first computes longer than it communicates, the
     # second communicates longer than it computes.
-    sizes = [("compute-bound", ["--layers", "4", "--dim", "256", "--heads", "4"], 8),
-             ("comm-bound", ["--layers", "4", "--dim", "512", "--heads", "8"], 1)]
+    layers = str(args.layers)
+    sizes = [("compute-bound", ["--layers", layers, "--dim", "256", "--heads", "4"], 8),
+             ("comm-bound", ["--layers", layers, "--dim", "512", "--heads", "8"], 1)]
+    if args.only:
+        sizes = [s for s in sizes if s[0] == args.only]
     args.batch_of = {}
     results = {}
     shaping = setup(args.rate, args.delay)
@@ -150,7 +161,7 @@ def main():
     finally:
         teardown()
 
-    print(f"\nlink: {shaping}; fsdp=2, one rank per namespace, UCX over TCP; "
+    print(f"\nlink: {shaping}; fsdp=2, one rank per namespace, UCX over TCP; gpt preset, {args.layers} blocks; "
           f"{args.threads} compute thread(s) per rank; median of {args.steps} steps after {args.warmup}")
     print("| model | schedule | step ms | exposed comm ms | comm in flight ms | hidden | throughput vs no overlap "
           "| memory per rank MiB |")
