@@ -32,7 +32,7 @@
 namespace ctr {
 namespace {
 
-void bucket_phase(Graph &g, int begin, int end, const CompileOptions &opt, std::vector<Node> &out) {
+void bucket_phase(Graph &g, int begin, int end, bool backward, const CompileOptions &opt, std::vector<Node> &out) {
   const PhaseSegments segs = segment_phase(g, begin, end);
   const std::vector<int> &seg_of = segs.seg_of;
   const std::map<int, int> &first_reader = segs.first_reader, &producer = segs.producer;
@@ -99,6 +99,42 @@ void bucket_phase(Graph &g, int begin, int end, const CompileOptions &opt, std::
     groups[gi].push_back(ni);
     group_bytes[gi] += bytes;
     group_of[ni] = gi;
+  }
+
+  // The edges of a phase that nothing can hide: forward waits for the first
+  // block's gathers before it computes anything of weight, and backward ends
+  // waiting for the last block's reduce-scatters. In block mode each of these
+  // two buckets is cut in two near half its bytes, in node order (order of
+  // first use, of gradients), so that one part travels while the block
+  // computes with the other.
+  if (opt.bucket == "block") {
+    const std::string edge = backward ? "reduce_scatter" : "all_gather";
+    auto block_of_seg = [&](int s) {
+      return g.nodes[static_cast<size_t>(segs.compute[static_cast<size_t>(segs.start[static_cast<size_t>(s)])])].block;
+    };
+    int target = -1;
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const int s = seg_of_coll(groups[gi].front());
+      if (g.nodes[groups[gi].front()].op != edge || s < 0 || block_of_seg(s) < 0) continue;
+      if (backward || target < 0) target = static_cast<int>(gi);  // the last, or the first
+    }
+    if (target >= 0 && groups[static_cast<size_t>(target)].size() >= 2) {
+      std::vector<int> &members = groups[static_cast<size_t>(target)];
+      int64_t total = 0, run = 0;
+      for (int ni : members) total += g.tensors[static_cast<size_t>(g.nodes[ni].outputs[0])].alloc_size();
+      // Forward: the largest first part within half the bytes (what compute waits
+      // for first is small); backward: the smallest first part of at least half
+      // (what is left to wait for at the end is small).
+      auto bytes_of = [&](size_t k) {
+        return g.tensors[static_cast<size_t>(g.nodes[members[k]].outputs[0])].alloc_size();
+      };
+      size_t cut = 1;
+      run = bytes_of(0);
+      while (cut + 1 < members.size() && (backward ? 2 * run < total : 2 * (run + bytes_of(cut)) <= total))
+        run += bytes_of(cut++);
+      groups.emplace_back(members.begin() + static_cast<long>(cut), members.end());
+      groups[static_cast<size_t>(target)].resize(cut);
+    }
   }
 
   // Merged nodes: a gather goes before its earliest member; a reduction after
@@ -186,9 +222,9 @@ void pass_bucket(Graph &g, const CompileOptions &opt) {
   CTR_CHECK(g.num_forward >= 0);
   if (opt.bucket == "none") return;
   std::vector<Node> nodes;
-  bucket_phase(g, 0, g.num_forward, opt, nodes);
+  bucket_phase(g, 0, g.num_forward, false, opt, nodes);
   const int nf = static_cast<int>(nodes.size());
-  bucket_phase(g, g.num_forward, static_cast<int>(g.nodes.size()), opt, nodes);
+  bucket_phase(g, g.num_forward, static_cast<int>(g.nodes.size()), true, opt, nodes);
   g.nodes = std::move(nodes);
   g.num_forward = nf;
 }

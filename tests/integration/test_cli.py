@@ -72,11 +72,15 @@ def check_schedule(tmp):
               f"block {i + 1}'s all-gather (at {gather}) is not issued before block {i} "
               f"computes (at {compute})")
     # Bucketed by block (the default): one all-gather per segment in forward (embedding,
-    # 4 blocks, head), against one per parameter without buckets.
+    # 4 blocks, head), the first block's in two parts (attention, then MLP: forward waits
+    # only for the first), against one per parameter without buckets.
     gathers = sum(1 for x in fwd if x[1] == "collective")
+    first_block = [x[3] for x in fwd if x[2] == "all_gather" and ".layers.0." in x[3]]
+    check(len(first_block) == 2 and "ln1" in first_block[0] and "mlp" in first_block[1],
+          f"the first block's gathers are {first_block}: expected an attention part, then an MLP part")
     unbucketed = forward_list(run("graph", "inspect", g4, "--after", "lower", "--fsdp", "2",
                                   "--bucket", "none").stdout)
-    check(gathers == 6, f"{gathers} forward collectives with --bucket block, expected 6")
+    check(gathers == 7, f"{gathers} forward collectives with --bucket block, expected 7")
     check(sum(1 for x in unbucketed if x[1] == "collective") > 40,
           "--bucket none should leave one all-gather per parameter")
     # Backward reads the last block's parameters first: by default they stay gathered from
@@ -90,11 +94,15 @@ def check_schedule(tmp):
           f"backward gathers {bwd_gathers}: expected layers.2 but not layers.3")
     # Kernels of backward are named by op; the last one is the embedding's backward.
     rs1 = next((k for k, x in enumerate(bwd) if x[2] == "reduce_scatter" and "layers.1." in x[3]), None)
-    rs0 = next((k for k, x in enumerate(bwd) if x[2] == "reduce_scatter" and "layers.0." in x[3]), None)
+    # The last block's reduce-scatters come in two parts, the first (MLP) while its
+    # attention's backward still computes.
+    rs0 = [k for k, x in enumerate(bwd) if x[2] == "reduce_scatter" and ".layers.0." in x[3]]
     kernels = [k for k, x in enumerate(bwd) if x[1] == "kernel"]
-    check(None not in (rs1, rs0) and rs1 < rs0 and sum(1 for k in kernels if rs1 < k < rs0) >= 10,
-          f"block 1's reduce-scatter (at {rs1}) is not issued before block 0's backward (its "
-          f"reduce-scatter at {rs0})")
+    check(rs1 is not None and len(rs0) == 2 and rs1 < rs0[0]
+          and sum(1 for k in kernels if rs1 < k < rs0[-1]) >= 10
+          and sum(1 for k in kernels if rs0[0] < k < rs0[1]) >= 3,
+          f"block 1's reduce-scatter (at {rs1}) and block 0's two (at {rs0}) are not spread over "
+          f"block 0's backward")
     always = forward_list(run("graph", "inspect", g4, "--after", "lower", "--fsdp", "2",
                               "--reshard", "always").stdout, "backward")
     check(any(x[2] == "all_gather" and "layers.3." in x[3] for x in always),
