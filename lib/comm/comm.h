@@ -95,8 +95,9 @@ struct CommIface {
   void (*destroy)(void *ctx);
   // The flight recorder of the process's transport (shared by every
   // communicator split from the same world), as JSON: the last collectives
-  // issued, oldest first, each {"comm", "seq", "what", "bytes", "issued_ms",
-  // "done_ms" (-1 while in flight), "state" ("in flight", "done", "failed")}.
+  // issued, oldest first, each {"comm", "seq", "what", "bytes", "path" ("ucx",
+  // "shm" or "shm direct"), "issued_ms", "done_ms" (-1 while in flight),
+  // "state" ("in flight", "done", "failed")}.
   // Optional (null when the transport keeps none).
   std::string (*flight)(void *ctx);
 };

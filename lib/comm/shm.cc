@@ -42,10 +42,15 @@
 #include "comm/shm.h"
 
 #include <linux/futex.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <climits>
 #include <condition_variable>
 #include <cstdlib>
@@ -56,6 +61,7 @@
 #include <utility>
 
 #include "comm/reduce.h"
+#include "comm/shared_host.h"
 #include "comm/shm_segment.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
@@ -89,6 +95,15 @@ constexpr int64_t kPollUs = 1000;
 // priority keeps its core, where the caller's thread loses it mid-collective),
 // and its two thread handoffs are small against them.
 constexpr size_t kEngineBytes = size_t{1} << 20;
+// Collectives of at least this many bytes (per member for all_gather, the
+// array for all_reduce, one block for reduce_scatter) and every all_to_all_v
+// read the members' buffers in place where they are shared (run_direct).
+// Below it the handshake round costs more than the copy it saves.
+constexpr size_t kDirectBytes = size_t{64} << 10;
+// Direct reductions run in chunks of this size, in the cache (reduce_block).
+constexpr size_t kDirectChunk = size_t{32} << 10;
+// Other members' shared allocations kept mapped per communicator.
+constexpr size_t kPeerMaps = 64;
 
 uint32_t load(const uint32_t &w) {
   return std::atomic_ref<uint32_t>(const_cast<uint32_t &>(w)).load(std::memory_order_acquire);
@@ -139,6 +154,7 @@ struct Phase {
   const ShmColl *coll = nullptr;
   int root = 0;
   bool alias = false;  // reduce_scatter: recv overlaps this member's block of send
+  bool direct = false;  // read in place from the members' buffers (run_direct)
 };
 
 size_t piece(size_t total, uint32_t r, size_t chunk) {
@@ -151,9 +167,10 @@ uint32_t rounds_for(size_t bytes, size_t chunk) {
 
 class Engine final : public ShmComm {
  public:
-  Engine(const ShmSetup &s, Mapping m)
+  Engine(const ShmSetup &s, Mapping m, std::vector<pid_t> pids, bool direct)
       : members_(s.members), me_(s.me), n_(static_cast<int>(s.members.size())),
-        peer_failed_(s.peer_failed), on_failure_(s.on_failure), map_(std::move(m)) {
+        peer_failed_(s.peer_failed), on_failure_(s.on_failure), map_(std::move(m)),
+        pids_(std::move(pids)), direct_(direct) {
     hdr_ = reinterpret_cast<SegHeader *>(map_.base);
     thread_ = std::thread([this] { run(); });
   }
@@ -214,6 +231,12 @@ class Engine final : public ShmComm {
   void run_phase(ShmColl &c, Phase &p);
   void put(const Phase &p, uint32_t r, char *buf, BufHead &h);
   void take(ShmColl &c, const Phase &p, uint32_t r, uint32_t round);
+  bool run_direct(ShmColl &c, const Phase &p);
+  void wait_all(ShmColl &c, uint32_t MemberCtl::*counter, uint32_t target);
+  const char *peer_view(const ShmColl &c, int m, int i, uint64_t addr, size_t bytes);
+  void reduce_block(const ShmColl &c, const Phase &p, size_t bytes, char *dst,
+                    const char *const *src, bool stage);
+  [[noreturn]] void different(const ShmColl &c, int m);
   void block(ShmColl &c, int waiting_for, Clock::time_point idle_since, uint32_t seen_gen);
   void check_abandoned(ShmColl &c, int waiting_for);
   [[noreturn]] void mismatch(const ShmColl &c, int m, const char *what, uint64_t got,
@@ -224,6 +247,8 @@ class Engine final : public ShmComm {
   std::function<std::string(int)> peer_failed_;
   std::function<void(int)> on_failure_;
   Mapping map_;
+  const std::vector<pid_t> pids_;  // each member's process
+  const bool direct_;              // every member may read every other's memory
   SegHeader *hdr_ = nullptr;
   uint32_t round_ = 0;  // the next round of this communicator (engine thread only)
   std::vector<char> scratch_;
@@ -255,6 +280,14 @@ class Engine final : public ShmComm {
   int64_t help_timeout_ms_ = 0;
   std::atomic<bool> stopping_{false};  // stop_, for a blocked collective to see
   std::vector<const char *> src_;      // take(): each member's piece
+  // Other members' shared host allocations mapped here (run_direct), the
+  // oldest dropped first beyond kPeerMaps.
+  struct PeerMap {
+    int member = 0;
+    uint64_t ino = 0;
+    Mapping map;
+  };
+  std::deque<PeerMap> peer_maps_;
   std::thread thread_;
 };
 
@@ -389,7 +422,7 @@ uint64_t shape_of(const Phase &p, const ShmColl &c) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over what every member must agree on
   const uint64_t fields[] = {static_cast<uint64_t>(p.kind), p.bytes, p.esz,
                             static_cast<uint64_t>(p.root), static_cast<uint64_t>(c.dtype),
-                            static_cast<uint64_t>(c.op)};
+                            static_cast<uint64_t>(c.op), static_cast<uint64_t>(p.direct)};
   for (uint64_t v : fields) {
     for (int i = 0; i < 8; ++i) {
       h ^= (v >> (8 * i)) & 0xff;
@@ -405,6 +438,8 @@ std::vector<Phase> Engine::plan(const ShmColl &c) const {
   const size_t split = (kBufBytes / static_cast<size_t>(n_ - 1)) / 64 * 64;
   auto add = [&](Phase p) {
     p.coll = &c;
+    p.direct = direct_ && p.kind != Phase::kBarrier &&
+               (p.kind == Phase::kAllToAll || p.bytes >= kDirectBytes);
     p.rounds = rounds_for(p.bytes, p.chunk);
     p.shape = shape_of(p, c);
     out.push_back(p);
@@ -506,6 +541,11 @@ size_t Engine::bytes_out(const ShmColl &c) const {
 }
 
 void Engine::run_phase(ShmColl &c, Phase &p) {
+  lost_since_ = {};
+  if (p.direct && run_direct(c, p)) {
+    c.path = "shm direct";
+    return;
+  }
   const uint32_t base = round_;
   uint32_t total = p.agree ? p.rounds : 0;  // 0: not known before round 0 is read
   uint32_t put_n = 0, take_n = 0;
@@ -545,11 +585,7 @@ void Engine::run_phase(ShmColl &c, Phase &p) {
           for (int m = 0; m < n_; ++m) {
             const BufHead &h = ctl(m).head[r % kBuffers];
             const uint32_t rounds = load(h.rounds);
-            if (p.agree && load64(h.shape) != p.shape)
-              throw Abort{CTR_STATUS_COMM_ERROR,
-                          strformat("%s: rank %d issued a different collective or size (do all "
-                                    "ranks issue the same collectives with the same sizes?)",
-                                    c.label.c_str(), members_[m])};
+            if (p.agree && load64(h.shape) != p.shape) different(c, m);
             // A sanity bound: no exchange here needs 2^24 rounds (8 TiB).
             if (!p.agree && (rounds == 0 || rounds > (1u << 24)))
               mismatch(c, m, "rounds", rounds, p.rounds);
@@ -573,6 +609,234 @@ void Engine::run_phase(ShmColl &c, Phase &p) {
       continue;
     }
     block(c, waiting, idle_since, seen);
+  }
+}
+
+// Direct collectives. A collective of kDirectBytes or more starts with a
+// handshake round: every member publishes the addresses of its buffers and the
+// shared host allocations (shared_host.h) that hold them. If every buffer that
+// another member reads is in one, on every member (each decides from the same
+// published facts, so all decide alike), the collective skips the segment:
+// each member maps the others' allocations (read only, once, through
+// /proc/PID/fd) and copies or reduces straight from their buffers into its
+// own, one copy per byte where the segment takes two. Otherwise it continues
+// through the segment from the next round.
+//
+// A direct collective uses one round number per stage: posted = R + 1 says "my
+// buffers for stage R are ready", and the stage starts once every member has
+// said so. all_reduce has two stages: each member reduces its own block of the
+// array from every member's input (in member order, so the bits equal the
+// segment path's), then copies the others' reduced blocks. At the end every
+// member publishes done and waits until all have: the others read a member's
+// buffers until then, so no collective returns while a peer may still read
+// from it, and none succeeds unless every member completed its part.
+bool Engine::run_direct(ShmColl &c, const Phase &p) {
+  const uint32_t base = round_;
+  const bool ar = p.kind == Phase::kAllReduce;
+  const uint32_t stages = ar ? 2 : 1;
+  // Heads and addresses are rewritten only once every member is done with
+  // every earlier round (after a direct collective they are already).
+  wait_all(c, &MemberCtl::done, base);
+  MemberCtl &mine = ctl(me_);
+  BufHead &h = mine.head[base % kBuffers];
+  // What the others read of this member's send (and, for all_reduce, out).
+  size_t extent = p.bytes;
+  if (p.kind == Phase::kReduceScatter) extent = n_ * p.bytes;
+  if (p.kind == Phase::kAllToAll) {
+    extent = 0;
+    for (int j = 0; j < n_; ++j) {
+      extent = std::max(extent, (c.send_displs[j] + c.send_counts[j]) * p.esz);
+      if (j == me_) continue;
+      const int s = slot_of(me_, j);
+      store64(mine.addr[s], reinterpret_cast<uintptr_t>(p.send + c.send_displs[j] * p.esz));
+      store64(h.len[s], c.send_counts[j] * p.esz);
+    }
+  } else {
+    store64(mine.addr[0], reinterpret_cast<uintptr_t>(p.send));
+    store64(mine.addr[1], reinterpret_cast<uintptr_t>(p.out));
+    store64(h.len[0], p.bytes);
+  }
+  for (int i = 0; i < (ar ? 2 : 1); ++i) {
+    SharedHost sh;
+    MemberCtl::Region &r = mine.region[i];
+    const bool shared = shared_host_find(i == 0 ? p.send : p.out, extent, &sh);
+    store64(r.ino, shared ? sh.ino : 0);
+    store64(r.base, sh.base);
+    store64(r.bytes, sh.bytes);
+    store64(reinterpret_cast<uint64_t &>(r.fd), static_cast<uint64_t>(sh.fd));
+  }
+  std::atomic_ref<uint32_t>(h.rounds).store(stages, std::memory_order_relaxed);
+  store64(h.shape, p.shape);
+  publish(mine.posted, base + 1);
+  wait_all(c, &MemberCtl::posted, base + 1);
+
+  const uint32_t head = base % kBuffers;
+  bool direct = true;
+  for (int m = 0; m < n_; ++m) {
+    const MemberCtl &x = ctl(m);
+    if (m != me_) {
+      if (load64(x.head[head].shape) != p.shape) different(c, m);
+      if (p.kind != Phase::kAllToAll && load64(x.head[head].len[0]) != p.bytes)
+        mismatch(c, m, "bytes", load64(x.head[head].len[0]), p.bytes);
+    }
+    const bool read = p.kind != Phase::kBroadcast || m == p.root;
+    direct = direct && (!read || (load64(x.region[0].ino) != 0 &&
+                                  (!ar || load64(x.region[1].ino) != 0)));
+  }
+  if (!direct) {
+    round_ = base + 1;
+    return false;
+  }
+
+  // Member m's buffer at addr (in its address space), bytes of it, region i.
+  auto peer = [&](int m, int i, uint64_t addr, size_t bytes) {
+    return peer_view(c, m, i, addr, bytes);
+  };
+  auto addr = [&](int m, int s) { return load64(ctl(m).addr[s]); };
+  switch (p.kind) {
+    case Phase::kGather:
+      for (int m = 0; m < n_; ++m) {
+        char *dst = p.out + m * p.bytes;
+        if (m != me_)
+          std::memcpy(dst, peer(m, 0, addr(m, 0), p.bytes), p.bytes);
+        else if (dst != p.send)
+          std::memcpy(dst, p.send, p.bytes);
+      }
+      break;
+    case Phase::kBroadcast:
+      if (me_ != p.root) std::memcpy(p.out, peer(p.root, 0, addr(p.root, 0), p.bytes), p.bytes);
+      break;
+    case Phase::kReduceScatter: {
+      std::vector<const char *> &src = src_;
+      src.resize(n_);
+      for (int m = 0; m < n_; ++m)
+        src[m] = m == me_ ? p.send + me_ * p.bytes
+                          : peer(m, 0, addr(m, 0) + me_ * p.bytes, p.bytes);
+      reduce_block(c, p, p.bytes, p.out, src.data(), false);
+      break;
+    }
+    case Phase::kAllReduce: {
+      // Member b's block: elements [count * b / n, count * (b + 1) / n).
+      const size_t count = p.bytes / p.esz;
+      auto lo = [&](int b) { return count * b / n_ * p.esz; };
+      const size_t at = lo(me_), len = lo(me_ + 1) - lo(me_);
+      std::vector<const char *> &src = src_;
+      src.resize(n_);
+      for (int m = 0; m < n_; ++m)
+        src[m] = m == me_ ? p.send + at : peer(m, 0, addr(m, 0) + at, len);
+      reduce_block(c, p, len, p.out + at, src.data(), true);
+      publish(mine.posted, base + 2);
+      wait_all(c, &MemberCtl::posted, base + 2);
+      for (int m = 0; m < n_; ++m) {
+        if (m == me_) continue;
+        const size_t bytes = lo(m + 1) - lo(m);
+        std::memcpy(p.out + lo(m), peer(m, 1, addr(m, 1) + lo(m), bytes), bytes);
+      }
+      break;
+    }
+    case Phase::kAllToAll:
+      if (c.send_counts[me_])
+        std::memcpy(p.out + c.recv_displs[me_] * p.esz, p.send + c.send_displs[me_] * p.esz,
+                    c.send_counts[me_] * p.esz);
+      for (int m = 0; m < n_; ++m) {
+        if (m == me_) continue;
+        const int s = slot_of(m, me_);
+        const size_t want = c.recv_counts[m] * p.esz;
+        const uint64_t len = load64(ctl(m).head[head].len[s]);
+        if (len != want) mismatch(c, m, "bytes", len, want);
+        if (want) std::memcpy(p.out + c.recv_displs[m] * p.esz, peer(m, 0, addr(m, s), want), want);
+      }
+      break;
+    case Phase::kBarrier:
+      break;
+  }
+  publish(mine.done, base + stages);
+  wait_all(c, &MemberCtl::done, base + stages);
+  round_ = base + stages;
+  return true;
+}
+
+// dst[bytes] = the reduction, in member order, of src[m][bytes] (this member's
+// own input among them), in chunks. With `stage`, each chunk is reduced in
+// scratch and copied out: where a peer reads dst next (all_reduce), its lines
+// sit in that peer's cache, and vector stores into them (each a read for
+// ownership) measured 5x slower here than a reduction in the cache and one
+// memcpy. Without it, this member's own input is staged where dst overlaps it
+// and the sum would overwrite it before adding it (after the first two terms).
+void Engine::reduce_block(const ShmColl &c, const Phase &p, size_t bytes, char *dst,
+                          const char *const *src, bool stage) {
+  scratch_.resize(2 * kDirectChunk);
+  char *acc = scratch_.data(), *own_buf = acc + kDirectChunk;
+  const int64_t divisor = c.op == ReduceOp::Avg ? n_ : 0;
+  for (size_t at = 0; at < bytes; at += kDirectChunk) {
+    const size_t len = std::min(kDirectChunk, bytes - at);
+    char *d = stage ? acc : dst + at;
+    const char *own = src[me_] + at;
+    if (!stage && d < own + len && own < d + len && (me_ >= 2 || d != own)) {
+      std::memcpy(own_buf, own, len);
+      own = own_buf;
+    }
+    auto term = [&](int m) { return m == me_ ? own : src[m] + at; };
+    const size_t count = len / p.esz;
+    reduce(d, term(0), term(1), count, c.dtype, c.op, n_ == 2 ? divisor : 0);
+    for (int m = 2; m < n_; ++m)
+      reduce(d, d, term(m), count, c.dtype, c.op, m == n_ - 1 ? divisor : 0);
+    if (stage) std::memcpy(dst + at, acc, len);
+  }
+}
+
+// Where [addr, addr + bytes) of member m, published in its region i, is
+// mapped here (mapping the region the first time).
+const char *Engine::peer_view(const ShmColl &c, int m, int i, uint64_t addr, size_t bytes) {
+  const MemberCtl::Region &r = ctl(m).region[i];
+  const uint64_t ino = load64(r.ino), base = load64(r.base), size = load64(r.bytes);
+  const auto fd = static_cast<int64_t>(load64(reinterpret_cast<const uint64_t &>(r.fd)));
+  if (addr < base || addr - base > size || bytes > size - (addr - base))
+    throw Abort{CTR_STATUS_COMM_ERROR,
+                strformat("%s: rank %d published a buffer outside its shared allocation",
+                          c.label.c_str(), members_[m])};
+  for (const PeerMap &pm : peer_maps_)
+    if (pm.member == m && pm.ino == ino && pm.map.bytes == size)
+      return pm.map.base + (addr - base);
+  auto fail = [&](const char *why) {
+    return Abort{CTR_STATUS_COMM_ERROR,
+                 strformat("%s: could not map rank %d's shared buffer: %s", c.label.c_str(),
+                           members_[m], why)};
+  };
+  if (fd < 0 || fd > INT_MAX) throw fail("bad descriptor");
+  const int f = ::open(strformat("/proc/%ld/fd/%ld", static_cast<long>(pids_[m]),
+                                 static_cast<long>(fd)).c_str(), O_RDONLY | O_CLOEXEC);
+  if (f < 0) throw fail(std::strerror(errno));
+  struct stat st {};
+  const int seals = ::fcntl(f, F_GET_SEALS);
+  const bool ok = ::fstat(f, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
+                  (st.st_mode & 077) == 0 && static_cast<uint64_t>(st.st_ino) == ino &&
+                  static_cast<uint64_t>(st.st_size) == size && seals >= 0 &&
+                  (seals & F_SEAL_SHRINK) && (seals & F_SEAL_SEAL);
+  void *v = ok ? ::mmap(nullptr, size, PROT_READ, MAP_SHARED, f, 0) : MAP_FAILED;
+  ::close(f);
+  if (!ok) throw fail("it is not the sealed, private allocation it was announced as");
+  if (v == MAP_FAILED) throw fail(std::strerror(errno));
+  if (peer_maps_.size() == kPeerMaps) peer_maps_.pop_front();
+  PeerMap pm;
+  pm.member = m;
+  pm.ino = ino;
+  pm.map.base = static_cast<char *>(v);
+  pm.map.bytes = size;
+  peer_maps_.push_back(std::move(pm));
+  return peer_maps_.back().map.base + (addr - base);
+}
+
+// Waits until every member's counter has reached target.
+void Engine::wait_all(ShmColl &c, uint32_t MemberCtl::*counter, uint32_t target) {
+  const auto idle_since = Clock::now();
+  for (;;) {
+    const uint32_t seen = std::atomic_ref<uint32_t>(hdr_->gen).load(std::memory_order_seq_cst);
+    int missing = -1;
+    for (int m = 0; m < n_ && missing < 0; ++m)
+      if (!reached(load(ctl(m).*counter), target)) missing = m;
+    if (missing < 0) return;
+    block(c, missing, idle_since, seen);
   }
 }
 
@@ -622,6 +886,13 @@ void Engine::put(const Phase &p, uint32_t r, char *buf, BufHead &h) {
       store64(h.len[0], 0);
       break;
   }
+}
+
+void Engine::different(const ShmColl &c, int m) {
+  throw Abort{CTR_STATUS_COMM_ERROR,
+              strformat("%s: rank %d issued a different collective or size (do all ranks issue "
+                        "the same collectives with the same sizes?)",
+                        c.label.c_str(), members_[m])};
 }
 
 void Engine::mismatch(const ShmColl &c, int m, const char *what, uint64_t got, uint64_t want) {
@@ -766,8 +1037,9 @@ void Engine::block(ShmColl &c, int waiting_for, Clock::time_point idle_since, ui
 
 }  // namespace
 
-std::unique_ptr<ShmComm> make_engine(const ShmSetup &s, Mapping map) {
-  return std::make_unique<Engine>(s, std::move(map));
+std::unique_ptr<ShmComm> make_engine(const ShmSetup &s, Mapping map, std::vector<pid_t> pids,
+                                     bool direct) {
+  return std::make_unique<Engine>(s, std::move(map), std::move(pids), direct);
 }
 
 }  // namespace shm

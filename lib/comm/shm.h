@@ -39,6 +39,9 @@ struct ShmColl {
   // Runs once, on the thread that ran the collective, when it has completed or
   // failed; the engine touches none of its buffers afterwards.
   std::function<void(ctr_status code, const std::string &error)> done;
+  // How it moved its bytes, set before done() runs: "shm" (through the
+  // segment) or "shm direct" (some part read in place from shared buffers).
+  const char *path = "shm";
   // A waiter whose deadline passed stores its timeout (ms) here and calls
   // ShmComm::wake(): the engine fails the collective naming the peer it waits for.
   std::atomic<int64_t> abandoned_ms{-1};
@@ -75,8 +78,9 @@ class ShmComm {
                     int64_t timeout_ms) = 0;
   // Makes the engine look at abandoned collectives now.
   virtual void wake() = 0;
-  // Bytes this member writes into the segment for c (for the flight recorder).
+  // Bytes this member sends for c (for the flight recorder).
   virtual size_t bytes_out(const ShmColl &c) const = 0;
+
 };
 
 // Maps one segment shared by the group's members. Every member must call it at

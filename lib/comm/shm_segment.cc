@@ -9,6 +9,11 @@
 // maps it, and nothing is left behind whatever happens to the processes. Two
 // all-gathers over the group's UCX path carry the offer and the outcome, so
 // that either every member attaches or none does.
+//
+// The offers also carry each member's pid, through which the engine maps the
+// members' shared host allocations (shared_host.h) for collectives that read
+// them in place; the outcome says whether every member allows that
+// (CTR_SHM_DIRECT=0 declines).
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -104,6 +109,7 @@ std::unique_ptr<ShmComm> shm_attach(const ShmSetup &s) {
     fd = create_segment(bytes, n, mine.key, &map);
   mine.willing = willing && (s.me != 0 || fd >= 0);
   mine.fd = fd;
+
   struct CloseFd {
     int fd;
     ~CloseFd() {
@@ -118,11 +124,19 @@ std::unique_ptr<ShmComm> shm_attach(const ShmSetup &s) {
   uint32_t ok = go;
   if (go && s.me != 0)
     ok = open_segment(static_cast<long>(all[0].pid), all[0].fd, bytes, n, all[0].key, &map);
+  // Bit 1: this member allows collectives that read shared host allocations in place.
+  const char *direct_env = std::getenv("CTR_SHM_DIRECT");
+  ok |= static_cast<uint32_t>(!(direct_env && std::strcmp(direct_env, "0") == 0)) << 1;
   std::vector<uint32_t> oks(n);
   s.all_gather(&ok, oks.data(), sizeof ok);
-  for (uint32_t o : oks)
-    if (o != 1) return nullptr;
-  return shm::make_engine(s, std::move(map));
+  bool direct = true;
+  for (uint32_t o : oks) {
+    if ((o & 1) != 1) return nullptr;
+    direct = direct && (o & 2);
+  }
+  std::vector<pid_t> pids(n);
+  for (int m = 0; m < n; ++m) pids[m] = static_cast<pid_t>(all[m].pid);
+  return shm::make_engine(s, std::move(map), std::move(pids), direct);
 }
 
 }  // namespace ctr

@@ -9,11 +9,13 @@
 #pragma once
 
 #include <sys/mman.h>
+#include <sys/types.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "comm/shm.h"
 
@@ -27,7 +29,7 @@ constexpr uint32_t kBuffers = 4;
 constexpr size_t kBufBytes = size_t{512} << 10;
 // Larger groups on one host use the UCX path (the heads carry one length per member).
 constexpr int kMaxMembers = 64;
-constexpr uint64_t kMagic = 0x316d68732d727463ull;  // "ctr-shm1"
+constexpr uint64_t kMagic = 0x326d68732d727463ull;  // "ctr-shm2"
 constexpr size_t kPage = 4096;
 
 struct SegHeader {
@@ -52,6 +54,17 @@ struct MemberCtl {
   alignas(64) uint32_t posted;  // rounds this member has written
   alignas(64) uint32_t done;    // rounds this member has read
   alignas(64) BufHead head[kBuffers];
+  // A large collective's buffers (shm.cc, run_direct): the shared host
+  // allocations (shared_host.h) holding its send and out buffers, ino 0 for
+  // neither, and the buffers' addresses in this member's address space: send
+  // and out, or one send address per peer (all_to_all_v). Written when the
+  // collective starts, once every member is done with every earlier round.
+  struct Region {
+    uint64_t ino, base, bytes;
+    int64_t fd;
+  };
+  alignas(64) Region region[2];
+  alignas(64) uint64_t addr[kMaxMembers];
 };
 
 constexpr size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -74,7 +87,10 @@ struct Mapping {
   }
 };
 
-// The engine over a mapped segment; starts its thread.
-std::unique_ptr<ShmComm> make_engine(const ShmSetup &s, Mapping map);
+// The engine over a mapped segment; starts its thread. pids: each member's
+// process; direct: every member allows large collectives to read shared host
+// allocations in place.
+std::unique_ptr<ShmComm> make_engine(const ShmSetup &s, Mapping map, std::vector<pid_t> pids,
+                                     bool direct);
 
 }  // namespace ctr::shm

@@ -241,7 +241,8 @@ struct Coll {
   // Run by the communicator's shared-memory engine instead of the operation list.
   std::shared_ptr<ShmColl> shm;
   ShmComm *shm_comm = nullptr;
-  size_t shm_bytes = 0;  // what this rank writes into the segment (flight recorder)
+  size_t shm_bytes = 0;  // what this rank sends through shared memory (flight recorder)
+  const char *path = "ucx";  // the flight recorder's "path"
 
   // Progress thread only.
   size_t scan_from = 0;     // first operation that may still be waiting
@@ -586,6 +587,7 @@ class Transport {
     std::string comm, what;
     uint32_t seq = 0;
     size_t bytes = 0;
+    const char *path = "ucx";  // how it moves: "ucx", "shm" or "shm direct"
     TimePoint issued{}, done{};
     int state = 0;  // 0 in flight, 1 done, 2 failed
   };
@@ -877,6 +879,7 @@ void Transport::flight_issue(Coll *c) {
   e.what = name.empty() ? c->what : name + ": " + c->what;
   e.seq = static_cast<uint32_t>((c->tag >> 16) & 0xffffff);
   e.bytes = c->shm_bytes;
+  e.path = c->path;
   for (const Op &op : c->ops)
     if (op.kind == Op::kSend) e.bytes += op.bytes;
   e.issued = Clock::now();
@@ -890,6 +893,7 @@ void Transport::flight_end(const Coll *c, bool ok) {
   if (e.id != c->flight_id || e.state != 0) return;  // overwritten by newer entries, or ended
   e.done = Clock::now();
   e.state = ok ? 1 : 2;
+  e.path = c->path;
 }
 
 std::string Transport::flight_json() {
@@ -908,8 +912,8 @@ std::string Transport::flight_json() {
       if (static_cast<unsigned char>(ch) >= 0x20) what += ch;
     }
     out += strformat("%s{\"comm\":\"%s\",\"seq\":%u,\"what\":\"%s\",\"bytes\":%zu,"
-                     "\"issued_ms\":%.3f,\"done_ms\":%.3f,\"state\":\"%s\"}",
-                     out.size() > 1 ? "," : "", e.comm.c_str(), e.seq, what.c_str(), e.bytes,
+                     "\"path\":\"%s\",\"issued_ms\":%.3f,\"done_ms\":%.3f,\"state\":\"%s\"}",
+                     out.size() > 1 ? "," : "", e.comm.c_str(), e.seq, what.c_str(), e.bytes, e.path,
                      ms(e.issued), e.state == 0 ? -1.0 : ms(e.done),
                      e.state == 0 ? "in flight" : e.state == 1 ? "done" : "failed");
   }
@@ -956,6 +960,7 @@ CommWork *Transport::issue_shm(Coll *c) {
       c->code = code;
       c->error = error;
       c->finished = true;
+      c->path = c->shm->path;
       flight_end(c, code == CTR_STATUS_OK);
     }
     c->cv.notify_all();
@@ -1589,6 +1594,7 @@ std::unique_ptr<Coll> new_coll(CommCtx *cc, const char *what) {
 CommWork *issue_shm(CommCtx *cc, std::unique_ptr<Coll> c, std::shared_ptr<ShmColl> s) {
   s->label = c->label();
   c->shm_bytes = cc->shm->bytes_out(*s);
+  c->path = "shm";
   c->shm = std::move(s);
   c->shm_comm = cc->shm.get();
   return cc->t->issue_shm(c.release());

@@ -25,11 +25,15 @@
 // Configuration comes from CTR_RANK, CTR_WORLD_SIZE, CTR_MASTER_ADDR,
 // CTR_MASTER_PORT, CTR_JOB_TOKEN and CTR_TIMEOUT_MS. CTR_TEST_PATH=shm or ucx
 // says which data path the communicators of several local ranks must take
-// (the shared-memory segment, or UCX alone under CTR_SHM=0); it is checked.
+// (the shared-memory segment, or UCX alone under CTR_SHM=0); it is checked,
+// and so is whether large collectives on shared host allocations read them in
+// place (not where some rank has CTR_SHM_DIRECT=0: CTR_TEST_DIRECT=0 tells
+// the others).
 // Exit status 0 means every check passed (for the failure modes: the expected
 // failure was seen).
 
 #include "comm/comm.h"
+#include "comm/shared_host.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -74,6 +78,35 @@ bool g_expect_shm = false;  // CTR_TEST_PATH=shm
   do {                             \
     if (!(cond)) die(__VA_ARGS__); \
   } while (0)
+
+// Where the checks' data buffers live: ordinary memory, or shared host
+// allocations (comm/shared_host.h), which the shared-memory path reads in
+// place. kSharedMixed: shared on rank 0 only, so that a group never finds all
+// of its buffers shared and every collective must take the segment.
+enum class Buffers { kPlain, kShared, kSharedMixed };
+Buffers g_buffers = Buffers::kPlain;
+
+template <typename T>
+struct TestAlloc {
+  using value_type = T;
+  TestAlloc() = default;
+  template <typename U>
+  TestAlloc(const TestAlloc<U> &) {}
+  T *allocate(size_t n) {
+    const bool shared = g_buffers == Buffers::kShared ||
+                        (g_buffers == Buffers::kSharedMixed && g_rank == 0);
+    void *p = shared ? ctr::shared_host_alloc(n * sizeof(T)) : std::malloc(n * sizeof(T));
+    CHECK(p, "could not allocate %zu bytes%s", n * sizeof(T), shared ? " of shared host memory" : "");
+    return static_cast<T *>(p);
+  }
+  void deallocate(T *p, size_t) {
+    if (!ctr::shared_host_free(p)) std::free(p);
+  }
+  bool operator==(const TestAlloc &) const { return true; }
+};
+// A data buffer of the checks.
+template <typename T>
+using Buf = std::vector<T, TestAlloc<T>>;
 
 struct Env {
   int rank = 0, world = 1, port = 29500;
@@ -234,7 +267,7 @@ void check_reductions(const Comm &c, ctr_dtype dt, const std::vector<size_t> &co
   for (size_t count : counts) {
     for (ReduceOp op : kOps) {
       ++salt;
-      std::vector<T> send(count), recv(count, T(-7));
+      Buf<T> send(count), recv(count, T(-7));
       for (size_t i = 0; i < count; ++i) send[i] = input<T>(gme, i, salt);
       ctr::comm_wait(c, c.iface->all_reduce(c.ctx, send.data(), recv.data(), count, dt, op));
       for (size_t i = 0; i < count; ++i) {
@@ -244,13 +277,13 @@ void check_reductions(const Comm &c, ctr_dtype dt, const std::vector<size_t> &co
               count, i, static_cast<double>(recv[i]), static_cast<double>(want));
       }
       // In place.
-      std::vector<T> inplace = send;
+      Buf<T> inplace = send;
       ctr::comm_wait(c, c.iface->all_reduce(c.ctx, inplace.data(), inplace.data(), count, dt, op));
       CHECK(inplace == recv, "in-place all_reduce %s %s count %zu differs from out-of-place",
             type_name<T>(), op_name(op), count);
 
       // reduce_scatter: block b of every rank's send reduces into rank b's recv.
-      std::vector<T> rs_send(count * n), rs_recv(count, T(-7));
+      Buf<T> rs_send(count * n), rs_recv(count, T(-7));
       for (size_t i = 0; i < rs_send.size(); ++i) rs_send[i] = input<T>(gme, i, salt);
       ctr::comm_wait(c,
                      c.iface->reduce_scatter(c.ctx, rs_send.data(), rs_recv.data(), count, dt, op));
@@ -260,6 +293,14 @@ void check_reductions(const Comm &c, ctr_dtype dt, const std::vector<size_t> &co
               "reduce_scatter %s %s count %zu: element %zu is %g, want %g", type_name<T>(),
               op_name(op), count, i, static_cast<double>(rs_recv[i]), static_cast<double>(want));
       }
+      // In place: the result lands on this rank's own block of the input.
+      Buf<T> rs_inplace(count * n);
+      for (size_t i = 0; i < rs_inplace.size(); ++i) rs_inplace[i] = input<T>(gme, i, salt);
+      ctr::comm_wait(c, c.iface->reduce_scatter(c.ctx, rs_inplace.data(),
+                                                rs_inplace.data() + me * count, count, dt, op));
+      CHECK(std::equal(rs_recv.begin(), rs_recv.end(), rs_inplace.begin() + me * count),
+            "in-place reduce_scatter %s %s count %zu differs from out-of-place", type_name<T>(),
+            op_name(op), count);
     }
   }
 }
@@ -272,7 +313,7 @@ void check_all_gather(const Comm &c, const std::vector<size_t> &counts = kCounts
     for (size_t esz : {1, 4, 8}) {
       const size_t bytes = count * esz;
       ++salt;
-      std::vector<uint8_t> send(bytes), recv(bytes * n, 0xee);
+      Buf<uint8_t> send(bytes), recv(bytes * n, 0xee);
       for (size_t i = 0; i < bytes; ++i) send[i] = byte_at(ranks[me], i, salt);
       ctr::comm_wait(c, c.iface->all_gather(c.ctx, send.data(), recv.data(), bytes));
       for (int r = 0; r < n; ++r)
@@ -280,7 +321,7 @@ void check_all_gather(const Comm &c, const std::vector<size_t> &counts = kCounts
           CHECK(recv[r * bytes + i] == byte_at(ranks[r], i, salt),
                 "all_gather %zu bytes: byte %zu of member %d is wrong", bytes, i, r);
       // In place: this rank's block already sits in recv.
-      std::vector<uint8_t> inplace(bytes * n, 0xee);
+      Buf<uint8_t> inplace(bytes * n, 0xee);
       std::copy(send.begin(), send.end(), inplace.begin() + me * bytes);
       ctr::comm_wait(
           c, c.iface->all_gather(c.ctx, inplace.data() + me * bytes, inplace.data(), bytes));
@@ -294,7 +335,7 @@ void check_all_gather(const Comm &c, const std::vector<size_t> &counts = kCounts
 void check_batch(const Comm &c) {
   const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
   const size_t sizes[] = {0, 1, 7, 1000, (size_t{1} << 18) + 3, 600001};
-  std::vector<std::vector<float>> send, got, want;
+  std::vector<Buf<float>> send, got, want;
   std::vector<ctr::CollDesc> d;
   uint32_t salt = 900;
   for (size_t count : sizes) {
@@ -303,7 +344,7 @@ void check_batch(const Comm &c) {
       ++salt;
       const size_t in = kind == ctr::CollDesc::ReduceScatter ? count * n : count;
       const size_t out = kind == ctr::CollDesc::AllGather ? count * n : count;
-      std::vector<float> s(in);
+      Buf<float> s(in);
       for (size_t i = 0; i < in; ++i) s[i] = static_cast<float>(byte_at(me, i, salt) % 97) - 48.0f;
       send.push_back(s);
       got.emplace_back(out, -1.0f);
@@ -346,7 +387,7 @@ void check_broadcast(const Comm &c) {
                        size_t{9} << 20 | 1}) {
     for (int root = 0; root < n; ++root) {
       ++salt;
-      std::vector<uint8_t> buf(bytes, 0xee);
+      Buf<uint8_t> buf(bytes, 0xee);
       if (me == root)
         for (size_t i = 0; i < bytes; ++i) buf[i] = byte_at(ranks[root], i, salt);
       ctr::comm_wait(c, c.iface->broadcast(c.ctx, buf.data(), bytes, root));
@@ -386,7 +427,7 @@ void check_all_to_all(const Comm &c) {
       rd[j] = rtot;
       rtot += rc[j] + 1;
     }
-    std::vector<int64_t> send(stot, -1), recv(rtot, -1);
+    Buf<int64_t> send(stot, -1), recv(rtot, -1);
     // Element k to member j carries (sender, j, k) in one integer.
     for (int j = 0; j < n; ++j)
       for (size_t k = 0; k < sc[j]; ++k)
@@ -414,7 +455,7 @@ void check_identical(const Comm &c) {
       return static_cast<float>(
           static_cast<double>(mix((uint64_t(r) << 40) ^ i) >> 11) * 0x1p-53 * 2.0 - 1.0);
     };
-    std::vector<float> send(count), recv(count);
+    Buf<float> send(count), recv(count);
     for (size_t i = 0; i < count; ++i) send[i] = value(ranks[me], i);
     ctr::comm_wait(c, c.iface->all_reduce(c.ctx, send.data(), recv.data(), count, CTR_DTYPE_F32,
                                           ReduceOp::Sum));
@@ -425,7 +466,7 @@ void check_identical(const Comm &c) {
             "float all_reduce count %zu: element %zu is %.9g, want %.9g", count, i, recv[i], want);
     }
     // The same input gives the same bits again.
-    std::vector<float> again(count);
+    Buf<float> again(count);
     ctr::comm_wait(c, c.iface->all_reduce(c.ctx, send.data(), again.data(), count, CTR_DTYPE_F32,
                                           ReduceOp::Sum));
     CHECK(std::memcmp(again.data(), recv.data(), count * sizeof(float)) == 0,
@@ -483,6 +524,59 @@ void check_many_small(const Comm &c) {
     CHECK(r == *std::max_element(ranks.begin(), ranks.end()) + k,
           "back-to-back all_reduce %d wrong", k);
   }
+}
+
+// The last collective's path in the flight recorder.
+std::string last_path(const Comm &c) {
+  const std::string json = c.iface->flight(c.ctx);
+  const std::string key = "\"path\":\"";
+  const size_t at = json.rfind(key);
+  CHECK(at != std::string::npos, "the flight recorder has no path: %s", json.c_str());
+  return json.substr(at + key.size(), json.find('"', at + key.size()) - at - key.size());
+}
+
+// A large all_reduce on the current buffers takes the path expected of them:
+// on the shared-memory path, read in place ("shm direct") exactly when every
+// rank's buffers are shared host allocations and CTR_SHM_DIRECT is not 0.
+void check_direct_path(const Comm &c) {
+  const int n = c.iface->size(c.ctx);
+  Buf<float> send(1 << 18, 1.0f), recv(1 << 18);
+  ctr::comm_wait(c, c.iface->all_reduce(c.ctx, send.data(), recv.data(), send.size(),
+                                        CTR_DTYPE_F32, ReduceOp::Sum));
+  CHECK(recv[12345] == static_cast<float>(n), "all_reduce of ones gave %g", recv[12345]);
+  auto zero = [](const char *name) {
+    const char *v = std::getenv(name);
+    return v && std::strcmp(v, "0") == 0;
+  };
+  const bool direct =
+      g_buffers == Buffers::kShared && !zero("CTR_SHM_DIRECT") && !zero("CTR_TEST_DIRECT");
+  const std::string want = !g_expect_shm || n == 1 ? "ucx" : direct ? "shm direct" : "shm";
+  const std::string got = last_path(c);
+  CHECK(got == want, "an all_reduce of 1 MiB took path '%s', expected '%s'", got.c_str(),
+        want.c_str());
+}
+
+// The checks again on shared host allocations, which large collectives read
+// in place; then with them on one rank only, which sends every collective
+// through the segment.
+void check_shared(const Comm &c) {
+  g_buffers = Buffers::kShared;
+  check_reductions<float>(c, CTR_DTYPE_F32);
+  check_reductions<float>(c, CTR_DTYPE_F32, kLargeCounts);
+  check_reductions<int64_t>(c, CTR_DTYPE_I64, kLargeCounts);
+  check_all_gather(c);
+  check_all_gather(c, kLargeCounts);
+  check_batch(c);
+  check_broadcast(c);
+  check_all_to_all(c);
+  check_identical(c);
+  check_direct_path(c);
+  g_buffers = Buffers::kSharedMixed;
+  check_reductions<float>(c, CTR_DTYPE_F32, kLargeCounts);
+  check_all_gather(c, kLargeCounts);
+  check_all_to_all(c);
+  check_direct_path(c);
+  g_buffers = Buffers::kPlain;
 }
 
 void check_all(const Comm &c) {
@@ -754,6 +848,8 @@ int run_all(const Env &e) {
         "world rank/size wrong");
   check_path(e);
   check_all(world);
+  check_direct_path(world);
+  if (g_expect_shm) check_shared(world);
   check_splits(world);
   check_concurrent(world);
   check_late_waits(world);

@@ -33,7 +33,7 @@ def free_port():
 
 class Case:
     def __init__(self, name, world, mode="all", started=None, timeout_ms=30000,
-                 late_rank0=False, expect=None, max_s=None, leaver=None):
+                 late_rank0=False, expect=None, max_s=None, leaver=None, env=None, rank_env=None):
         self.name = name
         self.world = world
         self.mode = mode
@@ -43,6 +43,8 @@ class Case:
         self.expect = expect or {}  # rank -> substrings its stderr must contain
         self.max_s = max_s          # the whole case must end within this
         self.leaver = leaver        # a rank that exits on purpose, reporting no PASS
+        self.env = env or {}        # more environment for every rank
+        self.rank_env = rank_env or {}  # rank -> more environment for it
 
 
 def run(exe, case, ucx_only=False):
@@ -59,7 +61,8 @@ def run(exe, case, ucx_only=False):
             time.sleep(0.5)
         env = dict(base, CTR_RANK=str(r), CTR_WORLD_SIZE=str(case.world),
                    CTR_MASTER_ADDR="127.0.0.1", CTR_MASTER_PORT=str(port),
-                   CTR_JOB_TOKEN=token, CTR_TIMEOUT_MS=str(case.timeout_ms))
+                   CTR_JOB_TOKEN=token, CTR_TIMEOUT_MS=str(case.timeout_ms), **case.env)
+        env.update(case.rank_env.get(r, {}))
         procs[r] = subprocess.Popen([exe, case.mode], env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
     outs, problems = {}, []
@@ -108,6 +111,9 @@ def main():
     exe = args[0]
     cases = [Case(f"collectives, {n} rank{'s' if n > 1 else ''}", n) for n in (1, 2, 3)]
     cases.append(Case("collectives, 4 ranks, rank 0 starts last", 4, late_rank0=True))
+    # One rank declines direct reads: shared host buffers go through the segment on all.
+    cases.append(Case("collectives, 3 ranks, CTR_SHM_DIRECT=0 on rank 1", 3,
+                      env={"CTR_TEST_DIRECT": "0"}, rank_env={1: {"CTR_SHM_DIRECT": "0"}}))
     # The rank with another token finds out first: rank 0's proof does not match
     # its token, so it never sends its own.
     cases.append(Case("wrong job token", 2, "token", timeout_ms=5000, max_s=15, expect={

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "comm/shared_host.h"
 #include "core/status.h"
 
 namespace {
@@ -70,7 +71,36 @@ double memcpy_gbs(size_t bytes) {
 
 }  // namespace
 
-int main() {
+// A benchmark buffer of floats, all 1: ordinary memory, or a shared host
+// allocation that the peers read in place.
+class Floats {
+ public:
+  Floats(size_t n, bool shared) : n_(n) {
+    const size_t bytes = std::max<size_t>(n, 1) * 4;
+    p_ = static_cast<float *>(shared ? ctr::shared_host_alloc(bytes) : std::malloc(bytes));
+    if (!p_) {
+      std::fprintf(stderr, "bench_comm: could not allocate %zu bytes%s\n", bytes,
+                   shared ? " of shared host memory" : "");
+      std::exit(1);
+    }
+    std::fill(p_, p_ + n, 1.0f);
+  }
+  ~Floats() {
+    if (!ctr::shared_host_free(p_)) std::free(p_);
+  }
+  Floats(const Floats &) = delete;
+  Floats &operator=(const Floats &) = delete;
+  float *data() const { return p_; }
+  size_t size() const { return n_; }
+
+ private:
+  size_t n_;
+  float *p_ = nullptr;
+};
+
+int main(int argc, char **argv) {
+  // --shared: every buffer is a shared host allocation (read in place).
+  const bool shared = argc > 1 && std::strcmp(argv[1], "--shared") == 0;
   const int rank = env_int("CTR_RANK", 0), world = env_int("CTR_WORLD_SIZE", 1);
   ctr::RendezvousConfig cfg;
   cfg.rank = rank;
@@ -90,8 +120,8 @@ int main() {
       const bool a2a = std::strcmp(op, "all_to_all_v") == 0;
       const bool rs = std::strcmp(op, "reduce_scatter") == 0;
       for (size_t bytes : sizes) {
-        std::vector<float> send(ar || a2a || rs ? bytes / 4 : bytes / 4 / world, 1.0f),
-            recv(rs ? bytes / 4 / world : bytes / 4);
+        Floats send(ar || a2a || rs ? bytes / 4 : bytes / 4 / world, shared),
+            recv(rs ? bytes / 4 / world : bytes / 4, shared);
         // all_to_all_v: block j of the send buffer to rank j, block j of the
         // receive buffer from rank j.
         const size_t block = bytes / 4 / world;
@@ -117,7 +147,8 @@ int main() {
         double algbw = static_cast<double>(bytes) / us / 1e3;
         double busbw = algbw * (ar ? 2 * (n - 1) / n : (n - 1) / n);
         if (rank == 0)
-          std::printf("coll %s %zu iters %d us %.1f algbw_gbs %.3f busbw_gbs %.3f\n", op, bytes,
+          std::printf("%s %s %zu iters %d us %.1f algbw_gbs %.3f busbw_gbs %.3f\n",
+                      shared ? "coll_shared" : "coll", op, bytes,
                       iters, us, algbw, busbw);
       }
     }

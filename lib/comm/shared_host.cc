@@ -1,0 +1,80 @@
+// Shared host allocations (shared_host.h): a registry of memfd mappings, kept
+// sorted by address so that a collective finds the allocation holding its
+// buffer in one lookup.
+
+#include "comm/shared_host.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <iterator>
+#include <map>
+#include <mutex>
+
+namespace ctr {
+namespace {
+
+std::mutex g_mu;
+std::map<uintptr_t, SharedHost> &registry() {
+  static auto *r = new std::map<uintptr_t, SharedHost>;  // outlives every static destructor
+  return *r;
+}
+
+}  // namespace
+
+void *shared_host_alloc(size_t bytes) {
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t n = (bytes + page - 1) / page * page;
+  if (n == 0) return nullptr;
+  const int fd = ::memfd_create("ctr-host", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return nullptr;
+  struct stat st {};
+  void *p = MAP_FAILED;
+  // Sealed at its size: no process can shrink it under a peer that reads it.
+  if (::fchmod(fd, 0600) == 0 && ::ftruncate(fd, static_cast<off_t>(n)) == 0 &&
+      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0 &&
+      ::fstat(fd, &st) == 0)
+    p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    ::close(fd);
+    return nullptr;
+  }
+  SharedHost s;
+  s.base = reinterpret_cast<uintptr_t>(p);
+  s.bytes = n;
+  s.fd = fd;
+  s.ino = static_cast<uint64_t>(st.st_ino);
+  std::lock_guard<std::mutex> lock(g_mu);
+  registry()[s.base] = s;
+  return p;
+}
+
+bool shared_host_free(void *p) {
+  SharedHost s;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = registry().find(reinterpret_cast<uintptr_t>(p));
+    if (it == registry().end()) return false;
+    s = it->second;
+    registry().erase(it);
+  }
+  ::munmap(p, s.bytes);
+  ::close(s.fd);
+  return true;
+}
+
+bool shared_host_find(const void *p, size_t bytes, SharedHost *out) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto &r = registry();
+  auto it = r.upper_bound(a);
+  if (it == r.begin()) return false;
+  const SharedHost &s = std::prev(it)->second;
+  if (a - s.base > s.bytes || bytes > s.bytes - (a - s.base)) return false;
+  *out = s;
+  return true;
+}
+
+}  // namespace ctr
