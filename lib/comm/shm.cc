@@ -284,6 +284,7 @@ class Engine final : public ShmComm {
   // oldest dropped first beyond kPeerMaps.
   struct PeerMap {
     int member = 0;
+    int64_t fd = -1;
     uint64_t ino = 0;
     Mapping map;
   };
@@ -817,9 +818,13 @@ const char *Engine::peer_view(const ShmColl &c, int m, int i, uint64_t addr, siz
   ::close(f);
   if (!ok) throw fail("it is not the sealed, private allocation it was announced as");
   if (v == MAP_FAILED) throw fail(std::strerror(errno));
+  // A mapping of another file under the same descriptor is of an allocation
+  // the peer has freed since: let it go now rather than hold its memory.
+  std::erase_if(peer_maps_, [&](const PeerMap &x) { return x.member == m && x.fd == fd; });
   if (peer_maps_.size() == kPeerMaps) peer_maps_.pop_front();
   PeerMap pm;
   pm.member = m;
+  pm.fd = fd;
   pm.ino = ino;
   pm.map.base = static_cast<char *>(v);
   pm.map.bytes = size;

@@ -82,6 +82,14 @@ struct Mapping {
   Mapping(const Mapping &) = delete;
   Mapping &operator=(const Mapping &) = delete;
   Mapping(Mapping &&o) noexcept : base(std::exchange(o.base, nullptr)), bytes(o.bytes) {}
+  Mapping &operator=(Mapping &&o) noexcept {
+    if (this != &o) {
+      if (base) ::munmap(base, bytes);
+      base = std::exchange(o.base, nullptr);
+      bytes = o.bytes;
+    }
+    return *this;
+  }
   ~Mapping() {
     if (base) ::munmap(base, bytes);
   }

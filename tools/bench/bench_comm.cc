@@ -5,6 +5,8 @@
 // CTR_SHM=0) from 4 KiB to 64 MiB, memcpy bandwidth at the same sizes (the ceiling for any
 // transfer through memory on this machine), and the CPU time the process burns
 // while the communicator sits idle (the progress thread must sleep, not spin).
+// With --shared every buffer is a shared host allocation (comm/shared_host.h),
+// which the shared-memory path reads in place; the lines then say coll_shared.
 // Rank 0 prints one line per figure in a fixed, parseable format:
 //
 //   coll all_reduce 4096 iters 2000 us 12.3 algbw_gbs 0.33 busbw_gbs 0.33

@@ -3,11 +3,14 @@
 
     bench_comm.py BUILD/tools/bench/bench_comm [--repeat N] [--no-perftest]
 
-Starts two bench_comm ranks (rendezvous on a free loopback port), then runs
-ucx_perftest's tag_bw (UCP tagged send/receive, one direction, one stream) as
-server and client at each size on 127.0.0.1, and prints one table: our all_reduce,
-all_gather, reduce_scatter and all_to_all_v bus bandwidth, ucx_perftest's bandwidth, memcpy
-bandwidth, and the ratios. Bus bandwidth is what one link carries (NCCL's convention), so it is
+Starts two bench_comm ranks (rendezvous on a free loopback port) twice, with
+buffers in ordinary memory and in shared host allocations (which the
+shared-memory path reads in place, as the CPU backend's parameters, gradients
+and arena are), then runs ucx_perftest's tag_bw (UCP tagged send/receive, one
+direction, one stream) as server and client at each size on 127.0.0.1, and
+prints one table: our all_reduce, all_gather, reduce_scatter and all_to_all_v
+bus bandwidth on both kinds of buffers, ucx_perftest's bandwidth, memcpy
+bandwidth, and the ratios of the shared-buffer figures to perftest's. Bus bandwidth is what one link carries (NCCL's convention), so it is
 comparable with a point-to-point figure; memcpy is the ceiling for moving bytes
 through memory here. Also prints the CPU use of an idle communicator.
 
@@ -49,15 +52,15 @@ def base_env():
     return env
 
 
-def run_ranks(exe):
+def run_ranks(exe, shared):
     port = free_port()
     procs = []
     for rank in range(2):
         env = base_env()
         env.update(CTR_RANK=str(rank), CTR_WORLD_SIZE="2", CTR_MASTER_ADDR="127.0.0.1",
                    CTR_MASTER_PORT=str(port), CTR_JOB_TOKEN="bench")
-        procs.append(subprocess.Popen([exe], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([exe] + (["--shared"] if shared else []), env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     deadline = time.monotonic() + RUN_LIMIT_S
     for p in procs:
@@ -73,7 +76,7 @@ def run_ranks(exe):
     coll, memcpy, idle = {}, {}, {}
     for line in outs[0].splitlines():
         f = line.split()
-        if f[0] == "coll":
+        if f[0] in ("coll", "coll_shared"):
             coll[(f[1], int(f[2]))] = float(f[10])  # busbw_gbs
         elif f[0] == "memcpy":
             memcpy[int(f[1])] = float(f[3])
@@ -147,13 +150,15 @@ def main():
             if v is not None and (into.get(k) is None or v > into[k]):
                 into[k] = v
 
-    coll, memcpy, peer, shm, idle = {}, {}, {}, {}, {}
+    coll, shared, memcpy, peer, shm, idle = {}, {}, {}, {}, {}, {}
     have_perftest = shutil.which("ucx_perftest") and not args.no_perftest
     for _ in range(max(1, args.repeat)):
-        c, m, i = run_ranks(args.bench_comm)
+        c, m, i = run_ranks(args.bench_comm, False)
         best(coll, c)
         best(memcpy, m)
         idle = {r: min(v, idle.get(r, v)) for r, v in i.items()}
+        c, _, _ = run_ranks(args.bench_comm, True)
+        best(shared, c)
         if have_perftest:
             best(peer, {s: perftest(s) for s in SIZES})
             best(shm, {s: perftest(s, "self,sysv") for s in SIZES})
@@ -164,21 +169,25 @@ def main():
     def ratio(a, b):
         return f"{a / b:6.2f}" if a and b else "     -"
 
+    ops = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all_v"]
+    short = ["ar", "ag", "rs", "a2a"]
     print(f"two ranks on one machine, best of {max(1, args.repeat)}; GB/s = 1e9 bytes/s;"
           " bus bandwidth for the collectives")
-    print("pt = ucx_perftest tag_bw (default transports), shm = the same on shared memory only,")
-    print("mc = memcpy")
-    print(f"{'size':>8} {'all_reduce':>10} {'all_gather':>10} {'red_scat':>10} {'all_to_all':>10}"
-          f" {'pt':>7} {'shm':>7} {'mc':>7} {'ar/pt':>6} {'ag/pt':>6} {'rs/pt':>6} {'a2a/pt':>6}"
-          f" {'ar/shm':>6} {'ag/shm':>6} {'a2a/shm':>7} {'ar/mc':>6} {'ag/mc':>6}")
+    print("ordinary buffers, then shared host allocations (sh); pt = ucx_perftest tag_bw (default")
+    print("transports), shm = the same on shared memory only, mc = memcpy; ratios: shared buffers")
+    print(f"{'size':>8} " + " ".join(f"{x:>6}" for x in short) + " "
+          + " ".join(f"{'sh ' + x:>6}" for x in short)
+          + f" {'pt':>6} {'shm':>6} {'mc':>6} "
+          + " ".join(f"{x + '/pt':>6}" for x in short) + " "
+          + " ".join(f"{x + '/shm':>7}" for x in short))
     for s in SIZES:
-        ar, ag = coll.get(("all_reduce", s)), coll.get(("all_gather", s))
-        rs, a2a = coll.get(("reduce_scatter", s)), coll.get(("all_to_all_v", s))
-        pt, sh, mc = peer.get(s), shm.get(s), memcpy.get(s)
-        print(f"{human(s):>8} {num(ar, 10)} {num(ag, 10)} {num(rs, 10)} {num(a2a, 10)} {num(pt, 7)}"
-              f" {num(sh, 7)} {num(mc, 7)} {ratio(ar, pt)} {ratio(ag, pt)} {ratio(rs, pt)}"
-              f" {ratio(a2a, pt)} {ratio(ar, sh)} {ratio(ag, sh)} {ratio(a2a, sh):>7}"
-              f" {ratio(ar, mc)} {ratio(ag, mc)}")
+        plain = [coll.get((op, s)) for op in ops]
+        sh = [shared.get((op, s)) for op in ops]
+        pt, sm, mc = peer.get(s), shm.get(s), memcpy.get(s)
+        print(f"{human(s):>8} " + " ".join(num(x, 6) for x in plain) + " "
+              + " ".join(num(x, 6) for x in sh) + f" {num(pt, 6)} {num(sm, 6)} {num(mc, 6)} "
+              + " ".join(ratio(x, pt) for x in sh) + " "
+              + " ".join(f"{ratio(x, sm):>7}" for x in sh))
     for r in sorted(idle):
         print(f"idle communicator, rank {r}: {idle[r]:.2f}% of one core")
 

@@ -13,6 +13,11 @@
 // completed generation; a wait blocks (the caller for stream 0, the worker for
 // others) until the completed generation reaches the target seen at the wait.
 //
+// Memory: allocations of kSharedBytes or more are shared host allocations
+// (comm/shared_host.h), so that the shared-memory path of a communicator whose
+// ranks share this host reads parameters, gradients and the arena in place
+// (one copy per byte instead of two); CTR_SHM_DIRECT=0 keeps them private.
+//
 // Fenced mode (a test backend): memory comes from mmap and is mapped PROT_NONE
 // whenever no backend call or queued task is running, so any host code that
 // dereferences step memory outside the backend faults at once.
@@ -36,6 +41,7 @@
 
 #include "backend/backend.h"
 #include "backend/host_worker.h"
+#include "comm/shared_host.h"
 #include "common/op_params.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
@@ -668,6 +674,17 @@ Cpu &C(void *ctx) { return *static_cast<Cpu *>(ctx); }
 // ---------------------------------------------------------------------------
 // Interface slots
 
+// Allocations from this size on are shared host allocations (see the top).
+constexpr size_t kSharedBytes = size_t{256} << 10;
+
+bool share_allocations() {
+  static const bool share = [] {
+    const char *v = std::getenv("CTR_SHM_DIRECT");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return share;
+}
+
 void *cpu_alloc(void *ctx, size_t bytes) {
   Cpu &c = C(ctx);
   if (c.fenced) {
@@ -678,6 +695,8 @@ void *cpu_alloc(void *ctx, size_t bytes) {
     c.fence.add(p, n);
     return p;
   }
+  if (bytes >= kSharedBytes && share_allocations())
+    if (void *p = shared_host_alloc(bytes)) return p;  // zeroed
   size_t n = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
   void *p = std::aligned_alloc(64, n);
   if (p) std::memset(p, 0, n);
@@ -690,7 +709,7 @@ void cpu_free(void *ctx, void *p) {
     if (size_t n = c.fence.remove(p)) ::munmap(p, n);
     return;
   }
-  std::free(p);
+  if (!shared_host_free(p)) std::free(p);
 }
 void cpu_copy(void *ctx, void *dst, const void *src, size_t bytes, int stream) {
   if (!bytes) return;
