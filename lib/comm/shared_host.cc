@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <iterator>
 #include <map>
 #include <mutex>
@@ -17,6 +18,7 @@ namespace ctr {
 namespace {
 
 std::mutex g_mu;
+std::atomic<bool> g_wanted{false};
 std::map<uintptr_t, SharedHost> &registry() {
   static auto *r = new std::map<uintptr_t, SharedHost>;  // outlives every static destructor
   return *r;
@@ -36,7 +38,7 @@ void *shared_host_alloc(size_t bytes) {
   if (::fchmod(fd, 0600) == 0 && ::ftruncate(fd, static_cast<off_t>(n)) == 0 &&
       ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0 &&
       ::fstat(fd, &st) == 0)
-    p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (p == MAP_FAILED) {
     ::close(fd);
     return nullptr;
@@ -64,6 +66,9 @@ bool shared_host_free(void *p) {
   ::close(s.fd);
   return true;
 }
+
+bool shared_host_wanted() { return g_wanted.load(std::memory_order_relaxed); }
+void shared_host_set_wanted() { g_wanted.store(true, std::memory_order_relaxed); }
 
 bool shared_host_find(const void *p, size_t bytes, SharedHost *out) {
   const auto a = reinterpret_cast<uintptr_t>(p);

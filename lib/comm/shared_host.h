@@ -31,4 +31,10 @@ bool shared_host_free(void *p);
 // The shared allocation holding [p, p + bytes), if there is one.
 bool shared_host_find(const void *p, size_t bytes, SharedHost *out);
 
+// Whether a communicator of this process reads shared host allocations in
+// place: set once one attaches that way. Until then an allocator gains
+// nothing from them (their first touch costs more than private memory's).
+bool shared_host_wanted();
+void shared_host_set_wanted();
+
 }  // namespace ctr

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <vector>
 
+#include "comm/shared_host.h"
 #include "comm/shm.h"
 #include "comm/shm_segment.h"
 #include "core/status.h"
@@ -134,6 +135,7 @@ std::unique_ptr<ShmComm> shm_attach(const ShmSetup &s) {
     if ((o & 1) != 1) return nullptr;
     direct = direct && (o & 2);
   }
+  if (direct) shared_host_set_wanted();
   std::vector<pid_t> pids(n);
   for (int m = 0; m < n; ++m) pids[m] = static_cast<pid_t>(all[m].pid);
   return shm::make_engine(s, std::move(map), std::move(pids), direct);

@@ -38,6 +38,19 @@ Mesh::~Mesh() {
     c = Comm{};
   };
   if (failed_ && store) store->abandon();
+  // A job that ends well leaves its record too, for a person to see what its
+  // collectives did (which path, how long).
+  bool published;
+  {
+    std::lock_guard<std::mutex> lock(hb_mu_);
+    published = published_;
+  }
+  if (!published && world_comm && world_comm.iface->flight) {
+    try {
+      write_flight(world_comm.iface->flight(world_comm.ctx));
+    } catch (...) {
+    }
+  }
   for (auto &kv : axis_comm) destroy(kv.second);
   destroy(world_comm);
 }
@@ -199,7 +212,12 @@ void Mesh::publish_flight() const {
   }
   const std::string record =
       world_comm.iface->flight ? world_comm.iface->flight(world_comm.ctx) : std::string("[]");
-  // The whole record, for a person: CTR_FLIGHT_DIR/flight-rank<R>.json.
+  write_flight(record);
+  store->set(strformat("ctr/flight/%d", rank), record);
+}
+
+// The whole record, for a person: CTR_FLIGHT_DIR/flight-rank<R>.json.
+void Mesh::write_flight(const std::string &record) const {
   if (const char *dir = std::getenv("CTR_FLIGHT_DIR"); dir && *dir) {
     const std::string path = strformat("%s/flight-rank%05d.json", dir, rank);
     if (std::FILE *f = std::fopen(path.c_str(), "w")) {
@@ -207,7 +225,6 @@ void Mesh::publish_flight() const {
       std::fclose(f);
     }
   }
-  store->set(strformat("ctr/flight/%d", rank), record);
 }
 
 namespace {

@@ -98,6 +98,7 @@ class Mesh {
  private:
   void heartbeat_loop();
   void publish_flight() const;
+  void write_flight(const std::string &record) const;
 
   mutable std::atomic<bool> failed_{false};
   mutable uint64_t device_generation_ = 0;  // device_comms calls so far (store keys)

@@ -154,6 +154,38 @@ def main():
     check(any(line.startswith("[0] done: 3 steps") and "| compute " in line and "(exposed " in line
               for line in lines), f"fsdp=2 summary lacks compute/comm: {p.stdout[-600:]}")
 
+    # Two ranks of one host read each other's parameters and gradients in place
+    # (the CPU backend's buffers are shared host allocations): the flight
+    # records, written when the meshes go, show direct collectives, and the
+    # losses equal those of the same job through the segment (CTR_SHM_DIRECT=0).
+    wide = os.path.join(os.path.dirname(graph), "wide.ctrg")
+    subprocess.run([CTR, "graph", "build", "--preset", "gpt", "--layers", "1", "--dim", "128",
+                    "--heads", "2", "--seq", "32", "-o", wide], check=True, capture_output=True,
+                   timeout=60)
+    losses, paths = {}, {}
+    for direct in ("1", "0"):
+        flight = tempfile.mkdtemp(prefix="ctr_flight_")
+        out = os.path.join(flight, "metrics.jsonl")
+        env = dict(os.environ, CTR_FLIGHT_DIR=flight, CTR_SHM_DIRECT=direct)
+        p = subprocess.run([CTR, "launch", "-n", "2", "--", CTR, "run", wide, "--mesh", "fsdp=2",
+                            "--steps", "3", "--batch", "2", "--log-every", "0", "--timeout", "20",
+                            "--metrics", out], capture_output=True, text=True, timeout=120, env=env)
+        check(p.returncode == 0, f"CTR_SHM_DIRECT={direct} job exited {p.returncode}: {p.stderr[-600:]}")
+        losses[direct] = [json.loads(line)["loss"] for line in open(out)] if os.path.exists(out) else []
+        for r in (0, 1):
+            path = os.path.join(flight, f"flight-rank{r:05d}.json")
+            record = json.load(open(path)) if os.path.exists(path) else []
+            check(record, f"CTR_SHM_DIRECT={direct}: rank {r} wrote no flight record")
+            largest = max(record, key=lambda e: e["bytes"]) if record else {}
+            paths[(direct, r)] = ({e["path"] for e in record}, largest.get("path"))
+    for r in (0, 1):
+        check(paths[("1", r)][1] == "shm direct",
+              f"rank {r}: its largest collective took path {paths[('1', r)][1]}, not 'shm direct'")
+        check("shm direct" not in paths[("0", r)][0],
+              f"rank {r} under CTR_SHM_DIRECT=0: collectives took {paths[('0', r)][0]}")
+    check(len(losses["1"]) == 3 and losses["1"] == losses["0"],
+          f"losses with direct collectives {losses['1']} differ from the segment's {losses['0']}")
+
     # Other launchers' environments: torchrun, Slurm (srun) and Open MPI (mpirun)
     # start the ranks themselves; libctr reads their variables.
     for style in ("torchrun", "slurm", "ompi"):

@@ -13,10 +13,11 @@
 // completed generation; a wait blocks (the caller for stream 0, the worker for
 // others) until the completed generation reaches the target seen at the wait.
 //
-// Memory: allocations of kSharedBytes or more are shared host allocations
-// (comm/shared_host.h), so that the shared-memory path of a communicator whose
-// ranks share this host reads parameters, gradients and the arena in place
-// (one copy per byte instead of two); CTR_SHM_DIRECT=0 keeps them private.
+// Memory: once a communicator of this process reads shared host allocations
+// in place (comm/shared_host.h: its ranks share this host), allocations of
+// kSharedBytes or more are such allocations, so that its collectives read
+// parameters, gradients and the arena in place (one copy per byte instead of
+// two). The mesh is made before the step allocates.
 //
 // Fenced mode (a test backend): memory comes from mmap and is mapped PROT_NONE
 // whenever no backend call or queued task is running, so any host code that
@@ -677,14 +678,6 @@ Cpu &C(void *ctx) { return *static_cast<Cpu *>(ctx); }
 // Allocations from this size on are shared host allocations (see the top).
 constexpr size_t kSharedBytes = size_t{256} << 10;
 
-bool share_allocations() {
-  static const bool share = [] {
-    const char *v = std::getenv("CTR_SHM_DIRECT");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return share;
-}
-
 void *cpu_alloc(void *ctx, size_t bytes) {
   Cpu &c = C(ctx);
   if (c.fenced) {
@@ -695,7 +688,7 @@ void *cpu_alloc(void *ctx, size_t bytes) {
     c.fence.add(p, n);
     return p;
   }
-  if (bytes >= kSharedBytes && share_allocations())
+  if (bytes >= kSharedBytes && shared_host_wanted())
     if (void *p = shared_host_alloc(bytes)) return p;  // zeroed
   size_t n = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
   void *p = std::aligned_alloc(64, n);
