@@ -675,6 +675,13 @@ bool Engine::run_direct(ShmColl &c, const Phase &p) {
   std::atomic_ref<uint32_t>(h.rounds).store(want, std::memory_order_relaxed);
   store64(h.shape, p.shape);
   publish(mine.posted, base + 1);
+  // This member's own block needs no peer: it moves while the others publish
+  // (and again through the segment if the collective falls back there).
+  if (p.kind == Phase::kGather && p.out + me_ * p.bytes != p.send)
+    std::memcpy(p.out + me_ * p.bytes, p.send, p.bytes);
+  if (p.kind == Phase::kAllToAll && c.send_counts[me_])
+    std::memcpy(p.out + c.recv_displs[me_] * p.esz, p.send + c.send_displs[me_] * p.esz,
+                c.send_counts[me_] * p.esz);
   wait_all(c, &MemberCtl::posted, base + 1);
 
   const uint32_t head = base % kBuffers;
@@ -710,13 +717,8 @@ bool Engine::run_direct(ShmColl &c, const Phase &p) {
   auto addr = [&](int m, int s) { return load64(ctl(m).addr[s]); };
   switch (p.kind) {
     case Phase::kGather:
-      for (int m = 0; m < n_; ++m) {
-        char *dst = p.out + m * p.bytes;
-        if (m != me_)
-          std::memcpy(dst, peer(m, 0, addr(m, 0), p.bytes), p.bytes);
-        else if (dst != p.send)
-          std::memcpy(dst, p.send, p.bytes);
-      }
+      for (int m = 0; m < n_; ++m)
+        if (m != me_) std::memcpy(p.out + m * p.bytes, peer(m, 0, addr(m, 0), p.bytes), p.bytes);
       break;
     case Phase::kBroadcast:
       if (me_ != p.root) std::memcpy(p.out, peer(p.root, 0, addr(p.root, 0), p.bytes), p.bytes);
@@ -760,9 +762,6 @@ bool Engine::run_direct(ShmColl &c, const Phase &p) {
       break;
     }
     case Phase::kAllToAll:
-      if (c.send_counts[me_])
-        std::memcpy(p.out + c.recv_displs[me_] * p.esz, p.send + c.send_displs[me_] * p.esz,
-                    c.send_counts[me_] * p.esz);
       for (int m = 0; m < n_; ++m) {
         if (m == me_) continue;
         const int s = slot_of(m, me_);
