@@ -112,7 +112,7 @@ def main():
     cases = [Case(f"collectives, {n} rank{'s' if n > 1 else ''}", n) for n in (1, 2, 3)]
     cases.append(Case("collectives, 4 ranks, rank 0 starts last", 4, late_rank0=True))
     # One rank declines direct reads: shared host buffers go through the segment on all.
-    cases.append(Case("collectives, 3 ranks, CTR_SHM_DIRECT=0 on rank 1", 3,
+    cases.append(Case("shared buffers, 3 ranks, CTR_SHM_DIRECT=0 on rank 1", 3, "shared",
                       env={"CTR_TEST_DIRECT": "0"}, rank_env={1: {"CTR_SHM_DIRECT": "0"}}))
     # The rank with another token finds out first: rank 0's proof does not match
     # its token, so it never sends its own.
