@@ -6,7 +6,9 @@
 // shared-memory FIFO in two copies plus per-message overhead (UCX 1.13 with peer
 // error handling cannot use CMA). Here each member copies its data once into
 // its own slot of a segment every member has mapped, and every member reads or
-// reduces straight from the slots into its output.
+// reduces straight from the slots into its output. Large collectives whose
+// buffers are shared host allocations on every member skip the segment and
+// read each other's buffers in place (run_direct): one copy.
 //
 // Segment. A memfd of mode 0600 that member 0 creates and the others map
 // through /proc/PID/fd (shm_segment.cc); a slot of kBuffers buffers per member
@@ -42,11 +44,7 @@
 #include "comm/shm.h"
 
 #include <linux/futex.h>
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -828,19 +826,11 @@ const char *Engine::peer_view(const ShmColl &c, int m, int i, uint64_t addr, siz
                            members_[m], why)};
   };
   if (fd < 0 || fd > INT_MAX) throw fail("bad descriptor");
-  const int f = ::open(strformat("/proc/%ld/fd/%ld", static_cast<long>(pids_[m]),
-                                 static_cast<long>(fd)).c_str(), O_RDONLY | O_CLOEXEC);
-  if (f < 0) throw fail(std::strerror(errno));
-  struct stat st {};
-  const int seals = ::fcntl(f, F_GET_SEALS);
-  const bool ok = ::fstat(f, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
-                  (st.st_mode & 077) == 0 && static_cast<uint64_t>(st.st_ino) == ino &&
-                  static_cast<uint64_t>(st.st_size) == size && seals >= 0 &&
-                  (seals & F_SEAL_SHRINK) && (seals & F_SEAL_SEAL);
-  void *v = ok ? ::mmap(nullptr, size, PROT_READ, MAP_SHARED, f, 0) : MAP_FAILED;
-  ::close(f);
-  if (!ok) throw fail("it is not the sealed, private allocation it was announced as");
-  if (v == MAP_FAILED) throw fail(std::strerror(errno));
+  Mapping map;
+  const std::string why = ino == 0 ? std::string("no allocation was announced")
+                                   : map_peer_file(static_cast<long>(pids_[m]),
+                                                   static_cast<long>(fd), size, ino, false, &map);
+  if (!why.empty()) throw fail(why.c_str());
   // A mapping of another file under the same descriptor is of an allocation
   // the peer has freed since: let it go now rather than hold its memory.
   std::erase_if(peer_maps_, [&](const PeerMap &x) { return x.member == m && x.fd == fd; });
@@ -849,8 +839,7 @@ const char *Engine::peer_view(const ShmColl &c, int m, int i, uint64_t addr, siz
   pm.member = m;
   pm.fd = fd;
   pm.ino = ino;
-  pm.map.base = static_cast<char *>(v);
-  pm.map.bytes = size;
+  pm.map = std::move(map);
   peer_maps_.push_back(std::move(pm));
   return peer_maps_.back().map.base + (addr - base);
 }

@@ -21,8 +21,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "comm/shared_host.h"
@@ -65,24 +67,45 @@ int create_segment(size_t bytes, int n, const uint8_t key[16], Mapping *map) {
 // with the key in its header.
 bool open_segment(long pid, int fd_num, size_t bytes, int n, const uint8_t key[16],
                   Mapping *map) {
-  int fd = ::open(strformat("/proc/%ld/fd/%d", pid, fd_num).c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) return false;
-  struct stat st {};
-  const int seals = ::fcntl(fd, F_GET_SEALS);
-  bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
-            (st.st_mode & 077) == 0 && st.st_size == static_cast<off_t>(bytes) && seals >= 0 &&
-            (seals & F_SEAL_SHRINK) && (seals & F_SEAL_SEAL);
-  void *p = MAP_FAILED;
-  if (ok) p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  ::close(fd);
-  if (p == MAP_FAILED) return false;
-  map->base = static_cast<char *>(p);
-  map->bytes = bytes;
-  const auto *h = reinterpret_cast<const SegHeader *>(p);
+  if (!map_peer_file(pid, fd_num, bytes, 0, true, map).empty()) return false;
+  const auto *h = reinterpret_cast<const SegHeader *>(map->base);
   return h->magic == kMagic && std::memcmp(h->key, key, 16) == 0 &&
          h->members == static_cast<uint32_t>(n) && h->buffers == kBuffers &&
          h->buf_bytes == kBufBytes && h->seg_bytes == bytes;
 }
+
+}  // namespace
+
+namespace shm {
+
+std::string map_peer_file(long pid, long fd_num, size_t bytes, uint64_t ino, bool writable,
+                          Mapping *map) {
+  const int fd = ::open(strformat("/proc/%ld/fd/%ld", pid, fd_num).c_str(),
+                        (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) return std::strerror(errno);
+  struct stat st {};
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  const bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
+                  (st.st_mode & 077) == 0 && (ino == 0 || static_cast<uint64_t>(st.st_ino) == ino) &&
+                  st.st_size == static_cast<off_t>(bytes) && seals >= 0 &&
+                  (seals & F_SEAL_SHRINK) && (seals & F_SEAL_SEAL);
+  void *p = MAP_FAILED;
+  if (ok)
+    p = ::mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+               writable ? MAP_SHARED | MAP_POPULATE : MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (!ok) return "it is not the sealed file of this user, mode 0600, that was announced";
+  if (p == MAP_FAILED) return std::strerror(err);
+  *map = Mapping{};
+  map->base = static_cast<char *>(p);
+  map->bytes = bytes;
+  return "";
+}
+
+}  // namespace shm
+
+namespace {
 
 struct Offer {
   uint64_t magic;

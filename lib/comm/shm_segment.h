@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -94,6 +95,14 @@ struct Mapping {
     if (base) ::munmap(base, bytes);
   }
 };
+
+// Maps another process's memfd through /proc/PID/fd/FD_NUM (the segment, or a
+// shared host allocation) after checking that it is a regular file of this
+// user, mode 0600, sealed against shrinking and growing, of exactly `bytes`,
+// and of inode `ino` unless that is 0; writable maps it read-write and
+// populated. Returns "" or why it could not.
+std::string map_peer_file(long pid, long fd_num, size_t bytes, uint64_t ino, bool writable,
+                          Mapping *map);
 
 // The engine over a mapped segment; starts its thread. pids: each member's
 // process; direct: every member allows large collectives to read shared host

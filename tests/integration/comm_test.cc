@@ -18,6 +18,7 @@
 //                        of the others fails naming it, within the timeout
 //   comm_test dead-mid   the last rank exits in the middle of a large all_reduce;
 //                        the others' fails naming it, within the timeout
+//   comm_test dead-mid-shared  the same on shared host allocations (read in place)
 //   comm_test hang       the last rank lives but skips a barrier: the others
 //                        time out naming it; everyone then shuts down promptly
 //   comm_test server-dead  rank 0 (the store) exits after the join: the others'
@@ -952,11 +953,13 @@ int run_dead(const Env &e) {
 // The last rank exits while a large all_reduce is under way (issued, then gone
 // a few milliseconds later); the others' all_reduce fails naming it, within
 // the timeout plus a small grace.
-int run_dead_mid(const Env &e) {
+// shared: the buffer is a shared host allocation, which the others read in place.
+int run_dead_mid(const Env &e, bool shared) {
   auto store = ctr::store_join(rendezvous(e));
   Comm world = ctr::ucx_comm_create(*store, e.rank, e.world, e.timeout_ms);
   check_path(e);
-  std::vector<float> buf(size_t{16} << 20, 1.0f);  // 64 MiB: many rounds of the segment
+  g_buffers = shared ? Buffers::kShared : Buffers::kPlain;
+  Buf<float> buf(size_t{16} << 20, 1.0f);  // 64 MiB: many rounds of the segment
   auto all_reduce = [&] {
     return world.iface->all_reduce(world.ctx, buf.data(), buf.data(), buf.size(), CTR_DTYPE_F32,
                                    ReduceOp::Max);
@@ -1068,7 +1071,8 @@ int main(int argc, char **argv) {
     if (mode == "token") return run_token(e);
     if (mode == "missing") return run_missing(e);
     if (mode == "dead") return run_dead(e);
-    if (mode == "dead-mid") return run_dead_mid(e);
+    if (mode == "dead-mid") return run_dead_mid(e, false);
+    if (mode == "dead-mid-shared") return run_dead_mid(e, true);
     if (mode == "hang") return run_hang(e);
     if (mode == "server-dead") return run_server_dead(e);
   } catch (const ctr::Error &err) {

@@ -135,6 +135,9 @@ def main():
         cases.append(Case(f"rank dead mid-collective, {n} ranks", n, "dead-mid", timeout_ms=5000,
                           max_s=20, leaver=n - 1,
                           expect={r: [f"rank {n - 1}", "failed as expected"] for r in range(n - 1)}))
+        cases.append(Case(f"rank dead mid-collective on shared buffers, {n} ranks", n,
+                          "dead-mid-shared", timeout_ms=5000, max_s=20, leaver=n - 1,
+                          expect={r: [f"rank {n - 1}", "failed as expected"] for r in range(n - 1)}))
     for n in (2, 3):
         cases.append(Case(f"hung rank, {n} ranks", n, "hang", timeout_ms=10000, max_s=25,
                           expect={r: [f"waiting for rank {n - 1}"] for r in range(n - 1)}))
