@@ -66,7 +66,6 @@ void bucket_phase(Graph &g, int begin, int end, bool backward, const CompileOpti
   std::map<std::tuple<std::string, std::string, int>, size_t> open;  // key -> group (block mode)
   std::map<std::pair<std::string, std::string>, size_t> running;      // (op, axis) -> group (bytes mode)
   std::map<size_t, int64_t> group_bytes;
-  std::map<int, size_t> group_of;
   for (int ni = begin; ni < end; ++ni) {
     const Node &n = g.nodes[ni];
     if (!is_collective(n.op) || n.inputs.size() != 1 || n.has_attr("reduce")) continue;
@@ -98,7 +97,6 @@ void bucket_phase(Graph &g, int begin, int end, bool backward, const CompileOpti
     }
     groups[gi].push_back(ni);
     group_bytes[gi] += bytes;
-    group_of[ni] = gi;
   }
 
   // The edges of a phase that nothing can hide: forward waits for the first
@@ -109,19 +107,16 @@ void bucket_phase(Graph &g, int begin, int end, bool backward, const CompileOpti
   // computes with the other.
   if (opt.bucket == "block") {
     const std::string edge = backward ? "reduce_scatter" : "all_gather";
-    auto block_of_seg = [&](int s) {
-      return g.nodes[static_cast<size_t>(segs.compute[static_cast<size_t>(segs.start[static_cast<size_t>(s)])])].block;
-    };
     int target = -1;
     for (size_t gi = 0; gi < groups.size(); ++gi) {
       const int s = seg_of_coll(groups[gi].front());
-      if (g.nodes[groups[gi].front()].op != edge || s < 0 || block_of_seg(s) < 0) continue;
+      if (g.nodes[groups[gi].front()].op != edge || s < 0 || segs.block(g, s) < 0) continue;
       if (backward || target < 0) target = static_cast<int>(gi);  // the last, or the first
     }
     if (target >= 0 && groups[static_cast<size_t>(target)].size() >= 2) {
       std::vector<int> &members = groups[static_cast<size_t>(target)];
-      int64_t total = 0, run = 0;
-      for (int ni : members) total += g.tensors[static_cast<size_t>(g.nodes[ni].outputs[0])].alloc_size();
+      const int64_t total = group_bytes[static_cast<size_t>(target)];
+      int64_t run = 0;
       // Forward: the largest first part within half the bytes (what compute waits
       // for first is small); backward: the smallest first part of at least half
       // (what is left to wait for at the end is small).

@@ -207,6 +207,11 @@ struct PhaseSegments {
   std::map<int, int> first_reader;  // tensor -> first compute node of the phase reading it
   std::map<int, int> producer;      // tensor -> last compute node of the phase writing it
   int count() const { return static_cast<int>(start.size()); }
+  // The block of segment s (of its first node; -1 outside every block).
+  int block(const Graph &g, int s) const {
+    return g.nodes[static_cast<size_t>(compute[static_cast<size_t>(start[static_cast<size_t>(s)])])]
+        .block;
+  }
 };
 PhaseSegments segment_phase(const Graph &g, int begin, int end);
 

@@ -54,20 +54,17 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
   // the head's nodes and are freed after their last backward reader as before.
   const PhaseSegments fwd_segs = segment_phase(g, 0, nf);
   const PhaseSegments bwd_segs = segment_phase(g, nf, static_cast<int>(g.nodes.size()));
-  auto block_of = [&](const PhaseSegments &segs, int s) {
-    return g.nodes[static_cast<size_t>(segs.compute[static_cast<size_t>(segs.start[static_cast<size_t>(s)])])].block;
-  };
   int last_block = -1;
-  for (int s = 0; s < fwd_segs.count(); ++s) last_block = std::max(last_block, block_of(fwd_segs, s));
+  for (int s = 0; s < fwd_segs.count(); ++s) last_block = std::max(last_block, fwd_segs.block(g, s));
   // The last block's (last) forward segment and its first backward segment;
   // with no blocks, the whole of each phase.
   int keep_from = 0, keep_until = std::max(0, bwd_segs.count() - 1);
   if (last_block >= 0) {
     for (int s = 0; s < fwd_segs.count(); ++s)
-      if (block_of(fwd_segs, s) == last_block) keep_from = s;
+      if (fwd_segs.block(g, s) == last_block) keep_from = s;
     keep_until = 0;
     for (int s = bwd_segs.count() - 1; s >= 0; --s)
-      if (block_of(bwd_segs, s) == last_block) keep_until = s;
+      if (bwd_segs.block(g, s) == last_block) keep_until = s;
   }
 
   for (int p = 0; p < ntensors; ++p) {
