@@ -22,7 +22,7 @@ import time
 
 # Under AddressSanitizer (the sanitizer job sets ASAN_OPTIONS) every rank runs
 # several times slower on the same cores.
-HARD_LIMIT_S = 240 if os.environ.get("ASAN_OPTIONS") else 60
+HARD_LIMIT_S = 420 if os.environ.get("ASAN_OPTIONS") else 60
 
 
 def free_port():
