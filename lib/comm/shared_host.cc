@@ -26,20 +26,31 @@ std::map<uintptr_t, SharedHost> &registry() {
 
 }  // namespace
 
+void *map_sealed_memfd(const char *name, size_t bytes, int *fd) {
+  *fd = ::memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (*fd < 0) return nullptr;
+  void *p = MAP_FAILED;
+  if (::fchmod(*fd, 0600) == 0 && ::ftruncate(*fd, static_cast<off_t>(bytes)) == 0 &&
+      ::fcntl(*fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0)
+    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, *fd, 0);
+  if (p == MAP_FAILED) {
+    ::close(*fd);
+    *fd = -1;
+    return nullptr;
+  }
+  return p;
+}
+
 void *shared_host_alloc(size_t bytes) {
   const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
   const size_t n = (bytes + page - 1) / page * page;
   if (n == 0) return nullptr;
-  const int fd = ::memfd_create("ctr-host", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0) return nullptr;
+  int fd = -1;
+  void *p = map_sealed_memfd("ctr-host", n, &fd);
+  if (!p) return nullptr;
   struct stat st {};
-  void *p = MAP_FAILED;
-  // Sealed at its size: no process can shrink it under a peer that reads it.
-  if (::fchmod(fd, 0600) == 0 && ::ftruncate(fd, static_cast<off_t>(n)) == 0 &&
-      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0 &&
-      ::fstat(fd, &st) == 0)
-    p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  if (p == MAP_FAILED) {
+  if (::fstat(fd, &st) != 0) {
+    ::munmap(p, n);
     ::close(fd);
     return nullptr;
   }

@@ -22,6 +22,13 @@ struct SharedHost {
   uint64_t ino = 0;  // the memfd's inode: names it among the process's files
 };
 
+// A new memfd named `name` of mode 0600 and `bytes` (a multiple of the page
+// size), sealed against growing and shrinking (no process can truncate it
+// under another that maps it), mapped read-write, shared and populated; its
+// descriptor in *fd. Null (and nothing left open) on failure. Also maps the
+// shared-memory segments (shm_segment.cc).
+void *map_sealed_memfd(const char *name, size_t bytes, int *fd);
+
 // Zeroed memory of `bytes` (rounded up to pages), page-aligned, or null when
 // the system refuses (no memfd, out of descriptors or memory): the caller then
 // allocates ordinary memory.

@@ -40,16 +40,9 @@ using namespace shm;
 // Creates the segment: a sealed memfd of mode 0600. Returns the descriptor
 // (kept open until every member has mapped it), or -1.
 int create_segment(size_t bytes, int n, const uint8_t key[16], Mapping *map) {
-  int fd = ::memfd_create("ctr-shm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0) return -1;
-  void *p = MAP_FAILED;
-  if (::fchmod(fd, 0600) == 0 && ::ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
-      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0)
-    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  if (p == MAP_FAILED) {
-    ::close(fd);
-    return -1;
-  }
+  int fd = -1;
+  void *p = map_sealed_memfd("ctr-shm", bytes, &fd);
+  if (!p) return -1;
   map->base = static_cast<char *>(p);
   map->bytes = bytes;
   auto *h = reinterpret_cast<SegHeader *>(p);
@@ -133,7 +126,6 @@ std::unique_ptr<ShmComm> shm_attach(const ShmSetup &s) {
     fd = create_segment(bytes, n, mine.key, &map);
   mine.willing = willing && (s.me != 0 || fd >= 0);
   mine.fd = fd;
-
   struct CloseFd {
     int fd;
     ~CloseFd() {

@@ -45,7 +45,7 @@ Mesh::~Mesh() {
     std::lock_guard<std::mutex> lock(hb_mu_);
     published = published_;
   }
-  if (!published && world_comm && world_comm.iface->flight) {
+  if (!published && !flight_path().empty() && world_comm && world_comm.iface->flight) {
     try {
       write_flight(world_comm.iface->flight(world_comm.ctx));
     } catch (...) {
@@ -216,14 +216,19 @@ void Mesh::publish_flight() const {
   store->set(strformat("ctr/flight/%d", rank), record);
 }
 
-// The whole record, for a person: CTR_FLIGHT_DIR/flight-rank<R>.json.
+// The whole record, for a person: CTR_FLIGHT_DIR/flight-rank<R>.json ("" when
+// CTR_FLIGHT_DIR is unset).
+std::string Mesh::flight_path() const {
+  const char *dir = std::getenv("CTR_FLIGHT_DIR");
+  return dir && *dir ? strformat("%s/flight-rank%05d.json", dir, rank) : std::string();
+}
+
 void Mesh::write_flight(const std::string &record) const {
-  if (const char *dir = std::getenv("CTR_FLIGHT_DIR"); dir && *dir) {
-    const std::string path = strformat("%s/flight-rank%05d.json", dir, rank);
-    if (std::FILE *f = std::fopen(path.c_str(), "w")) {
-      std::fwrite(record.data(), 1, record.size(), f);
-      std::fclose(f);
-    }
+  const std::string path = flight_path();
+  if (path.empty()) return;
+  if (std::FILE *f = std::fopen(path.c_str(), "w")) {
+    std::fwrite(record.data(), 1, record.size(), f);
+    std::fclose(f);
   }
 }
 

@@ -98,6 +98,7 @@ class Mesh {
  private:
   void heartbeat_loop();
   void publish_flight() const;
+  std::string flight_path() const;
   void write_flight(const std::string &record) const;
 
   mutable std::atomic<bool> failed_{false};
