@@ -85,6 +85,7 @@ const (
 	StatusNumericError    Status = C.CTR_STATUS_NUMERIC_ERROR
 	StatusInternal        Status = C.CTR_STATUS_INTERNAL
 	StatusCheckpointError Status = C.CTR_STATUS_CHECKPOINT_ERROR
+	StatusDeviceError     Status = C.CTR_STATUS_DEVICE_ERROR
 )
 
 // String is the library's name of the status ("invalid graph").

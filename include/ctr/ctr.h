@@ -80,7 +80,9 @@ typedef enum ctr_status {
   CTR_STATUS_COMM_ERROR = 11,      /* a collective or the rendezvous failed */
   CTR_STATUS_NUMERIC_ERROR = 12,   /* non-finite loss or gradient */
   CTR_STATUS_INTERNAL = 13,        /* a bug in libctr; please report it */
-  CTR_STATUS_CHECKPOINT_ERROR = 14 /* a checkpoint is corrupt, incomplete or mismatched */
+  CTR_STATUS_CHECKPOINT_ERROR = 14, /* a checkpoint is corrupt, incomplete or mismatched */
+  CTR_STATUS_DEVICE_ERROR = 15      /* the device failed (a kernel faulted, a device library call
+                                       failed); the step cannot go on (since 0.6) */
 } ctr_status;
 
 /* A static, human-readable name of a status code ("invalid graph"). Never NULL. */

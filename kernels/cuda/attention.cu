@@ -476,14 +476,15 @@ constexpr size_t smem_bytes() { return sizeof(float) * (2 * kRows * DM + 2 * kTi
 template <int DM>
 bool staged_fits() {
   int dev = 0, optin = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  CTR_CUDA_CHECK(cudaGetDevice(&dev));
+  CTR_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   return smem_bytes<DM>() <= static_cast<size_t>(optin);
 }
 
 template <typename K>
 void allow_smem(K kernel, size_t bytes) {
-  if (bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (bytes > 48 * 1024)
+    CTR_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 template <typename T, int DM, bool Stage>
@@ -493,7 +494,7 @@ void forward_as(const Args &c, const Dims &d) {
   allow_smem(kern, sm);
   const unsigned grid = blocks_for((d.T + kRows - 1) / kRows * d.B * d.Hq);
   for (int64_t w0 = 0; w0 < d.D; w0 += DM)
-    kern<<<grid, kThreads, sm, c.stream()>>>(c.in<const T>(0), c.in<const T>(1), c.in<const T>(2), c.out<T>(0),
+    CTR_LAUNCH(kern, grid, kThreads, sm, c.stream())(c.in<const T>(0), c.in<const T>(1), c.in<const T>(2), c.out<T>(0),
                                              c.out<float>(1), d, w0);
 }
 
@@ -510,10 +511,10 @@ void backward_as(const Args &c, const Dims &d) {
   const float *lse = c.in<const float>(4);
   T *dq = c.out<T>(0), *dk = c.out<T>(1), *dv = c.out<T>(2);
   const int64_t qtiles = (d.T + kRows - 1) / kRows;
-  k1<<<blocks_for(qtiles * d.B * d.Hq), kThreads, sm, c.stream()>>>(dout, q, k, v, lse, dq, d);
+  CTR_LAUNCH(k1, blocks_for(qtiles * d.B * d.Hq), kThreads, sm, c.stream())(dout, q, k, v, lse, dq, d);
   for (int64_t w0 = 0; w0 < d.D; w0 += DM)
-    k2<<<blocks_for(qtiles * d.B * d.Hkv), kThreads, sm, c.stream()>>>(dout, q, k, v, lse, dq, dk, dv, d, w0);
-  k3<<<blocks_for(qtiles * d.B * d.Hq), kThreads, sm, c.stream()>>>(dout, q, k, v, lse, dq, d);
+    CTR_LAUNCH(k2, blocks_for(qtiles * d.B * d.Hkv), kThreads, sm, c.stream())(dout, q, k, v, lse, dq, dk, dv, d, w0);
+  CTR_LAUNCH(k3, blocks_for(qtiles * d.B * d.Hq), kThreads, sm, c.stream())(dout, q, k, v, lse, dq, d);
 }
 
 // The head dim picks the register size of the accumulators; above 256 the

@@ -18,6 +18,7 @@
 
 #include "backend/plugin.h"
 #include "ctr/ctr.h"
+#include "cuda/check.cuh"
 
 namespace ctr::cuda {
 

@@ -27,11 +27,11 @@ __global__ void map2(const T *a, const T *b, T *y, int64_t n, F f) {
 
 template <typename T, typename F>
 void launch1(const Args &c, const T *x, T *y, int64_t n, F f) {
-  map1<<<grid_for(n), 256, 0, c.stream()>>>(x, y, n, f);
+  CTR_LAUNCH(map1, grid_for(n), 256, 0, c.stream())(x, y, n, f);
 }
 template <typename T, typename F>
 void launch2(const Args &c, const T *a, const T *b, T *y, int64_t n, F f) {
-  map2<<<grid_for(n), 256, 0, c.stream()>>>(a, b, y, n, f);
+  CTR_LAUNCH(map2, grid_for(n), 256, 0, c.stream())(a, b, y, n, f);
 }
 
 struct GeluTanh { __device__ float operator()(float x) const { return math::gelu_fast(x); } };
@@ -85,12 +85,12 @@ __global__ void swiglu_bwd_kernel(const T *dy, const T *gate, const T *up, T *dg
 template <typename T>
 void swiglu(const Args &c) {
   const int64_t n = c.in_numel(0);
-  swiglu_fwd_kernel<<<grid_for(n), 256, 0, c.stream()>>>(c.in<const T>(0), c.in<const T>(1), c.out<T>(0), n);
+  CTR_LAUNCH(swiglu_fwd_kernel, grid_for(n), 256, 0, c.stream())(c.in<const T>(0), c.in<const T>(1), c.out<T>(0), n);
 }
 template <typename T>
 void swiglu_bwd(const Args &c) {
   const int64_t n = c.in_numel(0);
-  swiglu_bwd_kernel<<<grid_for(n), 256, 0, c.stream()>>>(c.in<const T>(0), c.in<const T>(1), c.in<const T>(2),
+  CTR_LAUNCH(swiglu_bwd_kernel, grid_for(n), 256, 0, c.stream())(c.in<const T>(0), c.in<const T>(1), c.in<const T>(2),
                                                           c.out<T>(0), c.out<T>(1), n);
 }
 
@@ -187,7 +187,7 @@ template <BinOp Op, typename T>
 void binary(const Args &c) {
   const int64_t n = c.out_numel(0);
   const Bcast p = make_bcast(c.in_ref(0), c.in_ref(1), c.out_ref(0));
-  binary_kernel<Op><<<grid_for(n), 256, 0, c.stream()>>>(c.in<const T>(0), c.in<const T>(1), c.out<T>(0), n, p);
+  CTR_LAUNCH(binary_kernel<Op>, grid_for(n), 256, 0, c.stream())(c.in<const T>(0), c.in<const T>(1), c.out<T>(0), n, p);
 }
 template <BinOp Op>
 void binary_any(const Args &c) { c.bf16() ? binary<Op, __nv_bfloat16>(c) : binary<Op, float>(c); }
@@ -219,9 +219,9 @@ __global__ void scalar_sum_kernel(const T *x, const T *a, O *out, int64_t n) {
 template <typename T, typename O>
 void column_sum(const Args &c, const T *x, const T *a, O *db, int64_t n, int64_t nb) {
   if (nb == 1)
-    scalar_sum_kernel<<<1, 1024, 0, c.stream()>>>(x, a, db, n);
+    CTR_LAUNCH(scalar_sum_kernel, 1, 1024, 0, c.stream())(x, a, db, n);
   else
-    column_sum_kernel<<<grid_for(nb), 256, 0, c.stream()>>>(x, a, db, n / nb, nb);
+    CTR_LAUNCH(column_sum_kernel, grid_for(nb), 256, 0, c.stream())(x, a, db, n / nb, nb);
 }
 
 // reduce_rows and linear_bwd_b: db[nb] = column sums of dout[n]. The gradient
@@ -249,7 +249,7 @@ template <typename T>
 void mul_bwd(const Args &c) {
   const int64_t n = c.in_numel(1), nb = c.in_numel(2);
   if (T *da = c.out<T>(0))
-    mul_rows_kernel<<<grid_for(n), 256, 0, c.stream()>>>(c.in<const T>(0), c.in<const T>(2), da, n, nb);
+    CTR_LAUNCH(mul_rows_kernel, grid_for(n), 256, 0, c.stream())(c.in<const T>(0), c.in<const T>(2), da, n, nb);
   if (c.num_outputs() > 1 && c.out<void>(1)) {
     if (c.out_ref(1).dtype == CTR_DTYPE_BF16)
       column_sum(c, c.in<const T>(0), c.in<const T>(1), c.out<__nv_bfloat16>(1), n, nb);
@@ -269,12 +269,12 @@ void k_cast(const Args &c) {
   if (n == 0) return;
   const bool in16 = c.in_ref(0).dtype == CTR_DTYPE_BF16, out16 = c.out_ref(0).dtype == CTR_DTYPE_BF16;
   if (in16 == out16)
-    cudaMemcpyAsync(c.out<void>(0), c.in<void>(0), static_cast<size_t>(c.in_ref(0).bytes), cudaMemcpyDeviceToDevice,
-                    c.stream());
+    CTR_CUDA_CHECK(cudaMemcpyAsync(c.out<void>(0), c.in<void>(0), static_cast<size_t>(c.in_ref(0).bytes), cudaMemcpyDeviceToDevice,
+                    c.stream()));
   else if (out16)
-    cast_kernel<<<grid_for(n), 256, 0, c.stream()>>>(c.in<const float>(0), c.out<__nv_bfloat16>(0), n);
+    CTR_LAUNCH(cast_kernel, grid_for(n), 256, 0, c.stream())(c.in<const float>(0), c.out<__nv_bfloat16>(0), n);
   else
-    cast_kernel<<<grid_for(n), 256, 0, c.stream()>>>(c.in<const __nv_bfloat16>(0), c.out<float>(0), n);
+    CTR_LAUNCH(cast_kernel, grid_for(n), 256, 0, c.stream())(c.in<const __nv_bfloat16>(0), c.out<float>(0), n);
 }
 
 void k_gelu(const Args &c) { CTR_CUDA_DISPATCH(c, gelu); }

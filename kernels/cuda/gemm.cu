@@ -80,11 +80,11 @@ GemmKey make_key() {
 cublasLtMatrixLayout_t layout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, int64_t batch,
                               int64_t stride) {
   cublasLtMatrixLayout_t l = nullptr;
-  cublasLtMatrixLayoutCreate(&l, t, static_cast<uint64_t>(cols), static_cast<uint64_t>(rows), ld);
+  CTR_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, t, static_cast<uint64_t>(cols), static_cast<uint64_t>(rows), ld));
   if (batch > 1) {
     int32_t bc = static_cast<int32_t>(batch);
-    cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc);
-    cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride);
+    CTR_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc));
+    CTR_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride));
   }
   return l;
 }
@@ -95,25 +95,25 @@ GemmPlan &plan_for(StreamCtx &s, const GemmKey &k) {
   auto it = cache.plans.find(k);
   if (it != cache.plans.end()) return it->second;
   GemmPlan p;
-  cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  CTR_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   // Swapped operands: cuBLASLt's A is our B and its B is our A.
   const cublasOperation_t opa = k.tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = k.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-  cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa);
-  cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb);
+  CTR_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa));
+  CTR_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb));
   if (k.bias_type >= 0) {
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi);
+    CTR_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
     const cudaDataType_t bt = cuda_type(k.bias_type);
-    cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt);
+    CTR_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt));
   }
   // Row-major shapes as stored: A is [M,K] (or [K,M] when transposed), B [K,N] (or [N,K]).
   p.b = layout(cuda_type(k.a_type), k.ta ? k.K : k.M, k.ta ? k.M : k.K, k.lda, k.batch, k.sa);
   p.a = layout(cuda_type(k.b_type), k.tb ? k.N : k.K, k.tb ? k.K : k.N, k.ldb, k.batch, k.sb);
   p.c = layout(cuda_type(k.c_type), k.M, k.N, k.ldc, k.batch, k.sc);
   cublasLtMatmulPreference_t pref = nullptr;
-  cublasLtMatmulPreferenceCreate(&pref);
+  CTR_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = s.workspace_bytes;
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+  CTR_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
   cublasLtMatmulHeuristicResult_t res{};
   int found = 0;
   if (cublasLtMatmulAlgoGetHeuristic(s.lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found) ==
@@ -122,7 +122,7 @@ GemmPlan &plan_for(StreamCtx &s, const GemmKey &k) {
     p.algo = res.algo;
     p.has_algo = true;
   }
-  cublasLtMatmulPreferenceDestroy(pref);
+  CTR_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
   return cache.plans.emplace(k, p).first->second;
 }
 
@@ -150,11 +150,11 @@ void rm_gemm(StreamCtx &s, bool ta, bool tb, int64_t M, int64_t N, int64_t K, co
   GemmPlan &p = plan_for(s, k);
   if (bias) {
     const void *bp = bias->data;
-    cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof bp);
+    CTR_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof bp));
   }
   const float alpha = 1.0f, beta = 0.0f;
-  cublasLtMatmul(s.lt, p.desc, &alpha, B.data, p.a, A.data, p.b, &beta, C.data, p.c, C.data, p.c,
-                 p.has_algo ? &p.algo : nullptr, s.workspace, s.workspace_bytes, s.stream);
+  CTR_CUBLAS_CHECK(cublasLtMatmul(s.lt, p.desc, &alpha, B.data, p.a, A.data, p.b, &beta, C.data, p.c, C.data, p.c,
+                 p.has_algo ? &p.algo : nullptr, s.workspace, s.workspace_bytes, s.stream));
 }
 
 // linear: y[M,N] = x[M,K] w[N,K]^T (+ b[N])

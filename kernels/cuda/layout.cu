@@ -44,8 +44,8 @@ void strides_of(const Dims &s, const Dims &full, int64_t *st) {
 
 void k_reshape(const Args &c) {
   if (c.in<void>(0) != c.out<void>(0))
-    cudaMemcpyAsync(c.out<void>(0), c.in<void>(0), static_cast<size_t>(c.in_ref(0).bytes), cudaMemcpyDeviceToDevice,
-                    c.stream());
+    CTR_CUDA_CHECK(cudaMemcpyAsync(c.out<void>(0), c.in<void>(0), static_cast<size_t>(c.in_ref(0).bytes), cudaMemcpyDeviceToDevice,
+                    c.stream()));
 }
 
 struct Perm {
@@ -82,9 +82,9 @@ void k_transpose(const Args &c) {
   }
   const int64_t n = x.numel;
   if (elem_size(x) == 2)
-    transpose_kernel<<<grid_for(n), 256, 0, c.stream()>>>(c.in<const uint16_t>(0), c.out<uint16_t>(0), n, p);
+    CTR_LAUNCH(transpose_kernel, grid_for(n), 256, 0, c.stream())(c.in<const uint16_t>(0), c.out<uint16_t>(0), n, p);
   else
-    transpose_kernel<<<grid_for(n), 256, 0, c.stream()>>>(c.in<const uint32_t>(0), c.out<uint32_t>(0), n, p);
+    CTR_LAUNCH(transpose_kernel, grid_for(n), 256, 0, c.stream())(c.in<const uint32_t>(0), c.out<uint32_t>(0), n, p);
 }
 
 // ---------------------------------------------------------------------------
@@ -108,7 +108,7 @@ void slice_copy(const Args &c, bool backward) {
   const auto &p = c.params<ctr_slice_params>();
   const int64_t es = elem_size(backward ? c.out_ref(0) : c.in_ref(0));
   if (backward && p.len < p.size)
-    cudaMemsetAsync(c.out<void>(0), 0, static_cast<size_t>(c.out_ref(0).bytes), c.stream());
+    CTR_CUDA_CHECK(cudaMemsetAsync(c.out<void>(0), 0, static_cast<size_t>(c.out_ref(0).bytes), c.stream()));
   if (p.outer == 0 || p.len == 0 || p.inner == 0) return;
   char *full = static_cast<char *>(backward ? c.out<void>(0) : c.in<void>(0));
   char *part = static_cast<char *>(backward ? c.in<void>(0) : c.out<void>(0));
@@ -116,20 +116,20 @@ void slice_copy(const Args &c, bool backward) {
     const size_t fp = static_cast<size_t>(p.size * p.inner * es), pp = static_cast<size_t>(p.len * p.inner * es);
     char *at = full + p.start * p.inner * es;
     if (backward)
-      cudaMemcpy2DAsync(at, fp, part, pp, pp, static_cast<size_t>(p.outer), cudaMemcpyDeviceToDevice, c.stream());
+      CTR_CUDA_CHECK(cudaMemcpy2DAsync(at, fp, part, pp, pp, static_cast<size_t>(p.outer), cudaMemcpyDeviceToDevice, c.stream()));
     else
-      cudaMemcpy2DAsync(part, pp, at, fp, pp, static_cast<size_t>(p.outer), cudaMemcpyDeviceToDevice, c.stream());
+      CTR_CUDA_CHECK(cudaMemcpy2DAsync(part, pp, at, fp, pp, static_cast<size_t>(p.outer), cudaMemcpyDeviceToDevice, c.stream()));
     return;
   }
   const int64_t n = p.outer * p.len * p.inner;
   const void *src = backward ? static_cast<const void *>(part) : full;
   void *dst = backward ? static_cast<void *>(full) : part;
   if (es == 2)
-    slice_step_kernel<<<grid_for(n), 256, 0, c.stream()>>>(static_cast<const uint16_t *>(src),
+    CTR_LAUNCH(slice_step_kernel, grid_for(n), 256, 0, c.stream())(static_cast<const uint16_t *>(src),
                                                            static_cast<uint16_t *>(dst), p.outer, p.size, p.inner,
                                                            p.start, p.len, p.step, backward);
   else
-    slice_step_kernel<<<grid_for(n), 256, 0, c.stream()>>>(static_cast<const uint32_t *>(src),
+    CTR_LAUNCH(slice_step_kernel, grid_for(n), 256, 0, c.stream())(static_cast<const uint32_t *>(src),
                                                            static_cast<uint32_t *>(dst), p.outer, p.size, p.inner,
                                                            p.start, p.len, p.step, backward);
 }
@@ -145,8 +145,8 @@ void k_cat(const Args &c) {
   for (int k = 0; k < c.num_inputs(); ++k) {
     const size_t w = static_cast<size_t>(c.in_numel(k) / p.outer * es);
     if (w)
-      cudaMemcpy2DAsync(static_cast<char *>(c.out<void>(0)) + col, row, c.in<void>(k), w, w,
-                        static_cast<size_t>(p.outer), cudaMemcpyDeviceToDevice, c.stream());
+      CTR_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char *>(c.out<void>(0)) + col, row, c.in<void>(k), w, w,
+                        static_cast<size_t>(p.outer), cudaMemcpyDeviceToDevice, c.stream()));
     col += w;
   }
 }
@@ -184,7 +184,7 @@ template <typename T>
 void broadcast_to(const Args &c, const ctr_tensor_ref &x, const ctr_tensor_ref &o, float scale) {
   const int64_t n = o.numel;
   if (n > 0)
-    broadcast_kernel<<<grid_for(n), 256, 0, c.stream()>>>(static_cast<const T *>(x.data), static_cast<T *>(o.data), n,
+    CTR_LAUNCH(broadcast_kernel, grid_for(n), 256, 0, c.stream())(static_cast<const T *>(x.data), static_cast<T *>(o.data), n,
                                                           bcast_from(x, o), scale);
 }
 template <typename T>
@@ -199,7 +199,7 @@ template <typename T>
 void masked_fill(const Args &c) {
   const int64_t n = c.out_numel(0);
   if (n > 0)
-    masked_fill_kernel<<<grid_for(n), 256, 0, c.stream()>>>(c.in<const T>(0), c.in<const T>(1), c.out<T>(0), n,
+    CTR_LAUNCH(masked_fill_kernel, grid_for(n), 256, 0, c.stream())(c.in<const T>(0), c.in<const T>(1), c.out<T>(0), n,
                                                             bcast_from(c.in_ref(1), c.out_ref(0)),
                                                             c.params<ctr_masked_fill_params>().value);
 }
@@ -214,7 +214,7 @@ template <typename T>
 void div_bwd_b(const Args &c) {
   const int64_t n = c.out_numel(0);
   if (n > 0)
-    div_bwd_b_kernel<<<grid_for(n), 256, 0, c.stream()>>>(c.in<const T>(0), c.in<const T>(1), c.in<const T>(2),
+    CTR_LAUNCH(div_bwd_b_kernel, grid_for(n), 256, 0, c.stream())(c.in<const T>(0), c.in<const T>(1), c.in<const T>(2),
                                                           c.out<T>(0), n, bcast_from(c.in_ref(2), c.out_ref(0)));
 }
 
@@ -311,7 +311,7 @@ void reduce(const Args &c) {
   const int64_t nout = c.out_numel(0);
   float *mean = R == Red::Var && c.num_outputs() > 1 ? c.out<float>(1) : nullptr;
   if (nout > 0)
-    reduce_kernel<R><<<grid_for(nout), 256, 0, c.stream()>>>(c.in<const T>(0), c.out<T>(0), mean, nout, r,
+    CTR_LAUNCH(reduce_kernel<R>, grid_for(nout), 256, 0, c.stream())(c.in<const T>(0), c.out<T>(0), mean, nout, r,
                                                               static_cast<float>(p.correction));
 }
 template <Red R>
@@ -323,7 +323,7 @@ void reduce_to(const Args &c) {
   const Reduce r = make_reduce(c.in_ref(0), aligned(c.out_ref(0), c.in_ref(0).ndim));
   const int64_t nout = c.out_numel(0);
   if (nout > 0)
-    reduce_kernel<Red::Sum><<<grid_for(nout), 256, 0, c.stream()>>>(c.in<const T>(0), c.out<T>(0), nullptr, nout, r,
+    CTR_LAUNCH(reduce_kernel<Red::Sum>, grid_for(nout), 256, 0, c.stream())(c.in<const T>(0), c.out<T>(0), nullptr, nout, r,
                                                                      0.0f);
 }
 
@@ -363,7 +363,7 @@ void amax_bwd(const Args &c) {
   const Reduce r = make_reduce(x, kept_dims(x, c.params<ctr_reduce_params>()));
   const int64_t nout = c.in_numel(0);
   if (nout > 0)
-    amax_bwd_kernel<<<grid_for(nout), 256, 0, c.stream()>>>(c.in<const T>(0), c.in<const T>(1), c.in<const T>(2),
+    CTR_LAUNCH(amax_bwd_kernel, grid_for(nout), 256, 0, c.stream())(c.in<const T>(0), c.in<const T>(1), c.in<const T>(2),
                                                             c.out<T>(0), nout, r);
 }
 
@@ -388,7 +388,7 @@ void var_bwd(const Args &c) {
   for (int i = 0; i < x.ndim; ++i) kept.shape[i] = k.d[i];
   const int64_t total = x.numel;
   if (total > 0)
-    var_bwd_kernel<<<grid_for(total), 256, 0, c.stream()>>>(c.in<const T>(0), c.in<const T>(1), c.in<const float>(2),
+    CTR_LAUNCH(var_bwd_kernel, grid_for(total), 256, 0, c.stream())(c.in<const T>(0), c.in<const T>(1), c.in<const float>(2),
                                                             c.out<T>(0), total, bcast_from(kept, x),
                                                             static_cast<float>(n) - static_cast<float>(p.correction));
 }

@@ -160,10 +160,10 @@ void softmax_fwd(const Args &c) {
   const DimSplit s = dim_split(c.in_ref(0), c.params<ctr_softmax_params>());
   if (s.outer * s.C * s.inner == 0) return;
   if (s.inner == 1)
-    softmax_rows_kernel<T, Log><<<row_blocks(s.outer), row_threads(s.C), 0, c.stream()>>>(c.in<const T>(0),
+    CTR_LAUNCH((softmax_rows_kernel<T, Log>), row_blocks(s.outer), row_threads(s.C), 0, c.stream())(c.in<const T>(0),
                                                                                          c.out<T>(0), s.outer, s.C);
   else
-    softmax_cols_kernel<T, Log><<<grid_for(s.outer * s.inner), 256, 0, c.stream()>>>(c.in<const T>(0), c.out<T>(0),
+    CTR_LAUNCH((softmax_cols_kernel<T, Log>), grid_for(s.outer * s.inner), 256, 0, c.stream())(c.in<const T>(0), c.out<T>(0),
                                                                                      s.outer, s.C, s.inner);
 }
 // (dy, y) -> dx
@@ -172,10 +172,10 @@ void softmax_bwd(const Args &c) {
   const DimSplit s = dim_split(c.in_ref(0), c.params<ctr_softmax_params>());
   if (s.outer * s.C * s.inner == 0) return;
   if (s.inner == 1)
-    softmax_rows_bwd_kernel<T, Log><<<row_blocks(s.outer), row_threads(s.C), 0, c.stream()>>>(
+    CTR_LAUNCH((softmax_rows_bwd_kernel<T, Log>), row_blocks(s.outer), row_threads(s.C), 0, c.stream())(
         c.in<const T>(0), c.in<const T>(1), c.out<T>(0), s.outer, s.C);
   else
-    softmax_cols_bwd_kernel<T, Log><<<grid_for(s.outer * s.inner), 256, 0, c.stream()>>>(
+    CTR_LAUNCH((softmax_cols_bwd_kernel<T, Log>), grid_for(s.outer * s.inner), 256, 0, c.stream())(
         c.in<const T>(0), c.in<const T>(1), c.out<T>(0), s.outer, s.C, s.inner);
 }
 
@@ -255,8 +255,8 @@ void cross_entropy(const Args &c) {
   const int64_t V = c.in_dim(0, -1), R = V > 0 ? c.in_numel(0) / V : 0;
   const T *logits = c.in<const T>(0);
   float *lse = c.out<float>(1);
-  if (R > 0) xent_lse_kernel<<<row_blocks(R), row_threads(V), 0, c.stream()>>>(logits, lse, R, V);
-  xent_mean_kernel<<<1, kLossThreads, 0, c.stream()>>>(logits, c.in<const int32_t>(1), lse, c.out<float>(0),
+  if (R > 0) CTR_LAUNCH(xent_lse_kernel, row_blocks(R), row_threads(V), 0, c.stream())(logits, lse, R, V);
+  CTR_LAUNCH(xent_mean_kernel, 1, kLossThreads, 0, c.stream())(logits, c.in<const int32_t>(1), lse, c.out<float>(0),
                                                        c.out<int64_t>(2), R, V);
 }
 
@@ -268,11 +268,11 @@ void cross_entropy_bwd(const Args &c) {
   const auto grid = row_blocks(R);
   const int threads = row_threads(V);
   if (is_bf16(c.in_ref(0)))
-    xent_bwd_kernel<<<grid, threads, 0, c.stream()>>>(c.in<const __nv_bfloat16>(0), c.in<const T>(1),
+    CTR_LAUNCH(xent_bwd_kernel, grid, threads, 0, c.stream())(c.in<const __nv_bfloat16>(0), c.in<const T>(1),
                                                       c.in<const int32_t>(2), c.in<const float>(3),
                                                       c.in<const int64_t>(4), c.out<T>(0), R, V);
   else
-    xent_bwd_kernel<<<grid, threads, 0, c.stream()>>>(c.in<const float>(0), c.in<const T>(1), c.in<const int32_t>(2),
+    CTR_LAUNCH(xent_bwd_kernel, grid, threads, 0, c.stream())(c.in<const float>(0), c.in<const T>(1), c.in<const int32_t>(2),
                                                       c.in<const float>(3), c.in<const int64_t>(4), c.out<T>(0), R, V);
 }
 

@@ -663,7 +663,7 @@ void k_moe_router(const Args &c) {
   const auto &p = c.params<ctr_moe_router_params>();
   const int64_t E = c.in_dim(0, -1), k = c.out_dim(0, -1), N = per(c.in_numel(0), E);
   if (N == 0) return;
-  router_kernel<<<token_grid(N), kTokenThreads, 0, c.stream()>>>(c.in<const float>(0), c.out<float>(0),
+  CTR_LAUNCH(router_kernel, token_grid(N), kTokenThreads, 0, c.stream())(c.in<const float>(0), c.out<float>(0),
                                                                  c.out<int32_t>(1), c.out<float>(2), N, E, k,
                                                                  p.sigmoid != 0, p.renorm != 0);
 }
@@ -673,7 +673,7 @@ void k_moe_router_bwd(const Args &c) {
   const auto &p = c.params<ctr_moe_router_params>();
   const int64_t E = c.in_dim(1, -1), k = c.in_dim(0, -1), N = per(c.in_numel(1), E);
   if (N == 0) return;
-  router_bwd_kernel<<<token_grid(N), kTokenThreads, 0, c.stream()>>>(c.in<const float>(0), c.in<const float>(1),
+  CTR_LAUNCH(router_bwd_kernel, token_grid(N), kTokenThreads, 0, c.stream())(c.in<const float>(0), c.in<const float>(1),
                                                                      c.in<const int32_t>(2), c.out<float>(0), N, E,
                                                                      k, p.sigmoid != 0, p.renorm != 0);
 }
@@ -681,7 +681,7 @@ void k_moe_router_bwd(const Args &c) {
 // (logits, experts) -> loss
 void k_moe_aux_loss(const Args &c) {
   const int64_t E = c.in_dim(0, -1), k = c.in_dim(1, -1), N = per(c.in_numel(0), E);
-  aux_sums_kernel<false><<<1, kSumThreads, 0, c.stream()>>>(c.in<const float>(0), c.in<const int32_t>(1),
+  CTR_LAUNCH(aux_sums_kernel<false>, 1, kSumThreads, 0, c.stream())(c.in<const float>(0), c.in<const int32_t>(1),
                                                             c.out<float>(0), N, E, k,
                                                             c.params<ctr_moe_loss_params>().coef);
 }
@@ -690,7 +690,7 @@ void k_moe_aux_loss(const Args &c) {
 void k_moe_aux_loss_bwd(const Args &c) {
   const int64_t E = c.in_dim(1, -1), k = c.in_dim(2, -1), N = per(c.in_numel(1), E);
   if (N == 0) return;
-  aux_bwd_kernel<false><<<aux_bwd_grid(c, N), kTokenThreads, 0, c.stream()>>>(
+  CTR_LAUNCH(aux_bwd_kernel<false>, aux_bwd_grid(c, N), kTokenThreads, 0, c.stream())(
       c.in<const float>(0), c.in<const float>(1), c.in<const int32_t>(2), nullptr, c.out<float>(0), N, E, k,
       c.params<ctr_moe_loss_params>().coef);
 }
@@ -698,7 +698,7 @@ void k_moe_aux_loss_bwd(const Args &c) {
 // (logits) -> loss
 void k_moe_z_loss(const Args &c) {
   const int64_t E = c.in_dim(0, -1), N = per(c.in_numel(0), E);
-  z_loss_kernel<<<1, kSumThreads, 0, c.stream()>>>(c.in<const float>(0), c.out<float>(0), N, E,
+  CTR_LAUNCH(z_loss_kernel, 1, kSumThreads, 0, c.stream())(c.in<const float>(0), c.out<float>(0), N, E,
                                                    c.params<ctr_moe_loss_params>().coef);
 }
 
@@ -706,7 +706,7 @@ void k_moe_z_loss(const Args &c) {
 void k_moe_z_loss_bwd(const Args &c) {
   const int64_t E = c.in_dim(1, -1), N = per(c.in_numel(1), E);
   if (N == 0) return;
-  z_loss_bwd_kernel<<<token_grid(N), kTokenThreads, 0, c.stream()>>>(c.in<const float>(0), c.in<const float>(1),
+  CTR_LAUNCH(z_loss_bwd_kernel, token_grid(N), kTokenThreads, 0, c.stream())(c.in<const float>(0), c.in<const float>(1),
                                                                      c.out<float>(0), N, E,
                                                                      c.params<ctr_moe_loss_params>().coef);
 }
@@ -720,7 +720,7 @@ void k_moe_permute(const Args &c) {
   int32_t *counts = c.out<int32_t>(1), *slots = c.out<int32_t>(2);
   float *xp = c.out<float>(0);
   if (M == 0 || E == 0) {
-    cudaMemsetAsync(counts, 0, static_cast<size_t>(E) * sizeof(int32_t), c.stream());
+    CTR_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<size_t>(E) * sizeof(int32_t), c.stream()));
     return;
   }
   // Tiles of L slots; their histograms [T, E] (int32) borrow xp, gathered into last.
@@ -729,24 +729,24 @@ void k_moe_permute(const Args &c) {
   const int64_t T = (M + L - 1) / L;
   if (T * E <= M * D) {
     int32_t *H = reinterpret_cast<int32_t *>(xp);
-    cudaMemsetAsync(H, 0, static_cast<size_t>(T * E) * sizeof(int32_t), c.stream());
-    sort_hist_kernel<<<grid_for(M), 256, 0, c.stream()>>>(ex, H, M, E, L);
-    sort_offsets_kernel<<<1, 1024, 0, c.stream()>>>(H, counts, T, E);
-    sort_rank_kernel<<<grid_for(T, kTokenWarps), kTokenThreads, 0, c.stream()>>>(ex, H, slots, M, E, L, T);
+    CTR_CUDA_CHECK(cudaMemsetAsync(H, 0, static_cast<size_t>(T * E) * sizeof(int32_t), c.stream()));
+    CTR_LAUNCH(sort_hist_kernel, grid_for(M), 256, 0, c.stream())(ex, H, M, E, L);
+    CTR_LAUNCH(sort_offsets_kernel, 1, 1024, 0, c.stream())(H, counts, T, E);
+    CTR_LAUNCH(sort_rank_kernel, grid_for(T, kTokenWarps), kTokenThreads, 0, c.stream())(ex, H, slots, M, E, L, T);
   } else {
-    cudaMemsetAsync(counts, 0, static_cast<size_t>(E) * sizeof(int32_t), c.stream());
-    sort_count_kernel<<<grid_for(M), 256, 0, c.stream()>>>(ex, counts, M, E);
-    sort_direct_kernel<<<grid_for(M), 256, 0, c.stream()>>>(ex, slots, M, E);
+    CTR_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<size_t>(E) * sizeof(int32_t), c.stream()));
+    CTR_LAUNCH(sort_count_kernel, grid_for(M), 256, 0, c.stream())(ex, counts, M, E);
+    CTR_LAUNCH(sort_direct_kernel, grid_for(M), 256, 0, c.stream())(ex, slots, M, E);
   }
   if (D > 0)
-    permute_gather_kernel<<<grid_for(M * D), 256, 0, c.stream()>>>(c.in<const float>(0), slots, xp, M, k, D);
+    CTR_LAUNCH(permute_gather_kernel, grid_for(M * D), 256, 0, c.stream())(c.in<const float>(0), slots, xp, M, k, D);
 }
 
 // (dxp, slots) -> dx
 void k_moe_permute_bwd(const Args &c) {
   const int64_t D = c.in_dim(0, -1), k = c.in_dim(1, -1), N = per(c.in_numel(1), k), M = c.in_dim(0, 0);
   if (N * D == 0) return;
-  combine_kernel<false><<<grid_for(N * D), 256, 0, c.stream()>>>(c.in<const float>(0), c.in<const int32_t>(1),
+  CTR_LAUNCH(combine_kernel<false>, grid_for(N * D), 256, 0, c.stream())(c.in<const float>(0), c.in<const int32_t>(1),
                                                                   nullptr, c.out<float>(0), N, k, D, M);
 }
 
@@ -754,7 +754,7 @@ void k_moe_permute_bwd(const Args &c) {
 void k_moe_unpermute(const Args &c) {
   const int64_t M = c.in_dim(0, 0), D = c.in_dim(0, 1), k = c.in_dim(1, -1), N = per(c.in_numel(1), k);
   if (N * D == 0) return;
-  combine_kernel<true><<<grid_for(N * D), 256, 0, c.stream()>>>(c.in<const float>(0), c.in<const int32_t>(2),
+  CTR_LAUNCH(combine_kernel<true>, grid_for(N * D), 256, 0, c.stream())(c.in<const float>(0), c.in<const int32_t>(2),
                                                                  c.in<const float>(1), c.out<float>(0), N, k, D, M);
 }
 
@@ -762,9 +762,9 @@ void k_moe_unpermute(const Args &c) {
 void k_moe_unpermute_bwd(const Args &c) {
   const int64_t M = c.in_dim(1, 0), D = c.in_dim(1, 1), k = c.in_dim(3, -1), NK = c.in_numel(3);
   // Rows no slot points at get no gradient.
-  cudaMemsetAsync(c.out<void>(0), 0, static_cast<size_t>(c.out_ref(0).bytes), c.stream());
+  CTR_CUDA_CHECK(cudaMemsetAsync(c.out<void>(0), 0, static_cast<size_t>(c.out_ref(0).bytes), c.stream()));
   if (NK == 0) return;
-  unpermute_bwd_kernel<<<token_grid(NK), kTokenThreads, 0, c.stream()>>>(
+  CTR_LAUNCH(unpermute_bwd_kernel, token_grid(NK), kTokenThreads, 0, c.stream())(
       c.in<const float>(0), c.in<const float>(1), c.in<const int32_t>(2), c.in<const float>(3), c.out<float>(0),
       c.out<float>(1), NK, k, D, M);
 }
@@ -774,7 +774,7 @@ void k_moe_grouped_linear(const Args &c) {
   const int64_t M = c.in_dim(0, 0), K = c.in_dim(0, 1), E = c.in_dim(1, 0), N = c.in_dim(1, 1), S = c.in_dim(2, 0);
   if (M == 0 || N == 0) return;
   const dim3 grid(tiles(M) + static_cast<unsigned>(S), tiles(N));
-  grouped_rows_kernel<true><<<grid, kGemmThreads, 0, c.stream()>>>(c.in<const float>(0), c.in<const int32_t>(2), S,
+  CTR_LAUNCH(grouped_rows_kernel<true>, grid, kGemmThreads, 0, c.stream())(c.in<const float>(0), c.in<const int32_t>(2), S,
                                                                    c.in<const float>(1), c.out<float>(0), M, K, N, E);
 }
 
@@ -785,11 +785,11 @@ void k_moe_grouped_linear_bwd(const Args &c) {
   const int32_t *counts = c.in<const int32_t>(3);
   if (M > 0 && K > 0) {
     const dim3 grid(tiles(M) + static_cast<unsigned>(S), tiles(K));
-    grouped_rows_kernel<false><<<grid, kGemmThreads, 0, c.stream()>>>(dy, counts, S, w, c.out<float>(0), M, N, K, E);
+    CTR_LAUNCH(grouped_rows_kernel<false>, grid, kGemmThreads, 0, c.stream())(dy, counts, S, w, c.out<float>(0), M, N, K, E);
   }
   if (E > 0 && N > 0 && K > 0) {
     const dim3 grid(tiles(K), tiles(N), static_cast<unsigned>(E < 65535 ? E : 65535));
-    grouped_dw_kernel<<<grid, kGemmThreads, 0, c.stream()>>>(dy, x, counts, S, c.out<float>(1), M, K, N, E,
+    CTR_LAUNCH(grouped_dw_kernel, grid, kGemmThreads, 0, c.stream())(dy, x, counts, S, c.out<float>(1), M, K, N, E,
                                                             c.params<ctr_grouped_linear_params>().weight_grad_scale);
   }
 }
@@ -798,14 +798,14 @@ void k_moe_grouped_linear_bwd(const Args &c) {
 void k_moe_aux_stats(const Args &c) {
   const int64_t E = c.in_dim(0, -1), k = c.in_dim(1, -1), N = per(c.in_numel(0), E);
   const int64_t chunks = (E + kSumChunk - 1) / kSumChunk;
-  aux_sums_kernel<true><<<static_cast<unsigned>(chunks < 1 ? 1 : chunks), kSumThreads, 0, c.stream()>>>(
+  CTR_LAUNCH(aux_sums_kernel<true>, static_cast<unsigned>(chunks < 1 ? 1 : chunks), kSumThreads, 0, c.stream())(
       c.in<const float>(0), c.in<const int32_t>(1), c.out<float>(0), N, E, k, 0.0f);
 }
 
 // (logits, experts, stats) -> loss
 void k_moe_aux_loss_global(const Args &c) {
   const int64_t E = c.in_dim(0, -1), k = c.in_dim(1, -1);
-  aux_loss_global_kernel<<<1, 1, 0, c.stream()>>>(c.in<const float>(2), c.out<float>(0), E, k,
+  CTR_LAUNCH(aux_loss_global_kernel, 1, 1, 0, c.stream())(c.in<const float>(2), c.out<float>(0), E, k,
                                                   c.params<ctr_moe_loss_params>().coef);
 }
 
@@ -813,7 +813,7 @@ void k_moe_aux_loss_global(const Args &c) {
 void k_moe_aux_loss_global_bwd(const Args &c) {
   const int64_t E = c.in_dim(1, -1), k = c.in_dim(2, -1), N = per(c.in_numel(1), E);
   if (N == 0) return;
-  aux_bwd_kernel<true><<<token_grid(N), kTokenThreads, 0, c.stream()>>>(
+  CTR_LAUNCH(aux_bwd_kernel<true>, token_grid(N), kTokenThreads, 0, c.stream())(
       c.in<const float>(0), c.in<const float>(1), nullptr, c.in<const float>(3), c.out<float>(0), N, E, k,
       c.params<ctr_moe_loss_params>().coef);
 }

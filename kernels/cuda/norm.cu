@@ -156,7 +156,7 @@ void param_grads(const Args &c, const X *dy, const X *x, const float *mean, cons
                  int64_t R, int64_t C) {
   int64_t blocks = (C + kColX - 1) / kColX;
   if (blocks > 65535) blocks = 65535;
-  norm_param_grads_kernel<<<static_cast<unsigned>(blocks < 1 ? 1 : blocks), dim3(kColX, kColY), 0, c.stream()>>>(
+  CTR_LAUNCH(norm_param_grads_kernel, static_cast<unsigned>(blocks < 1 ? 1 : blocks), dim3(kColX, kColY), 0, c.stream())(
       dy, x, mean, rstd, dw, db, R, C);
 }
 
@@ -170,7 +170,7 @@ void layernorm(const Args &c) {
   const int64_t C = c.in_dim(0, -1), R = C > 0 ? c.in_numel(0) / C : 0;
   if (R == 0) return;
   const W *b = c.num_inputs() > 2 ? c.in<const W>(2) : nullptr;
-  layernorm_fwd_kernel<<<row_blocks(R), row_threads(C), 0, c.stream()>>>(
+  CTR_LAUNCH(layernorm_fwd_kernel, row_blocks(R), row_threads(C), 0, c.stream())(
       c.in<const X>(0), c.in<const W>(1), b, c.out<X>(0), c.out<float>(1), c.out<float>(2), R, C,
       c.params<ctr_norm_params>().eps);
 }
@@ -179,7 +179,7 @@ template <typename X, typename W>
 void rmsnorm(const Args &c) {
   const int64_t C = c.in_dim(0, -1), R = C > 0 ? c.in_numel(0) / C : 0;
   if (R == 0) return;
-  rmsnorm_fwd_kernel<<<row_blocks(R), row_threads(C), 0, c.stream()>>>(
+  CTR_LAUNCH(rmsnorm_fwd_kernel, row_blocks(R), row_threads(C), 0, c.stream())(
       c.in<const X>(0), c.in<const W>(1), c.out<X>(0), c.out<float>(1), R, C, c.params<ctr_norm_params>().eps);
 }
 
@@ -191,7 +191,7 @@ void norm_bwd(const Args &c, bool layer) {
   const float *rstd = c.in<const float>(layer ? 4 : 3);
   const X *dy = c.in<const X>(0), *x = c.in<const X>(1);
   if (R > 0)
-    norm_bwd_dx_kernel<<<row_blocks(R), row_threads(C), 0, c.stream()>>>(dy, x, c.in<const W>(2), mean, rstd,
+    CTR_LAUNCH(norm_bwd_dx_kernel, row_blocks(R), row_threads(C), 0, c.stream())(dy, x, c.in<const W>(2), mean, rstd,
                                                                          c.out<X>(0), R, C);
   void *db = layer && c.num_outputs() > 2 ? c.out<void>(2) : nullptr;
   if (is_bf16(c.out_ref(1)))

@@ -73,12 +73,12 @@ int64_t sum_squares_scratch_len() { return kSumBlocks; }
 
 void sum_squares(const float *x, int64_t n, double *out, double *scratch, int64_t scratch_len, cudaStream_t s) {
   const int blocks = static_cast<int>(scratch_len < kSumBlocks ? scratch_len : kSumBlocks);
-  sum_squares_partial<<<blocks, kSumThreads, 0, s>>>(x, n, scratch);
-  sum_partials<<<1, 32, 0, s>>>(scratch, blocks, out);
+  CTR_LAUNCH(sum_squares_partial, blocks, kSumThreads, 0, s)(x, n, scratch);
+  CTR_LAUNCH(sum_partials, 1, 32, 0, s)(scratch, blocks, out);
 }
 
 void add_into(float *acc, const float *x, int64_t n, cudaStream_t s) {
-  if (n > 0) add_into_kernel<<<grid_for(n), 256, 0, s>>>(acc, x, n);
+  if (n > 0) CTR_LAUNCH(add_into_kernel, grid_for(n), 256, 0, s)(acc, x, n);
 }
 
 void adamw(const ctr_adamw_args &a, const ctr_adamw_segment *dev_segments, cudaStream_t s) {
@@ -104,7 +104,7 @@ void adamw(const ctr_adamw_args &a, const ctr_adamw_segment *dev_segments, cudaS
   // Segments beyond 65535 (the grid's y limit) go in further launches.
   for (int64_t first = 0; first < a.num_segments; first += 65535) {
     const int64_t ns = a.num_segments - first < 65535 ? a.num_segments - first : 65535;
-    adamw_kernel<<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(ns)), 256, 0, s>>>(
+    CTR_LAUNCH(adamw_kernel, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(ns)), 256, 0, s)(
         a.param, a.grad, a.m, a.v, dev_segments + first, k);
   }
 }

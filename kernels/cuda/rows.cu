@@ -57,14 +57,14 @@ template <typename S, typename D>
 void embedding(const Args &c) {
   const int64_t n = c.in_numel(1), C = c.in_dim(0, 1);
   if (n * C == 0) return;
-  embedding_fwd_kernel<<<grid_for(n * C), 256, 0, c.stream()>>>(c.in<const S>(0), c.in<const int32_t>(1),
+  CTR_LAUNCH(embedding_fwd_kernel, grid_for(n * C), 256, 0, c.stream())(c.in<const S>(0), c.in<const int32_t>(1),
                                                                  c.out<D>(0), n, C);
 }
 
 template <typename S, typename D>
 void embedding_bwd(const Args &c) {
   const int64_t n = c.in_numel(1), V = c.out_dim(0, 0), C = c.out_dim(0, 1);
-  cudaMemsetAsync(c.out<void>(0), 0, static_cast<size_t>(c.out_ref(0).bytes), c.stream());
+  CTR_CUDA_CHECK(cudaMemsetAsync(c.out<void>(0), 0, static_cast<size_t>(c.out_ref(0).bytes), c.stream()));
   if (n == 0 || C == 0 || V == 0) return;
   constexpr int kThreads = 128;
   const int64_t xblocks = (C + kThreads - 1) / kThreads;
@@ -78,7 +78,7 @@ void embedding_bwd(const Args &c) {
   const int64_t slice = (V + slices - 1) / slices;
   const dim3 grid(static_cast<unsigned>(xblocks < 2147483647 ? xblocks : 2147483647),
                   static_cast<unsigned>((V + slice - 1) / slice));
-  embedding_bwd_kernel<<<grid, kThreads, 0, c.stream()>>>(c.in<const S>(0), c.in<const int32_t>(1), c.out<D>(0), n,
+  CTR_LAUNCH(embedding_bwd_kernel, grid, kThreads, 0, c.stream())(c.in<const S>(0), c.in<const int32_t>(1), c.out<D>(0), n,
                                                           V, C, slice);
 }
 
@@ -119,7 +119,7 @@ void rope_dir(const Args &c, float sign) {
   if (gy > BH) gy = BH;
   if (gy > 65535) gy = 65535;
   if (gy < 1) gy = 1;
-  rope_kernel<<<dim3(gx, static_cast<unsigned>(gy)), 256, 0, c.stream()>>>(
+  CTR_LAUNCH(rope_kernel, dim3(gx, static_cast<unsigned>(gy)), 256, 0, c.stream())(
       c.in<const T>(0), c.out<T>(0), T_, BH, H, D, static_cast<double>(p.theta), sign, p.interleaved != 0);
 }
 template <typename T>
@@ -142,12 +142,12 @@ void copy_convert(const Args &c, const ctr_tensor_ref &x, const ctr_tensor_ref &
   if (n <= 0) return;
   const bool xb = is_bf16(x), yb = is_bf16(y);
   if (xb == yb) {
-    cudaMemcpyAsync(y.data, x.data, static_cast<size_t>(n) * (xb ? 2 : 4), cudaMemcpyDeviceToDevice, c.stream());
+    CTR_CUDA_CHECK(cudaMemcpyAsync(y.data, x.data, static_cast<size_t>(n) * (xb ? 2 : 4), cudaMemcpyDeviceToDevice, c.stream()));
   } else if (xb) {
-    convert_kernel<<<grid_for(n), 256, 0, c.stream()>>>(static_cast<const __nv_bfloat16 *>(x.data),
+    CTR_LAUNCH(convert_kernel, grid_for(n), 256, 0, c.stream())(static_cast<const __nv_bfloat16 *>(x.data),
                                                         static_cast<float *>(y.data), n);
   } else {
-    convert_kernel<<<grid_for(n), 256, 0, c.stream()>>>(static_cast<const float *>(x.data),
+    CTR_LAUNCH(convert_kernel, grid_for(n), 256, 0, c.stream())(static_cast<const float *>(x.data),
                                                         static_cast<__nv_bfloat16 *>(y.data), n);
   }
 }
@@ -160,7 +160,7 @@ void k_take_rows_bwd(const Args &c) {
   copy_convert(c, c.in_ref(0), y, n);
   if (total > n) {
     const int64_t es = is_bf16(y) ? 2 : 4;
-    cudaMemsetAsync(static_cast<char *>(y.data) + n * es, 0, static_cast<size_t>((total - n) * es), c.stream());
+    CTR_CUDA_CHECK(cudaMemsetAsync(static_cast<char *>(y.data) + n * es, 0, static_cast<size_t>((total - n) * es), c.stream()));
   }
 }
 

@@ -64,6 +64,7 @@ extern "C" const char *ctr_status_string(ctr_status status) {
     case CTR_STATUS_NUMERIC_ERROR: return "numeric error";
     case CTR_STATUS_INTERNAL: return "internal error";
     case CTR_STATUS_CHECKPOINT_ERROR: return "checkpoint error";
+    case CTR_STATUS_DEVICE_ERROR: return "device error";
   }
   return "unknown status";
 }

@@ -36,6 +36,10 @@ using BackendHandle = std::shared_ptr<Backend>;
 // CTR_STATUS_UNSUPPORTED naming the device and the library it needs.
 BackendHandle create_backend(const std::string &device);
 
+// Throws CTR_STATUS_DEVICE_ERROR when the backend reports its sticky error
+// (the status slot), saying what was being done (`when`: "reading the loss").
+void check_backend(const Backend &be, const char *when);
+
 // Whether a backend has a kernel for an op (what the lower pass asks).
 bool backend_has_kernel(const Backend &be, int32_t op);
 

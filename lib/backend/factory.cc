@@ -98,6 +98,13 @@ BackendHandle load_plugin(const std::string &device) {
 
 }  // namespace
 
+void check_backend(const Backend &be, const char *when) {
+  if (!be.iface->status) return;
+  char msg[1024] = {0};
+  if (be.iface->status(be.ctx, msg, sizeof msg) == 0) return;
+  fail(CTR_STATUS_DEVICE_ERROR, strformat("device '%s' failed: %s (found %s)", be.iface->name, msg, when));
+}
+
 bool backend_has_kernel(const Backend &be, int32_t op) {
   const OpDef *d = op_by_id(op);
   return d && be.iface->kernel(be.ctx, op, d->name.c_str()) != nullptr;

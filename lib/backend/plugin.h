@@ -34,8 +34,9 @@
 extern "C" {
 #endif
 
-/* Bumped whenever ctr_backend_iface or ctr_kernel_args change layout or meaning. */
-#define CTR_BACKEND_ABI 2
+/* Bumped whenever ctr_backend_iface or ctr_kernel_args change layout or meaning
+ * (3: the status, host_alloc and host_free slots). */
+#define CTR_BACKEND_ABI 3
 
 /* The stream argument of a copy or fill that runs at once on the calling
  * thread and returns when done, ordered after nothing queued on any stream (the
@@ -146,6 +147,23 @@ typedef struct ctr_backend_iface {
   int (*capture_end)(void *ctx, int stream);
   void (*graph_launch)(void *ctx, int graph, int stream);
   void (*graph_destroy)(void *ctx, int graph);
+
+  /* The backend's sticky error, optional (NULL: the backend cannot fail once
+   * created). Returns 0 while every call, library call and kernel so far has
+   * succeeded; otherwise non-zero, with a message in buf (NUL-terminated, cut
+   * to size) naming what failed first: the call or kernel, its file:line and
+   * the library's words. Once non-zero it stays so: nothing the device
+   * computes after a fault can be trusted (a CUDA context is lost with it).
+   * Kernels and copies never fail visibly, so the caller reads this after
+   * launches and wherever it waits for the device, and turns it into an error
+   * rather than read a stale or wrong result. Cheap: any thread, any time. */
+  int (*status)(void *ctx, char *buf, size_t size);
+
+  /* Host memory the device copies to and from at full speed (pinned), for
+   * staging collectives of device memory; optional (both NULL: ordinary host
+   * memory is used). host_alloc returns NULL when it cannot. */
+  void *(*host_alloc)(void *ctx, size_t bytes);
+  void (*host_free)(void *ctx, void *p);
 } ctr_backend_iface;
 
 typedef const ctr_backend_iface *(*ctr_backend_plugin_init_fn)(uint32_t abi, const char *device,
@@ -164,7 +182,7 @@ typedef const ctr_backend_iface *(*ctr_backend_plugin_init_fn)(uint32_t abi, con
  *
  * returning NULL (with a message in err) when it cannot make them here (the
  * communication library does not load). A second entry point rather than new
- * slots in ctr_backend_iface: the backend table, its ABI (2) and every plugin
+ * slots in ctr_backend_iface: the backend table, its ABI and every plugin
  * written against it stay as they are, a plugin without device communicators
  * simply lacks the symbol, and the two tables version independently
  * (CTR_DEVICE_COMM_ABI). Every function takes the backend context the backend

@@ -4,7 +4,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -23,6 +25,54 @@ struct Executor::Call {
 };
 
 using Clock = std::chrono::steady_clock;
+
+// A staging buffer that grows to the largest size asked of it and is freed
+// with the executor.
+struct Executor::HostBuffer {
+  const Backend *be = nullptr;
+  void *data = nullptr;
+  size_t cap = 0;
+  bool pinned = false;
+  HostBuffer() = default;
+  HostBuffer(const HostBuffer &) = delete;
+  HostBuffer &operator=(const HostBuffer &) = delete;
+  HostBuffer(HostBuffer &&o) noexcept { *this = std::move(o); }
+  HostBuffer &operator=(HostBuffer &&o) noexcept {
+    std::swap(be, o.be);
+    std::swap(data, o.data);
+    std::swap(cap, o.cap);
+    std::swap(pinned, o.pinned);
+    return *this;
+  }
+  ~HostBuffer() { release(); }
+  void release() {
+    if (!data) return;
+    if (pinned)
+      be->iface->host_free(be->ctx, data);
+    else
+      std::free(data);
+    data = nullptr;
+    cap = 0;
+  }
+  // At least `bytes` of host memory, pinned if the backend can give it.
+  void *get(const Backend &backend, size_t bytes) {
+    if (bytes <= cap && data) return data;
+    release();
+    be = &backend;
+    const size_t n = std::max<size_t>(bytes, 64);
+    if (be->iface->host_alloc && be->iface->host_free) {
+      data = be->iface->host_alloc(be->ctx, n);
+      pinned = data != nullptr;
+    }
+    if (!data) {
+      data = std::malloc(n);
+      pinned = false;
+    }
+    CTR_REQUIRE(data != nullptr, CTR_STATUS_OUT_OF_MEMORY, "cannot allocate %zu bytes of host staging memory", n);
+    cap = n;
+    return data;
+  }
+};
 
 // A collective node: one entry per (input, output) pair; a bucket has several,
 // issued as one batch.
@@ -44,9 +94,11 @@ struct Executor::Collective {
   bool device = false;
   CommWork *work = nullptr;
   Clock::time_point issued{};
-  // Host copies of the buffers when the backend's memory is not host memory.
-  std::vector<std::vector<char>> host_in, host_out;
+  // Host copies of the buffers when the backend's memory is not host memory
+  // (pinned where the backend has host_alloc).
+  std::vector<HostBuffer> host_in, host_out;
 };
+
 
 namespace {
 
@@ -231,11 +283,10 @@ void Executor::run_collective(void *user) {
       if (!staged) continue;
       c->host_in.resize(c->src.size());
       c->host_out.resize(c->src.size());
-      c->host_in[j].resize(send_bytes(j));
-      c->host_out[j].resize(recv_bytes(j));
-      bi->copy_d2h(ex.be_.ctx, c->host_in[j].data(), send[j], send_bytes(j), CTR_STREAM_SYNC);
-      send[j] = c->host_in[j].data();
-      recv[j] = c->host_out[j].data();
+      void *hin = c->host_in[j].get(ex.be_, send_bytes(j));
+      recv[j] = c->host_out[j].get(ex.be_, recv_bytes(j));
+      bi->copy_d2h(ex.be_.ctx, hin, send[j], send_bytes(j), CTR_STREAM_SYNC);
+      send[j] = hin;
     }
     if (c->exchange != Collective::Exchange::None) {
       // Fault injection (exitcomm): an exchange is left by dying before it
@@ -353,14 +404,13 @@ void Executor::run_exchange(Collective &c) {
     c.host_in.resize(ins.size());
     c.host_out.resize(outs.size());
     for (size_t i = 0; i < ins.size(); ++i) {
-      c.host_in[i].resize(static_cast<size_t>(ins[i].bytes));
-      be_.iface->copy_d2h(be_.ctx, c.host_in[i].data(), ins[i].data, static_cast<size_t>(ins[i].bytes),
-                          CTR_STREAM_SYNC);
-      ins[i].data = c.host_in[i].data();
+      void *h = c.host_in[i].get(be_, static_cast<size_t>(ins[i].bytes));
+      be_.iface->copy_d2h(be_.ctx, h, ins[i].data, static_cast<size_t>(ins[i].bytes), CTR_STREAM_SYNC);
+      ins[i].data = h;
     }
     for (size_t i = 0; i < outs.size(); ++i) {
-      c.host_out[i].assign(static_cast<size_t>(outs[i].bytes), 0);
-      outs[i].data = c.host_out[i].data();
+      outs[i].data = c.host_out[i].get(be_, static_cast<size_t>(outs[i].bytes));
+      std::memset(outs[i].data, 0, static_cast<size_t>(outs[i].bytes));
     }
   }
   exchange_rows(c, ins, outs);
@@ -444,37 +494,63 @@ void Executor::run(Phase phase) {
   constexpr int kMaxRecaptures = 3;
   if (graphs_on_ && capturable_[p] && recaptures_ <= kMaxRecaptures) {
     if (graph_[p] < 0 && bi->capture_begin(ctx, 0) == 0) {
-      issue(list);
+      issue(list, phase);
       graph_[p] = bi->capture_end(ctx, 0);
       if (graph_[p] < 0) {
         // Not replayable: nothing recorded ran; run it as it is, and stop trying.
         recaptures_ = kMaxRecaptures + 1;
-        issue(list);
+        issue(list, phase);
         return;
       }
     }
     if (graph_[p] >= 0) {
       bi->graph_launch(ctx, graph_[p], 0);
       ++graph_replays_;
+      check_device(-1, phase);
       return;
     }
   }
-  issue(list);
+  issue(list, phase);
   const auto t0 = Clock::now();
   for (size_t s = 1; s < streams_.size(); ++s) bi->synchronize(ctx, streams_[s]);
   if (streams_.size() > 1) exposed_ns_ += ns_since(t0);
+  check_device(-1, phase);
   raise_if_failed();
 }
 
-void Executor::issue(const std::vector<Instr> &list) {
+void Executor::check_device(int node, Phase phase) const {
+  if (!be_.iface->status) return;
+  char msg[1024] = {0};
+  if (be_.iface->status(be_.ctx, msg, sizeof msg) == 0) return;
+  const char *ph = phase == Phase::Forward ? "forward" : "backward";
+  if (node >= 0) {
+    const Node &n = g_.nodes[static_cast<size_t>(node)];
+    fail(CTR_STATUS_DEVICE_ERROR, strformat("device '%s' failed launching op %s '%s' (%s): %s", be_.iface->name,
+                                            n.op.c_str(), n.name.c_str(), ph, msg));
+  }
+  std::string after;
+  if (last_node_ >= 0) {
+    const Node &n = g_.nodes[static_cast<size_t>(last_node_)];
+    after = strformat(" (found in %s, after op %s '%s', the last one launched; a kernel fault is reported at the "
+                      "kernel that caused it with CUDA_LAUNCH_BLOCKING=1)",
+                      ph, n.op.c_str(), n.name.c_str());
+  }
+  fail(CTR_STATUS_DEVICE_ERROR, strformat("device '%s' failed: %s%s", be_.iface->name, msg, after.c_str()));
+}
+
+void Executor::issue(const std::vector<Instr> &list, Phase phase) {
   const ctr_backend_iface *bi = be_.iface;
   void *ctx = be_.ctx;
+  const bool checked = bi->status != nullptr;
   for (const Instr &in : list) {
     const int stream = streams_[static_cast<size_t>(in.stream)];
     switch (in.kind) {
       case Instr::Kernel: {
         const Call &c = *calls_[static_cast<size_t>(in.node)];
-        if (!c.skip) bi->launch(ctx, c.fn, &c.args, stream);
+        if (c.skip) break;
+        bi->launch(ctx, c.fn, &c.args, stream);
+        last_node_ = in.node;
+        if (checked) check_device(in.node, phase);
         break;
       }
       case Instr::Collective: {
@@ -497,6 +573,7 @@ void Executor::issue(const std::vector<Instr> &list) {
           const auto t0 = Clock::now();
           bi->wait_event(ctx, events_[static_cast<size_t>(in.event)], stream);
           exposed_ns_ += ns_since(t0);
+          if (checked) check_device(-1, phase);
           raise_if_failed();
         } else {
           bi->wait_event(ctx, events_[static_cast<size_t>(in.event)], stream);

@@ -73,15 +73,20 @@ class Executor {
 
  private:
   struct Call;        // a kernel launch, resolved
+  struct HostBuffer;  // a staging buffer in host memory
   struct Collective;  // a collective, resolved
   static void run_collective(void *user);
   void issue_device(Collective &c);
   static void wait_device(void *user);
   void note_failure(const Collective &c, ctr_status code, const std::string &msg);
-  void issue(const std::vector<Instr> &list);
+  void issue(const std::vector<Instr> &list, Phase phase);
   void run_exchange(Collective &c);
   void exchange_rows(Collective &c, const std::vector<ctr_tensor_ref> &ins, const std::vector<ctr_tensor_ref> &outs);
   void raise_if_failed();
+  // Throws CTR_STATUS_DEVICE_ERROR when the backend reports its sticky error,
+  // naming the op just launched (node >= 0) or the last one launched.
+  void check_device(int node, Phase phase) const;
+  int last_node_ = -1;  // the last kernel launched
 
   const Graph &g_;
   const Program &prog_;

@@ -322,6 +322,7 @@ void Step::write_param(int t, const float *full) {
   const int64_t valid = r.valid_rows * r.row_elems;
   if (valid > 0) std::memcpy(host.data(), full + r.first_row * r.row_elems, static_cast<size_t>(valid) * 4);
   be_.iface->copy_h2d(be_.ctx, param_ptr(t), host.data(), static_cast<size_t>(n) * 4, 0);
+  check_backend(be_, "writing a parameter");
 }
 
 void Step::init_params(uint64_t seed) {
@@ -452,6 +453,7 @@ void Step::read_moe(int64_t mb) {
       l.z_loss += v;
     }
   }
+  if (!moe_.empty()) check_backend(be_, "reading the expert counts");
 }
 
 void Step::reduce_moe() {
@@ -487,6 +489,7 @@ void Step::reduce_moe() {
 double Step::read_loss() const {
   float loss = 0;
   be_.iface->copy_d2h(be_.ctx, &loss, exec_->addr(g_.loss), 4, 0);
+  check_backend(be_, "reading the loss");
   return loss;
 }
 
@@ -498,6 +501,7 @@ int64_t Step::full_numel(int t) const {
 
 void Step::run(ctr_step_metrics *metrics) {
   check_inputs_set("ctr_step_run");
+  check_backend(be_, "before the step ran: a failed device stays failed");
   if (fault_step_ == step_ + 1 && !fault_nan_) {
     if (fault_in_comm_) {
       exec_->exit_after_collectives(3);
@@ -564,6 +568,8 @@ void Step::run(ctr_step_metrics *metrics) {
     }
     sq -= sq_whole + sq_split;
   }
+  // A device fault leaves stale or NaN sums: never clip or update from them.
+  check_backend(be_, "computing the gradient norm");
   if (copt_.mesh.size("fsdp") > 1) {
     // Shards of the (dp-replicated) gradient: the global norm sums over fsdp.
     double v[2] = {sq, sq_split};
@@ -595,6 +601,7 @@ void Step::run(ctr_step_metrics *metrics) {
   else
     opt_->update(oc_, lr, scale, t);
   be_.iface->synchronize(be_.ctx, 0);
+  check_backend(be_, "updating the parameters");
   double opt_ms = ms_since(to);
   step_ = t;
   double total_ms = ms_since(t0);
@@ -688,10 +695,12 @@ std::vector<ShardView> Step::checkpoint_shards() const {
 
 void Step::checkpoint_read(void *host, const void *device, size_t bytes) const {
   be_.iface->copy_d2h(be_.ctx, host, device, bytes, 0);
+  check_backend(be_, "reading the step's state for a checkpoint");
 }
 
 void Step::checkpoint_write(void *device, const void *host, size_t bytes) {
   be_.iface->copy_h2d(be_.ctx, device, host, bytes, 0);
+  check_backend(be_, "restoring the step's state from a checkpoint");
 }
 
 std::vector<Step::ParamInfo> Step::params() const {
@@ -720,6 +729,7 @@ void Step::read_grad(const std::string &name, float *out, size_t count) {
     return;
   }
   be_.iface->copy_d2h(be_.ctx, out, exec_->addr(gt), count * 4, 0);
+  check_backend(be_, "reading a gradient");
 }
 
 int Step::find_param(const std::string &name, size_t count) const {
@@ -740,6 +750,7 @@ void Step::get_param(const std::string &name, float *out, size_t count) {
   const Tensor &x = g_.tensors[t];
   if (x.full_rows == 0) {
     be_.iface->copy_d2h(be_.ctx, out, param_ptr(t), count * 4, 0);
+    check_backend(be_, "reading a parameter");
     return;
   }
   // Sharded: this rank's shard to the host, then gather the shards of its
@@ -747,6 +758,7 @@ void Step::get_param(const std::string &name, float *out, size_t count) {
   // expert weights split over both), as collective calls over host memory.
   std::vector<float> part(static_cast<size_t>(x.numel()));
   be_.iface->copy_d2h(be_.ctx, part.data(), param_ptr(t), static_cast<size_t>(x.bytes()), 0);
+  check_backend(be_, "reading a parameter");
   std::vector<std::string> axes = {"fsdp"};
   if (x.placed_on == "ep") axes = {"ep"};
   if (x.placed_on == "ep,fsdp") axes = {"fsdp", "ep"};
@@ -785,6 +797,7 @@ void Step::get_output(const std::string &name, float *out, size_t count) {
     // bf16 storage (precision pass): widened on the host, exactly.
     std::vector<uint16_t> half(count);
     be_.iface->copy_d2h(be_.ctx, half.data(), exec_->addr(t), count * 2, 0);
+    check_backend(be_, "reading an output");
     for (size_t i = 0; i < count; ++i) {
       const uint32_t bits = static_cast<uint32_t>(half[i]) << 16;
       std::memcpy(out + i, &bits, 4);
@@ -792,6 +805,7 @@ void Step::get_output(const std::string &name, float *out, size_t count) {
     return;
   }
   be_.iface->copy_d2h(be_.ctx, out, exec_->addr(t), count * 4, 0);
+  check_backend(be_, "reading an output");
 }
 
 void Step::set_lr(double lr) {

@@ -96,6 +96,7 @@ static const ctr_backend_iface iface = {
     t_fill,     t_create_stream, t_create_event, t_event,   t_event,  t_host_fn,
     t_sync,     t_kernel,     t_launch,        t_sum_squares, t_add_into, t_adamw,
     t_destroy,  0,          NULL,            NULL,         NULL,     NULL,
+    NULL,       NULL,       NULL,
 };
 
 const ctr_backend_iface *ctr_backend_plugin_init(uint32_t abi, const char *device, void **ctx, char *err,

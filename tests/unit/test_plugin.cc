@@ -1,12 +1,23 @@
 // Backend plugins through the C boundary: tests/plugin/test_backend.c is built
-// as libctr-testdev.so and libctr-badabi.so next to this test, which finds them
-// through CTR_PLUGIN_PATH.
+// as libctr-testdev.so and libctr-badabi.so, tests/plugin/fault_backend.c as
+// libctr-faultdev.so, next to this test, which finds them through
+// CTR_PLUGIN_PATH.
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 
+#include "backend/backend.h"
 #include "ctr/ctr.h"
+
+// The backend that libctr-faultdev.so wraps: the built-in CPU backend, handed
+// over through the C boundary (the plugin finds this symbol in the program).
+extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_test_inner_backend(void **ctx) {
+  ctr::Backend be = ctr::cpu_backend_create(false);
+  *ctx = be.ctx;
+  return be.iface;
+}
 
 namespace {
 
@@ -126,6 +137,113 @@ TEST(Plugin, NcclWithoutGpuSaysWhy) {
   EXPECT_NE(err.find("device 'cuda' needs the backend plugin libctr-cuda.so"), std::string::npos) << err;
 #endif
   EXPECT_EQ(m, nullptr);
+}
+
+
+// ---------------------------------------------------------------------------
+// A device that faults: the step fails naming the fault and the op, and never
+// reports a number computed after it.
+
+struct FaultRun {
+  ctr_status create = CTR_STATUS_OK, first = CTR_STATUS_OK, second = CTR_STATUS_OK, param = CTR_STATUS_OK;
+  std::string create_msg, first_msg, second_msg, param_msg;
+  ctr_step_metrics m{};
+};
+
+// Creates a gpt step on faultdev with the given fault settings and runs it twice.
+FaultRun run_faulty(const char *kernel, bool async, bool sumsq) {
+  if (kernel) setenv("CTR_FAULTDEV_KERNEL", kernel, 1); else unsetenv("CTR_FAULTDEV_KERNEL");
+  setenv("CTR_FAULTDEV_ASYNC", async ? "1" : "0", 1);
+  setenv("CTR_FAULTDEV_SUMSQ", sumsq ? "1" : "0", 1);
+  FaultRun r;
+  ctr_mesh *mesh = nullptr;
+  EXPECT_EQ(mesh_on("faultdev", &mesh), CTR_STATUS_OK) << ctr_last_error();
+  ctr_options *go = nullptr;
+  ctr_options_create(&go);
+  ctr_options_set_int(go, "layers", 1);
+  ctr_options_set_int(go, "dim", 16);
+  ctr_options_set_int(go, "heads", 2);
+  ctr_options_set_int(go, "vocab", 16);
+  ctr_options_set_int(go, "seq", 4);
+  ctr_graph *g = nullptr;
+  EXPECT_EQ(ctr_graph_create_preset("gpt", go, &g), CTR_STATUS_OK);
+  ctr_options *so = nullptr;
+  ctr_options_create(&so);
+  ctr_options_set_int(so, "batch", 2);
+  ctr_step *s = nullptr;
+  r.create = ctr_step_create(mesh, g, so, &s);
+  r.create_msg = ctr_last_error();
+  if (r.create == CTR_STATUS_OK) {
+    const int32_t tokens[8] = {1, 2, 3, 4, 5, 6, 7, 8}, targets[8] = {2, 3, 4, 5, 6, 7, 8, 9};
+    EXPECT_EQ(ctr_step_set_input(s, "tokens", tokens, sizeof tokens), CTR_STATUS_OK) << ctr_last_error();
+    EXPECT_EQ(ctr_step_set_input(s, "targets", targets, sizeof targets), CTR_STATUS_OK) << ctr_last_error();
+    r.m.size = sizeof r.m;
+    r.first = ctr_step_run(s, &r.m);
+    r.first_msg = ctr_last_error();
+    ctr_step_metrics m2{};
+    m2.size = sizeof m2;
+    r.second = ctr_step_run(s, &m2);
+    r.second_msg = ctr_last_error();
+    float w[16 * 16];
+    r.param = ctr_step_get_param(s, "wte", w, 16 * 16);
+    r.param_msg = ctr_last_error();
+  }
+  ctr_step_free(s);
+  ctr_options_free(so);
+  ctr_options_free(go);
+  ctr_graph_free(g);
+  ctr_mesh_free(mesh);
+  return r;
+}
+
+bool has(const std::string &s, const char *part) { return s.find(part) != std::string::npos; }
+
+TEST(DeviceFault, WithoutAFaultTheWrappedBackendTrains) {
+  FaultRun r = run_faulty(nullptr, false, false);
+  ASSERT_EQ(r.create, CTR_STATUS_OK) << r.create_msg;
+  EXPECT_EQ(r.first, CTR_STATUS_OK) << r.first_msg;
+  EXPECT_EQ(r.second, CTR_STATUS_OK) << r.second_msg;
+  EXPECT_EQ(r.param, CTR_STATUS_OK) << r.param_msg;
+  EXPECT_GT(r.m.loss, 1.0);
+}
+
+TEST(DeviceFault, AFailedLaunchNamesTheKernelTheOpAndWhere) {
+  FaultRun r = run_faulty("linear", false, false);
+  ASSERT_EQ(r.create, CTR_STATUS_OK) << r.create_msg;
+  EXPECT_EQ(r.first, CTR_STATUS_DEVICE_ERROR) << r.first_msg;
+  EXPECT_TRUE(has(r.first_msg, "device 'faultdev' failed launching op linear '")) << r.first_msg;
+  EXPECT_TRUE(has(r.first_msg, "(forward)")) << r.first_msg;
+  EXPECT_TRUE(has(r.first_msg, "kernel 'linear' failed at fault_backend.c:")) << r.first_msg;
+  EXPECT_TRUE(has(r.first_msg, "illegal memory access")) << r.first_msg;
+  // Sticky: the step never runs on, and nothing is read back from the device.
+  EXPECT_EQ(r.second, CTR_STATUS_DEVICE_ERROR) << r.second_msg;
+  EXPECT_TRUE(has(r.second_msg, "(found before the step ran: a failed device stays failed)")) << r.second_msg;
+  EXPECT_EQ(r.param, CTR_STATUS_DEVICE_ERROR) << r.param_msg;
+  EXPECT_TRUE(has(r.param_msg, "(found reading a parameter)")) << r.param_msg;
+}
+
+TEST(DeviceFault, AnAsynchronousFaultIsFoundWhereTheHostWaitsNotReadAsALoss) {
+  // The kernel faults in forward, seen only when the loss is copied back: the
+  // stale loss is never returned.
+  FaultRun r = run_faulty("cross_entropy", true, false);
+  ASSERT_EQ(r.create, CTR_STATUS_OK) << r.create_msg;
+  EXPECT_EQ(r.first, CTR_STATUS_DEVICE_ERROR) << r.first_msg;
+  EXPECT_TRUE(has(r.first_msg, "kernel 'cross_entropy' failed at fault_backend.c:")) << r.first_msg;
+  EXPECT_TRUE(has(r.first_msg, "(found reading the loss)")) << r.first_msg;
+  EXPECT_EQ(r.m.loss, 0.0) << "metrics written by a failed step";
+  // In backward: found by the executor's end-of-phase check or the gradient norm.
+  FaultRun b = run_faulty("linear_bwd_w", true, false);
+  EXPECT_EQ(b.first, CTR_STATUS_DEVICE_ERROR) << b.first_msg;
+  EXPECT_TRUE(has(b.first_msg, "kernel 'linear_bwd_w' failed at fault_backend.c:")) << b.first_msg;
+  EXPECT_EQ(b.second, CTR_STATUS_DEVICE_ERROR) << b.second_msg;
+}
+
+TEST(DeviceFault, AFailedGradientNormNeverUpdatesTheParameters) {
+  FaultRun r = run_faulty(nullptr, false, true);
+  ASSERT_EQ(r.create, CTR_STATUS_OK) << r.create_msg;
+  EXPECT_EQ(r.first, CTR_STATUS_DEVICE_ERROR) << r.first_msg;
+  EXPECT_TRUE(has(r.first_msg, "sum_squares failed at fault_backend.c:")) << r.first_msg;
+  EXPECT_TRUE(has(r.first_msg, "(found computing the gradient norm)")) << r.first_msg;
 }
 
 }  // namespace

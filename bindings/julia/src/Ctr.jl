@@ -79,6 +79,7 @@ const COMM_ERROR = 11
 const NUMERIC_ERROR = 12
 const INTERNAL = 13
 const CHECKPOINT_ERROR = 14
+const DEVICE_ERROR = 15
 end
 
 """`ctr_status_string(status)`: the library's static name of a code."""

@@ -39,6 +39,7 @@ class Status(enum.IntEnum):
     NUMERIC_ERROR = 12
     INTERNAL = 13
     CHECKPOINT_ERROR = 14
+    DEVICE_ERROR = 15
 
 
 class DType(enum.IntEnum):

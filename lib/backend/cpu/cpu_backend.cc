@@ -836,6 +836,9 @@ constexpr ctr_backend_iface cpu_iface(uint32_t flags) {
       nullptr,
       nullptr,
       nullptr,
+      nullptr,
+      nullptr,
+      nullptr,
   };
 }
 const ctr_backend_iface kCpuIface = cpu_iface(0);

@@ -22,13 +22,22 @@
 //
 // Copies between host and device on stream 0 are synchronous (the step hands
 // over temporary host buffers); device copies and fills are asynchronous.
-// CTR_STREAM_SYNC copies run on the calling thread outside every stream: host
-// work on a worker (a collective) stages device memory that way.
+// CTR_STREAM_SYNC copies and fills run on a stream of the calling thread's own
+// and return once that stream has finished them: host work on a worker (a
+// collective) stages device memory that way, through pinned buffers from
+// host_alloc. Nothing here uses the legacy default stream, which the
+// non-blocking streams do not wait for.
+//
+// Errors. Every CUDA runtime and cuBLASLt call and every kernel launch is
+// checked (kernels/cuda/check.cuh); the first failure is the backend's sticky
+// error, which the status slot reports and after which sum_squares returns
+// NaN, never a stale value.
 
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -58,8 +67,7 @@ constexpr int kEventRing = 8;
 thread_local int tl_device = -1;
 void use_device(int dev) {
   if (tl_device != dev) {
-    cudaSetDevice(dev);
-    tl_device = dev;
+    if (CTR_CUDA_CHECK(cudaSetDevice(dev))) tl_device = dev;
   }
 }
 
@@ -104,6 +112,8 @@ struct Cuda {
   std::mutex adamw_mu;
   cudaStream_t comm_stream = nullptr;  // device communicators' stream (backend_comm_stream)
   std::mutex comm_mu;
+  std::mutex sync_mu;
+  std::unordered_map<std::thread::id, cudaStream_t> sync_streams;  // under sync_mu
 
   // Runs fn on stream s: queued on the CUDA stream for 0 (fn enqueues), on the
   // worker otherwise (fn enqueues on the worker's stream, then waits for it).
@@ -116,8 +126,15 @@ struct Cuda {
     Worker *w = workers[static_cast<size_t>(s - 1)].get();
     w->push([w, fn = std::move(fn)] {
       fn(w->ctx);
-      cudaStreamSynchronize(w->ctx.stream);
+      CTR_CUDA_CHECK(cudaStreamSynchronize(w->ctx.stream));
     });
+  }
+  // The calling thread's stream for CTR_STREAM_SYNC copies and fills.
+  cudaStream_t sync_stream() {
+    std::lock_guard<std::mutex> lock(sync_mu);
+    cudaStream_t &st = sync_streams[std::this_thread::get_id()];
+    if (!st && !CTR_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking))) st = nullptr;
+    return st;
   }
   void complete(int e, uint64_t gen) {
     {
@@ -135,22 +152,21 @@ struct Cuda {
 
 Cuda &C(void *ctx) { return *static_cast<Cuda *>(ctx); }
 
-bool init_stream(StreamCtx &s, GemmCache *cache_owner_hint) {
-  (void)cache_owner_hint;
-  if (cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking) != cudaSuccess) return false;
-  if (cublasLtCreate(&s.lt) != CUBLAS_STATUS_SUCCESS) return false;
-  if (cudaMalloc(&s.workspace, kWorkspaceBytes) != cudaSuccess) return false;
+bool init_stream(StreamCtx &s) {
+  if (!CTR_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking))) return false;
+  if (!CTR_CUBLAS_CHECK(cublasLtCreate(&s.lt))) return false;
+  if (!CTR_CUDA_CHECK(cudaMalloc(&s.workspace, kWorkspaceBytes))) return false;
   s.workspace_bytes = kWorkspaceBytes;
   s.gemm = gemm_cache_create();  // per stream: plans carry per-call pointers
   return true;
 }
 
 void free_stream(StreamCtx &s) {
-  if (s.stream) cudaStreamSynchronize(s.stream);
+  if (s.stream) CTR_CUDA_CHECK(cudaStreamSynchronize(s.stream));
   gemm_cache_destroy(s.gemm);
-  if (s.workspace) cudaFree(s.workspace);
-  if (s.lt) cublasLtDestroy(s.lt);
-  if (s.stream) cudaStreamDestroy(s.stream);
+  if (s.workspace) CTR_CUDA_CHECK(cudaFree(s.workspace));
+  if (s.lt) CTR_CUBLAS_CHECK(cublasLtDestroy(s.lt));
+  if (s.stream) CTR_CUDA_CHECK(cudaStreamDestroy(s.stream));
   s = StreamCtx{};
 }
 
@@ -162,8 +178,16 @@ void *cu_alloc(void *ctx, size_t bytes) {
   use_device(c.device);
   void *p = nullptr;
   const size_t n = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
-  if (cudaMalloc(&p, n) != cudaSuccess) return nullptr;
-  if (cudaMemset(p, 0, n) != cudaSuccess) {
+  if (cudaMalloc(&p, n) != cudaSuccess) {
+    // Out of memory is the caller's to report (with the sizes it asked for);
+    // it is no fault of the device, so it must not linger as the last error.
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  // Zeroed on stream 0 and waited for: the memory's first users are ordered
+  // after stream 0 (workers wait for its events), never before this memset.
+  if (!CTR_CUDA_CHECK(cudaMemsetAsync(p, 0, n, c.s0.stream)) ||
+      !CTR_CUDA_CHECK(cudaStreamSynchronize(c.s0.stream))) {
     cudaFree(p);
     return nullptr;
   }
@@ -173,24 +197,42 @@ void cu_free(void *ctx, void *p) {
   if (!p) return;
   Cuda &c = C(ctx);
   use_device(c.device);
-  cudaStreamSynchronize(c.s0.stream);
-  cudaFree(p);
+  CTR_CUDA_CHECK(cudaStreamSynchronize(c.s0.stream));
+  CTR_CUDA_CHECK(cudaFree(p));
 }
+void *cu_host_alloc(void *ctx, size_t bytes) {
+  use_device(C(ctx).device);
+  void *p = nullptr;
+  if (cudaMallocHost(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) {
+    (void)cudaGetLastError();  // the caller falls back to ordinary memory
+    return nullptr;
+  }
+  return p;
+}
+void cu_host_free(void *ctx, void *p) {
+  if (!p) return;
+  use_device(C(ctx).device);
+  CTR_CUDA_CHECK(cudaFreeHost(p));
+}
+int cu_status(void *, char *buf, size_t size) { return error_message(buf, size); }
 void copy_on(Cuda &c, void *dst, const void *src, size_t bytes, int stream, cudaMemcpyKind kind) {
   if (!bytes) return;
   if (stream == CTR_STREAM_SYNC) {
-    // On the calling thread, outside every stream: the caller ordered it.
+    // On the calling thread, outside every stream: the caller ordered it. A
+    // plain cudaMemcpy from pageable memory may return before the data has
+    // landed; a copy on a stream that is then synchronized may not.
     use_device(c.device);
-    cudaMemcpy(dst, src, bytes, kind);
+    cudaStream_t st = c.sync_stream();
+    if (st && CTR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, st))) CTR_CUDA_CHECK(cudaStreamSynchronize(st));
     return;
   }
   if (stream == 0) {
     use_device(c.device);
-    cudaMemcpyAsync(dst, src, bytes, kind, c.s0.stream);
-    if (kind != cudaMemcpyDeviceToDevice) cudaStreamSynchronize(c.s0.stream);
+    if (CTR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, c.s0.stream)) && kind != cudaMemcpyDeviceToDevice)
+      CTR_CUDA_CHECK(cudaStreamSynchronize(c.s0.stream));
     return;
   }
-  c.submit(stream, [=](StreamCtx &s) { cudaMemcpyAsync(dst, src, bytes, kind, s.stream); });
+  c.submit(stream, [=](StreamCtx &s) { CTR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, s.stream)); });
 }
 void cu_copy_h2d(void *ctx, void *dst, const void *src, size_t bytes, int stream) {
   copy_on(C(ctx), dst, src, bytes, stream, cudaMemcpyHostToDevice);
@@ -203,18 +245,20 @@ void cu_copy_d2d(void *ctx, void *dst, const void *src, size_t bytes, int stream
 }
 void cu_fill(void *ctx, void *dst, int byte, size_t bytes, int stream) {
   if (!bytes) return;
+  Cuda &c = C(ctx);
   if (stream == CTR_STREAM_SYNC) {
-    use_device(C(ctx).device);
-    cudaMemset(dst, byte, bytes);
+    use_device(c.device);
+    cudaStream_t st = c.sync_stream();
+    if (st && CTR_CUDA_CHECK(cudaMemsetAsync(dst, byte, bytes, st))) CTR_CUDA_CHECK(cudaStreamSynchronize(st));
     return;
   }
-  C(ctx).submit(stream, [=](StreamCtx &s) { cudaMemsetAsync(dst, byte, bytes, s.stream); });
+  c.submit(stream, [=](StreamCtx &s) { CTR_CUDA_CHECK(cudaMemsetAsync(dst, byte, bytes, s.stream)); });
 }
 int cu_create_stream(void *ctx) {
   Cuda &c = C(ctx);
   use_device(c.device);
   auto w = std::make_unique<Worker>(c.device);
-  if (!init_stream(w->ctx, nullptr)) {
+  if (!init_stream(w->ctx)) {
     free_stream(w->ctx);
     return -1;
   }
@@ -227,7 +271,7 @@ int cu_create_event(void *ctx) {
   use_device(c.device);
   Event ev;
   for (auto &e : ev.ring)
-    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) return -1;
+    if (!CTR_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming))) return -1;
   std::lock_guard<std::mutex> lock(c.mu);
   c.events.push_back(ev);
   return static_cast<int>(c.events.size() - 1);
@@ -239,7 +283,7 @@ void cu_record_event(void *ctx, int e, int stream) {
     std::lock_guard<std::mutex> lock(c.mu);
     Event &ev = c.events[static_cast<size_t>(e)];
     ev.next = (ev.next + 1) % kEventRing;
-    cudaEventRecord(ev.ring[ev.next], c.s0.stream);
+    CTR_CUDA_CHECK(cudaEventRecord(ev.ring[ev.next], c.s0.stream));
     ev.on_gpu = true;
     return;
   }
@@ -268,14 +312,14 @@ void cu_wait_event(void *ctx, int e, int stream) {
   if (stream == 0) {
     use_device(c.device);
     if (on_gpu)
-      cudaStreamWaitEvent(c.s0.stream, ce, 0);
+      CTR_CUDA_CHECK(cudaStreamWaitEvent(c.s0.stream, ce, 0));
     else
       c.block_until(e, gen);
     return;
   }
   Cuda *cp = &c;
   if (on_gpu)
-    c.workers[static_cast<size_t>(stream - 1)]->push([ce] { cudaEventSynchronize(ce); });
+    c.workers[static_cast<size_t>(stream - 1)]->push([ce] { CTR_CUDA_CHECK(cudaEventSynchronize(ce)); });
   else
     c.workers[static_cast<size_t>(stream - 1)]->push([cp, e, gen] { cp->block_until(e, gen); });
 }
@@ -284,7 +328,7 @@ void cu_host_fn(void *ctx, int stream, ctr_host_fn fn, void *user) {
   if (stream == 0) {
     // Host work on stream 0 runs in order with its kernels: wait for them.
     use_device(c.device);
-    cudaStreamSynchronize(c.s0.stream);
+    CTR_CUDA_CHECK(cudaStreamSynchronize(c.s0.stream));
     fn(user);
     return;
   }
@@ -294,7 +338,7 @@ void cu_synchronize(void *ctx, int stream) {
   Cuda &c = C(ctx);
   if (stream == 0) {
     use_device(c.device);
-    cudaStreamSynchronize(c.s0.stream);
+    CTR_CUDA_CHECK(cudaStreamSynchronize(c.s0.stream));
     return;
   }
   c.workers[static_cast<size_t>(stream - 1)]->drain();
@@ -317,12 +361,14 @@ double cu_sum_squares(void *ctx, const float *x, int64_t n, int stream) {
   Cuda &c = C(ctx);
   cu_synchronize(ctx, stream);
   use_device(c.device);
-  if (n <= 0) return 0.0;
+  if (n <= 0) return has_error() ? std::nan("") : 0.0;
   const int64_t len = sum_squares_scratch_len();
   sum_squares(x, n, c.sum_scratch + len, c.sum_scratch, len, c.s0.stream);
-  cudaMemcpyAsync(c.sum_host, c.sum_scratch + len, sizeof(double), cudaMemcpyDeviceToHost, c.s0.stream);
-  cudaStreamSynchronize(c.s0.stream);
-  return *c.sum_host;
+  if (CTR_CUDA_CHECK(cudaMemcpyAsync(c.sum_host, c.sum_scratch + len, sizeof(double), cudaMemcpyDeviceToHost,
+                                     c.s0.stream)))
+    CTR_CUDA_CHECK(cudaStreamSynchronize(c.s0.stream));
+  // After a failure the pinned result may be an earlier step's: never return it.
+  return has_error() ? std::nan("") : *c.sum_host;
 }
 void cu_add_into(void *ctx, float *acc, const float *x, int64_t n, int stream) {
   C(ctx).submit(stream, [=](StreamCtx &s) { add_into(acc, x, n, s.stream); });
@@ -332,21 +378,23 @@ void cu_adamw(void *ctx, const ctr_adamw_args *a, int stream) {
   use_device(c.device);
   std::lock_guard<std::mutex> lock(c.adamw_mu);
   if (a->num_segments > c.segments_cap) {
-    cudaStreamSynchronize(c.s0.stream);
-    cudaFree(c.segments);
+    CTR_CUDA_CHECK(cudaStreamSynchronize(c.s0.stream));
+    CTR_CUDA_CHECK(cudaFree(c.segments));
     c.segments = nullptr;
     c.segments_cap = 0;
-    if (cudaMalloc(&c.segments, static_cast<size_t>(a->num_segments) * sizeof(ctr_adamw_segment)) != cudaSuccess)
-      return;  // the step sees it at its next synchronize through cudaGetLastError
+    if (!CTR_CUDA_CHECK(cudaMalloc(&c.segments, static_cast<size_t>(a->num_segments) * sizeof(ctr_adamw_segment))))
+      return;  // the sticky error: the step fails at its next check
     c.segments_cap = a->num_segments;
   }
   ctr_adamw_args copy = *a;
   // The table may change between steps: copied in order on the stream (a
   // synchronous copy from pageable memory, so the host table may go at once).
   c.submit(stream, [&c, copy](StreamCtx &s) {
-    cudaMemcpyAsync(c.segments, copy.segments, static_cast<size_t>(copy.num_segments) * sizeof(ctr_adamw_segment),
-                    cudaMemcpyHostToDevice, s.stream);
-    cudaStreamSynchronize(s.stream);
+    if (!CTR_CUDA_CHECK(cudaMemcpyAsync(c.segments, copy.segments,
+                                        static_cast<size_t>(copy.num_segments) * sizeof(ctr_adamw_segment),
+                                        cudaMemcpyHostToDevice, s.stream)) ||
+        !CTR_CUDA_CHECK(cudaStreamSynchronize(s.stream)))
+      return;
     adamw(copy, c.segments, s.stream);
   });
 }
@@ -392,18 +440,18 @@ void cu_graph_launch(void *ctx, int graph, int stream) {
     exec = c.graphs[static_cast<size_t>(graph)];
   }
   if (stream == 0) {
-    cudaGraphLaunch(exec, c.s0.stream);
+    CTR_CUDA_CHECK(cudaGraphLaunch(exec, c.s0.stream));
     return;
   }
-  c.submit(stream, [exec](StreamCtx &s) { cudaGraphLaunch(exec, s.stream); });
+  c.submit(stream, [exec](StreamCtx &s) { CTR_CUDA_CHECK(cudaGraphLaunch(exec, s.stream)); });
 }
 void cu_graph_destroy(void *ctx, int graph) {
   Cuda &c = C(ctx);
   use_device(c.device);
-  cudaStreamSynchronize(c.s0.stream);
+  CTR_CUDA_CHECK(cudaStreamSynchronize(c.s0.stream));
   std::lock_guard<std::mutex> lock(c.mu);
   if (graph >= 0 && static_cast<size_t>(graph) < c.graphs.size() && c.graphs[static_cast<size_t>(graph)]) {
-    cudaGraphExecDestroy(c.graphs[static_cast<size_t>(graph)]);
+    CTR_CUDA_CHECK(cudaGraphExecDestroy(c.graphs[static_cast<size_t>(graph)]));
     c.graphs[static_cast<size_t>(graph)] = nullptr;
   }
 }
@@ -418,13 +466,15 @@ void cu_destroy(void *ctx) {
     for (auto &e : ev.ring)
       if (e) cudaEventDestroy(e);
   if (c->comm_stream) {
-    cudaStreamSynchronize(c->comm_stream);
-    cudaStreamDestroy(c->comm_stream);
+    CTR_CUDA_CHECK(cudaStreamSynchronize(c->comm_stream));
+    CTR_CUDA_CHECK(cudaStreamDestroy(c->comm_stream));
   }
+  for (auto &[id, st] : c->sync_streams)
+    if (st) CTR_CUDA_CHECK(cudaStreamDestroy(st));
   free_stream(c->s0);
-  cudaFree(c->sum_scratch);
-  cudaFree(c->segments);
-  cudaFreeHost(c->sum_host);
+  CTR_CUDA_CHECK(cudaFree(c->sum_scratch));
+  CTR_CUDA_CHECK(cudaFree(c->segments));
+  CTR_CUDA_CHECK(cudaFreeHost(c->sum_host));
   delete c;
 }
 
@@ -455,6 +505,9 @@ const ctr_backend_iface kIface = {
     cu_capture_end,
     cu_graph_launch,
     cu_graph_destroy,
+    cu_status,
+    cu_host_alloc,
+    cu_host_free,
 };
 
 void say(char *err, size_t size, const std::string &msg) {
@@ -478,7 +531,7 @@ cudaStream_t backend_comm_stream(void *backend_ctx) {
   std::lock_guard<std::mutex> lock(c.comm_mu);
   if (!c.comm_stream) {
     use_device(c.device);
-    if (cudaStreamCreateWithFlags(&c.comm_stream, cudaStreamNonBlocking) != cudaSuccess) c.comm_stream = nullptr;
+    if (!CTR_CUDA_CHECK(cudaStreamCreateWithFlags(&c.comm_stream, cudaStreamNonBlocking))) c.comm_stream = nullptr;
   }
   return c.comm_stream;
 }
@@ -539,7 +592,7 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
   use_device(dev);
   c->s0.sm_count = prop.multiProcessorCount;
   const int64_t len = sum_squares_scratch_len();
-  if (!init_stream(c->s0, nullptr) || cudaMalloc(&c->sum_scratch, static_cast<size_t>(len + 1) * sizeof(double)) !=
+  if (!init_stream(c->s0) || cudaMalloc(&c->sum_scratch, static_cast<size_t>(len + 1) * sizeof(double)) !=
                                           cudaSuccess ||
       cudaMallocHost(&c->sum_host, sizeof(double)) != cudaSuccess) {
     say(err, err_size, std::string("cannot set up GPU ") + std::to_string(dev) + ": " +

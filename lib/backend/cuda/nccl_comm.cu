@@ -37,6 +37,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/plugin.h"
 #include "ctr/ctr.h"
+#include "cuda/check.cuh"
 
 namespace ctr::cuda {
 namespace {
@@ -282,7 +283,7 @@ ctr_device_work *issue(ctr_device_comm *c, const std::string &what, bool grouped
     say(err, err_size, "%s: the NCCL communicator was aborted earlier (%s)", what.c_str(), c->broken.c_str());
     return nullptr;
   }
-  cudaSetDevice(c->device);
+  CTR_CUDA_CHECK(cudaSetDevice(c->device));
   cudaError_t ce = cudaEventRecord(c->order, c->s0);
   if (ce == cudaSuccess) ce = cudaStreamWaitEvent(c->stream, c->order, 0);
   if (ce != cudaSuccess) {
@@ -370,7 +371,7 @@ int dc_comm_create(void *backend_ctx, const char *id, size_t len, int rank, int 
   c->rank = rank;
   c->nranks = nranks;
   c->timeout_ms = timeout_ms > 0 ? timeout_ms : 60000;
-  cudaSetDevice(c->device);
+  CTR_CUDA_CHECK(cudaSetDevice(c->device));
   if (!c->stream) {
     say(err, err_size, "transport 'nccl': cannot create the communication stream: %s",
         cudaGetErrorString(cudaGetLastError()));
@@ -536,6 +537,9 @@ int dc_wait(ctr_device_comm *c, ctr_device_work *w, int64_t timeout_ms, char *er
       std::lock_guard<std::mutex> lock(c->mu);
       std::string msg;
       if (q != cudaErrorNotReady) {
+        // A fault on the device, not of NCCL: the backend's sticky error too.
+        ctr::cuda::note_error("cudaEventQuery (the collective's completion)", __FILE__, __LINE__,
+                              cudaGetErrorString(q));
         msg = w->what + ": CUDA error " + cudaGetErrorString(q);
         result = CTR_DEVICE_COMM_FAILED;
       } else if (!c->comm) {

@@ -42,6 +42,7 @@ pub const CTR_STATUS_COMM_ERROR: ctr_status = 11;
 pub const CTR_STATUS_NUMERIC_ERROR: ctr_status = 12;
 pub const CTR_STATUS_INTERNAL: ctr_status = 13;
 pub const CTR_STATUS_CHECKPOINT_ERROR: ctr_status = 14;
+pub const CTR_STATUS_DEVICE_ERROR: ctr_status = 15;
 
 // ---------------------------------------------------------------------------
 // Data types

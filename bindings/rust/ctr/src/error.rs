@@ -32,6 +32,7 @@ impl Status {
     pub const NUMERIC_ERROR: Status = Status(sys::CTR_STATUS_NUMERIC_ERROR);
     pub const INTERNAL: Status = Status(sys::CTR_STATUS_INTERNAL);
     pub const CHECKPOINT_ERROR: Status = Status(sys::CTR_STATUS_CHECKPOINT_ERROR);
+    pub const DEVICE_ERROR: Status = Status(sys::CTR_STATUS_DEVICE_ERROR);
 
     /// The library's name for the code ("invalid graph"); static, never fails.
     pub fn name(self) -> &'static str {
