@@ -32,7 +32,13 @@ void run_verify(PassContext &c) { pass_verify(c.graph); }
 void run_infer_shapes(PassContext &c) { pass_infer_shapes(c.graph, c.opt); }
 void run_fuse(PassContext &c) { c.fused = pass_fuse(c.graph, c.opt); }
 void run_expert(PassContext &c) { pass_expert(c.graph, c.opt); }
-void run_autodiff(PassContext &c) { pass_autodiff(c.graph); }
+void run_autodiff(PassContext &c) {
+  // The backend's layouts of saved outputs, before anything sizes them (the
+  // reorder pass's memory-budget trials, recompute, the plan): after expert,
+  // whose shape inference would undo them.
+  apply_backend_layouts(c.graph, c.backend_flags);
+  pass_autodiff(c.graph);
+}
 void run_recompute(PassContext &c) { pass_recompute(c.graph, c.opt); }
 void run_precision(PassContext &c) {
   c.opt.precision = resolve_precision(c.graph, c.opt.precision, c.has_kernel);
@@ -42,7 +48,6 @@ void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }
 void run_bucket(PassContext &c) { pass_bucket(c.graph, c.opt); }
 void run_reorder(PassContext &c) { c.schedule = pass_reorder(c.graph, c.opt); }
 void run_lower(PassContext &c) {
-  apply_backend_layouts(c.graph, c.backend_flags);
   c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap);
 }
 void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.program); }

@@ -979,6 +979,26 @@ TEST(BackendLayouts, AttentionLseShrinksTheSavedOutput) {
   EXPECT_LT(arena[1], arena[0]);
 }
 
+// The reorder pass sizes its memory-budget trials with the backend's layouts:
+// the arena it plans for the schedule it keeps is the one the step gets.
+TEST(BackendLayouts, ReorderTrialsUseTheBackendLayout) {
+  for (int lse = 0; lse < 2; ++lse) {
+    Graph g = internal_preset("llama");
+    ctr::CompileOptions o;
+    o.batch = 2;
+    o.mesh.axes = {{"fsdp", 2, 0}};
+    o.memory_budget = 1;  // over budget whatever the schedule: every trial runs
+    ctr::PassContext ctx(g, o, [](ctr::OpId) { return true; });
+    ctx.backend_flags = lse ? CTR_BACKEND_ATTENTION_LSE : 0;
+    ctr::run_passes(ctx);
+    const std::string &s = ctx.schedule;
+    const size_t at = s.find("planned arena ");
+    ASSERT_NE(at, std::string::npos) << s;
+    const long long trial = std::stoll(s.substr(at + 14));
+    EXPECT_EQ(trial, ctx.plan.arena_bytes) << (lse ? "lse: " : "cpu: ") << s;
+  }
+}
+
 // A reshape's output is placed on its input (through chains, and on constants),
 // the input lives as long as the output is read, and nothing else overlaps them.
 TEST(MemoryPlan, ReshapesArePlacedOnTheirInput) {
