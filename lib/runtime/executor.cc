@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -211,16 +212,29 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
     CTR_REQUIRE(streams_[static_cast<size_t>(s)] >= 0, CTR_STATUS_INTERNAL,
                 "backend '%s' cannot create a stream", be_.iface->name);
   }
-  // A phase can be captured as one graph when it is stream-0 kernels and fills.
-  auto stream0_only = [](const std::vector<Instr> &list) {
-    for (const Instr &in : list)
-      if (in.stream != 0 || (in.kind != Instr::Kernel && in.kind != Instr::Fill)) return false;
-    return true;
+  // A phase can be captured as one graph when it is stream-0 kernels and fills;
+  // otherwise why not, said once when graphs are on.
+  auto why_not = [&](const std::vector<Instr> &list) -> std::string {
+    for (const Instr &in : list) {
+      if (in.kind == Instr::Collective) {
+        const Collective &c = *colls_[static_cast<size_t>(in.node)];
+        return strformat("it has collectives (%s '%s' first) that run as host work on the comm stream%s",
+                         c.node->op.c_str(), c.node->name.c_str(),
+                         c.device ? " to be waited for there" : ", over host memory");
+      }
+      if (in.stream != 0 || (in.kind != Instr::Kernel && in.kind != Instr::Fill))
+        return "it orders work across streams with events";
+    }
+    return "";
   };
   const bool can_capture = be_.iface->capture_begin && be_.iface->capture_end && be_.iface->graph_launch &&
                            be_.iface->graph_destroy;
-  capturable_[0] = can_capture && stream0_only(prog.forward);
-  capturable_[1] = can_capture && stream0_only(prog.backward);
+  if (can_capture) {
+    why_not_[0] = why_not(prog.forward);
+    why_not_[1] = why_not(prog.backward);
+  }
+  capturable_[0] = can_capture && why_not_[0].empty();
+  capturable_[1] = can_capture && why_not_[1].empty();
   for (int e = 0; e < prog.num_events; ++e) {
     int id = be_.iface->create_event(be_.ctx);
     CTR_REQUIRE(id >= 0, CTR_STATUS_INTERNAL, "backend '%s' cannot create an event", be_.iface->name);
@@ -246,7 +260,8 @@ void Executor::rebind(int t, void *addr) {
   // A captured graph has the old address baked in.
   if (graph_[0] >= 0 || graph_[1] >= 0) {
     drop_graphs();
-    ++recaptures_;
+    if (++recaptures_ == 4)
+      std::fprintf(stderr, "ctr: graphs: no longer captured: the addresses they were captured with keep moving\n");
   }
   addr_[static_cast<size_t>(t)] = addr;
   for (ctr_tensor_ref *r : refs_of_[static_cast<size_t>(t)]) r->data = addr;
@@ -491,17 +506,29 @@ void Executor::run(Phase phase) {
   const ctr_backend_iface *bi = be_.iface;
   void *ctx = be_.ctx;
   const int p = phase == Phase::Forward ? 0 : 1;
+  const char *name = phase == Phase::Forward ? "forward" : "backward";
   constexpr int kMaxRecaptures = 3;
-  if (graphs_on_ && capturable_[p] && recaptures_ <= kMaxRecaptures) {
+  if (graphs_on_ && !why_not_[p].empty() && !said_[p]) {
+    std::fprintf(stderr, "ctr: graphs: the %s phase is not captured: %s\n", name, why_not_[p].c_str());
+    said_[p] = true;
+  }
+  // The first run of a phase is its warm-up, launched as it is: library
+  // heuristics, lazy module loading and first-touch allocations happen there,
+  // not inside a capture. Capture is from the second run on.
+  const bool warm = runs_[p]++ > 0;
+  if (graphs_on_ && capturable_[p] && warm && recaptures_ <= kMaxRecaptures) {
     if (graph_[p] < 0 && bi->capture_begin(ctx, 0) == 0) {
       issue(list, phase);
       graph_[p] = bi->capture_end(ctx, 0);
       if (graph_[p] < 0) {
         // Not replayable: nothing recorded ran; run it as it is, and stop trying.
+        std::fprintf(stderr, "ctr: graphs: the %s phase is not captured: the backend could not capture it\n",
+                     name);
         recaptures_ = kMaxRecaptures + 1;
         issue(list, phase);
         return;
       }
+      ++captures_;
     }
     if (graph_[p] >= 0) {
       bi->graph_launch(ctx, graph_[p], 0);

@@ -60,12 +60,15 @@ class Executor {
   double take_exposed_ms();
 
   // Replay each phase as a captured graph where the backend can capture and the
-  // phase is stream-0 work alone (no collectives): captured at its first run,
-  // replayed after, captured again when an address it baked in changes (given up
-  // after a few times: inputs that move every run). Off by default.
+  // phase is stream-0 work alone (no collectives): launched as it is at its
+  // first run (the warm-up), captured at its second, replayed after; captured
+  // again when an address it baked in changes (given up after a few times:
+  // addresses that move every run). A phase that cannot be captured says why
+  // once, on stderr. Off by default.
   void enable_graphs(bool on) { graphs_on_ = on; }
-  // Graph replays so far (for tests and metrics).
+  // Graph replays and captures so far (for tests and metrics).
   int64_t graph_replays() const { return graph_replays_; }
+  int64_t graph_captures() const { return captures_; }
 
   // Fault injection for the failure tests: the process exits (status 87) right
   // after issuing its n-th collective from now, leaving it in flight.
@@ -96,6 +99,10 @@ class Executor {
   bool graphs_on_ = false;
   int graph_[2] = {-1, -1};        // captured graph per phase, -1: none
   bool capturable_[2] = {false, false};
+  std::string why_not_[2];           // why a phase cannot be captured ("": it can)
+  bool said_[2] = {false, false};    // why_not_ printed
+  int64_t runs_[2] = {0, 0};
+  int64_t captures_ = 0;
   int recaptures_ = 0;
   int64_t graph_replays_ = 0;
   void drop_graphs();

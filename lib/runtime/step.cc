@@ -287,6 +287,18 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   }
   if (tokens_per_micro_ == 0 && !inputs_slots_.empty())
     tokens_per_micro_ = g_.tensors[inputs_slots_[0].tensor].numel();
+  // A captured graph bakes in its addresses: with several micro-batches the
+  // inputs stay at one place, and each micro-batch is copied there (a device
+  // copy ordered on stream 0) instead of moving the tensors to it.
+  if (graphs && be_.iface->capture_begin && copt_.micro_batches > 1 && !inputs_slots_.empty()) {
+    int64_t cur = 0;
+    for (InputSlot &s : inputs_slots_) {
+      s.cur = cur;
+      cur += (s.bytes + 255) / 256 * 256;
+    }
+    inputs_cur_ = must_alloc(be_, cur, "the current micro-batch's inputs");
+    for (const InputSlot &s : inputs_slots_) addr[s.tensor] = static_cast<char *>(inputs_cur_) + s.cur;
+  }
 
   exec_ = std::make_unique<Executor>(g_, prog_, mesh_, be_, std::move(addr), device_comms_.get());
   exec_->enable_graphs(graphs);
@@ -300,7 +312,7 @@ void Step::free_buffers() {
   exec_.reset();
   device_comms_.reset();  // nothing of theirs is in flight once the executor is gone
   opt_.reset();
-  for (void **p : {&arena_, &params_, &grads_, &inputs_, &consts_}) {
+  for (void **p : {&arena_, &params_, &grads_, &inputs_, &consts_, &inputs_cur_}) {
     if (*p) be_.iface->free(be_.ctx, *p);
     *p = nullptr;
   }
@@ -405,8 +417,13 @@ void Step::check_inputs_set(const char *what) const {
 }
 
 void Step::bind_micro_batch(int64_t mb) {
-  for (const auto &s : inputs_slots_)
-    exec_->rebind(s.tensor, static_cast<char *>(inputs_) + g_.tensors[s.tensor].offset + mb * s.bytes);
+  for (const auto &s : inputs_slots_) {
+    char *from = static_cast<char *>(inputs_) + g_.tensors[s.tensor].offset + mb * s.bytes;
+    if (inputs_cur_)
+      be_.iface->copy_d2d(be_.ctx, static_cast<char *>(inputs_cur_) + s.cur, from, static_cast<size_t>(s.bytes), 0);
+    else
+      exec_->rebind(s.tensor, from);
+  }
 }
 
 // The moe layers of the graph as built (before the passes): each moe_permute

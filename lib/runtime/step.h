@@ -95,6 +95,7 @@ class Step : private CheckpointState {
     int tensor;
     int64_t bytes;  // per micro-batch
     int64_t lo, hi; // valid id range [lo, hi) for int32 inputs; lo > hi = unchecked
+    int64_t cur = 0; // offset in inputs_cur_
     bool set = false;
   };
 
@@ -132,6 +133,9 @@ class Step : private CheckpointState {
   // Transport "nccl": the device communicators of every axis, on be_.
   std::unique_ptr<CommSet> device_comms_;
   void *arena_ = nullptr, *params_ = nullptr, *grads_ = nullptr, *inputs_ = nullptr, *consts_ = nullptr;
+  // With captured graphs and several micro-batches: the current micro-batch's
+  // inputs at one fixed address, copied in from inputs_ before each forward.
+  void *inputs_cur_ = nullptr;
   void free_buffers();  // the executor, optimizer, checkpointer and every allocation
   std::unique_ptr<Executor> exec_;
   std::unique_ptr<FlatOptimizer> opt_;

@@ -12,6 +12,14 @@
  * sum_squares), as an asynchronous kernel fault does. CTR_FAULTDEV_SUMSQ=1
  * makes sum_squares itself fail instead.
  *
+ * Built with CTR_TEST_GRAPHS it serves device "graphdev" instead, which
+ * forwards everything and captures graphs as CUDA does: between capture_begin
+ * and capture_end, launches, fills and device copies on stream 0 are recorded
+ * (their tensor addresses copied, as a CUDA graph bakes them in) instead of
+ * run, and graph_launch replays them. The counts of captures, replays and
+ * launches made outside a replay are read by the test through
+ * ctr_graphdev_counts.
+ *
  * Written against lib/backend/plugin.h alone, in C.
  */
 #include <dlfcn.h>
@@ -24,6 +32,37 @@
 typedef const ctr_backend_iface *(*inner_fn)(void **ctx);
 
 #define MAX_KERNELS 512
+
+#define MAX_RECORDED 4096
+#define MAX_GRAPHS 8
+
+/* One recorded operation of a graph. */
+typedef struct recorded {
+  int kind; /* 0 launch, 1 fill, 2 copy_d2d */
+  ctr_kernel_fn fn;
+  ctr_kernel_args args;
+  ctr_tensor_ref *refs; /* inputs then outputs, as they were at capture */
+  void *dst;
+  const void *src;
+  int byte;
+  size_t bytes;
+} recorded;
+
+typedef struct graph {
+  recorded *ops;
+  int n, cap;
+  int used;
+} graph;
+
+static long long n_captures, n_replays, n_launches;
+
+/* For the test: what the last graphdev backend did. */
+__attribute__((visibility("default"))) void ctr_graphdev_counts(long long *captures, long long *replays,
+                                                                long long *launches) {
+  *captures = n_captures;
+  *replays = n_replays;
+  *launches = n_launches;
+}
 
 typedef struct fault_ctx {
   const ctr_backend_iface *in;
@@ -40,7 +79,24 @@ typedef struct fault_ctx {
     char name[64];
   } kernels[MAX_KERNELS];
   int num_kernels;
+  int capturing;       /* recording into graphs[capture] */
+  int capture;
+  graph graphs[MAX_GRAPHS];
 } fault_ctx;
+
+static recorded *record(fault_ctx *f, int kind) {
+  graph *g = &f->graphs[f->capture];
+  if (g->n == g->cap) {
+    g->cap = g->cap ? 2 * g->cap : 64;
+    if (g->cap > MAX_RECORDED) abort();
+    g->ops = (recorded *)realloc(g->ops, (size_t)g->cap * sizeof *g->ops);
+    if (!g->ops) abort();
+  }
+  recorded *r = &g->ops[g->n++];
+  memset(r, 0, sizeof *r);
+  r->kind = kind;
+  return r;
+}
 
 static fault_ctx *F(void *ctx) { return (fault_ctx *)ctx; }
 
@@ -62,10 +118,24 @@ static void f_copy_d2h(void *ctx, void *dst, const void *src, size_t bytes, int 
 }
 static void f_copy_d2d(void *ctx, void *dst, const void *src, size_t bytes, int stream) {
   fault_ctx *f = F(ctx);
+  if (f->capturing && stream == 0) {
+    recorded *r = record(f, 2);
+    r->dst = dst;
+    r->src = src;
+    r->bytes = bytes;
+    return;
+  }
   if (!f->faulted) f->in->copy_d2d(f->in_ctx, dst, src, bytes, stream);
 }
 static void f_fill(void *ctx, void *dst, int byte, size_t bytes, int stream) {
   fault_ctx *f = F(ctx);
+  if (f->capturing && stream == 0) {
+    recorded *r = record(f, 1);
+    r->dst = dst;
+    r->byte = byte;
+    r->bytes = bytes;
+    return;
+  }
   if (!f->faulted) f->in->fill(f->in_ctx, dst, byte, bytes, stream);
 }
 static int f_create_stream(void *ctx) { return F(ctx)->in->create_stream(F(ctx)->in_ctx); }
@@ -101,6 +171,20 @@ static const char *kernel_name(const fault_ctx *f, ctr_kernel_fn fn) {
 }
 static void f_launch(void *ctx, ctr_kernel_fn fn, const ctr_kernel_args *args, int stream) {
   fault_ctx *f = F(ctx);
+  if (f->capturing && stream == 0) {
+    recorded *r = record(f, 0);
+    const int n = args->num_inputs + args->num_outputs;
+    r->fn = fn;
+    r->args = *args;
+    r->refs = (ctr_tensor_ref *)malloc((size_t)(n > 0 ? n : 1) * sizeof *r->refs);
+    if (!r->refs) abort();
+    memcpy(r->refs, args->inputs, (size_t)args->num_inputs * sizeof *r->refs);
+    memcpy(r->refs + args->num_inputs, args->outputs, (size_t)args->num_outputs * sizeof *r->refs);
+    r->args.inputs = r->refs;
+    r->args.outputs = r->refs + args->num_inputs;
+    return;
+  }
+  ++n_launches;
   if (f->faulted) return;
   if (f->target[0] && strcmp(kernel_name(f, fn), f->target) == 0) {
     f->faulted = 1;
@@ -131,11 +215,55 @@ static void f_adamw(void *ctx, const ctr_adamw_args *a, int stream) {
   fault_ctx *f = F(ctx);
   if (!f->faulted) f->in->adamw(f->in_ctx, a, stream);
 }
+static void free_graph(graph *g) {
+  for (int i = 0; i < g->n; ++i) free(g->ops[i].refs);
+  free(g->ops);
+  memset(g, 0, sizeof *g);
+}
 static void f_destroy(void *ctx) {
   fault_ctx *f = F(ctx);
+  for (int i = 0; i < MAX_GRAPHS; ++i) free_graph(&f->graphs[i]);
   f->in->destroy(f->in_ctx);
   free(f);
 }
+#ifdef CTR_TEST_GRAPHS
+static int f_capture_begin(void *ctx, int stream) {
+  fault_ctx *f = F(ctx);
+  if (stream != 0 || f->capturing) return -1;
+  for (int i = 0; i < MAX_GRAPHS; ++i)
+    if (!f->graphs[i].used) {
+      f->capture = i;
+      f->graphs[i].used = 1;
+      f->capturing = 1;
+      return 0;
+    }
+  return -1;
+}
+static int f_capture_end(void *ctx, int stream) {
+  fault_ctx *f = F(ctx);
+  if (stream != 0 || !f->capturing) return -1;
+  f->capturing = 0;
+  ++n_captures;
+  return f->capture;
+}
+static void f_graph_launch(void *ctx, int id, int stream) {
+  fault_ctx *f = F(ctx);
+  const graph *g = &f->graphs[id];
+  ++n_replays;
+  for (int i = 0; i < g->n && !f->faulted; ++i) {
+    const recorded *r = &g->ops[i];
+    if (r->kind == 0)
+      f->in->launch(f->in_ctx, r->fn, &r->args, stream);
+    else if (r->kind == 1)
+      f->in->fill(f->in_ctx, r->dst, r->byte, r->bytes, stream);
+    else
+      f->in->copy_d2d(f->in_ctx, r->dst, r->src, r->bytes, stream);
+  }
+}
+static void f_graph_destroy(void *ctx, int id) {
+  if (id >= 0 && id < MAX_GRAPHS) free_graph(&F(ctx)->graphs[id]);
+}
+#endif
 static int f_status(void *ctx, char *buf, size_t size) {
   fault_ctx *f = F(ctx);
   if (!f->visible) return 0;
@@ -143,10 +271,18 @@ static int f_status(void *ctx, char *buf, size_t size) {
   return 1;
 }
 
+#ifdef CTR_TEST_GRAPHS
+#define DEVICE "graphdev"
+#define CAPTURE f_capture_begin, f_capture_end, f_graph_launch, f_graph_destroy
+#else
+#define DEVICE "faultdev"
+#define CAPTURE NULL, NULL, NULL, NULL
+#endif
+
 static ctr_backend_iface iface = {
     sizeof(ctr_backend_iface),
     CTR_BACKEND_ABI,
-    "faultdev",
+    DEVICE,
     f_alloc,
     f_free,
     f_copy_h2d,
@@ -166,10 +302,7 @@ static ctr_backend_iface iface = {
     f_adamw,
     f_destroy,
     0,
-    NULL,
-    NULL,
-    NULL,
-    NULL,
+    CAPTURE,
     f_status,
     NULL,
     NULL,
@@ -181,8 +314,8 @@ const ctr_backend_iface *ctr_backend_plugin_init(uint32_t abi, const char *devic
     snprintf(err, err_size, "unexpected backend ABI %u", abi);
     return NULL;
   }
-  if (strcmp(device, "faultdev") != 0) {
-    snprintf(err, err_size, "this plugin serves only 'faultdev'");
+  if (strcmp(device, DEVICE) != 0) {
+    snprintf(err, err_size, "this plugin serves only '" DEVICE "'");
     return NULL;
   }
   inner_fn inner = (inner_fn)dlsym(RTLD_DEFAULT, "ctr_test_inner_backend");
@@ -202,6 +335,7 @@ const ctr_backend_iface *ctr_backend_plugin_init(uint32_t abi, const char *devic
   f->async = getenv("CTR_FAULTDEV_ASYNC") && strcmp(getenv("CTR_FAULTDEV_ASYNC"), "1") == 0;
   f->sumsq = getenv("CTR_FAULTDEV_SUMSQ") && strcmp(getenv("CTR_FAULTDEV_SUMSQ"), "1") == 0;
   iface.flags = f->in->flags;
+  n_captures = n_replays = n_launches = 0;
   *ctx = f;
   return &iface;
 }

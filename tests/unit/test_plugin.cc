@@ -5,7 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include <dlfcn.h>
+
 #include <cstdlib>
+#include <vector>
 #include <string>
 
 #include "backend/backend.h"
@@ -193,6 +196,7 @@ FaultRun run_faulty(const char *kernel, bool async, bool sumsq) {
   ctr_options_free(go);
   ctr_graph_free(g);
   ctr_mesh_free(mesh);
+  for (const char *v : {"CTR_FAULTDEV_KERNEL", "CTR_FAULTDEV_ASYNC", "CTR_FAULTDEV_SUMSQ"}) unsetenv(v);
   return r;
 }
 
@@ -244,6 +248,87 @@ TEST(DeviceFault, AFailedGradientNormNeverUpdatesTheParameters) {
   EXPECT_EQ(r.first, CTR_STATUS_DEVICE_ERROR) << r.first_msg;
   EXPECT_TRUE(has(r.first_msg, "sum_squares failed at fault_backend.c:")) << r.first_msg;
   EXPECT_TRUE(has(r.first_msg, "(found computing the gradient norm)")) << r.first_msg;
+}
+
+// ---------------------------------------------------------------------------
+// Captured graphs (device graphdev records and replays as CUDA graphs do).
+
+struct GraphRun {
+  std::vector<double> losses;
+  long long captures = -1, replays = -1, launches = -1;
+};
+
+GraphRun train_on(const char *device, int graphs, int micro_batches, int steps) {
+  GraphRun r;
+  ctr_mesh *mesh = nullptr;
+  EXPECT_EQ(mesh_on(device, &mesh), CTR_STATUS_OK) << ctr_last_error();
+  ctr_options *go = nullptr;
+  ctr_options_create(&go);
+  ctr_options_set_int(go, "layers", 2);
+  ctr_options_set_int(go, "dim", 16);
+  ctr_options_set_int(go, "heads", 2);
+  ctr_options_set_int(go, "vocab", 16);
+  ctr_options_set_int(go, "seq", 4);
+  ctr_graph *g = nullptr;
+  EXPECT_EQ(ctr_graph_create_preset("gpt", go, &g), CTR_STATUS_OK);
+  ctr_options *so = nullptr;
+  ctr_options_create(&so);
+  ctr_options_set_int(so, "batch", 2);
+  ctr_options_set_int(so, "micro_batches", micro_batches);
+  ctr_options_set_int(so, "graphs", graphs);
+  ctr_step *s = nullptr;
+  EXPECT_EQ(ctr_step_create(mesh, g, so, &s), CTR_STATUS_OK) << ctr_last_error();
+  for (int i = 0; s && i < steps; ++i) {
+    std::vector<int32_t> tokens(static_cast<size_t>(8 * micro_batches)), targets(tokens.size());
+    for (size_t j = 0; j < tokens.size(); ++j) {
+      tokens[j] = static_cast<int32_t>((j * 7 + static_cast<size_t>(i) * 3) % 16);
+      targets[j] = static_cast<int32_t>((j * 5 + static_cast<size_t>(i)) % 16);
+    }
+    EXPECT_EQ(ctr_step_set_input(s, "tokens", tokens.data(), tokens.size() * 4), CTR_STATUS_OK) << ctr_last_error();
+    EXPECT_EQ(ctr_step_set_input(s, "targets", targets.data(), targets.size() * 4), CTR_STATUS_OK)
+        << ctr_last_error();
+    ctr_step_metrics m{};
+    m.size = sizeof m;
+    EXPECT_EQ(ctr_step_run(s, &m), CTR_STATUS_OK) << ctr_last_error();
+    r.losses.push_back(m.loss);
+  }
+  if (std::string(device) == "graphdev") {
+    const std::string path = std::string(std::getenv("CTR_PLUGIN_PATH")) + "/libctr-graphdev.so";
+    void *lib = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    EXPECT_NE(lib, nullptr) << path;
+    using counts_fn = void (*)(long long *, long long *, long long *);
+    auto counts = lib ? reinterpret_cast<counts_fn>(dlsym(lib, "ctr_graphdev_counts")) : nullptr;
+    if (counts) counts(&r.captures, &r.replays, &r.launches);
+    if (lib) dlclose(lib);
+  }
+  ctr_step_free(s);
+  ctr_options_free(so);
+  ctr_options_free(go);
+  ctr_graph_free(g);
+  ctr_mesh_free(mesh);
+  return r;
+}
+
+TEST(Graphs, CapturedAfterAWarmUpOnceAndReplayedBitwise) {
+  for (int mb : {1, 3}) {
+    const int steps = 4;
+    GraphRun cpu = train_on("cpu", 1, mb, steps);
+    GraphRun eager = train_on("graphdev", 0, mb, steps);
+    GraphRun graphs = train_on("graphdev", 1, mb, steps);
+    ASSERT_EQ(cpu.losses.size(), static_cast<size_t>(steps));
+    EXPECT_EQ(eager.losses, cpu.losses) << "micro_batches " << mb;
+    EXPECT_EQ(graphs.losses, cpu.losses) << "micro_batches " << mb;
+    EXPECT_EQ(eager.captures, 0);
+    EXPECT_EQ(eager.replays, 0);
+    // Each phase runs steps * mb times: the first launched as it is (the
+    // warm-up), the second captured, then every run a replay; the
+    // micro-batches' inputs are copied to one place, so nothing is captured
+    // again.
+    EXPECT_EQ(graphs.captures, 2) << "micro_batches " << mb;
+    EXPECT_EQ(graphs.replays, 2 * (steps * mb - 1)) << "micro_batches " << mb;
+    EXPECT_GT(graphs.launches, 0);
+    EXPECT_LT(graphs.launches, eager.launches);
+  }
 }
 
 }  // namespace
