@@ -708,13 +708,16 @@ std::vector<OpDef> library_ops() {
   disp.num_outputs = 2;
   disp.internal = true;
   disp.vjp = moe_dispatch_vjp;
+  disp.collective = CollKind::Dispatch;
   v.push_back(disp);
   OpDef comb = fwd("moe_combine", 3, 3, moe_combine_infer, zero_flops);
   comb.internal = true;
   comb.vjp = moe_combine_vjp;
+  comb.collective = CollKind::Combine;
   v.push_back(comb);
   OpDef drows = fwd("moe_dispatch_rows", 3, 3, moe_dispatch_rows_infer, zero_flops);
   drows.internal = true;
+  drows.collective = CollKind::DispatchRows;
   v.push_back(drows);
   OpDef stats = fwd("moe_aux_stats", 2, 2, moe_aux_stats_infer, elementwise_flops);
   stats.internal = true;
@@ -768,11 +771,15 @@ std::vector<OpDef> library_ops() {
   append_math_ops(v);
   // Collectives inserted by the shard pass (one output per input; the bucket
   // pass merges several into one node); the executor runs them on the comm stream.
-  for (const char *name : {"all_gather", "reduce_scatter", "all_reduce"}) {
+  const std::pair<const char *, CollKind> colls[] = {{"all_gather", CollKind::AllGather},
+                                                      {"reduce_scatter", CollKind::ReduceScatter},
+                                                      {"all_reduce", CollKind::AllReduce}};
+  for (const auto &[name, kind] : colls) {
     OpDef c = internal(name, 1, 1);
     c.max_inputs = 1 << 20;
+    c.collective = kind;
     // The expert pass inserts an all-reduce before shapes are final.
-    if (std::string(name) == "all_reduce") c.infer = all_reduce_infer;
+    if (kind == CollKind::AllReduce) c.infer = all_reduce_infer;
     v.push_back(c);
   }
   return v;
@@ -832,6 +839,11 @@ const OpDef *find_op(const std::string &name) {
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.by_name.find(name);
   return it == r.by_name.end() ? nullptr : &r.defs[static_cast<size_t>(it->second)];
+}
+
+CollKind collective_kind(const Node &n) {
+  const OpDef *d = find_op(n.op);
+  return d ? d->collective : CollKind::None;
 }
 
 const OpDef *op_by_id(OpId id) {

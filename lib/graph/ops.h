@@ -63,6 +63,18 @@ struct BwdSpec {
   int grads = 0;                // 0 = one gradient per forward input
 };
 
+// What a collective op does across the ranks of its axis. Passes, lower and
+// the executor recognise collectives by this kind, never by their op names.
+enum class CollKind : uint8_t {
+  None = 0,
+  AllGather,      // every member's block, concatenated in rank order
+  ReduceScatter,  // the reduction, this member's block of it
+  AllReduce,      // the reduction, whole
+  Dispatch,       // expert exchange: tokens to the ranks holding their experts
+  Combine,        // expert exchange: expert outputs back to the tokens' ranks
+  DispatchRows,   // expert exchange: gradient rows along a dispatch's routes
+};
+
 struct OpDef {
   std::string name;
   int min_inputs = 1, max_inputs = 1;
@@ -98,8 +110,18 @@ struct OpDef {
   // shapes. Returns false when input i is not an id input of this op.
   bool (*id_range)(const Graph &g, const Node &n, int input, int64_t *lo, int64_t *hi) = nullptr;
 
+  // A collective (run by the executor on the comm stream, no kernel), or None.
+  CollKind collective = CollKind::None;
+
   OpId id = -1;  // assigned by the registry
 };
+
+// The collective kind of a node's op (None for compute and unknown ops).
+CollKind collective_kind(const Node &n);
+// An expert exchange: a collective that compute reads at once.
+inline bool is_exchange_kind(CollKind k) {
+  return k == CollKind::Dispatch || k == CollKind::Combine || k == CollKind::DispatchRows;
+}
 
 // Registers an op (a library op at start-up, or a host's own op before the step
 // that uses it is created). Fails with CTR_STATUS_INVALID_ARGUMENT when the

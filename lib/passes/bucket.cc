@@ -38,7 +38,7 @@ void bucket_phase(Graph &g, int begin, int end, bool backward, const CompileOpti
   const std::map<int, int> &first_reader = segs.first_reader, &producer = segs.producer;
   std::map<int, int> coll_of_output;  // tensor -> collective writing it
   for (int ni = begin; ni < end; ++ni)
-    if (is_collective(g.nodes[ni].op))
+    if (is_collective(g.nodes[ni]))
       for (int t : g.nodes[ni].outputs) coll_of_output[t] = ni;
 
   // The key of each collective: (op, axis, segment); -1 segment = not bucketed.
@@ -47,7 +47,7 @@ void bucket_phase(Graph &g, int begin, int end, bool backward, const CompileOpti
     if (seg_key.count(ni)) return seg_key[ni];
     const Node &n = g.nodes[ni];
     int s = -1;
-    if (n.op == "all_gather") {
+    if (collective_kind(n) == CollKind::AllGather) {
       auto r = first_reader.find(n.outputs[0]);
       if (r != first_reader.end()) s = seg_of[r->second];
     } else {
@@ -68,7 +68,7 @@ void bucket_phase(Graph &g, int begin, int end, bool backward, const CompileOpti
   std::map<size_t, int64_t> group_bytes;
   for (int ni = begin; ni < end; ++ni) {
     const Node &n = g.nodes[ni];
-    if (!is_collective(n.op) || n.inputs.size() != 1 || n.has_attr("reduce")) continue;
+    if (!is_collective(n) || n.inputs.size() != 1 || n.has_attr("reduce")) continue;
     const std::string axis = n.attr_string("axis", "");
     const int64_t bytes = g.tensors[static_cast<size_t>(n.outputs[0])].alloc_size();
     size_t gi;
@@ -106,11 +106,11 @@ void bucket_phase(Graph &g, int begin, int end, bool backward, const CompileOpti
   // first use, of gradients), so that one part travels while the block
   // computes with the other.
   if (opt.bucket == "block") {
-    const std::string edge = backward ? "reduce_scatter" : "all_gather";
+    const CollKind edge = backward ? CollKind::ReduceScatter : CollKind::AllGather;
     int target = -1;
     for (size_t gi = 0; gi < groups.size(); ++gi) {
       const int s = seg_of_coll(groups[gi].front());
-      if (g.nodes[groups[gi].front()].op != edge || s < 0 || segs.block(g, s) < 0) continue;
+      if (collective_kind(g.nodes[groups[gi].front()]) != edge || s < 0 || segs.block(g, s) < 0) continue;
       if (backward || target < 0) target = static_cast<int>(gi);  // the last, or the first
     }
     if (target >= 0 && groups[static_cast<size_t>(target)].size() >= 2) {
@@ -149,7 +149,7 @@ void bucket_phase(Graph &g, int begin, int end, bool backward, const CompileOpti
     const Node &first = g.nodes[members.front()];
     if (members.size() < 2) {
       // A lone reduction behind a merged one moves with it.
-      if (first.op == "all_gather" || !coll_of_output.count(first.inputs[0])) continue;
+      if (collective_kind(first) == CollKind::AllGather || !coll_of_output.count(first.inputs[0])) continue;
       reduction_of[members.front()] = reductions.size();
       reductions.push_back({first, members.front(), 0});
       dropped.insert(members.front());
@@ -167,7 +167,7 @@ void bucket_phase(Graph &g, int begin, int end, bool backward, const CompileOpti
       m.outputs.push_back(g.nodes[ni].outputs[0]);
       dropped.insert(ni);
     }
-    if (first.op == "all_gather") {
+    if (collective_kind(first) == CollKind::AllGather) {
       merged_before[members.front()] = std::move(m);
       continue;
     }

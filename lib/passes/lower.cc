@@ -41,7 +41,7 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
   // them is an orphan, waited for when the next collective is issued.
   std::set<int> read_by_compute;
   for (int ni = begin; ni < end; ++ni)
-    if (!is_collective(g.nodes[static_cast<size_t>(ni)].op))
+    if (!is_collective(g.nodes[static_cast<size_t>(ni)]))
       read_by_compute.insert(g.nodes[static_cast<size_t>(ni)].inputs.begin(),
                              g.nodes[static_cast<size_t>(ni)].inputs.end());
   std::vector<InFlight> pending;
@@ -64,7 +64,7 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
   };
   for (int ni = begin; ni < end; ++ni) {
     const Node &n = g.nodes[static_cast<size_t>(ni)];
-    if (is_collective(n.op)) {
+    if (is_collective(n)) {
       p.num_streams = 2;
       // A collective this one reads is implied by its completion (same stream).
       std::vector<int> chained;
@@ -76,7 +76,7 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
           ++k;
         }
       }
-      if (n.op == "reduce_scatter") {
+      if (collective_kind(n) == CollKind::ReduceScatter) {
         // The padded rows of each full gradient reduce to zero.
         for (int in : n.inputs) {
           const Tensor &t = g.tensors[static_cast<size_t>(in)];

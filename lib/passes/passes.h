@@ -191,11 +191,11 @@ std::string resolve_precision(const Graph &g, const std::string &option,
 // dp. Collectives are ordinary nodes with attribute "axis". No-op on one rank.
 void pass_shard(Graph &g, const CompileOptions &opt);
 
-// True for the collective ops the shard pass inserts.
-bool is_collective(const std::string &op);
+// True for a collective node (its op's CollKind is not None).
+inline bool is_collective(const Node &n) { return collective_kind(n) != CollKind::None; }
 // The expert exchanges (all-to-all of tokens), a kind of collective that
 // compute reads at once: never bucketed or moved.
-bool is_exchange(const std::string &op);
+inline bool is_exchange(const Node &n) { return is_exchange_kind(collective_kind(n)); }
 
 // segments.cc: the compute nodes of a phase [begin, end) cut into segments,
 // maximal runs of nodes of one block; bucket and reorder place collectives by

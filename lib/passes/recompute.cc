@@ -54,7 +54,7 @@ void recompute_block(Graph &g, int block, bool selective) {
     if (g.tensors[t].keep || t == g.loss) keep.insert(t);
     // What a collective produced (an expert exchange, summed statistics) is
     // kept: recomputing it would repeat the communication.
-    if (is_collective(g.nodes[ni].op)) keep.insert(t);
+    if (is_collective(g.nodes[ni])) keep.insert(t);
     if (selective) {
       const OpDef *d = find_op(g.nodes[ni].op);
       if (!d || !d->cheap_to_recompute) keep.insert(t);

@@ -66,14 +66,14 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
   // Every collective's outputs first: a merged reduction may come before a
   // collective it reads (bucket places each at its latest member).
   for (int ni = begin; ni < end; ++ni)
-    if (is_collective(g.nodes[ni].op))
+    if (is_collective(g.nodes[ni]))
       for (int o : g.nodes[ni].outputs) coll_of_output[o] = ni;
   for (int ni = begin; ni < end; ++ni) {
     const Node &n = g.nodes[ni];
-    if (!is_collective(n.op)) continue;
+    if (!is_collective(n)) continue;
     // Collectives that compute of this phase reads at once (an expert exchange,
     // summed load-balancing statistics) stay right behind what they read.
-    if (is_exchange(n.op) || n.has_attr("reduce")) {
+    if (is_exchange(n) || n.has_attr("reduce")) {
       int prod = -1;
       for (int in : n.inputs)
         if (auto p = producer.find(in); p != producer.end()) prod = std::max(prod, p->second);
@@ -96,7 +96,7 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
       for (int d : deps) dependents[d].push_back(ni);
       continue;
     }
-    if (n.op == "all_gather") {
+    if (collective_kind(n) == CollKind::AllGather) {
       // The first compute node reading any of its outputs.
       int reader = -1;
       for (int o : n.outputs) {
@@ -106,7 +106,7 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
       if (reader < 0) {  // read only in a later phase: leave it in place
         int next = -1;
         for (int k = ni + 1; k < end && next < 0; ++k)
-          if (!is_collective(g.nodes[k].op)) next = k;
+          if (!is_collective(g.nodes[k])) next = k;
         if (next >= 0) before_node[next].push_back(ni);
         else reduces_after[nseg - 1].push_back(ni);
         continue;
@@ -188,7 +188,7 @@ std::vector<Node> reordered(Graph &g, int64_t prefetch, bool defer) {
 std::string pass_reorder(Graph &g, const CompileOptions &opt) {
   CTR_CHECK(g.num_forward >= 0);
   bool any = false;
-  for (const Node &n : g.nodes) any |= is_collective(n.op);
+  for (const Node &n : g.nodes) any |= is_collective(n);
   if (!any) return "reorder: no collectives";
   const std::vector<Node> original = g.nodes;
   int64_t prefetch = opt.prefetch;

@@ -10,7 +10,7 @@ PhaseSegments segment_phase(const Graph &g, int begin, int end) {
   s.seg_of.assign(g.nodes.size(), -1);
   for (int ni = begin; ni < end; ++ni) {
     const Node &n = g.nodes[static_cast<size_t>(ni)];
-    if (is_collective(n.op)) continue;
+    if (is_collective(n)) continue;
     if (s.compute.empty() || n.block != g.nodes[static_cast<size_t>(s.compute.back())].block)
       s.start.push_back(static_cast<int>(s.compute.size()));
     s.seg_of[static_cast<size_t>(ni)] = s.count() - 1;

@@ -16,14 +16,6 @@
 
 namespace ctr {
 
-bool is_collective(const std::string &op) {
-  return op == "all_gather" || op == "reduce_scatter" || op == "all_reduce" || is_exchange(op);
-}
-
-bool is_exchange(const std::string &op) {
-  return op == "moe_dispatch" || op == "moe_combine" || op == "moe_dispatch_rows";
-}
-
 
 void pass_shard(Graph &g, const CompileOptions &opt) {
   CTR_CHECK(g.num_forward >= 0);

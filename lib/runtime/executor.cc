@@ -158,10 +158,11 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
       c->node = &n;
       c->comm = mesh_.comm(n.attr_string("axis", ""));
       c->timeout_ms = mesh_.timeout_ms;
-      if (is_exchange(n.op)) {
-        c->exchange = n.op == "moe_dispatch"  ? Collective::Exchange::Dispatch
-                      : n.op == "moe_combine" ? Collective::Exchange::Combine
-                                              : Collective::Exchange::DispatchRows;
+      const CollKind kind = collective_kind(n);
+      if (is_exchange_kind(kind)) {
+        c->exchange = kind == CollKind::Dispatch  ? Collective::Exchange::Dispatch
+                      : kind == CollKind::Combine ? Collective::Exchange::Combine
+                                                  : Collective::Exchange::DispatchRows;
         for (int t : n.inputs) c->ins.push_back(make_ref(g.tensors[static_cast<size_t>(t)], addr_[static_cast<size_t>(t)]));
         for (int t : n.outputs) c->outs.push_back(make_ref(g.tensors[static_cast<size_t>(t)], addr_[static_cast<size_t>(t)]));
         for (size_t i = 0; i < n.inputs.size(); ++i) refs_of_[static_cast<size_t>(n.inputs[i])].push_back(&c->ins[i]);
@@ -178,13 +179,10 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
       }
       if (n.attr_string("reduce", "avg") == "sum") c->reduce = ReduceOp::Sum;
       CTR_CHECK(!n.inputs.empty() && n.inputs.size() == n.outputs.size());
-      if (n.op == "all_gather") {
-        c->kind = CollDesc::AllGather;
-      } else if (n.op == "reduce_scatter") {
-        c->kind = CollDesc::ReduceScatter;
-      } else {
-        CTR_CHECK(n.op == "all_reduce");
-        c->kind = CollDesc::AllReduce;
+      switch (kind) {
+        case CollKind::AllGather: c->kind = CollDesc::AllGather; break;
+        case CollKind::ReduceScatter: c->kind = CollDesc::ReduceScatter; break;
+        default: CTR_CHECK(kind == CollKind::AllReduce); c->kind = CollDesc::AllReduce; break;
       }
       const size_t k = n.inputs.size();
       c->src.resize(k);
