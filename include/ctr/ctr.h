@@ -190,6 +190,16 @@ CTR_API int ctr_mesh_world_size(const ctr_mesh *mesh);
 CTR_API int ctr_mesh_axis_size(const ctr_mesh *mesh, const char *axis);
 /* "cpu" or "cuda"; owned by the mesh. */
 CTR_API const char *ctr_mesh_device(const ctr_mesh *mesh);
+/* The peak fp32 rate of one rank's device in FLOP/s, what MFU is reported
+ * against (*flops, out). On device "cpu": the fused multiply-adds per second of
+ * a register-only loop in the widest vectors the CPU has, on every thread of the
+ * process at once (CTR_NUM_THREADS), measured once per process (about 0.15 s, at
+ * the first call; later calls return the same figure). No training step can
+ * exceed it, so an MFU over it stays below 1. Other devices: not measured,
+ * CTR_STATUS_UNSUPPORTED (a host passes the data-sheet figure itself). Fails
+ * with CTR_STATUS_INVALID_ARGUMENT on NULL, *flops untouched. Thread-safe.
+ * (since 0.6) */
+CTR_API ctr_status ctr_mesh_peak_flops(const ctr_mesh *mesh, double *flops);
 
 /* Since 0.3. The job's failure as far as this rank knows it, learnt in the
  * background while a call on this mesh's steps may be blocked (the manner of

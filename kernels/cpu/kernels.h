@@ -16,6 +16,12 @@
 namespace ctr::cpu {
 
 // ---------------------------------------------------------------------------
+// The machine's fp32 FMA peak (FLOP/s) over the process thread pool, measured
+// once per process by a register-only loop in the widest vectors the CPU has
+// (peak.cc): what MFU is reported against.
+double fma_peak_flops();
+
+// ---------------------------------------------------------------------------
 // GEMM
 
 // C[M,N] = alpha * op(A) * op(B) + beta * C, row-major, op = transpose if set.

@@ -11,6 +11,7 @@
 #include "api/handles.h"
 #include "api/internal.h"
 #include "backend/backend.h"
+#include "cpu/kernels.h"
 #include "ckpt/directory.h"
 #include "ckpt/safetensors.h"
 #include "core/options.h"
@@ -281,6 +282,18 @@ extern "C" int ctr_mesh_axis_size(const ctr_mesh *mesh, const char *axis) {
 }
 extern "C" const char *ctr_mesh_device(const ctr_mesh *mesh) {
   return mesh ? mesh->device.c_str() : "";
+}
+
+extern "C" ctr_status ctr_mesh_peak_flops(const ctr_mesh *mesh, double *flops) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(mesh != nullptr && flops != nullptr, "ctr_mesh_peak_flops: mesh and flops must not be NULL");
+  CTR_REQUIRE(mesh->device == "cpu", CTR_STATUS_UNSUPPORTED,
+              "ctr_mesh_peak_flops: the peak of device '%s' is not measured; give the data-sheet figure "
+              "(ctr run --peak-flops)",
+              mesh->device.c_str());
+  *flops = ctr::cpu::fma_peak_flops();
+  return CTR_STATUS_OK;
+  CTR_API_END
 }
 
 extern "C" ctr_status ctr_mesh_async_error(const ctr_mesh *mesh, const char **message) {

@@ -61,6 +61,28 @@ TEST(Plugin, LoadsAndRefusesAStepNamingTheFirstMissingKernel) {
   ctr_mesh_free(m);
 }
 
+// The peak MFU is reported against: measured once on the CPU, refused (not
+// guessed) on another device.
+TEST(Plugin, PeakFlopsIsMeasuredOnTheCpuOnly) {
+  ctr_mesh *cpu = nullptr, *dev = nullptr;
+  ASSERT_EQ(mesh_on("cpu", &cpu), CTR_STATUS_OK) << ctr_last_error();
+  double a = 0, b = 0;
+  ASSERT_EQ(ctr_mesh_peak_flops(cpu, &a), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_GT(a, 1e8);  // any x86-64 core does more than 0.1 GFLOP/s
+  EXPECT_EQ(ctr_mesh_peak_flops(cpu, &b), CTR_STATUS_OK);
+  EXPECT_EQ(a, b) << "measured once per process";
+  EXPECT_EQ(ctr_mesh_peak_flops(cpu, nullptr), CTR_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(ctr_mesh_peak_flops(nullptr, &b), CTR_STATUS_INVALID_ARGUMENT);
+  ASSERT_EQ(mesh_on("testdev", &dev), CTR_STATUS_OK) << ctr_last_error();
+  double c = -1;
+  EXPECT_EQ(ctr_mesh_peak_flops(dev, &c), CTR_STATUS_UNSUPPORTED);
+  EXPECT_NE(std::string(ctr_last_error()).find("the peak of device 'testdev' is not measured"), std::string::npos)
+      << ctr_last_error();
+  EXPECT_EQ(c, -1) << "untouched on failure";
+  ctr_mesh_free(dev);
+  ctr_mesh_free(cpu);
+}
+
 TEST(Plugin, MismatchedAbiIsRefused) {
   ctr_mesh *m = nullptr;
   EXPECT_EQ(mesh_on("badabi", &m), CTR_STATUS_UNSUPPORTED);

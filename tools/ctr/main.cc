@@ -36,7 +36,6 @@
 
 #include "api/handles.h"
 #include "api/internal.h"
-#include "cpu/kernels.h"
 #include "passes/passes.h"
 #include "core/status.h"
 #include "ctr/ctr.h"
@@ -408,9 +407,6 @@ struct RunArgs {
   ScheduleArgs collectives;
 };
 
-// The sgemm rate of this process (FLOP/s): the peak MFU is reported against when
-// none is given. Square products through the same GEMM the CPU kernels use, on
-// the same thread pool, for about a fifth of a second after a warm-up.
 // Stragglers: every rank's own time per step (compute, data and optimizer; not
 // the time it waited for others) gathered on every rank; a rank slower than the
 // median by `factor` is named. Collective over the world.
@@ -457,21 +453,6 @@ StragglerReport find_stragglers(const ctr_mesh *mesh, const PhaseTimes &mine, do
   return out;
 }
 
-double measured_peak_flops() {
-  constexpr int64_t n = 512;
-  std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n);
-  auto product = [&] { ctr::cpu::gemm(false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n); };
-  product();
-  const auto t0 = std::chrono::steady_clock::now();
-  int64_t runs = 0;
-  double s = 0;
-  do {
-    product();
-    ++runs;
-    s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  } while (s < 0.2);
-  return 2.0 * n * n * n * static_cast<double>(runs) / s;
-}
 
 // Without --data, `ctr run` trains on the built-in corpus of seed 0 (the loader's
 // default), the same text everywhere; --data-seed changes only the order.
@@ -760,10 +741,15 @@ int cmd_run(const RunArgs &a) {
     check(ctr_step_memory(step.get(), &arena, &param_bytes, &opt_bytes));
     const int64_t params = param_count(graph.get());
     const double flops = flops_per_token(graph.get(), seq);
-    const double peak = a.peak_flops > 0 ? a.peak_flops : measured_peak_flops();
+    // The peak MFU is reported against: given, or the device's FMA peak as the
+    // library measures it (0: unknown, no MFU).
+    double peak = a.peak_flops;
+    if (peak <= 0 && ctr_mesh_peak_flops(mesh.get(), &peak) != CTR_STATUS_OK) peak = 0;
     // Model FLOPs per second of one rank over its peak.
     auto mfu = [&](const ctr_step_metrics &m) {
-      return m.step_ms > 0 ? flops * static_cast<double>(m.tokens) / world / (m.step_ms / 1000.0) / peak : 0.0;
+      return m.step_ms > 0 && peak > 0
+                 ? flops * static_cast<double>(m.tokens) / world / (m.step_ms / 1000.0) / peak
+                 : 0.0;
     };
 
     if (lead) {
@@ -781,8 +767,12 @@ int cmd_run(const RunArgs &a) {
                   data_name.c_str(), kind.c_str(), human(static_cast<double>(data_tokens)).c_str(),
                   shape.c_str(), world > 1 ? " per rank" : "", mib(arena + 2 * param_bytes + opt_bytes),
                   mib(arena), recompute.c_str(), mib(param_bytes), mib(param_bytes), mib(opt_bytes));
-      std::printf("MFU against %s FLOP/s per rank (%s)\n", human(peak).c_str(),
-                  a.peak_flops > 0 ? "--peak-flops" : "this process's measured sgemm rate");
+      if (peak > 0)
+        std::printf("MFU against %s FLOP/s per rank (%s)\n", human(peak).c_str(),
+                    a.peak_flops > 0 ? "--peak-flops" : "the measured fp32 FMA peak of this process's threads");
+      else
+        std::printf("MFU not shown: the peak of device '%s' is not measured (give --peak-flops)\n",
+                    ctr_mesh_device(mesh.get()));
       std::fflush(stdout);
     }
 
@@ -920,7 +910,7 @@ int cmd_run(const RunArgs &a) {
             world > 1 ? ctr::strformat(" | comm %.1f ms (exposed %.1f)", window_comm_ms / n,
                                        window_exposed_ms / n)
                       : std::string();
-        const double window_mfu = ms > 0 ? flops * tok_s / world / peak : 0;
+        const double window_mfu = ms > 0 && peak > 0 ? flops * tok_s / world / peak : 0;
         const std::string skipped =
             m.skipped_steps > 0 ? ctr::strformat(" | %" PRId64 " skipped (non-finite)", m.skipped_steps)
                                 : std::string();
@@ -1235,8 +1225,8 @@ int run_main(int argc, char **argv) {
       ->capture_default_str()
       ->check(CLI::Range(1.0, 1000.0));
   run_cmd->add_option("--peak-flops", run.peak_flops,
-                      "Peak FLOP/s of one rank that MFU is reported against (default: this "
-                      "process's measured sgemm rate)")
+                      "Peak FLOP/s of one rank that MFU is reported against (default on the CPU: "
+                      "the fp32 FMA peak of this process's threads, measured once)")
       ->check(CLI::PositiveNumber);
   run.timeout_opt = run_cmd->add_option("--timeout", run.timeout,
                                         "Seconds a rank waits for its peers before the job "
