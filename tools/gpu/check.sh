@@ -59,7 +59,8 @@ log_tail() { tail -n "${2:-3}" "$1" 2>/dev/null | tr -s ' \t' ' ' | cut -c1-300;
 no_gpu_line() {
   grep -hE "no usable GPU|cannot serve device|needs the backend plugin|cannot be loaded" "$@" 2>/dev/null |
     tail -n 1 | sed "s/^ctr: error: //; s/^unsupported: //; s/^backend plugin libctr-cuda.so cannot serve device 'cuda': //;
-      s/ (the CUDA backend needs an NVIDIA GPU.*)\$//" | cut -c1-400
+      s/ (the CUDA backend needs an NVIDIA GPU.*)\$//" |
+    sed -E 's/([(;] ?)([^;()]+)(; \2)+([;)])/\1\2\4/g' | cut -c1-400   # the same reason once
 }
 py() { command -v python3 >/dev/null 2>&1; }
 
@@ -268,7 +269,8 @@ stage_kernels() {
   local log=$LOGS/kernels.log g
   g=$(gpt2_graph "$log") || { note "graph build failed: $(log_tail "$log" 1)"; return 1; }
   # Two steps without graphs (each kernel its own launch); the table counts
-  # the kernels from the first AdamW launch to the second: one whole step.
+  # the kernels after the first step's AdamW launch up to the second step's:
+  # one whole step.
   ncu --clock-control none --target-processes all --metrics gpu__time_duration.sum --csv --print-units base \
     --print-kernel-base function --log-file "$LOGS/kernels_ncu.csv" \
     "$CTR" run "$g" --device "$DEVICE" --steps 2 --batch "$GPT2_BATCH" --log-every 1 --no-graphs >> "$log" 2>&1
@@ -281,15 +283,23 @@ stage_kernels() {
   python3 - "$LOGS/kernels_ncu.csv" "$GPT2_BATCH" "${GPT2[11]}" > "$LOGS/kernels.txt" <<'EOF'
 import csv, sys
 rows = [l for l in open(sys.argv[1], errors="replace") if l.startswith('"')]
-kernels = []
+SCALE = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
+kernels, unit = [], "nsecond"
 for r in csv.DictReader(rows):
-    if r.get("Metric Name") != "gpu__time_duration.sum":
-        continue
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(r.get("Metric Unit"), 1e-3)
-    kernels.append((r["Kernel Name"], float(r["Metric Value"].replace(",", "")) * scale))
+    if "Metric Name" in r:  # the details page: a row per kernel and metric
+        if r["Metric Name"] == "gpu__time_duration.sum":
+            kernels.append((r["Kernel Name"], float(r["Metric Value"].replace(",", "")) * SCALE.get(r["Metric Unit"], 1e-3)))
+    elif "gpu__time_duration.sum" in r:  # the raw page: a row per kernel, its first row the units
+        if not r.get("Kernel Name"):
+            unit = r["gpu__time_duration.sum"]
+            continue
+        kernels.append((r["Kernel Name"], float(r["gpu__time_duration.sum"].replace(",", "")) * SCALE.get(unit, 1e-3)))
+# Two steps ran: the second step's share of AdamW launches closes it, the
+# first step's closes the one before.
 adam = [i for i, (name, _) in enumerate(kernels) if "adamw" in name.lower()]
-if len(adam) >= 2:
-    step, what = kernels[adam[0] + 1:adam[1] + 1], "one step (from the first AdamW launch to the second)"
+if adam and len(adam) % 2 == 0:
+    k = len(adam) // 2
+    step, what = kernels[adam[k - 1] + 1:adam[-1] + 1], "one step (the launches after the first step's AdamW up to the second's)"
 else:
     step, what = kernels, "the whole run (no two AdamW launches to cut one step out)"
 table = {}
