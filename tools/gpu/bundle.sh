@@ -137,7 +137,7 @@ newer() { [ "$1" != "$2" ] && [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | tail 
 
 report="$b/BUNDLE.txt"
 {
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "commit: $(git describe --always --dirty --abbrev=40 2>/dev/null || echo unknown)"
   echo "built on: $(. /etc/os-release && echo "$PRETTY_NAME"), glibc $(getconf GNU_LIBC_VERSION | cut -d' ' -f2)"
   echo "not carried (the target's own): $(sort -u "$stage/skipped" | tr '\n' ' ')"
   echo
@@ -158,7 +158,7 @@ for f in "$b/lib/$soname" "$b/lib/libctr-cuda.so" "$b"/bin/*; do
   printf '  %-28s %s\n' "${f#"$b"/}" "$n" >> "$report"
   [ "$n" -eq 0 ] || bad=1
 done
-git rev-parse HEAD > "$b/COMMIT" 2>/dev/null || echo unknown > "$b/COMMIT"
+git describe --always --dirty --abbrev=40 > "$b/COMMIT" 2>/dev/null || echo unknown > "$b/COMMIT"
 cat "$report"
 if [ $bad -ne 0 ]; then
   echo "bundle: refused: a binary needs a newer C library or C++ runtime than the limits, or holds AVX-512 code" >&2

@@ -12,7 +12,12 @@
 #      report files, skip every GPU stage with the reason, and `ctr version`
 #      must run on the root's glibc (no missing GLIBC_ version, no stack
 #      smashing); the same check then runs on this machine from the tarball;
-#   4. the sizes: the tarball and report together under 64 MiB, at most 8 files.
+#   4. where this machine has CUDA's cuBLASLt and NCCL, they are put into the
+#      root as PyTorch's CUDA wheels lay them out (nvidia/cu13/lib and
+#      nvidia/nccl/lib in python3's site directory) and the check runs there
+#      again: the wrappers must find them, so the plugin test runs whole and
+#      `ctr` gets as far as the driver;
+#   5. the sizes: the tarball and report together under 64 MiB, at most 8 files.
 #
 #   tools/gpu/prove_rootfs.sh [ROOT]      default ROOT: trixie-root beside the repository
 #
@@ -46,9 +51,10 @@ echo "== root: $(. "$ROOT/etc/os-release" && echo "$PRETTY_NAME"), glibc $root_g
 
 work=$(mktemp -d)
 mounted=""
+wheel=""
 cleanup() {
   [ -z "$mounted" ] || umount "$ROOT/proc" || true
-  rm -rf "$work" "$ROOT/tmp/ctr-proof"
+  rm -rf "$work" "$ROOT/tmp/ctr-proof" ${wheel:+"$wheel"}
 }
 trap cleanup EXIT
 echo "== tools/gpu/bundle.sh"
@@ -83,7 +89,31 @@ tar -C "$work/host" -xJf "$work/gpu-bundle.tar.xz"
 tail -n 2 "$work/host/console.txt"
 
 # ---------------------------------------------------------------------------
-# 4. The reports
+# 4. CUDA's libraries laid out as PyTorch's wheels, in the root
+
+cuda_lib=${CUDA_HOME:-/usr/local/cuda}/lib64
+if [ -e "$cuda_lib/libcublasLt.so.13" ]; then
+  site=$(chroot "$ROOT" python3 -c 'import site; print(site.getsitepackages()[0])')
+  wheel=$ROOT$site/nvidia
+  mkdir -p "$wheel/cu13/lib" "$wheel/nccl/lib"
+  # A hard link where the root shares the file system, else a copy.
+  put() { ln -f "$1" "$2" 2>/dev/null || cp "$1" "$2"; }
+  put "$(readlink -f "$cuda_lib/libcublasLt.so.13")" "$wheel/cu13/lib/libcublasLt.so.13"
+  [ -e "$cuda_lib/libnccl.so.2" ] && put "$(readlink -f "$cuda_lib/libnccl.so.2")" "$wheel/nccl/lib/libnccl.so.2"
+  echo "== in the root, cuBLASLt in $site/nvidia/cu13/lib, NCCL in $site/nvidia/nccl/lib: ctr-gpu/check.sh report-wheel"
+  rc=0
+  in_root 'ctr-gpu/check.sh report-wheel' > "$work/wheel.txt" 2>&1 || rc=$?
+  tail -n 2 "$work/wheel.txt"
+  [ $rc -eq 0 ] || { cat "$work/wheel.txt"; fail "check.sh in the root with the wheels exited $rc"; }
+  w=$ROOT/tmp/ctr-proof/report-wheel/summary.txt
+  grep -qE "^  libcublasLt.so.13: $site/nvidia/cu13/lib \(python wheel\)" "$w" || fail "the wrappers did not find cuBLASLt in the wheel"
+  grep -qE "^plugin +PASS +[0-9]+ +\[ PASSED \] 7 tests" "$w" || fail "the plugin test did not run whole with the wheel's cuBLASLt"
+  grep -qE "^smoke +SKIP +[0-9]+ +no usable GPU: .*libcuda.so.1 cannot be loaded" "$w" || fail "ctr did not reach the driver"
+  sed -n 's/^  \(lib[a-zA-Z]*\.so\.[0-9]*: .*\)/  \1/p; /^plugin /p; /^smoke /p' "$w"
+fi
+
+# ---------------------------------------------------------------------------
+# 5. The reports
 
 verify() {  # verify REPORT_DIR GLIBC WHERE
   files=$(ls -A "$1" | tr '\n' ' ')
