@@ -152,7 +152,8 @@ print(torch.__version__, "cuda", torch.version.cuda, "available" if torch.cuda.i
     fi
   fi
   printf '%s' "$gpu_reason" > "$CTR_CHECK_WORK/gpu_reason"
-  note "$(sed -n 's/^glibc: /glibc /p' "$out"); $(head -n 1 "$LOGS/ctr_version.log")"
+  note "$(sed -n 's/^glibc: /glibc /p' "$out"); $(head -n 1 "$LOGS/ctr_version.log"); $(sed -n 's/^gpu: /GPU /p' "$out" |
+    head -n 1)"
 }
 
 stage_plugin() {
@@ -188,7 +189,11 @@ stage_smoke() {
   local first last
   first=$(printf '%s\n' "$a" | head -n 1 | sed 's/.*: *//' | xargs printf '%.4f')
   last=$(printf '%s\n' "$a" | tail -n 1 | sed 's/.*: *//' | xargs printf '%.4f')
-  if [ -z "$a" ] || [ "$a" != "$b" ]; then
+  if [ -z "$a" ]; then
+    note "no losses in the metrics files"
+    return 1
+  fi
+  if [ "$a" != "$b" ]; then
     note "loss curves differ between CUDA graphs and launches (graphs: $first..$last; launches: $(printf '%s\n' "$b" | tail -n 1 | sed 's/.*: *//'))"
     return 1
   fi
@@ -198,17 +203,27 @@ stage_smoke() {
 stage_gpu_suite() {
   "$TEST_GPU" --gtest_output="json:$LOGS/gpu_suite.json" > "$LOGS/gpu_suite.log" 2>&1
   local rc=$?
-  sed -n 's/^\[  FAILED  \] \([^ ,]*\.[^ ,]*\).*/\1/p' "$LOGS/gpu_suite.log" | awk '!seen[$0]++' \
-    > "$CTR_CHECK_WORK/failing"
   if [ $rc -eq 77 ]; then
     note "skipped by the suite: $(log_tail "$LOGS/gpu_suite.log" 1)"
     return 77
   fi
-  local passed failed
-  passed=$(grep -c '^\[       OK \]' "$LOGS/gpu_suite.log")
+  failing_tests "$LOGS/gpu_suite.log" > "$CTR_CHECK_WORK/failing"
+  local failed
   failed=$(wc -l < "$CTR_CHECK_WORK/failing")
-  note "$passed passed, $failed failed$([ "$failed" -gt 0 ] && printf ': %s' "$(head -n 5 "$CTR_CHECK_WORK/failing" | tr '\n' ' ')")"
+  note "$(grep -c '^\[       OK \]' "$LOGS/gpu_suite.log") passed, $failed failed$([ "$failed" -gt 0 ] &&
+    printf ': %s' "$(head -n 5 "$CTR_CHECK_WORK/failing" | tr '\n' ' ')")"
   return $rc
+}
+
+# The tests a GoogleTest log names as failed, then the one it started and never
+# finished (a crash, or a hang the stage's timeout ended), one per line.
+failing_tests() {
+  sed -n 's/^\[  FAILED  \] \([^ ,]*\.[^ ,]*\).*/\1/p' "$1" | awk '!seen[$0]++'
+  local last
+  last=$(sed -n 's/^\[ RUN      \] //p' "$1" | tail -n 1)
+  if [ -n "$last" ] && ! grep -F "] $last" "$1" | grep -qv '^\[ RUN '; then
+    printf '%s\n' "$last"
+  fi
 }
 
 # The failing tests of the suite as one --gtest_filter (at most $1).
@@ -219,9 +234,8 @@ stage_rerun() {
   f=$(failing_filter 8)
   CUDA_LAUNCH_BLOCKING=1 "$TEST_GPU" --gtest_filter="$f" > "$LOGS/rerun_blocking.log" 2>&1
   local rc=$?
-  local again
-  again=$(sed -n 's/^\[  FAILED  \] \([^ ,]*\.[^ ,]*\).*/\1/p' "$LOGS/rerun_blocking.log" | sort -u | wc -l)
-  note "with CUDA_LAUNCH_BLOCKING=1, $again of $(printf '%s\n' "$f" | awk -F: '{print NF}') fail again (exit $rc)"
+  note "with CUDA_LAUNCH_BLOCKING=1, $(failing_tests "$LOGS/rerun_blocking.log" | wc -l) of $(printf '%s\n' "$f" |
+    awk -F: '{print NF}') fail again"
   return $rc
 }
 
@@ -500,6 +514,8 @@ stage plugin 10 60
 stage smoke 20 90 gpu
 gpu_ok=0; [ -s "$work/gpu_reason" ] || gpu_ok=1
 stage gpu_suite 60 240 gpu
+# After a timeout the stage could not list its failures itself.
+[ -f "$LOGS/gpu_suite.log" ] && [ ! -f "$work/failing" ] && failing_tests "$LOGS/gpu_suite.log" > "$work/failing"
 # Why the failing tests cannot be run again, if they cannot.
 rerun_why() {
   local suite
