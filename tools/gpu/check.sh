@@ -552,7 +552,12 @@ for f in "$LOGS"/*; do
   fi
 done
 write_summary
-tar -C "$work" -cf - logs | xz -6 -T1 > "$report/logs.tar.xz"
+if command -v xz >/dev/null; then
+  tar -C "$work" -cf - logs | xz -6 -T1 > "$report/logs.tar.xz"
+else
+  python3 -c 'import sys, tarfile
+with tarfile.open(sys.argv[1], "w:xz") as t: t.add(sys.argv[2], "logs")' "$report/logs.tar.xz" "$LOGS"
+fi
 status=0
 grep -qE '^[^|]*\|(FAIL|TIMEOUT)\|' "$work/results" && status=1
 echo "check: $(grep -c '|PASS|' "$work/results") passed, $(grep -c '|FAIL|' "$work/results") failed," \
