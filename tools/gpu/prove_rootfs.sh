@@ -11,7 +11,10 @@
 #      chroot with a clean environment: it must exit 0, leave exactly the three
 #      report files, skip every GPU stage with the reason, and `ctr version`
 #      must run on the root's glibc (no missing GLIBC_ version, no stack
-#      smashing); the same check then runs on this machine from the tarball;
+#      smashing); then the whole check on the CPU backend there
+#      (CTR_CHECK_DEVICE=cpu: the GPU suite's harness, two ranks over the
+#      bundled UCX) must pass; the GPU-less check then runs on this machine
+#      from the tarball;
 #   4. where this machine has CUDA's cuBLASLt and NCCL, they are put into the
 #      root as PyTorch's CUDA wheels lay them out (nvidia/cu13/lib and
 #      nvidia/nccl/lib in python3's site directory) and the check runs there
@@ -80,6 +83,15 @@ echo "== in the root: ctr-gpu/check.sh report"
 rc=0
 in_root 'ctr-gpu/check.sh report' || rc=$?
 [ $rc -eq 0 ] || fail "check.sh in the root exited $rc"
+
+echo "== in the root: CTR_CHECK_DEVICE=cpu ctr-gpu/check.sh report-cpu"
+rc=0
+in_root 'CTR_CHECK_DEVICE=cpu ctr-gpu/check.sh report-cpu' > "$work/cpu.txt" 2>&1 || rc=$?
+grep -E '^\[ *[0-9]+ s\] [a-z_0-9]+ +(PASS|FAIL|TIMEOUT|SKIP)' "$work/cpu.txt" | sed 's/^/  /'
+[ $rc -eq 0 ] || { cat "$work/cpu.txt"; fail "check.sh on the CPU backend in the root exited $rc"; }
+for s in smoke gpu_suite gpt2_small ranks; do
+  grep -qE "^$s +PASS " "$ROOT/tmp/ctr-proof/report-cpu/summary.txt" || fail "stage $s on the CPU backend did not pass"
+done
 
 echo "== on this machine: ctr-gpu/check.sh report"
 mkdir -p "$work/host"
