@@ -391,7 +391,7 @@ fi
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/ctr-check.XXXXXX") || exit 2
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/logs" "$work/scratch" "$work/bin"
+mkdir -p "$work/logs" "$work/scratch" "$work/bin" "$work/tmp"
 export CTR_CHECK_WORK=$work LOGS=$work/logs
 if [ -n "$from_build" ]; then
   build=$(cd "$from_build" && pwd) || exit 2
@@ -457,7 +457,8 @@ stage() {
   [ "$(left)" -lt "$limit" ] && limit=$(left)
   printf '[%4d s] %-11s started (limit %d s)\n' "$(elapsed)" "$name" "$limit"
   t0=$(date +%s)
-  CTR_CHECK_LIMIT=$limit timeout -k 10 "$limit" "$self" --stage "$name" > "$LOGS/stage_$name.out" 2>&1
+  # The stages' temporary files go with the check's own (TMPDIR).
+  CTR_CHECK_LIMIT=$limit TMPDIR=$work/tmp timeout -k 10 "$limit" "$self" --stage "$name" > "$LOGS/stage_$name.out" 2>&1
   rc=$?
   secs=$(( $(date +%s) - t0 ))
   case $rc in
