@@ -13,7 +13,9 @@ reference model's explicit attention, and the same under torch.compile. libctr r
 defaults (bf16 activations, f32 master weights, CUDA graphs). Reported: median tokens/s over the
 timed steps (after --warmup), MFU against the GPU's dense bf16 peak (from its name, or
 --peak-tflops), and the ratio of libctr to each peer. Prints a table and, with --out, writes
-bench_gpu_MODEL.json there. Needs PyTorch with CUDA; without it only libctr runs.
+bench_gpu_MODEL.json there. Needs PyTorch with CUDA; without it only libctr runs. --time-limit
+bounds the whole run: libctr's run is stopped at the limit, a peer is started only while time
+remains and stops timing steps when it runs out (so a measurement may hold fewer steps than asked).
 """
 
 import argparse
@@ -44,19 +46,35 @@ def gpu_peak(name):
     return None
 
 
-def run_ctr(ctr, m, steps, warmup, peak, workdir):
+class Deadline:
+    """Seconds left of --time-limit (None: no limit)."""
+
+    def __init__(self, seconds):
+        self.end = time.monotonic() + seconds if seconds > 0 else None
+
+    def left(self):
+        return None if self.end is None else max(0.0, self.end - time.monotonic())
+
+
+def run_ctr(ctr, m, steps, warmup, peak, workdir, deadline):
     graph = os.path.join(workdir, "model.ctrg")
     build = [ctr, "graph", "build", "--preset", m["preset"], "--layers", str(m["layers"]), "--dim", str(m["dim"]),
              "--heads", str(m["heads"]), "--vocab", str(m["vocab"]), "--seq", str(m["seq"]), "-o", graph]
     if m["kv_heads"]:
         build += ["--kv-heads", str(m["kv_heads"])]
-    subprocess.run(build, check=True, capture_output=True)
+    try:
+        subprocess.run(build, check=True, capture_output=True, timeout=deadline.left())
+    except subprocess.TimeoutExpired:
+        return {"error": "time limit reached while building the graph"}
     metrics = os.path.join(workdir, "ctr_metrics.jsonl")
     cmd = [ctr, "run", graph, "--device", "cuda", "--steps", str(steps + warmup), "--batch", str(m["batch"]),
            "--lr", "3e-4", "--warmup", "0", "--log-every", "0", "--metrics", metrics]
     if peak:
         cmd += ["--peak-flops", str(peak)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=deadline.left())
+    except subprocess.TimeoutExpired:
+        return {"error": "time limit reached"}
     if p.returncode != 0:
         return {"error": (p.stdout + p.stderr).strip().splitlines()[-1:]}
     rows = [json.loads(line) for line in open(metrics) if line.strip().startswith("{")]
@@ -65,7 +83,7 @@ def run_ctr(ctr, m, steps, warmup, peak, workdir):
             "loss_first": rows[0].get("loss"), "loss_last": rows[-1].get("loss")}
 
 
-def run_torch(m, steps, warmup, compiled):
+def run_torch(m, steps, warmup, compiled, deadline):
     import torch
     import torch.nn.functional as F
     from torch_models import build, flops_per_token
@@ -102,7 +120,11 @@ def run_torch(m, steps, warmup, compiled):
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return {"tokens_per_s": B * T / statistics.median(times), "flops_per_token": fpt,
+        if times and deadline.left() == 0:
+            break
+    if not times:
+        return {"error": "time limit reached during warm-up"}
+    return {"tokens_per_s": B * T / statistics.median(times), "timed_steps": len(times), "flops_per_token": fpt,
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
 
 
@@ -115,8 +137,10 @@ def main():
     ap.add_argument("--batch", type=int, default=0, help="override the model's batch")
     ap.add_argument("--peak-tflops", type=float, default=0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--time-limit", type=float, default=0, help="seconds for the whole run (0: none)")
     args = ap.parse_args()
     m = dict(MODELS[args.model])
+    deadline = Deadline(args.time_limit)
     if args.batch:
         m["batch"] = args.batch
     result = {"model": args.model, "config": m, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -130,11 +154,14 @@ def main():
         torch = None
     result["gpu"], result["peak_flops"] = name, peak
     with tempfile.TemporaryDirectory() as work:
-        result["ctr"] = run_ctr(args.ctr, m, args.steps, args.warmup, peak, work)
+        result["ctr"] = run_ctr(args.ctr, m, args.steps, args.warmup, peak, work, deadline)
     if name:
         for label, compiled in (("torch_eager", False), ("torch_compile", True)):
+            if deadline.left() is not None and deadline.left() < 20:
+                result[label] = {"error": f"not run: {deadline.left():.0f} s of the time limit left"}
+                continue
             try:
-                result[label] = run_torch(m, args.steps, args.warmup, compiled)
+                result[label] = run_torch(m, args.steps, args.warmup, compiled, deadline)
             except Exception as e:  # a peer that fails is reported, not fatal
                 result[label] = {"error": f"{type(e).__name__}: {e}"}
     fpt = next((result[k].get("flops_per_token") for k in ("torch_eager", "torch_compile")
