@@ -45,7 +45,8 @@ print(next(o["value"] for o in json.load(sys.stdin) if o["name"] == "native"))')
 fi
 libctr=$(ninja -C "$BUILD_DIR" -t targets all | sed -n 's/^\(lib\/libctr\.so\.[0-9.]*\): .*/\1/p' | head -1)
 ninja -C "$BUILD_DIR" ${NINJA_JOBS:+-j"$NINJA_JOBS"} "$libctr" lib/libctr-cuda.so tools/ctr tests/test_gpu \
-  tests/test_plugin tests/equiv_train tests/libctr-testdev.so tests/libctr-badabi.so >/dev/null
+  tests/test_plugin tests/equiv_train tests/libctr-testdev.so tests/libctr-badabi.so \
+  tests/libctr-faultdev.so tests/libctr-graphdev.so >/dev/null
 
 # ---------------------------------------------------------------------------
 # Programs, libctr, scripts
@@ -59,7 +60,8 @@ cp "$BUILD_DIR/tools/ctr" "$BUILD_DIR/tests/test_gpu" "$BUILD_DIR/tests/test_plu
   "$b/bin/"
 soname=$(readelf -d "$BUILD_DIR/$libctr" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
 cp -L "$BUILD_DIR/$libctr" "$b/lib/$soname"
-cp "$BUILD_DIR/lib/libctr-cuda.so" "$BUILD_DIR/tests/libctr-testdev.so" "$BUILD_DIR/tests/libctr-badabi.so" "$b/lib/"
+cp "$BUILD_DIR/lib/libctr-cuda.so" "$BUILD_DIR"/tests/libctr-testdev.so "$BUILD_DIR"/tests/libctr-badabi.so \
+  "$BUILD_DIR"/tests/libctr-faultdev.so "$BUILD_DIR"/tests/libctr-graphdev.so "$b/lib/"
 for p in $programs; do
   cp tools/gpu/wrapper.sh "$b/$p"
   chmod +x "$b/$p"
