@@ -152,7 +152,7 @@ __device__ __forceinline__ Item item_of(int64_t it, int64_t heads, int64_t T, bo
 template <typename T, int DM, bool Stage>
 __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const T *q, const T *k, const T *v, T *out, float *lse,
                                                              Dims d, int64_t w0) {
-  extern __shared__ float sm[];
+  CTR_DYNAMIC_SHARED(float, sm);
   constexpr int NC = DM / 32, P = DM + 1;
   float *Qs = sm, *Ks = Qs + kRows * DM, *Vs = Ks + kTile * P;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const T *q, const T 
 template <typename T, int DM, bool Stage>
 __global__ void __launch_bounds__(kThreads) attn_delta_kernel(const T *dout, const T *q, const T *k, const T *v,
                                                                const float *lse, T *dq, Dims d) {
-  extern __shared__ float sm[];
+  CTR_DYNAMIC_SHARED(float, sm);
   constexpr int P = DM + 1;
   float *Qs = sm, *Gs = Qs + kRows * DM, *Ks = Gs + kRows * DM, *Vs = Ks + kTile * P;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -293,7 +293,7 @@ template <typename T, int DM, bool Stage>
 __global__ void __launch_bounds__(kThreads) attn_dkv_kernel(const T *dout, const T *q, const T *k, const T *v,
                                                              const float *lse, const T *dq, T *dk, T *dv, Dims d,
                                                              int64_t w0) {
-  extern __shared__ float sm[];
+  CTR_DYNAMIC_SHARED(float, sm);
   constexpr int NC = DM / 32, P = DM + 1;
   float *Ks = sm, *Vs = Ks + kRows * DM, *Qs = Vs + kRows * DM, *Gs = Qs + kTile * P;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(kThreads) attn_dkv_kernel(const T *dout, const
 template <typename T, int DM, bool Stage>
 __global__ void __launch_bounds__(kThreads) attn_dq_kernel(const T *dout, const T *q, const T *k, const T *v,
                                                             const float *lse, T *dq, Dims d) {
-  extern __shared__ float sm[];
+  CTR_DYNAMIC_SHARED(float, sm);
   constexpr int NC = DM / 32, P = DM + 1;
   float *Qs = sm, *Gs = Qs + kRows * DM, *Ks = Gs + kRows * DM, *Vs = Ks + kTile * P;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

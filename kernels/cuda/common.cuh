@@ -114,6 +114,13 @@ __device__ __forceinline__ float block_max(float v, float *shared) {
   return warp_max(v);
 }
 
+// A kernel's dynamic shared memory (the launch's shared bytes) as `T *name`.
+// Only nvcc sees this definition; the emulated device (tests/cuda_emu) has
+// its own.
+#if defined(__CUDACC__)
+#define CTR_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
+
 // Grid for an element-wise loop of n items (grid-stride loops inside).
 inline unsigned grid_for(int64_t n, int threads = 256) {
   int64_t b = (n + threads - 1) / threads;
