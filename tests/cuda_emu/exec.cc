@@ -31,6 +31,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #if !defined(__x86_64__) || defined(CTR_EMU_UCONTEXT)
 #define CTR_EMU_SWAPCONTEXT 1
@@ -504,12 +505,43 @@ bool injected(Injection &inj, const char *env, const char *name) {
 
 Injection g_fail_launch, g_fail_config;
 
+// ---------------------------------------------------------------------------
+// Kernel instantiations and their launch counts (CTR_EMU_COVERAGE)
+
+struct Kernels {
+  std::mutex mu;
+  std::vector<std::string> types;
+  std::vector<long> runs;
+  ~Kernels() {
+    const char *path = std::getenv("CTR_EMU_COVERAGE");
+    if (!path || !*path) return;
+    FILE *f = std::fopen(path, "a");
+    if (!f) return;
+    for (size_t i = 0; i < types.size(); ++i) {
+      std::string t = types[i];
+      if (const size_t at = t.find("[with F = "); at != std::string::npos) t = t.substr(at + 10, t.size() - at - 11);
+      std::fprintf(f, "%ld\t%s\n", runs[i], t.c_str());
+    }
+    std::fclose(f);
+  }
+};
+
+Kernels &kernels() {
+  static Kernels k;
+  return k;
+}
+
 std::string site_text(const LaunchSite &s) {
   return std::string("kernel ") + s.name + " (launched at " + s.file + ":" + std::to_string(s.line) + ")";
 }
 
 // Runs the grid (under the device lock).
 cudaError_t run_grid(const LaunchSite &s, const KernelBody &body) {
+  if (s.kernel >= 0) {
+    Kernels &k = kernels();
+    std::lock_guard<std::mutex> lock(k.mu);
+    ++k.runs[static_cast<size_t>(s.kernel)];
+  }
   if (injected(g_fail_launch, "CTR_EMU_FAIL_LAUNCH", s.name))
     return set_fault(cudaErrorIllegalAddress, site_text(s) + " made to fail by CTR_EMU_FAIL_LAUNCH");
   setup_once();
@@ -589,6 +621,14 @@ cudaError_t check_config(const LaunchSite &s) {
 // device.h
 
 void *dynamic_shared() { return g_b.shared; }
+
+int register_kernel(const char *type) {
+  Kernels &k = kernels();
+  std::lock_guard<std::mutex> lock(k.mu);
+  k.types.emplace_back(type);
+  k.runs.push_back(0);
+  return static_cast<int>(k.types.size() - 1);
+}
 
 int sync_block(int predicate) {
   Fiber *f = current();

@@ -100,6 +100,21 @@ struct LaunchSite {
   dim3 grid, block;
   size_t shared;
   cudaStream_t stream;
+  int kernel = -1;  // the kernel instantiation (register_kernel)
+};
+
+// Every kernel instantiation a library holds registers itself when it loads
+// (type: the launch's call, which names the instantiating function); the
+// executor counts each one's launches, and CTR_EMU_COVERAGE=FILE appends the
+// counts to FILE at exit, so a suite can show which kernels it never ran.
+int register_kernel(const char *type);
+template <class F>
+const char *type_label() {
+  return __PRETTY_FUNCTION__;  // "... [with F = <the launch's call>]", readable
+}
+template <class F>
+struct KernelId {
+  static inline const int id = register_kernel(type_label<F>());
 };
 
 // Runs one thread of a launch (the kernel with the launch's arguments).
@@ -125,8 +140,10 @@ struct Launcher {
   F call;
   template <class... A>
   void operator()(A &&...args) const {
+    LaunchSite s = site;
+    s.kernel = KernelId<F>::id;
     auto bound = [call = call, tup = std::tuple<std::decay_t<A>...>(std::forward<A>(args)...)] { std::apply(call, tup); };
-    launch(site, std::make_shared<const KernelCall<decltype(bound)>>(std::move(bound)));
+    launch(s, std::make_shared<const KernelCall<decltype(bound)>>(std::move(bound)));
   }
 };
 
