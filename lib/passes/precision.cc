@@ -109,15 +109,16 @@ std::string pass_precision(Graph &g, const std::string &precision) {
           continue;
         auto it = copy_of.find(in);
         if (it == copy_of.end()) {
+          const std::string name = src.name;  // add_tensor may move the tensors, src with them
           Tensor c;
-          c.name = src.name + ".bf16";
+          c.name = name + ".bf16";
           c.dtype = CTR_DTYPE_BF16;
           c.role = Role::Activation;
           c.shape = src.shape;
           c.has_shape = true;
           for (int64_t d : src.shape) c.dims.push_back(Dim{d, ""});
           const int ct = g.add_tensor(std::move(c));
-          Node cn = Node::make("cast", src.name + ".cast", {in}, {ct}, n.block, {{"dtype", Attr::of_string("bf16")}});
+          Node cn = Node::make("cast", name + ".cast", {in}, {ct}, n.block, {{"dtype", Attr::of_string("bf16")}});
           cn.backward = n.backward;
           out.push_back(std::move(cn));
           if (static_cast<int>(ni) < g.num_forward) ++num_forward;
