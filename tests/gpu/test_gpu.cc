@@ -53,11 +53,11 @@ struct Outcome {
 
 // One forward and backward pass of a case graph on `device`.
 Outcome run_case(const char *device, ctr_graph *graph, const std::map<std::string, int> &id_inputs, int64_t batch,
-                 int64_t seq) {
+                 int64_t seq, const char *precision = "fp32") {
   Outcome r;
   DeviceMesh m(device);
   Opts o;
-  o.i("batch", batch).i("seed", 1).s("precision", "fp32");
+  o.i("batch", batch).i("seed", 1).s("precision", precision);
   if (seq > 0) o.i("seq", seq);
   ctr_step *s = nullptr;
   if (ctr_step_create(m.m, graph, o.o, &s) != CTR_STATUS_OK) {
@@ -82,18 +82,30 @@ Outcome run_case(const char *device, ctr_graph *graph, const std::map<std::strin
   return r;
 }
 
-void compare_case(ctr_graph *graph, const std::map<std::string, int> &ids, int64_t batch, int64_t seq) {
+// Agreement with the CPU's fp32 run: loss within rtol relative (+1e-6), each
+// gradient element within atol + grad_rtol * max|cpu gradient|.
+struct Tolerance {
+  const char *precision;
+  double rtol, atol, grad_rtol;
+};
+constexpr Tolerance kFp32{"fp32", 1e-4, 1e-4, 1e-3};
+
+void compare_case(ctr_graph *graph, const std::map<std::string, int> &ids, int64_t batch, int64_t seq,
+                  const Tolerance &tol = kFp32) {
   const Outcome cpu = run_case("cpu", graph, ids, batch, seq);
   ASSERT_TRUE(cpu.error.empty()) << cpu.error;
-  const Outcome gpu = run_case(device_under_test(), graph, ids, batch, seq);
+  const Outcome gpu = run_case(device_under_test(), graph, ids, batch, seq, tol.precision);
+  if (gpu.error.find("mixture-of-experts op, which runs in f32 only") != std::string::npos) {
+    GTEST_SKIP() << gpu.error;
+  }
   ASSERT_TRUE(gpu.error.empty()) << gpu.error;
-  EXPECT_NEAR(gpu.loss, cpu.loss, 1e-4 * std::fabs(cpu.loss) + 1e-6) << "loss";
+  EXPECT_NEAR(gpu.loss, cpu.loss, tol.rtol * std::fabs(cpu.loss) + 1e-6) << "loss";
   for (const auto &[name, ref] : cpu.grads) {
     const auto &got = gpu.grads.at(name);
     float scale = 0;
     for (float v : ref) scale = std::max(scale, std::fabs(v));
     for (size_t i = 0; i < ref.size(); ++i)
-      ASSERT_NEAR(got[i], ref[i], 1e-4 + 1e-3 * scale) << "gradient of " << name << "[" << i << "]";
+      ASSERT_NEAR(got[i], ref[i], tol.atol + tol.grad_rtol * scale) << "gradient of " << name << "[" << i << "]";
   }
 }
 
@@ -115,6 +127,41 @@ TEST_P(GpuOp, MatchesCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, GpuOp, ::testing::ValuesIn(op_cases()),
+                         [](const ::testing::TestParamInfo<OpCase> &i) { return i.param.label; });
+
+// The same cases in bf16 on the device (the CUDA default; activations stored
+// in bf16, parameters, their gradients and statistics in f32), against the
+// CPU's fp32 run: loss within 3e-2 relative, gradients within 1e-2 + 3e-2 *
+// max|cpu gradient| (a provisional bound; tests/gpu/ref_rows.md has the per-op
+// ones). This runs the kernels' bf16 instantiations. Mixture-of-experts graphs
+// run in f32 only and are skipped.
+//
+// Disabled (run it with --gtest_also_run_disabled_tests): in these cases a
+// parameter feeds a bf16 op directly, and the precision pass keeps its
+// gradient f32 while the op's backward kernel writes it in the activations'
+// type (bf16 bits in an f32 buffer). Only the GEMMs, the norms' weight and
+// bias gradients, column sums and embedding_bwd write f32 parameter gradients
+// from bf16 data; every other backward op needs a bf16 gradient and a cast.
+class GpuOpBf16 : public ::testing::TestWithParam<OpCase> {};
+
+TEST_P(GpuOpBf16, DISABLED_FollowsCpu) {
+  const bool cpu = std::string(device_under_test()) == "cpu";  // the CPU refuses bf16
+  const Tolerance tol = cpu ? kFp32 : Tolerance{"bf16", 3e-2, 1e-2, 3e-2};
+  OpGraph b;
+  GetParam().build(b);
+  std::map<std::string, int> ids = GetParam().ids;
+  if (b.classes > 0) ids["targets"] = static_cast<int>(b.classes);
+  ctr_graph *g = nullptr;
+  ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+  if (GetParam().sizes.empty()) compare_case(g, ids, 1, 0, tol);
+  for (const auto &[batch, seq] : GetParam().sizes) {
+    SCOPED_TRACE("batch " + std::to_string(batch) + " seq " + std::to_string(seq));
+    compare_case(g, ids, batch, seq, tol);
+  }
+  ctr_graph_free(g);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, GpuOpBf16, ::testing::ValuesIn(op_cases()),
                          [](const ::testing::TestParamInfo<OpCase> &i) { return i.param.label; });
 
 // A small preset trained on fixed synthetic batches.
