@@ -529,9 +529,12 @@ void Executor::run(Phase phase) {
       ++captures_;
     }
     if (graph_[p] >= 0) {
+      // Launches inside the replay are not seen one by one: a fault found now
+      // is named by the phase, not by whatever was launched last outside it.
+      last_node_ = -1;
       bi->graph_launch(ctx, graph_[p], 0);
       ++graph_replays_;
-      check_device(-1, phase);
+      check_device(-1, phase, true);
       return;
     }
   }
@@ -543,7 +546,7 @@ void Executor::run(Phase phase) {
   raise_if_failed();
 }
 
-void Executor::check_device(int node, Phase phase) const {
+void Executor::check_device(int node, Phase phase, bool replay) const {
   if (!be_.iface->status) return;
   char msg[1024] = {0};
   if (be_.iface->status(be_.ctx, msg, sizeof msg) == 0) return;
@@ -554,7 +557,11 @@ void Executor::check_device(int node, Phase phase) const {
                                             n.op.c_str(), n.name.c_str(), ph, msg));
   }
   std::string after;
-  if (last_node_ >= 0) {
+  if (replay) {
+    after = strformat(" (found after replaying the %s phase as a captured graph; without graphs (step option "
+                      "'graphs' 0) the op is named)",
+                      ph);
+  } else if (last_node_ >= 0) {
     const Node &n = g_.nodes[static_cast<size_t>(last_node_)];
     after = strformat(" (found in %s, after op %s '%s', the last one launched; a kernel fault is reported at the "
                       "kernel that caused it with CUDA_LAUNCH_BLOCKING=1)",

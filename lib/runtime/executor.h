@@ -88,7 +88,8 @@ class Executor {
   void raise_if_failed();
   // Throws CTR_STATUS_DEVICE_ERROR when the backend reports its sticky error,
   // naming the op just launched (node >= 0) or the last one launched.
-  void check_device(int node, Phase phase) const;
+  // replay: found right after a captured graph's replay.
+  void check_device(int node, Phase phase, bool replay = false) const;
   int last_node_ = -1;  // the last kernel launched
 
   const Graph &g_;

@@ -156,8 +156,8 @@ TEST_F(EmuDeviceError, ARefusedLaunchInBackwardFailsTheStep) {
 
 TEST_F(EmuDeviceError, AFaultInAReplayedGraphIsFound) {
   auto child = [] {
-    // The first run captures its phases and replays them; the loss kernel's
-    // second run is inside the second step's replay.
+    // The first run is the warm-up; the second captures its phases and
+    // replays them: the loss kernel's second launch is inside that replay.
     setenv("CTR_EMU_FAIL_LAUNCH", "xent_lse_kernel:2", 1);
     Findings f;
     const StepRun r = run_gpt(1);
@@ -165,7 +165,7 @@ TEST_F(EmuDeviceError, AFaultInAReplayedGraphIsFound) {
     f.expect(r.second == CTR_STATUS_DEVICE_ERROR, "second run: " + r.second_msg);
     f.contains(r.second_msg, "cudaGraphLaunch");
     f.contains(r.second_msg, "an illegal memory access was encountered (kernel xent_lse_kernel");
-    f.contains(r.second_msg, "(found in forward");
+    f.contains(r.second_msg, "(found after replaying the forward phase as a captured graph");
     f.expect(r.param == CTR_STATUS_DEVICE_ERROR, "parameter: " + r.param_msg);
     f.exit();
   };
