@@ -769,6 +769,14 @@ std::vector<OpDef> library_ops() {
   v.push_back(internal("moe_unpermute_bwd", 4, 2));
   // Broadcasting arithmetic, reductions, softmax and gelu (ops_math.cc).
   append_math_ops(v);
+  // Kernels that write an f32 gradient from bf16 data (precision pass).
+  const std::pair<const char *, uint32_t> f32_writers[] = {
+      {"linear_bwd_w", 1u}, {"linear_bwd_x", 1u}, {"linear_bwd_b", 1u}, {"matmul_bwd", 3u},
+      {"reduce_rows", 1u},  {"layernorm_bwd", 6u}, {"rmsnorm_bwd", 2u}, {"embedding_bwd", 1u},
+      {"mul_bwd", 2u},      {"add_same", 1u}};
+  for (OpDef &d : v)
+    for (const auto &[name, mask] : f32_writers)
+      if (d.name == name) d.f32_outputs = mask;
   // Collectives inserted by the shard pass (one output per input; the bucket
   // pass merges several into one node); the executor runs them on the comm stream.
   const std::pair<const char *, CollKind> colls[] = {{"all_gather", CollKind::AllGather},

@@ -113,6 +113,12 @@ struct OpDef {
   // A collective (run by the executor on the comm stream, no kernel), or None.
   CollKind collective = CollKind::None;
 
+  // Outputs (bit k: output k) that a kernel writes in f32 when the op's data is
+  // bf16: parameter gradients the GEMMs, column sums, norms and embedding
+  // accumulate in f32. Any other f32 output of a node on bf16 data is computed
+  // in bf16 and widened by a cast (the precision pass).
+  uint32_t f32_outputs = 0;
+
   OpId id = -1;  // assigned by the registry
 };
 

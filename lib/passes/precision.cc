@@ -90,6 +90,43 @@ std::string pass_precision(Graph &g, const std::string &precision) {
       x.dtype = CTR_DTYPE_BF16;
   }
 
+  // A gradient kept f32 whose node computes in bf16 and cannot write that
+  // output in f32 (OpDef::f32_outputs): the node writes a bf16 gradient, and a
+  // cast right after it widens it into the f32 tensor. (Writing f32 bits through
+  // a bf16 kernel would be silently wrong.)
+  std::vector<std::vector<Node>> widen(g.nodes.size());
+  int widened = 0;
+  for (size_t ni = 0; ni < g.nodes.size(); ++ni) {
+    Node &n = g.nodes[ni];
+    const OpDef *d = find_op(n.op);
+    if (!d || n.op == "cast") continue;
+    bool bf16 = false;
+    for (int t : n.inputs) bf16 = bf16 || g.tensors[static_cast<size_t>(t)].dtype == CTR_DTYPE_BF16;
+    for (int t : n.outputs) bf16 = bf16 || g.tensors[static_cast<size_t>(t)].dtype == CTR_DTYPE_BF16;
+    if (!bf16) continue;
+    for (size_t k = 0; k < n.outputs.size(); ++k) {
+      const int t = n.outputs[k];
+      const Tensor &x = g.tensors[static_cast<size_t>(t)];
+      if (x.dtype != CTR_DTYPE_F32 || x.role != Role::Activation || !f32[static_cast<size_t>(t)]) continue;
+      if (t == g.loss || (k < 32 && (d->f32_outputs >> k) & 1u)) continue;
+      if (static_cast<int>(ni) < g.num_forward) continue;  // forward statistics: f32 by the kernels
+      const std::string name = x.name;  // add_tensor may move the tensors
+      Tensor h;
+      h.name = name + ".bf16";
+      h.dtype = CTR_DTYPE_BF16;
+      h.role = Role::Activation;
+      h.shape = x.shape;
+      h.has_shape = true;
+      h.dims = x.dims;
+      const int ht = g.add_tensor(std::move(h));
+      n.outputs[k] = ht;
+      Node cn = Node::make("cast", name + ".widen", {ht}, {t}, n.block, {{"dtype", Attr::of_string("f32")}});
+      cn.backward = n.backward;
+      widen[ni].push_back(std::move(cn));
+      ++widened;
+    }
+  }
+
   // bf16 copies of the f32 parameters and constants read by bf16 nodes.
   const OpDef *cast_def = find_op("cast");
   CTR_CHECK(cast_def != nullptr);
@@ -128,6 +165,7 @@ std::string pass_precision(Graph &g, const std::string &precision) {
       }
     }
     out.push_back(std::move(n));
+    for (Node &w : widen[ni]) out.push_back(std::move(w));
   }
   g.nodes = std::move(out);
   g.num_forward = num_forward;
@@ -138,8 +176,8 @@ std::string pass_precision(Graph &g, const std::string &precision) {
     if (t.dtype == CTR_DTYPE_F32) ++whole;
   }
   return strformat("precision: bf16 (%lld activations bf16, %lld kept f32, %zu bf16 copies of parameters and "
-                   "constants)",
-                   static_cast<long long>(half), static_cast<long long>(whole), copy_of.size());
+                   "constants, %d gradients widened from bf16)",
+                   static_cast<long long>(half), static_cast<long long>(whole), copy_of.size(), widened);
 }
 
 void read_precision_options(OptionReader &r, CompileOptions &o) {
