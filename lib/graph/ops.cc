@@ -773,7 +773,7 @@ std::vector<OpDef> library_ops() {
   const std::pair<const char *, uint32_t> f32_writers[] = {
       {"linear_bwd_w", 1u}, {"linear_bwd_x", 1u}, {"linear_bwd_b", 1u}, {"matmul_bwd", 3u},
       {"reduce_rows", 1u},  {"layernorm_bwd", 6u}, {"rmsnorm_bwd", 2u}, {"embedding_bwd", 1u},
-      {"mul_bwd", 2u},      {"add_same", 1u}};
+      {"mul_bwd", 2u},      {"add_same", 1u},      {"take_rows_bwd", 1u}};
   for (OpDef &d : v)
     for (const auto &[name, mask] : f32_writers)
       if (d.name == name) d.f32_outputs = mask;

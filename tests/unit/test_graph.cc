@@ -848,6 +848,67 @@ void check_gradients(ctr_graph *graph, const std::map<std::string, int> &id_inpu
 // partials summed into a tied weight's) stay f32, and every f32 parameter or
 // constant a bf16 node reads comes through one cast node. With "auto" on the
 // CPU backend nothing changes, and an explicit bf16 step on the CPU is refused.
+// A parameter that feeds an op whose backward kernel cannot write an f32
+// gradient from bf16 data (exp here): the gradient is computed in bf16 and a
+// cast widens it into the f32 parameter gradient; never a bf16 kernel writing
+// into an f32 buffer.
+TEST(Precision, Bf16GradientsOfElementwiseOpsAreWidened) {
+  OpGraph b;
+  int x = b.add_param("x", {3, 8});
+  int w = b.add_param("w", {8, 8});
+  int h = b.add_op("linear", {x, w});
+  int e = b.add_op("exp", {h});
+  b.finish(e, {3, 8});
+  Graph &g = b.g;
+  ctr::pass_verify(g);
+  ctr::CompileOptions o;
+  o.batch = 1;
+  ctr::pass_infer_shapes(g, o);
+  ctr::pass_autodiff(g);
+  const std::string summary = ctr::pass_precision(g, "bf16");
+  EXPECT_NE(summary.find(", 0 gradients widened from bf16"), std::string::npos) << summary;
+  std::map<int, int> producer;
+  for (size_t ni = 0; ni < g.nodes.size(); ++ni)
+    for (int t : g.nodes[ni].outputs) producer[t] = static_cast<int>(ni);
+  for (size_t t = 0; t < g.tensors.size(); ++t) {
+    const ctr::Tensor &gt = g.tensors[t];
+    if (gt.grad_of != x && gt.grad_of != w) continue;
+    EXPECT_EQ(gt.dtype, CTR_DTYPE_F32) << gt.name;
+    const ctr::Node &n = g.nodes[static_cast<size_t>(producer.at(static_cast<int>(t)))];
+    if (gt.grad_of == w) {
+      EXPECT_EQ(n.op, "linear_bwd_w") << "the GEMM writes its f32 gradient itself";
+    } else {
+      // x's gradient: linear_bwd_x writes f32 itself too; the exp node's
+      // gradient (an activation here) stays bf16.
+      EXPECT_EQ(n.op, "linear_bwd_x") << gt.name;
+    }
+  }
+  // exp applied to a parameter directly: its gradient goes through a cast.
+  OpGraph b2;
+  int p = b2.add_param("p", {3, 8});
+  int q = b2.add_param("q", {8, 8});
+  int l = b2.add_op("linear", {p, q});
+  int m = b2.add_op("mul", {l, b2.add_op("exp", {p})});
+  b2.finish(m, {3, 8});
+  Graph &g2 = b2.g;
+  ctr::pass_verify(g2);
+  ctr::pass_infer_shapes(g2, o);
+  ctr::pass_autodiff(g2);
+  ctr::pass_precision(g2, "bf16");
+  int widened = 0;
+  for (const ctr::Node &n : g2.nodes) {
+    if (n.op != "cast" || g2.tensors[n.outputs[0]].dtype != CTR_DTYPE_F32) continue;
+    ++widened;
+    EXPECT_EQ(g2.tensors[n.inputs[0]].dtype, CTR_DTYPE_BF16) << n.name;
+    EXPECT_NE(n.name.find(".widen"), std::string::npos) << n.name;
+  }
+  EXPECT_GE(widened, 1);
+  for (const ctr::Node &n : g2.nodes)
+    if (n.op == "exp_bwd") {
+      for (int t : n.outputs) EXPECT_EQ(g2.tensors[t].dtype, CTR_DTYPE_BF16) << "exp_bwd writes bf16 only";
+    }
+}
+
 TEST(Precision, Bf16StorageKeepsAccumulationInF32) {
   for (const char *name : {"gpt", "llama"}) {
     SCOPED_TRACE(name);
@@ -867,7 +928,9 @@ TEST(Precision, Bf16StorageKeepsAccumulationInF32) {
       if (n.op == "cast") {
         ++casts;
         EXPECT_TRUE(cast_sources.insert(n.inputs[0]).second) << "two casts of one tensor";
-        EXPECT_EQ(g.tensors[n.outputs[0]].dtype, CTR_DTYPE_BF16);
+        // The presets' parameter gradients are all written in f32 by their
+        // kernels: none is computed in bf16 and widened.
+        EXPECT_EQ(g.tensors[n.outputs[0]].dtype, CTR_DTYPE_BF16) << n.name << " widens a gradient";
         continue;
       }
       bool reads_bf16 = false;
