@@ -31,6 +31,38 @@
 #include "passes/passes.h"
 
 namespace ctr {
+namespace {
+
+// Whether node n reads or writes bf16 data.
+bool on_bf16(const Graph &g, const Node &n) {
+  for (int t : n.inputs)
+    if (g.tensors[static_cast<size_t>(t)].dtype == CTR_DTYPE_BF16) return true;
+  for (int t : n.outputs)
+    if (g.tensors[static_cast<size_t>(t)].dtype == CTR_DTYPE_BF16) return true;
+  return false;
+}
+
+// A new bf16 activation shaped like tensor t, named NAME.bf16, and a cast node
+// `from` -> `to` named NAME + suffix in the block and phase of `at`. Returns
+// the new tensor; the node goes to *cast.
+int bf16_like(Graph &g, int t, const Node &at, bool widen, Node *cast) {
+  const std::string name = g.tensors[static_cast<size_t>(t)].name;  // add_tensor may move the tensors
+  Tensor h;
+  h.name = name + ".bf16";
+  h.dtype = CTR_DTYPE_BF16;
+  h.role = Role::Activation;
+  h.shape = g.tensors[static_cast<size_t>(t)].shape;
+  h.has_shape = true;
+  for (int64_t d : h.shape) h.dims.push_back(Dim{d, ""});
+  const int ht = g.add_tensor(std::move(h));
+  *cast = widen ? Node::make("cast", name + ".widen", {ht}, {t}, at.block, {{"dtype", Attr::of_string("f32")}})
+                : Node::make("cast", name + ".cast", {t}, {ht}, at.block, {{"dtype", Attr::of_string("bf16")}});
+  cast->backward = at.backward;
+  return ht;
+}
+
+}  // namespace
+
 std::string resolve_precision(const Graph &g, const std::string &option,
                               const std::function<bool(OpId)> &has_kernel) {
   if (option != "auto") return option;
@@ -99,29 +131,15 @@ std::string pass_precision(Graph &g, const std::string &precision) {
   for (size_t ni = 0; ni < g.nodes.size(); ++ni) {
     Node &n = g.nodes[ni];
     const OpDef *d = find_op(n.op);
-    if (!d || n.op == "cast") continue;
-    bool bf16 = false;
-    for (int t : n.inputs) bf16 = bf16 || g.tensors[static_cast<size_t>(t)].dtype == CTR_DTYPE_BF16;
-    for (int t : n.outputs) bf16 = bf16 || g.tensors[static_cast<size_t>(t)].dtype == CTR_DTYPE_BF16;
-    if (!bf16) continue;
+    if (!d || n.op == "cast" || !on_bf16(g, n)) continue;
     for (size_t k = 0; k < n.outputs.size(); ++k) {
       const int t = n.outputs[k];
       const Tensor &x = g.tensors[static_cast<size_t>(t)];
       if (x.dtype != CTR_DTYPE_F32 || x.role != Role::Activation || !f32[static_cast<size_t>(t)]) continue;
       if (t == g.loss || (k < 32 && (d->f32_outputs >> k) & 1u)) continue;
       if (static_cast<int>(ni) < g.num_forward) continue;  // forward statistics: f32 by the kernels
-      const std::string name = x.name;  // add_tensor may move the tensors
-      Tensor h;
-      h.name = name + ".bf16";
-      h.dtype = CTR_DTYPE_BF16;
-      h.role = Role::Activation;
-      h.shape = x.shape;
-      h.has_shape = true;
-      h.dims = x.dims;
-      const int ht = g.add_tensor(std::move(h));
-      n.outputs[k] = ht;
-      Node cn = Node::make("cast", name + ".widen", {ht}, {t}, n.block, {{"dtype", Attr::of_string("f32")}});
-      cn.backward = n.backward;
+      Node cn;
+      n.outputs[k] = bf16_like(g, t, n, true, &cn);
       widen[ni].push_back(std::move(cn));
       ++widened;
     }
@@ -136,27 +154,15 @@ std::string pass_precision(Graph &g, const std::string &precision) {
   int num_forward = g.num_forward;
   for (size_t ni = 0; ni < g.nodes.size(); ++ni) {
     Node n = g.nodes[ni];
-    bool bf16 = false;
-    for (int t : n.outputs) bf16 = bf16 || g.tensors[static_cast<size_t>(t)].dtype == CTR_DTYPE_BF16;
-    for (int t : n.inputs) bf16 = bf16 || g.tensors[static_cast<size_t>(t)].dtype == CTR_DTYPE_BF16;
-    if (bf16) {
+    if (on_bf16(g, n)) {
       for (int &in : n.inputs) {
         const Tensor &src = g.tensors[static_cast<size_t>(in)];
         if (src.dtype != CTR_DTYPE_F32 || (src.role != Role::Param && src.role != Role::Const) || in == g.loss_seed)
           continue;
         auto it = copy_of.find(in);
         if (it == copy_of.end()) {
-          const std::string name = src.name;  // add_tensor may move the tensors, src with them
-          Tensor c;
-          c.name = name + ".bf16";
-          c.dtype = CTR_DTYPE_BF16;
-          c.role = Role::Activation;
-          c.shape = src.shape;
-          c.has_shape = true;
-          for (int64_t d : src.shape) c.dims.push_back(Dim{d, ""});
-          const int ct = g.add_tensor(std::move(c));
-          Node cn = Node::make("cast", name + ".cast", {in}, {ct}, n.block, {{"dtype", Attr::of_string("bf16")}});
-          cn.backward = n.backward;
+          Node cn;
+          const int ct = bf16_like(g, in, n, false, &cn);
           out.push_back(std::move(cn));
           if (static_cast<int>(ni) < g.num_forward) ++num_forward;
           it = copy_of.emplace(in, ct).first;

@@ -34,19 +34,27 @@ ctr_status mesh_on(const char *device, ctr_mesh **m, const char *transport = nul
   return s;
 }
 
-TEST(Plugin, LoadsAndRefusesAStepNamingTheFirstMissingKernel) {
-  ctr_mesh *m = nullptr;
-  ASSERT_EQ(mesh_on("testdev", &m), CTR_STATUS_OK) << ctr_last_error();
-  EXPECT_STREQ(ctr_mesh_device(m), "testdev");
+// A gpt preset small enough for any test device: width 16, 2 heads,
+// vocabulary 16, 4 positions.
+ctr_graph *tiny_gpt(int layers) {
   ctr_options *go = nullptr;
   ctr_options_create(&go);
-  ctr_options_set_int(go, "layers", 1);
+  ctr_options_set_int(go, "layers", layers);
   ctr_options_set_int(go, "dim", 16);
   ctr_options_set_int(go, "heads", 2);
   ctr_options_set_int(go, "vocab", 16);
   ctr_options_set_int(go, "seq", 4);
   ctr_graph *g = nullptr;
-  ASSERT_EQ(ctr_graph_create_preset("gpt", go, &g), CTR_STATUS_OK);
+  EXPECT_EQ(ctr_graph_create_preset("gpt", go, &g), CTR_STATUS_OK) << ctr_last_error();
+  ctr_options_free(go);
+  return g;
+}
+
+TEST(Plugin, LoadsAndRefusesAStepNamingTheFirstMissingKernel) {
+  ctr_mesh *m = nullptr;
+  ASSERT_EQ(mesh_on("testdev", &m), CTR_STATUS_OK) << ctr_last_error();
+  EXPECT_STREQ(ctr_mesh_device(m), "testdev");
+  ctr_graph *g = tiny_gpt(1);
   ctr_options *so = nullptr;
   ctr_options_create(&so);
   ctr_options_set_int(so, "batch", 1);
@@ -56,7 +64,6 @@ TEST(Plugin, LoadsAndRefusesAStepNamingTheFirstMissingKernel) {
       << ctr_last_error();
   EXPECT_EQ(s, nullptr);
   ctr_options_free(so);
-  ctr_options_free(go);
   ctr_graph_free(g);
   ctr_mesh_free(m);
 }
@@ -183,15 +190,7 @@ FaultRun run_faulty(const char *kernel, bool async, bool sumsq) {
   FaultRun r;
   ctr_mesh *mesh = nullptr;
   EXPECT_EQ(mesh_on("faultdev", &mesh), CTR_STATUS_OK) << ctr_last_error();
-  ctr_options *go = nullptr;
-  ctr_options_create(&go);
-  ctr_options_set_int(go, "layers", 1);
-  ctr_options_set_int(go, "dim", 16);
-  ctr_options_set_int(go, "heads", 2);
-  ctr_options_set_int(go, "vocab", 16);
-  ctr_options_set_int(go, "seq", 4);
-  ctr_graph *g = nullptr;
-  EXPECT_EQ(ctr_graph_create_preset("gpt", go, &g), CTR_STATUS_OK);
+  ctr_graph *g = tiny_gpt(1);
   ctr_options *so = nullptr;
   ctr_options_create(&so);
   ctr_options_set_int(so, "batch", 2);
@@ -215,7 +214,6 @@ FaultRun run_faulty(const char *kernel, bool async, bool sumsq) {
   }
   ctr_step_free(s);
   ctr_options_free(so);
-  ctr_options_free(go);
   ctr_graph_free(g);
   ctr_mesh_free(mesh);
   for (const char *v : {"CTR_FAULTDEV_KERNEL", "CTR_FAULTDEV_ASYNC", "CTR_FAULTDEV_SUMSQ"}) unsetenv(v);
@@ -284,15 +282,7 @@ GraphRun train_on(const char *device, int graphs, int micro_batches, int steps) 
   GraphRun r;
   ctr_mesh *mesh = nullptr;
   EXPECT_EQ(mesh_on(device, &mesh), CTR_STATUS_OK) << ctr_last_error();
-  ctr_options *go = nullptr;
-  ctr_options_create(&go);
-  ctr_options_set_int(go, "layers", 2);
-  ctr_options_set_int(go, "dim", 16);
-  ctr_options_set_int(go, "heads", 2);
-  ctr_options_set_int(go, "vocab", 16);
-  ctr_options_set_int(go, "seq", 4);
-  ctr_graph *g = nullptr;
-  EXPECT_EQ(ctr_graph_create_preset("gpt", go, &g), CTR_STATUS_OK);
+  ctr_graph *g = tiny_gpt(2);
   ctr_options *so = nullptr;
   ctr_options_create(&so);
   ctr_options_set_int(so, "batch", 2);
@@ -325,7 +315,6 @@ GraphRun train_on(const char *device, int graphs, int micro_batches, int steps) 
   }
   ctr_step_free(s);
   ctr_options_free(so);
-  ctr_options_free(go);
   ctr_graph_free(g);
   ctr_mesh_free(mesh);
   return r;
