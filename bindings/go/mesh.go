@@ -86,6 +86,21 @@ func (m *Mesh) WorldSize() int {
 	return int(C.ctr_mesh_world_size(h))
 }
 
+// DataRank is this rank's share of the global batch (the ranks of one
+// tensor-parallel group compute on the same rows); 0 after Close.
+func (m *Mesh) DataRank() int {
+	h := m.acquire()
+	defer m.done(h)
+	return int(C.ctr_mesh_data_rank(h))
+}
+
+// DataSize is how many shares the global batch is split into; 0 after Close.
+func (m *Mesh) DataSize() int {
+	h := m.acquire()
+	defer m.done(h)
+	return int(C.ctr_mesh_data_size(h))
+}
+
 // AxisSize is the size of the named axis ("dp", "fsdp", "ep"), 1 for an axis
 // the mesh lacks, 0 after Close.
 func (m *Mesh) AxisSize(axis string) int {

@@ -410,6 +410,7 @@ void k_var_bwd(const Args &c) { CTR_CUDA_DISPATCH(c, var_bwd); }
 
 const KernelEntry kLayoutKernels[] = {
     {"reshape", bind<k_reshape>},
+    {"fanout", bind<k_reshape>},
     {"transpose", bind<k_transpose>},
     {"slice", bind<k_slice>},
     {"slice_bwd", bind<k_slice_bwd>},

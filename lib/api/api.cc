@@ -280,6 +280,10 @@ extern "C" int ctr_mesh_axis_size(const ctr_mesh *mesh, const char *axis) {
   if (!mesh || !axis) return 0;
   return mesh->axis_size(axis);
 }
+extern "C" int ctr_mesh_data_rank(const ctr_mesh *mesh) { return mesh ? mesh->data_rank() : 0; }
+extern "C" int ctr_mesh_data_size(const ctr_mesh *mesh) {
+  return mesh ? mesh->world / mesh->axis_size("tp") : 0;
+}
 extern "C" const char *ctr_mesh_device(const ctr_mesh *mesh) {
   return mesh ? mesh->device.c_str() : "";
 }
@@ -807,10 +811,14 @@ std::string inspect_graph(const ctr_graph *graph, const ctr_options *options, co
   const int64_t fsdp = r.get_int("fsdp", 1, 1, 1 << 20);
   const int64_t dp = r.get_int("dp", 1, 1, 1 << 20);
   const int64_t ep = r.get_int("ep", 1, 1, 1 << 20);
-  const int64_t rank = r.get_int("rank", 0, 0, fsdp * dp * ep - 1);
+  const int64_t tp = r.get_int("tp", 1, 1, 1 << 20);
+  const int64_t rank = r.get_int("rank", 0, 0, fsdp * dp * ep * tp - 1);
   r.finish();
-  // Axes in the order dp, ep, fsdp (fsdp innermost), as "dp=..,ep=..,fsdp=..".
-  o.mesh.axes = {{"dp", dp, rank / (fsdp * ep)}, {"ep", ep, (rank / fsdp) % ep}, {"fsdp", fsdp, rank % fsdp}};
+  // Axes in the order dp, ep, fsdp, tp (tp innermost), as "dp=..,ep=..,fsdp=..,tp=..".
+  o.mesh.axes = {{"dp", dp, rank / (fsdp * ep * tp)},
+                 {"ep", ep, (rank / (fsdp * tp)) % ep},
+                 {"fsdp", fsdp, (rank / tp) % fsdp},
+                 {"tp", tp, rank % tp}};
   Graph g = graph->graph;  // loaded and verified
   if (until.at_load) return dump_graph(g);
   Backend be = cpu_backend_create(false);

@@ -166,6 +166,10 @@ std::string dump_graph(const Graph &g) {
     if (t.role == Role::Activation) continue;
     os << "  " << role_name(t.role) << " " << tensor_str(static_cast<int>(i));
     if (t.no_decay) os << " no_decay";
+    if (!t.placement.axes.empty()) {
+      os << " placed " << placement_string(t.placement);
+      if (t.placement.sharded()) os << " of " << shape_string(t.placement.global_shape);
+    }
     if (t.storage != Storage::None) os << " @" << storage_name(t.storage) << "+" << t.offset;
     os << "\n";
   }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ctr/ctr.h"
+#include "graph/placement.h"
 
 namespace ctr {
 
@@ -85,16 +86,10 @@ struct Tensor {
   Storage storage = Storage::None;
   int64_t offset = 0;          // plan_memory: byte offset within its storage
   int64_t alloc_bytes = 0;     // bytes to reserve when more than bytes() (padded collectives)
-  // shard: this param is rows [shard_index * shape[0], ...) of a tensor with
-  // full_rows rows (0 = not sharded); rows past full_rows are padding.
-  int64_t full_rows = 0;
-  int64_t shard_index = 0;
   bool keep = false;           // stays readable after the step (step option "keep")
-  // The mesh axes a parameter's rows are split over by placement passes: "ep"
-  // (expert weights, by the expert pass), "ep,fsdp" (expert weights whose ep
-  // block the shard pass split over fsdp as well); empty otherwise (fsdp shards
-  // are described by full_rows and shard_index alone).
-  std::string placed_on;
+  // How the tensor is laid out over the mesh (graph/placement.h); shape is the
+  // local block. Set by the placement passes (shard, expert).
+  Placement placement;
 
   int64_t numel() const;
   int64_t bytes() const;

@@ -790,6 +790,7 @@ std::vector<OpDef> library_ops() {
     if (kind == CollKind::AllReduce) c.infer = all_reduce_infer;
     v.push_back(c);
   }
+  append_placement_ops(v);
   return v;
 }
 

@@ -75,6 +75,31 @@ enum class CollKind : uint8_t {
   DispatchRows,   // expert exchange: gradient rows along a dispatch's routes
 };
 
+// One tensor's placement along one mesh axis, as sharding rules see it.
+struct AxisState {
+  enum Kind : uint8_t { Replicate = 0, Shard = 1, Partial = 2 };
+  Kind kind = Replicate;
+  int dim = 0;  // Shard: the split dimension
+
+  static AxisState replicate() { return {}; }
+  static AxisState shard(int d) { return {Shard, d}; }
+  static AxisState partial() { return {Partial, 0}; }
+  bool operator==(const AxisState &o) const { return kind == o.kind && (kind != Shard || dim == o.dim); }
+  bool operator!=(const AxisState &o) const { return !(*this == o); }
+};
+std::string axis_state_string(const AxisState &s);  // "R", "S(2)", "P"
+
+// A sharding rule: how an op runs on the local blocks of its inputs when they
+// are placed along one mesh axis of `ranks` ranks as `in` says (one entry per
+// input). On success it fills `out` (one entry per output, saved outputs
+// included), rewrites in *n the attributes that count a split dimension (the
+// heads of attention on a tensor split by heads) and returns "". Otherwise it
+// returns why the op cannot run on those placements; the placement pass then
+// leaves the inputs whole, or refuses naming the reason. An op without a rule
+// runs on replicated inputs only.
+using ShardRule = std::string (*)(const Graph &g, Node *n, const std::vector<AxisState> &in, int64_t ranks,
+                                  std::vector<AxisState> &out);
+
 struct OpDef {
   std::string name;
   int min_inputs = 1, max_inputs = 1;
@@ -112,6 +137,9 @@ struct OpDef {
 
   // A collective (run by the executor on the comm stream, no kernel), or None.
   CollKind collective = CollKind::None;
+
+  // How the op runs on sharded inputs (see ShardRule); null: replicated only.
+  ShardRule shard_rule = nullptr;
 
   // Outputs (bit k: output k) that a kernel writes in f32 when the op's data is
   // bf16: parameter gradients the GEMMs, column sums, norms and embedding

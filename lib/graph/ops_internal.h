@@ -15,6 +15,8 @@ namespace ctr {
 // expand, the reductions (sum, mean, amax, var), softmax and log_softmax on
 // any dim, gelu (tanh or exact) and their internal backward ops.
 void append_math_ops(std::vector<OpDef> &v);
+// fanout and the sharding rules of the ops already in v (ops_shard.cc).
+void append_placement_ops(std::vector<OpDef> &v);
 
 namespace opdef {
 

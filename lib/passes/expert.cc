@@ -115,17 +115,14 @@ void pass_expert(Graph &g, const CompileOptions &opt) {
   pass_infer_shapes(g, opt);
 
   // Expert weights: this rank's block of experts (rows of dim 0).
-  const int64_t j = opt.mesh.index("ep");
   for (int w : expert_params) {
     Tensor &t = g.tensors[w];
     const int64_t E = experts_of[w];
     CTR_REQUIRE(!t.shape.empty() && t.shape[0] == E, CTR_STATUS_UNSUPPORTED,
                 "expert: parameter %s has shape %s; expert weights must have the experts (%lld) as dim 0",
                 g.describe_tensor(w).c_str(), shape_string(t.shape).c_str(), static_cast<long long>(E));
+    t.placement.add_shard("ep", 0, t.shape);
     t.shape[0] = E / P;
-    t.full_rows = E;
-    t.shard_index = j;
-    t.placed_on = "ep";
   }
 }
 

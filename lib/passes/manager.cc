@@ -32,6 +32,7 @@ void run_verify(PassContext &c) { pass_verify(c.graph); }
 void run_infer_shapes(PassContext &c) { pass_infer_shapes(c.graph, c.opt); }
 void run_fuse(PassContext &c) { c.fused = pass_fuse(c.graph, c.opt); }
 void run_expert(PassContext &c) { pass_expert(c.graph, c.opt); }
+void run_place(PassContext &c) { c.placed = pass_place(c.graph, c.opt); }
 void run_autodiff(PassContext &c) {
   // The backend's layouts of saved outputs, before anything sizes them (the
   // reorder pass's memory-budget trials, recompute, the plan): after expert,
@@ -52,6 +53,7 @@ void run_lower(PassContext &c) {
 }
 void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.program); }
 
+std::string dump_place(const PassContext &c) { return c.placed + dump_graph(c.graph); }
 std::string dump_lower(const PassContext &c) { return dump_program(c.graph, c.program); }
 
 std::string dump_fuse(const PassContext &c) { return c.fused + dump_graph(c.graph); }
@@ -72,18 +74,6 @@ std::string dump_plan(const PassContext &c) {
 
 }  // namespace
 
-int64_t MeshPlacement::size(const std::string &axis) const {
-  for (const Axis &a : axes)
-    if (a.name == axis) return a.size;
-  return 1;
-}
-
-int64_t MeshPlacement::index(const std::string &axis) const {
-  for (const Axis &a : axes)
-    if (a.name == axis) return a.index;
-  return 0;
-}
-
 const std::vector<PassDef> &pass_list() {
   static const std::vector<PassDef> passes = {
       {"load", "the graph file as read", true, nullptr, run_nothing, nullptr},
@@ -93,6 +83,8 @@ const std::vector<PassDef> &pass_list() {
        read_fuse_options, run_fuse, dump_fuse},
       {"expert", "experts split over ep, token exchanges and global load balance inserted", false, nullptr,
        run_expert, nullptr},
+      {"place", "activations placed over tp: column- and row-parallel regions, heads split, all-reduces inserted",
+       false, nullptr, run_place, dump_place},
       {"autodiff", "the backward graph appended", false, nullptr, run_autodiff, nullptr},
       {"recompute", "activation checkpointing: block forwards copied into backward", false,
        read_recompute_options, run_recompute, nullptr},

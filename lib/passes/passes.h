@@ -20,18 +20,6 @@ namespace ctr {
 
 class OptionReader;
 
-// Where this rank sits on the mesh: every axis in mesh order with its size and
-// this rank's index along it.
-struct MeshPlacement {
-  struct Axis {
-    std::string name;
-    int64_t size = 1, index = 0;
-  };
-  std::vector<Axis> axes;
-  int64_t size(const std::string &axis) const;
-  int64_t index(const std::string &axis) const;
-};
-
 struct CompileOptions {
   int64_t batch = 1;          // binds the "batch" symbol (one micro-batch)
   int64_t seq = 0;            // binds "seq"; 0 = the graph's maximum
@@ -102,6 +90,7 @@ struct PassContext {
   std::vector<std::string> ran;  // names of the passes run, in order
   std::string schedule;          // what reorder chose
   std::string fused;             // what fuse rewrote and what it left
+  std::string placed;            // what place split over tp and what it left
   std::string precision;         // what precision chose
   uint32_t backend_flags = 0;    // the step's backend's CTR_BACKEND_* flags
 };
@@ -165,6 +154,15 @@ void read_fuse_options(OptionReader &r, CompileOptions &opt);
 // expert weights; with more than one rank, load-balancing statistics summed
 // over the world. Runs before autodiff.
 void pass_expert(Graph &g, const CompileOptions &opt);
+
+// place.cc: activations placed over the tensor-parallel axis `tp`, before
+// autodiff: column-parallel linears (weights split on their output dim) feeding
+// ops that run on split heads or features, closed by row-parallel linears
+// (weights split on their input dim) whose partial sums an all-reduce makes
+// whole; a `fanout` where a replicated activation enters (its gradient is
+// all-reduced). Regions come from the ops' sharding rules alone. Returns what
+// was placed and what was left replicated, and why. No-op without tp.
+std::string pass_place(Graph &g, const CompileOptions &opt);
 
 // recompute.cc: activation checkpointing per block: the block's forward nodes
 // copied into backward (all of them, or with selective only the cheap ones),

@@ -71,12 +71,13 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &
     t.offset = p.offset;
   }
 
-  // Reshapes that alias their input: an activation of the arena or a constant,
+  // Reshapes (and fanouts, the identity) that alias their input: an activation
+  // of the arena or a constant,
   // never a gradient region or a host input (rebound per micro-batch).
   std::vector<int> root(nt, -1);
   for (int ni = 0; ni < nn; ++ni) {
     const Node &n = g.nodes[ni];
-    if (n.op != "reshape" || n.inputs.size() != 1 || n.outputs.size() != 1) continue;
+    if ((n.op != "reshape" && n.op != "fanout") || n.inputs.size() != 1 || n.outputs.size() != 1) continue;
     const int x = root[n.inputs[0]] >= 0 ? root[n.inputs[0]] : n.inputs[0];
     const int y = n.outputs[0];
     const Tensor &tx = g.tensors[x], &ty = g.tensors[y];

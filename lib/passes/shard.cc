@@ -6,7 +6,7 @@
 // copy is rebuilt and how long it lives. Padding makes every shard the same
 // size (all_gather and reduce_scatter then move equal blocks): the gathered
 // tensor and the full gradient reserve fsdp * rows rows, and consumers read only
-// the first full_rows of them. Pad rows of a shard start at zero and their
+// the first rows of the whole of them. Pad rows of a shard start at zero and their
 // gradients are zero, so AdamW keeps them at zero.
 
 #include <algorithm>
@@ -19,10 +19,14 @@ namespace ctr {
 
 void pass_shard(Graph &g, const CompileOptions &opt) {
   CTR_CHECK(g.num_forward >= 0);
-  bool has_experts = false;
-  for (const Tensor &t : g.tensors) has_experts |= t.placed_on == "ep";
+  bool has_experts = false, has_tp = false;
+  for (const Tensor &t : g.tensors) {
+    has_experts |= t.placement.on("ep") != nullptr;
+    has_tp |= t.placement.on("tp") != nullptr;
+  }
   for (const MeshPlacement::Axis &a : opt.mesh.axes)
-    CTR_REQUIRE(a.size == 1 || a.name == "fsdp" || a.name == "dp" || (a.name == "ep" && has_experts),
+    CTR_REQUIRE(a.size == 1 || a.name == "fsdp" || a.name == "dp" || (a.name == "ep" && has_experts) ||
+                    (a.name == "tp" && has_tp),
                 CTR_STATUS_UNSUPPORTED,
                 "shard: mesh axis '%s' has size %lld, but graph '%s' has nothing to place on it (%s); "
                 "use dp and fsdp",
@@ -73,24 +77,18 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
     for (int t = 0; t < ntensors; ++t)
       if (g.tensors[t].grad_of == p) grad = t;
 
-    // Expert weights were split over ep by the expert pass (this rank holds
-    // rows [shard_index * N0, ...) of full_rows). Within the ep group's fsdp
-    // ranks they are sharded further when fsdp divides their rows evenly (the
-    // fsdp shards of one ep block are then consecutive rows of the full
-    // tensor); otherwise each fsdp rank keeps its ep block whole.
-    const bool expert = g.tensors[p].placed_on == "ep";
+    // Expert weights were split over ep by the expert pass (Shard(0) on ep).
+    // Within the ep group's fsdp ranks they are sharded further when fsdp
+    // divides their rows evenly (fsdp nests inside ep: the fsdp shards of one
+    // ep block are consecutive rows of the whole tensor); otherwise each fsdp
+    // rank keeps its ep block whole.
+    const bool expert = g.tensors[p].placement.on("ep") != nullptr;
     const bool shard_expert = expert && F > 1 && N0 % F == 0;
     if (F > 1 && (!expert || shard_expert)) {
       // The param itself becomes this rank's shard.
       Tensor &pt = g.tensors[p];
-      if (expert) {
-        pt.shard_index = pt.shard_index * F + opt.mesh.index("fsdp");
-        pt.placed_on = "ep,fsdp";
-      } else {
-        pt.full_rows = N0;
-        pt.shard_index = opt.mesh.index("fsdp");
-      }
       if (pt.shape.empty()) pt.shape = {1};
+      pt.placement.add_shard("fsdp", 0, pt.shape);
       pt.shape[0] = rows;
 
       // Full copies: one for forward uses, one for backward uses (or one for both).

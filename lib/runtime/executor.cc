@@ -19,7 +19,7 @@ namespace ctr {
 
 struct Executor::Call {
   KernelFn fn = nullptr;
-  bool skip = false;  // a reshape placed on its input (plan_memory): nothing to move
+  bool skip = false;  // a reshape or fanout placed on its input (plan_memory): nothing to move
   std::vector<uint8_t> params;
   std::vector<ctr_tensor_ref> in, out;
   ctr_kernel_args args{};
@@ -149,7 +149,7 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
       c->args.params = c->params.empty() ? nullptr : c->params.data();
       c->args.inputs = c->in.data();
       c->args.outputs = c->out.data();
-      c->skip = n.op == "reshape" && addr_[static_cast<size_t>(n.inputs[0])] == addr_[static_cast<size_t>(n.outputs[0])];
+      c->skip = (n.op == "reshape" || n.op == "fanout") && addr_[static_cast<size_t>(n.inputs[0])] == addr_[static_cast<size_t>(n.outputs[0])];
       calls_[ni] = std::move(c);
     } else if (in.kind == Instr::Collective && !colls_[ni]) {
       const Node &n = g.nodes[ni];

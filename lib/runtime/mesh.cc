@@ -70,6 +70,13 @@ int Mesh::axis_index(const std::string &name) const {
   return 0;
 }
 
+int Mesh::data_rank() const {
+  int r = 0;
+  for (const auto &a : axes)
+    if (a.first != "tp") r = r * a.second + axis_index(a.first);
+  return r;
+}
+
 std::vector<int> Mesh::axis_group(const std::string &name) const {
   int stride = 1, size = 1;
   for (auto it = axes.rbegin(); it != axes.rend(); ++it) {

@@ -48,6 +48,8 @@ class Mesh {
   int axis_size(const std::string &name) const;
   // This rank's index along the named axis.
   int axis_index(const std::string &name) const;
+  // This rank's index over every axis but tp (the ranks that read distinct data).
+  int data_rank() const;
   // Global ranks of this rank's group along the named axis, in axis order.
   std::vector<int> axis_group(const std::string &name) const;
   // The communicator of an axis ("world": every rank); fails naming the axis

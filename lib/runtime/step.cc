@@ -16,6 +16,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -46,23 +47,6 @@ void *must_alloc(const Backend &be, int64_t bytes, const char *what) {
     fail(CTR_STATUS_OUT_OF_MEMORY,
          strformat("cannot allocate %lld bytes for %s", static_cast<long long>(bytes), what));
   return p;
-}
-
-// Where a parameter's local rows sit in the full tensor: rows [first_row,
-// first_row + rows) of full_rows, row_elems floats each; the valid_rows that
-// lie inside the full tensor hold data, the rest are padding.
-struct Rows {
-  int64_t rows, row_elems, first_row, full_rows, valid_rows;
-};
-
-Rows rows_of(const Tensor &t) {
-  Rows r;
-  r.rows = t.shape.empty() ? 1 : t.shape[0];
-  r.row_elems = r.rows > 0 ? t.numel() / r.rows : 0;
-  r.first_row = t.full_rows > 0 ? t.shard_index * r.rows : 0;
-  r.full_rows = t.full_rows > 0 ? t.full_rows : r.rows;
-  r.valid_rows = std::max<int64_t>(0, std::min(r.rows, r.full_rows - r.first_row));
-  return r;
 }
 
 std::string options_json(const ctr_options *options) {
@@ -257,6 +241,33 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     s.v = opt_->v() + g_.tensors[s.tensor].offset / 4;
   }
 
+  // The gradient norm's groups: parameters by the mesh axes (of size > 1) that
+  // shard them; group 0 holds the most elements.
+  {
+    std::vector<int64_t> elems;
+    for (const ParamSlot &s : slots_) {
+      std::vector<std::string> axes;
+      for (const std::string &a : g_.tensors[s.tensor].placement.shard_axes())
+        if (copt_.mesh.size(a) > 1) axes.push_back(a);
+      size_t k = 0;
+      while (k < norm_groups_.size() && norm_groups_[k] != axes) ++k;
+      if (k == norm_groups_.size()) {
+        norm_groups_.push_back(axes);
+        elems.push_back(0);
+      }
+      elems[k] += s.n;
+      norm_group_of_.push_back(static_cast<int>(k));
+    }
+    if (norm_groups_.empty()) {
+      norm_groups_.emplace_back();
+      elems.push_back(0);
+    }
+    const size_t big = static_cast<size_t>(std::max_element(elems.begin(), elems.end()) - elems.begin());
+    std::swap(norm_groups_[0], norm_groups_[big]);
+    for (int &k : norm_group_of_)
+      if (k == 0 || k == static_cast<int>(big)) k = k == 0 ? static_cast<int>(big) : 0;
+  }
+
   // Inputs and the id ranges their consumers accept (each op's id rule);
   // constant ids are checked here, once.
   for (size_t i = 0; i < g_.tensors.size(); ++i) {
@@ -330,9 +341,9 @@ void Step::write_param(int t, const float *full) {
   const Tensor &x = g_.tensors[t];
   const int64_t n = x.numel();
   std::vector<float> host(static_cast<size_t>(n), 0.0f);
-  const Rows r = rows_of(x);
-  const int64_t valid = r.valid_rows * r.row_elems;
-  if (valid > 0) std::memcpy(host.data(), full + r.first_row * r.row_elems, static_cast<size_t>(valid) * 4);
+  for_each_run(x.shape, global_shape(x), local_block(x, copt_.mesh), [&](int64_t lo, int64_t go, int64_t count) {
+    std::memcpy(host.data() + lo, full + go, static_cast<size_t>(count) * 4);
+  });
   be_.iface->copy_h2d(be_.ctx, param_ptr(t), host.data(), static_cast<size_t>(n) * 4, 0);
   check_backend(be_, "writing a parameter");
 }
@@ -343,30 +354,30 @@ void Step::init_params(uint64_t seed) {
     const Tensor &t = g_.tensors[s.tensor];
     const uint64_t stream = rng::hash_name(t.name);
     const InitSpec &in = t.init;
-    // The shard's element i is global element base + i; padding rows stay zero.
-    const Rows r = rows_of(t);
-    const int64_t base = r.first_row * r.row_elems;
-    const int64_t valid = r.valid_rows * r.row_elems;
+    // Local element lo + i is global element go + i; padding stays zero.
     host.assign(static_cast<size_t>(s.n), 0.0f);
     float *p = host.data();
-    switch (in.kind) {
-      case InitKind::Zeros: break;
-      case InitKind::Ones: std::fill(p, p + valid, 1.0f); break;
-      case InitKind::Data: std::memcpy(p, t.data.data() + base * 4, static_cast<size_t>(valid) * 4); break;
-      case InitKind::Normal:
-        parallel_for(valid, 4096, [&](int64_t b, int64_t e) {
-          for (int64_t i = b; i < e; ++i)
-            p[i] = static_cast<float>(in.mean + in.std * rng::normal(seed, stream, static_cast<uint64_t>(base + i)));
-        });
-        break;
-      case InitKind::Uniform:
-        parallel_for(valid, 4096, [&](int64_t b, int64_t e) {
-          for (int64_t i = b; i < e; ++i)
-            p[i] = static_cast<float>(in.low + (in.high - in.low) *
-                                                   rng::uniform(seed, stream, static_cast<uint64_t>(base + i)));
-        });
-        break;
-    }
+    for_each_run(t.shape, global_shape(t), local_block(t, copt_.mesh), [&](int64_t lo, int64_t go, int64_t count) {
+      float *q = p + lo;
+      switch (in.kind) {
+        case InitKind::Zeros: break;
+        case InitKind::Ones: std::fill(q, q + count, 1.0f); break;
+        case InitKind::Data: std::memcpy(q, t.data.data() + go * 4, static_cast<size_t>(count) * 4); break;
+        case InitKind::Normal:
+          parallel_for(count, 4096, [&](int64_t b, int64_t e) {
+            for (int64_t i = b; i < e; ++i)
+              q[i] = static_cast<float>(in.mean + in.std * rng::normal(seed, stream, static_cast<uint64_t>(go + i)));
+          });
+          break;
+        case InitKind::Uniform:
+          parallel_for(count, 4096, [&](int64_t b, int64_t e) {
+            for (int64_t i = b; i < e; ++i)
+              q[i] = static_cast<float>(in.low + (in.high - in.low) *
+                                                     rng::uniform(seed, stream, static_cast<uint64_t>(go + i)));
+          });
+          break;
+      }
+    });
     be_.iface->copy_h2d(be_.ctx, param_ptr(s.tensor), p, static_cast<size_t>(s.n) * 4, 0);
   }
 }
@@ -510,11 +521,7 @@ double Step::read_loss() const {
   return loss;
 }
 
-int64_t Step::full_numel(int t) const {
-  const Tensor &x = g_.tensors[t];
-  if (x.full_rows == 0) return x.numel();
-  return x.numel() / x.shape[0] * x.full_rows;
-}
+int64_t Step::full_numel(int t) const { return global_numel(g_.tensors[t]); }
 
 void Step::run(ctr_step_metrics *metrics) {
   check_inputs_set("ctr_step_run");
@@ -570,37 +577,41 @@ void Step::run(ctr_step_metrics *metrics) {
   }
 
   auto to = Clock::now();
-  double sq = opt_->sum_squares();
-  // Squares sum over the axes a gradient is split over: the fsdp shards of the
-  // other weights over fsdp; expert weights (split over ep) over ep, and over
-  // fsdp too where fsdp split them further ("ep,fsdp").
-  double sq_split = 0, sq_whole = 0;  // expert squares: ep,fsdp-split and ep-split
-  const bool ep = copt_.mesh.size("ep") > 1;
-  if (ep) {
-    for (const ParamSlot &s : slots_) {
-      const Tensor &t = g_.tensors[s.tensor];
-      if (s.grad < 0 || t.placed_on.rfind("ep", 0) != 0) continue;
-      const double v = be_.iface->sum_squares(be_.ctx, opt_->grads() + t.offset / 4, s.n, 0);
-      (t.placed_on == "ep" ? sq_whole : sq_split) += v;
+  // Each gradient's squares sum over the mesh axes that shard it (a
+  // replicating axis holds copies, which count once): one partial sum per
+  // distinct set of shard axes (norm_groups_), each all-reduced over its axes.
+  // The largest group's sum is the total less the others', so the common
+  // layouts (all parameters alike) need one backend reduction.
+  std::vector<double> sums(norm_groups_.size(), 0.0);
+  {
+    double others = 0;
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      const ParamSlot &s = slots_[i];
+      if (s.grad < 0 || norm_group_of_[i] == 0) continue;
+      const double v =
+          be_.iface->sum_squares(be_.ctx, opt_->grads() + g_.tensors[s.tensor].offset / 4, s.n, 0);
+      sums[static_cast<size_t>(norm_group_of_[i])] += v;
+      others += v;
     }
-    sq -= sq_whole + sq_split;
+    sums[0] = opt_->sum_squares() - others;
   }
   // A device fault leaves stale or NaN sums: never clip or update from them.
   check_backend(be_, "computing the gradient norm");
-  if (copt_.mesh.size("fsdp") > 1) {
-    // Shards of the (dp-replicated) gradient: the global norm sums over fsdp.
-    double v[2] = {sq, sq_split};
-    const Comm &fc = mesh_.comm("fsdp");
-    comm_wait(fc, fc.iface->all_reduce(fc.ctx, v, v, 2, CTR_DTYPE_F64, ReduceOp::Sum), mesh_.timeout_ms);
-    sq = v[0];
-    sq_split = v[1];
+  for (const MeshPlacement::Axis &a : copt_.mesh.axes) {
+    std::vector<size_t> which;
+    for (size_t k = 0; k < norm_groups_.size(); ++k)
+      for (const std::string &x : norm_groups_[k])
+        if (x == a.name) which.push_back(k);
+    if (which.empty()) continue;
+    std::vector<double> v;
+    for (size_t k : which) v.push_back(sums[k]);
+    const Comm &c = mesh_.comm(a.name);
+    comm_wait(c, c.iface->all_reduce(c.ctx, v.data(), v.data(), v.size(), CTR_DTYPE_F64, ReduceOp::Sum),
+              mesh_.timeout_ms);
+    for (size_t j = 0; j < which.size(); ++j) sums[which[j]] = v[j];
   }
-  if (ep) {
-    double e = sq_split + sq_whole;
-    const Comm &ec = mesh_.comm("ep");
-    comm_wait(ec, ec.iface->all_reduce(ec.ctx, &e, &e, 1, CTR_DTYPE_F64, ReduceOp::Sum), mesh_.timeout_ms);
-    sq += e;
-  }
+  double sq = 0;
+  for (double v : sums) sq += v;
   double norm = std::sqrt(sq);
   const bool nonfinite = oc_.check_finite && (!std::isfinite(loss) || !std::isfinite(norm));
   if (nonfinite && !oc_.skip_nonfinite)
@@ -687,21 +698,17 @@ std::vector<ShardView> Step::checkpoint_shards() const {
     const Tensor &t = g_.tensors[s.tensor];
     ShardView v;
     v.name = t.name;
-    v.full_shape = t.shape.empty() ? std::vector<int64_t>{1} : t.shape;
-    if (t.full_rows > 0) v.full_shape[0] = t.full_rows;
-    if (t.shape.empty()) v.full_shape.clear();
+    v.full_shape = global_shape(t);
     v.n = s.n;
-    const Rows r = rows_of(t);
-    v.row_elems = r.row_elems;
-    v.first_row = r.first_row;
-    v.valid_rows = r.valid_rows;
-    // One copy of each row is written: dp replicas hold the same rows, and so
-    // do the ep ranks (other than expert weights) and the fsdp ranks of an ep
-    // group (expert weights).
-    // (Expert weights split over fsdp as well have no replica within the ep group.)
-    const bool expert = t.placed_on == "ep";
-    v.write = copt_.mesh.index("dp") == 0 &&
-              (t.placed_on == "ep,fsdp" || copt_.mesh.index(expert ? "fsdp" : "ep") == 0);
+    // Checkpoint files hold row ranges: tensors are sharded on dim 0 only.
+    for (const AxisPlacement &a : t.placement.axes) CTR_CHECK(a.kind == AxisPlacement::Shard && a.dim == 0);
+    const LocalBlock b = local_block(t, copt_.mesh);
+    const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    v.row_elems = rows > 0 ? s.n / rows : 0;
+    v.first_row = b.first.empty() ? 0 : b.first[0];
+    v.valid_rows = b.valid.empty() ? 1 : b.valid[0];
+    // One copy of each block is written, by its first replica.
+    v.write = first_replica(t, copt_.mesh);
     v.buffers[0] = param_ptr(s.tensor);
     v.buffers[1] = s.m;
     v.buffers[2] = s.v;
@@ -738,7 +745,7 @@ double Step::forward_backward() {
 
 void Step::read_grad(const std::string &name, float *out, size_t count) {
   int t = find_param(name, count);
-  CTR_REQUIRE(g_.tensors[t].full_rows == 0, CTR_STATUS_UNSUPPORTED,
+  CTR_REQUIRE(!g_.tensors[t].placement.sharded(), CTR_STATUS_UNSUPPORTED,
               "read_grad: parameter '%s' is sharded", name.c_str());
   int gt = plan_.param_grad[t];
   if (gt < 0) {
@@ -765,28 +772,44 @@ void Step::get_param(const std::string &name, float *out, size_t count) {
   int t = find_param(name, count);
   CTR_REQUIRE(out != nullptr, CTR_STATUS_INVALID_ARGUMENT, "ctr_step_get_param: out is NULL");
   const Tensor &x = g_.tensors[t];
-  if (x.full_rows == 0) {
+  if (!x.placement.sharded()) {
     be_.iface->copy_d2h(be_.ctx, out, param_ptr(t), count * 4, 0);
     check_backend(be_, "reading a parameter");
     return;
   }
-  // Sharded: this rank's shard to the host, then gather the shards of its
-  // groups, innermost first (fsdp; ep for expert weights; fsdp then ep for
-  // expert weights split over both), as collective calls over host memory.
+  // Sharded: this rank's block to the host, then the blocks of every rank of
+  // its shard axes gathered, innermost axis first (collective calls over host
+  // memory), so block j of the result is the block of the j-th index tuple
+  // (outermost axis slowest); each is put in place from its own local block.
   std::vector<float> part(static_cast<size_t>(x.numel()));
   be_.iface->copy_d2h(be_.ctx, part.data(), param_ptr(t), static_cast<size_t>(x.bytes()), 0);
   check_backend(be_, "reading a parameter");
-  std::vector<std::string> axes = {"fsdp"};
-  if (x.placed_on == "ep") axes = {"ep"};
-  if (x.placed_on == "ep,fsdp") axes = {"fsdp", "ep"};
-  for (const std::string &axis : axes) {
-    const Comm &c = mesh_.comm(axis);
-    std::vector<float> whole(part.size() * static_cast<size_t>(copt_.mesh.size(axis)));
+  std::vector<std::string> axes;
+  for (const std::string &a : x.placement.shard_axes())
+    if (copt_.mesh.size(a) > 1) axes.push_back(a);
+  for (size_t i = axes.size(); i-- > 0;) {
+    const Comm &c = mesh_.comm(axes[i]);
+    std::vector<float> whole(part.size() * static_cast<size_t>(copt_.mesh.size(axes[i])));
     comm_wait(c, c.iface->all_gather(c.ctx, part.data(), whole.data(), part.size() * sizeof(float)),
               mesh_.timeout_ms);
     part = std::move(whole);
   }
-  std::memcpy(out, part.data(), count * 4);
+  MeshPlacement at = copt_.mesh;
+  const std::vector<int64_t> whole = global_shape(x);
+  const size_t blocks = part.size() / static_cast<size_t>(x.numel());
+  for (size_t j = 0; j < blocks; ++j) {
+    size_t rest = j;
+    for (size_t i = axes.size(); i-- > 0;)
+      for (MeshPlacement::Axis &a : at.axes)
+        if (a.name == axes[i]) {
+          a.index = static_cast<int64_t>(rest % static_cast<size_t>(a.size));
+          rest /= static_cast<size_t>(a.size);
+        }
+    const float *src = part.data() + j * static_cast<size_t>(x.numel());
+    for_each_run(x.shape, whole, local_block(x, at), [&](int64_t lo, int64_t go, int64_t n) {
+      std::memcpy(out + go, src + lo, static_cast<size_t>(n) * 4);
+    });
+  }
 }
 
 void Step::set_param(const std::string &name, const float *data, size_t count) {

@@ -140,6 +140,10 @@ class Step : private CheckpointState {
   std::unique_ptr<Executor> exec_;
   std::unique_ptr<FlatOptimizer> opt_;
   std::vector<ParamSlot> slots_;
+  // The gradient norm's partial sums: per group the mesh axes its gradients
+  // are sharded over, and per slot its group (0: the one computed as the rest).
+  std::vector<std::vector<std::string>> norm_groups_;
+  std::vector<int> norm_group_of_;
   std::vector<InputSlot> inputs_slots_;
   std::vector<std::string> passes_run_;
   int64_t step_ = 0;

@@ -8,7 +8,8 @@
  *
  * Rank and world come from the environment (ctr launch sets them). Every rank
  * builds the same global batch of a learnable token pattern and feeds its own
- * contiguous slice of rows, so any world size trains on the same data. Rank 0
+ * contiguous slice of rows (its data share: the ranks of one tensor-parallel
+ * group feed the same rows), so any mesh trains on the same data. Rank 0
  * writes one loss per line, exactly (17 significant digits), and then the checksum of
  * a few parameters, for the driver to compare across meshes. */
 #include <stdio.h>
@@ -34,7 +35,7 @@ int main(int argc, char **argv) {
   ctr_mesh *mesh;
   ctr_graph *graph;
   ctr_step *step;
-  int rank, world, local, r, t, s, zero_router = 0, top_k = 2;
+  int rank, world, data_rank, data_size, local, r, t, s, zero_router = 0, top_k = 2;
   int32_t *tok, *tgt;
   FILE *out = NULL;
 
@@ -62,12 +63,18 @@ int main(int argc, char **argv) {
   CHECK(ctr_mesh_create_from_env(mo, &mesh));
   rank = ctr_mesh_rank(mesh);
   world = ctr_mesh_world_size(mesh);
-  if (global_batch % (world * micro) != 0) {
-    fprintf(stderr, "global batch %d does not split over %d ranks x %d micro-batches\n",
-            global_batch, world, micro);
+  data_rank = ctr_mesh_data_rank(mesh);
+  data_size = ctr_mesh_data_size(mesh);
+  if (data_size < 1 || data_size > world || data_rank < 0 || data_rank >= data_size) {
+    fprintf(stderr, "data share %d of %d on a world of %d\n", data_rank, data_size, world);
+    return 1;
+  }
+  if (global_batch % (data_size * micro) != 0) {
+    fprintf(stderr, "global batch %d does not split over %d data shares x %d micro-batches\n",
+            global_batch, data_size, micro);
     return 2;
   }
-  local = global_batch / world / micro;
+  local = global_batch / data_size / micro;
   if (strstr(extra, "top_k=")) top_k = atoi(strstr(extra, "top_k=") + 6);
 
   CHECK(ctr_options_create(&go));
@@ -132,9 +139,9 @@ int main(int argc, char **argv) {
   }
   for (s = 0; s < steps; ++s) {
     ctr_step_metrics met;
-    /* Rows of this rank: [rank * local * micro, (rank + 1) * local * micro) of the global batch. */
+    /* Rows of this data share: [d * local * micro, (d + 1) * local * micro) of the global batch. */
     for (r = 0; r < local * micro; ++r) {
-      int g = rank * local * micro + r;
+      int g = data_rank * local * micro + r;
       int stride = 1 + (g + s) % 3, start = (g * 5 + s * 11) % V;
       for (t = 0; t < T; ++t) {
         tok[r * T + t] = (start + stride * t) % V;
@@ -159,6 +166,23 @@ int main(int argc, char **argv) {
     CHECK(ctr_step_get_param(step, name, w, n));
     for (i = 0; i < n; ++i) sum += w[i] * (double)(i % 7 + 1);
     if (out) fprintf(out, "param %.17g\n", sum);
+    free(w);
+  }
+  if (strcmp(preset, "moe") != 0) {
+    /* A weight that tensor parallelism splits on its input dim (row-parallel):
+     * 2 layers' output projections of the MLP, [32, 128] (gpt) or [32, ffn] (llama). */
+    const char *name = strcmp(preset, "llama") == 0 ? "layers.1.feed_forward.w2.weight" : "layers.1.mlp.proj.weight";
+    ctr_dtype dtype;
+    int64_t dims[4];
+    size_t ndim = 0, n = 1, i;
+    float *w;
+    double sum = 0;
+    CHECK(ctr_graph_tensor_info(graph, name, &dtype, dims, 4, &ndim));
+    for (i = 0; i < ndim; ++i) n *= (size_t)dims[i];
+    w = malloc(sizeof(float) * n);
+    CHECK(ctr_step_get_param(step, name, w, n));
+    for (i = 0; i < n; ++i) sum += w[i] * (double)(i % 5 + 1);
+    if (out) fprintf(out, "param2 %.17g\n", sum);
     free(w);
   }
   {

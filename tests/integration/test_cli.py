@@ -138,6 +138,27 @@ def check_schedule(tmp):
               f"reorder dump does not say what it chose: {chosen}")
 
 
+def check_placements(tmp):
+    """`inspect --after shard` prints each parameter's placement per mesh axis and
+    its whole shape: uneven fsdp shards padded to equal blocks, expert weights
+    split over ep and again over fsdp (ep outermost)."""
+    g = os.path.join(tmp, "place.ctrg")
+    run("graph", "build", "--preset", "gpt", "--layers", "1", "--dim", "64", "--heads", "4",
+        "--vocab", "250", "--seq", "32", "-o", g)
+    dump = run("graph", "inspect", g, "--after", "shard", "--fsdp", "3", "--rank", "2").stdout
+    wte = next((line for line in dump.splitlines() if " wte:" in line), "")
+    check("wte:f32[84,64] placed fsdp:S(0) of [250,64]" in wte, f"uneven fsdp placement: {wte!r}")
+    whole = run("graph", "inspect", g, "--after", "shard").stdout
+    check(" placed " not in whole, "a one-rank step has placed tensors")
+    m = os.path.join(tmp, "place_moe.ctrg")
+    run("graph", "build", "--preset", "moe", "--layers", "1", "--dim", "64", "--heads", "4",
+        "--experts", "4", "--vocab", "256", "--seq", "32", "-o", m)
+    dump = run("graph", "inspect", m, "--after", "shard", "--fsdp", "2", "--ep", "2").stdout
+    experts = [line for line in dump.splitlines() if "experts.w1:" in line]
+    check(experts and all("placed ep:S(0), fsdp:S(0) of [4," in line for line in experts),
+          f"expert weights over ep and fsdp: {experts}")
+
+
 def check_special_files(tmp, graph):
     """A FIFO where a graph, data file, manifest or checkpoint file should be is refused
     at once, naming it; it never blocks the process. A resume whose newest checkpoint has
@@ -261,6 +282,7 @@ def main():
     check("all_gather" in out and "reduce_scatter" in out and "all_reduce" in out,
           "shard dump lacks the collectives")
     check_schedule(tmp)
+    check_placements(tmp)
     check_special_files(tmp, graph)
 
     # Train on a learnable byte text: a short sentence repeated.

@@ -327,7 +327,7 @@ struct ScheduleArgs {
 
 struct InspectArgs {
   std::string file, after = "verify";
-  int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, ep = 1, rank = 0;
+  int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, ep = 1, tp = 1, rank = 0;
   ScheduleArgs schedule;
   CLI::Option *after_opt = nullptr, *seq_opt = nullptr;
 };
@@ -374,6 +374,7 @@ int cmd_graph_inspect(const InspectArgs &a) {
   set_int(opts.get(), "fsdp", a.fsdp);
   set_int(opts.get(), "dp", a.dp);
   set_int(opts.get(), "ep", a.ep);
+  set_int(opts.get(), "tp", a.tp);
   set_int(opts.get(), "rank", a.rank);
   a.schedule.set(opts.get());
   const std::string dump = ctr::inspect_graph(graph.get(), opts.get(), a.after);
@@ -1146,7 +1147,9 @@ int run_main(int argc, char **argv) {
       ->check(kPositive);
   inspect_cmd->add_option("--dp", inspect.dp, "Replicate over this many ranks (shard pass)")
       ->check(kPositive);
-  inspect_cmd->add_option("--ep", inspect.ep, "Split experts over this many ranks (expert pass; mesh dp,ep,fsdp)")
+  inspect_cmd->add_option("--ep", inspect.ep, "Split experts over this many ranks (expert pass; mesh dp,ep,fsdp,tp)")
+      ->check(kPositive);
+  inspect_cmd->add_option("--tp", inspect.tp, "Split heads and features over this many ranks (place pass)")
       ->check(kPositive);
   inspect_cmd->add_option("--rank", inspect.rank, "Which rank's placement to show")
       ->check(kNonNegative);

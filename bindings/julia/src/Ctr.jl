@@ -18,7 +18,7 @@ module Ctr
 
 using Libdl
 
-# Mesh accessors (rank, world_size, axis_size, device) are not exported: `rank`
+# Mesh accessors (rank, world_size, data_rank, data_size, axis_size, device) are not exported: `rank`
 # would clash with LinearAlgebra's. Call them as Ctr.rank(mesh).
 export CtrError, Options, Mesh, Graph, Step, Loader, Metrics, TensorInfo,
        preset_graph, input_names, param_names, tensor_info, param_count, flops_per_token, save_file,
@@ -255,6 +255,8 @@ Base.close(m::Mesh) = close_shared!(m)
 
 rank(m::Mesh) = Int(ccall((:ctr_mesh_rank, libctr), Cint, (Ptr{Cvoid},), live(m, "mesh")))
 world_size(m::Mesh) = Int(ccall((:ctr_mesh_world_size, libctr), Cint, (Ptr{Cvoid},), live(m, "mesh")))
+data_rank(m::Mesh) = Int(ccall((:ctr_mesh_data_rank, libctr), Cint, (Ptr{Cvoid},), live(m, "mesh")))
+data_size(m::Mesh) = Int(ccall((:ctr_mesh_data_size, libctr), Cint, (Ptr{Cvoid},), live(m, "mesh")))
 axis_size(m::Mesh, axis::AbstractString) =
     Int(ccall((:ctr_mesh_axis_size, libctr), Cint, (Ptr{Cvoid}, Cstring), live(m, "mesh"), cstr("axis", axis)))
 device(m::Mesh) = unsafe_string(ccall((:ctr_mesh_device, libctr), Cstring, (Ptr{Cvoid},), live(m, "mesh")))

@@ -244,6 +244,16 @@ class Mesh(_Handle):
         return _L.mesh_axis_size(self._p(), _enc(axis))
 
     @property
+    def data_rank(self):
+        """This rank's share of the global batch (ranks of one tp group share one)."""
+        return _L.mesh_data_rank(self._p())
+
+    @property
+    def data_size(self):
+        """How many shares the global batch is split into."""
+        return _L.mesh_data_size(self._p())
+
+    @property
     def device(self):
         return _dec(_L.mesh_device(self._p()))
 

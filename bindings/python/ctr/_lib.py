@@ -184,6 +184,8 @@ _FUNCTIONS = {
     "ctr_mesh_rank": (c_int, [c_void_p]),
     "ctr_mesh_world_size": (c_int, [c_void_p]),
     "ctr_mesh_axis_size": (c_int, [c_void_p, c_char_p]),
+    "ctr_mesh_data_rank": (c_int, [c_void_p]),
+    "ctr_mesh_data_size": (c_int, [c_void_p]),
     "ctr_mesh_device": (c_char_p, [c_void_p]),
     # A status that is a result, not a failure: no errcheck.
     "ctr_mesh_async_error": (c_int, [c_void_p, P(c_char_p)]),

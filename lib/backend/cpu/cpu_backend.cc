@@ -567,6 +567,7 @@ void register_library_kernels() {
         {"attention_bwd", bind<k_attention_bwd>}, {"cross_entropy", bind<k_cross_entropy>},
         {"cross_entropy_bwd", bind<k_cross_entropy_bwd>},
         {"reshape", bind<k_reshape>},             {"transpose", bind<k_transpose>},
+        {"fanout", bind<k_reshape>},
         {"slice", bind<k_slice>},                 {"slice_bwd", bind<k_slice_bwd>},
         {"cat", bind<k_cat>},
         {"take_rows", bind<k_take_rows>},         {"take_rows_bwd", bind<k_take_rows_bwd>},

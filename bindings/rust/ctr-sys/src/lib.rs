@@ -137,6 +137,8 @@ extern "C" {
     pub fn ctr_mesh_free(mesh: *mut ctr_mesh);
     pub fn ctr_mesh_rank(mesh: *const ctr_mesh) -> c_int;
     pub fn ctr_mesh_world_size(mesh: *const ctr_mesh) -> c_int;
+    pub fn ctr_mesh_data_rank(mesh: *const ctr_mesh) -> c_int;
+    pub fn ctr_mesh_data_size(mesh: *const ctr_mesh) -> c_int;
     pub fn ctr_mesh_axis_size(mesh: *const ctr_mesh, axis: *const c_char) -> c_int;
     pub fn ctr_mesh_device(mesh: *const ctr_mesh) -> *const c_char;
 

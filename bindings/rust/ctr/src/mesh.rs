@@ -75,6 +75,19 @@ impl Mesh {
         unsafe { sys::ctr_mesh_world_size(self.as_ptr()) }
     }
 
+    /// This rank's share of the global batch: the ranks of one tensor-parallel
+    /// group compute on the same rows.
+    pub fn data_rank(&self) -> i32 {
+        // SAFETY: live handle.
+        unsafe { sys::ctr_mesh_data_rank(self.as_ptr()) }
+    }
+
+    /// How many shares the global batch is split into.
+    pub fn data_size(&self) -> i32 {
+        // SAFETY: live handle.
+        unsafe { sys::ctr_mesh_data_size(self.as_ptr()) }
+    }
+
     /// Size of the named axis; 1 for an axis the mesh lacks. A name with a NUL
     /// byte cannot name an axis and gives 0, as the C call does for NULL.
     pub fn axis_size(&self, axis: &str) -> i32 {
