@@ -193,20 +193,32 @@ template <BinOp Op>
 void binary_any(const Args &c) { c.bf16() ? binary<Op, __nv_bfloat16>(c) : binary<Op, float>(c); }
 
 // ---------------------------------------------------------------------------
-// Column sums: db[nb] = sum over the n / nb rows of x (times a when given).
-// One thread per column, rows in order, so the result is deterministic.
+// Column sums: db[nb] = sum over the n / nb rows of x (times a when given), in
+// two stages (common.cuh): a block sums 32 columns of one range of rows, a
+// warp reading 32 neighbours of a row and 8 row lanes in turn, its lanes'
+// partials added in lane order.
 
 template <typename T, typename O>
-__global__ void column_sum_kernel(const T *x, const T *a, O *db, int64_t rows, int64_t nb) {
-  for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < nb; j += int64_t{gridDim.x} * blockDim.x) {
-    float s = 0.0f;
-    for (int64_t r = 0; r < rows; ++r) s += a ? load(x, r * nb + j) * load(a, r * nb + j) : load(x, r * nb + j);
-    store(db, j, s);
+__global__ void column_sum_partial_kernel(const T *x, const T *a, O *dst, int64_t rows, int64_t nb,
+                                          int64_t rows_per_chunk) {
+  __shared__ float part[kRowLanes][kColTile + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t j = blockIdx.x * int64_t{kColTile} + tx;
+  const int64_t r0 = blockIdx.y * rows_per_chunk, r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+  float s = 0.0f;
+  if (j < nb)
+    for (int64_t i = (r0 + ty) * nb + j, end = r1 * nb; i < end; i += kRowLanes * nb)
+      s += a ? load(x, i) * load(a, i) : load(x, i);
+  part[ty][tx] = s;
+  __syncthreads();
+  if (ty == 0 && j < nb) {
+    float t = 0.0f;
+    for (int k = 0; k < kRowLanes; ++k) t += part[k][tx];
+    store(dst, blockIdx.y * nb + j, t);
   }
 }
 
-// A sum over one column of many rows is cut into row chunks summed by a block
-// each (fixed order), then the chunks are added in order.
+// A sum over one column of all n elements: one block, a fixed order.
 template <typename T, typename O>
 __global__ void scalar_sum_kernel(const T *x, const T *a, O *out, int64_t n) {
   __shared__ float sh[32];
@@ -217,26 +229,37 @@ __global__ void scalar_sum_kernel(const T *x, const T *a, O *out, int64_t n) {
 }
 
 template <typename T, typename O>
-void column_sum(const Args &c, const T *x, const T *a, O *db, int64_t n, int64_t nb) {
-  if (nb == 1)
-    CTR_LAUNCH(scalar_sum_kernel, 1, 1024, 0, c.stream())(x, a, db, n);
-  else
-    CTR_LAUNCH(column_sum_kernel, grid_for(nb), 256, 0, c.stream())(x, a, db, n / nb, nb);
+void column_sum(StreamCtx &sc, const T *x, const T *a, O *db, int64_t n, int64_t nb) {
+  if (nb == 1) {
+    CTR_LAUNCH(scalar_sum_kernel, 1, 1024, 0, sc.stream)(x, a, db, n);
+    return;
+  }
+  const int64_t rows = n / nb;
+  const ColumnSplit sp = column_split(rows, nb, sc.workspace_bytes);
+  const dim3 grid(static_cast<unsigned>((nb + kColTile - 1) / kColTile), static_cast<unsigned>(sp.chunks));
+  if (sp.chunks == 1) {
+    CTR_LAUNCH(column_sum_partial_kernel, grid, dim3(kColTile, kRowLanes), 0, sc.stream)(x, a, db, rows, nb,
+                                                                                         sp.rows_per_chunk);
+    return;
+  }
+  float *partials = static_cast<float *>(sc.workspace);
+  CTR_LAUNCH(column_sum_partial_kernel, grid, dim3(kColTile, kRowLanes), 0, sc.stream)(x, a, partials, rows, nb,
+                                                                                       sp.rows_per_chunk);
+  CTR_LAUNCH(sum_partials_kernel, grid_for(nb), 256, 0, sc.stream)(static_cast<const float *>(partials), db,
+                                                                   sp.chunks, nb);
 }
 
 // reduce_rows and linear_bwd_b: db[nb] = column sums of dout[n]. The gradient
 // of a parameter is f32 whatever the activations' storage.
 template <typename T>
-void reduce_rows(const Args &c) {
-  if (c.out_ref(0).dtype == CTR_DTYPE_BF16)
-    column_sum(c, c.in<const T>(0), static_cast<const T *>(nullptr), c.out<__nv_bfloat16>(0), c.in_numel(0),
-               c.out_numel(0));
+void column_sums_of(const ctr_tensor_ref &x, const ctr_tensor_ref &out, StreamCtx &sc) {
+  const T *xp = static_cast<const T *>(x.data), *none = nullptr;
+  if (out.dtype == CTR_DTYPE_BF16)
+    column_sum(sc, xp, none, static_cast<__nv_bfloat16 *>(out.data), x.numel, out.numel);
   else
-    column_sum(c, c.in<const T>(0), static_cast<const T *>(nullptr), c.out<float>(0), c.in_numel(0), c.out_numel(0));
+    column_sum(sc, xp, none, static_cast<float *>(out.data), x.numel, out.numel);
 }
-void reduce_rows_any(const Args &c) {
-  c.in_ref(0).dtype == CTR_DTYPE_BF16 ? reduce_rows<__nv_bfloat16>(c) : reduce_rows<float>(c);
-}
+void reduce_rows_any(const Args &c) { launch_column_sums(c.in_ref(0), c.out_ref(0), *c.s); }
 
 // mul_bwd(dout, a, b) -> (da, db): da = dout * b (b broadcast over rows), db =
 // column sums of dout * a. Either output may be absent (a null ref).
@@ -252,9 +275,9 @@ void mul_bwd(const Args &c) {
     CTR_LAUNCH(mul_rows_kernel, grid_for(n), 256, 0, c.stream())(c.in<const T>(0), c.in<const T>(2), da, n, nb);
   if (c.num_outputs() > 1 && c.out<void>(1)) {
     if (c.out_ref(1).dtype == CTR_DTYPE_BF16)
-      column_sum(c, c.in<const T>(0), c.in<const T>(1), c.out<__nv_bfloat16>(1), n, nb);
+      column_sum(*c.s, c.in<const T>(0), c.in<const T>(1), c.out<__nv_bfloat16>(1), n, nb);
     else
-      column_sum(c, c.in<const T>(0), c.in<const T>(1), c.out<float>(1), n, nb);
+      column_sum(*c.s, c.in<const T>(0), c.in<const T>(1), c.out<float>(1), n, nb);
   }
 }
 
@@ -287,6 +310,32 @@ void k_add_same(const Args &c) { CTR_CUDA_DISPATCH(c, add_same); }
 void k_mul_bwd(const Args &c) { c.in_ref(0).dtype == CTR_DTYPE_BF16 ? mul_bwd<__nv_bfloat16>(c) : mul_bwd<float>(c); }
 
 }  // namespace
+
+void launch_column_sums(const ctr_tensor_ref &x, const ctr_tensor_ref &out, StreamCtx &s) {
+  if (x.numel == 0 || out.numel == 0) return;
+  x.dtype == CTR_DTYPE_BF16 ? column_sums_of<__nv_bfloat16>(x, out, s) : column_sums_of<float>(x, out, s);
+}
+void launch_gelu_tanh(const ctr_tensor_ref &x, const ctr_tensor_ref &y, cudaStream_t s) {
+  const int64_t n = x.numel;
+  if (n == 0) return;
+  if (x.dtype == CTR_DTYPE_BF16)
+    CTR_LAUNCH(map1, grid_for(n), 256, 0, s)(static_cast<const __nv_bfloat16 *>(x.data),
+                                             static_cast<__nv_bfloat16 *>(y.data), n, GeluTanh{});
+  else
+    CTR_LAUNCH(map1, grid_for(n), 256, 0, s)(static_cast<const float *>(x.data), static_cast<float *>(y.data), n,
+                                             GeluTanh{});
+}
+void launch_gelu_tanh_bwd(const ctr_tensor_ref &g, const ctr_tensor_ref &x, const ctr_tensor_ref &y, cudaStream_t s) {
+  const int64_t n = x.numel;
+  if (n == 0) return;
+  if (x.dtype == CTR_DTYPE_BF16)
+    CTR_LAUNCH(map2, grid_for(n), 256, 0, s)(static_cast<const __nv_bfloat16 *>(g.data),
+                                             static_cast<const __nv_bfloat16 *>(x.data),
+                                             static_cast<__nv_bfloat16 *>(y.data), n, GeluTanhBwd{});
+  else
+    CTR_LAUNCH(map2, grid_for(n), 256, 0, s)(static_cast<const float *>(g.data), static_cast<const float *>(x.data),
+                                             static_cast<float *>(y.data), n, GeluTanhBwd{});
+}
 
 const KernelEntry kElementwiseKernels[] = {
     {"cast", bind<k_cast>},
