@@ -342,6 +342,18 @@ TEST_P(GpuModel, TwentyStepsMatchCpu) {
   Trainer cpu(GetParam(), "cpu"), gpu(GetParam(), device_under_test());
   ASSERT_NE(cpu.step, nullptr);
   ASSERT_NE(gpu.step, nullptr);
+  if (!testing_cpu()) {
+    // Every bias gradient beside its weight gradient, and GPT-2's MLP GEMMs
+    // with their GELU, take cuBLASLt's epilogues (pass epilogues).
+    std::multiset<std::string> ops;
+    for (const auto &n : gpu.step->impl->graph().nodes) ops.insert(n.op);
+    EXPECT_EQ(ops.count("linear_bwd_b"), 0u);
+    if (std::string(GetParam()) == "gpt") {
+      EXPECT_EQ(ops.count("linear_bwd_wb"), 12u);  // 2 layers: q, k, v, proj, fc, mlp proj
+      EXPECT_EQ(ops.count("linear_gelu"), 2u);
+      EXPECT_EQ(ops.count("linear_bwd_x_dgelu"), 2u);
+    }
+  }
   for (int i = 0; i < 20; ++i) {
     const double a = cpu.run(i), b = gpu.run(i);
     ASSERT_TRUE(std::isfinite(b)) << "step " << i;
