@@ -12,26 +12,73 @@ namespace ctr::cuda {
 namespace {
 
 // ---------------------------------------------------------------------------
-// Maps over n elements.
+// Maps over n elements. Where every operand is 16-byte aligned (arena tensors
+// are 64-byte aligned), a thread moves 16 bytes per operand at once (4 f32 or
+// 8 bf16: one vector load or store each) and the last n % width elements go
+// element by element; indices are a thread's own counter, never divided.
+
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kWidth = 16 / sizeof(T);
+  T v[kWidth];
+};
+
+inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 template <typename T, typename F>
-__global__ void map1(const T *x, T *y, int64_t n, F f) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    store(y, i, f(load(x, i)));
+__global__ void map1(const T *x, T *y, int64_t n, bool packed, F f) {
+  constexpr int W = Pack<T>::kWidth;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x, first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  int64_t done = 0;
+  if (packed) {
+    const int64_t packs = n / W;
+    const Pack<T> *xp = reinterpret_cast<const Pack<T> *>(x);
+    Pack<T> *yp = reinterpret_cast<Pack<T> *>(y);
+    for (int64_t i = first; i < packs; i += stride) {
+      const Pack<T> a = xp[i];
+      Pack<T> o;
+      for (int k = 0; k < W; ++k) store(o.v, k, f(load(a.v, k)));
+      yp[i] = o;
+    }
+    done = packs * W;
+  }
+  for (int64_t i = done + first; i < n; i += stride) store(y, i, f(load(x, i)));
 }
 template <typename T, typename F>
-__global__ void map2(const T *a, const T *b, T *y, int64_t n, F f) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    store(y, i, f(load(a, i), load(b, i)));
+__global__ void map2(const T *a, const T *b, T *y, int64_t n, bool packed, F f) {
+  constexpr int W = Pack<T>::kWidth;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x, first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  int64_t done = 0;
+  if (packed) {
+    const int64_t packs = n / W;
+    const Pack<T> *ap = reinterpret_cast<const Pack<T> *>(a), *bp = reinterpret_cast<const Pack<T> *>(b);
+    Pack<T> *yp = reinterpret_cast<Pack<T> *>(y);
+    for (int64_t i = first; i < packs; i += stride) {
+      const Pack<T> u = ap[i], w = bp[i];
+      Pack<T> o;
+      for (int k = 0; k < W; ++k) store(o.v, k, f(load(u.v, k), load(w.v, k)));
+      yp[i] = o;
+    }
+    done = packs * W;
+  }
+  for (int64_t i = done + first; i < n; i += stride) store(y, i, f(load(a, i), load(b, i)));
+}
+
+// Threads for n elements in packs of W (the tail fits in the same grid).
+template <typename T>
+unsigned map_grid(int64_t n, bool packed) {
+  return grid_for(packed ? (n + Pack<T>::kWidth - 1) / Pack<T>::kWidth : n);
 }
 
 template <typename T, typename F>
 void launch1(const Args &c, const T *x, T *y, int64_t n, F f) {
-  CTR_LAUNCH(map1, grid_for(n), 256, 0, c.stream())(x, y, n, f);
+  const bool packed = aligned16(x) && aligned16(y);
+  CTR_LAUNCH(map1, map_grid<T>(n, packed), 256, 0, c.stream())(x, y, n, packed, f);
 }
 template <typename T, typename F>
 void launch2(const Args &c, const T *a, const T *b, T *y, int64_t n, F f) {
-  CTR_LAUNCH(map2, grid_for(n), 256, 0, c.stream())(a, b, y, n, f);
+  const bool packed = aligned16(a) && aligned16(b) && aligned16(y);
+  CTR_LAUNCH(map2, map_grid<T>(n, packed), 256, 0, c.stream())(a, b, y, n, packed, f);
 }
 
 struct GeluTanh { __device__ float operator()(float x) const { return math::gelu_fast(x); } };
@@ -318,23 +365,26 @@ void launch_column_sums(const ctr_tensor_ref &x, const ctr_tensor_ref &out, Stre
 void launch_gelu_tanh(const ctr_tensor_ref &x, const ctr_tensor_ref &y, cudaStream_t s) {
   const int64_t n = x.numel;
   if (n == 0) return;
+  const bool packed = aligned16(x.data) && aligned16(y.data);
   if (x.dtype == CTR_DTYPE_BF16)
-    CTR_LAUNCH(map1, grid_for(n), 256, 0, s)(static_cast<const __nv_bfloat16 *>(x.data),
-                                             static_cast<__nv_bfloat16 *>(y.data), n, GeluTanh{});
+    CTR_LAUNCH(map1, map_grid<__nv_bfloat16>(n, packed), 256, 0, s)(
+        static_cast<const __nv_bfloat16 *>(x.data), static_cast<__nv_bfloat16 *>(y.data), n, packed, GeluTanh{});
   else
-    CTR_LAUNCH(map1, grid_for(n), 256, 0, s)(static_cast<const float *>(x.data), static_cast<float *>(y.data), n,
-                                             GeluTanh{});
+    CTR_LAUNCH(map1, map_grid<float>(n, packed), 256, 0, s)(static_cast<const float *>(x.data),
+                                                            static_cast<float *>(y.data), n, packed, GeluTanh{});
 }
 void launch_gelu_tanh_bwd(const ctr_tensor_ref &g, const ctr_tensor_ref &x, const ctr_tensor_ref &y, cudaStream_t s) {
   const int64_t n = x.numel;
   if (n == 0) return;
+  const bool packed = aligned16(g.data) && aligned16(x.data) && aligned16(y.data);
   if (x.dtype == CTR_DTYPE_BF16)
-    CTR_LAUNCH(map2, grid_for(n), 256, 0, s)(static_cast<const __nv_bfloat16 *>(g.data),
-                                             static_cast<const __nv_bfloat16 *>(x.data),
-                                             static_cast<__nv_bfloat16 *>(y.data), n, GeluTanhBwd{});
+    CTR_LAUNCH(map2, map_grid<__nv_bfloat16>(n, packed), 256, 0, s)(
+        static_cast<const __nv_bfloat16 *>(g.data), static_cast<const __nv_bfloat16 *>(x.data),
+        static_cast<__nv_bfloat16 *>(y.data), n, packed, GeluTanhBwd{});
   else
-    CTR_LAUNCH(map2, grid_for(n), 256, 0, s)(static_cast<const float *>(g.data), static_cast<const float *>(x.data),
-                                             static_cast<float *>(y.data), n, GeluTanhBwd{});
+    CTR_LAUNCH(map2, map_grid<float>(n, packed), 256, 0, s)(static_cast<const float *>(g.data),
+                                                            static_cast<const float *>(x.data),
+                                                            static_cast<float *>(y.data), n, packed, GeluTanhBwd{});
 }
 
 const KernelEntry kElementwiseKernels[] = {
