@@ -33,6 +33,7 @@ struct StreamCtx {
   size_t workspace_bytes = 0;
   GemmCache *gemm = nullptr;  // shared by the backend's streams
   int sm_count = 0;
+  bool tf32 = true;  // f32 GEMMs on TF32 tensor cores (CTR_CUDA_TF32=0: off)
 };
 
 // A binding's view of one launch.
@@ -126,6 +127,45 @@ inline unsigned grid_for(int64_t n, int threads = 256) {
   int64_t b = (n + threads - 1) / threads;
   if (b > 65535LL * 32) b = 65535LL * 32;
   return static_cast<unsigned>(b < 1 ? 1 : b);
+}
+
+// ---------------------------------------------------------------------------
+// Sums over the rows of each column (bias and norm weight gradients), in two
+// stages so that many blocks share a column: the rows are cut into `chunks`
+// ranges, stage one writes each range's partial sums [chunks, cols] (f32) to
+// the stream's cuBLASLt workspace, which work on one stream uses in turn, and
+// stage two adds a column's partials in range order. The cut depends on the
+// shape alone, so results are bitwise the same from run to run and device to
+// device. With one range, stage one writes the result itself.
+
+constexpr int kColTile = 32;  // columns per block: a warp reads 32 neighbours of a row
+constexpr int kRowLanes = 8;  // row lanes per block
+
+struct ColumnSplit {
+  int64_t chunks, rows_per_chunk;
+};
+
+// `outputs` sums per column (the norms reduce two); about 256 blocks in all,
+// at least 64 rows per range, partials within `scratch_bytes`.
+inline ColumnSplit column_split(int64_t rows, int64_t cols, size_t scratch_bytes, int outputs = 1) {
+  const int64_t tiles = (cols + kColTile - 1) / kColTile;
+  int64_t chunks = (256 + tiles - 1) / tiles;
+  const int64_t by_rows = (rows + 63) / 64, by_scratch = static_cast<int64_t>(scratch_bytes / (4 * cols * outputs));
+  if (chunks > by_rows) chunks = by_rows;
+  if (chunks > by_scratch) chunks = by_scratch;
+  if (chunks > 65535) chunks = 65535;
+  if (chunks < 1) chunks = 1;
+  return ColumnSplit{chunks, (rows + chunks - 1) / chunks};
+}
+
+// Stage two: out[j] = sum over ranges c of partials[c * cols + j].
+template <typename O>
+__global__ void sum_partials_kernel(const float *partials, O *out, int64_t chunks, int64_t cols) {
+  for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < cols; j += int64_t{gridDim.x} * blockDim.x) {
+    float s = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) s += partials[c * cols + j];
+    store(out, j, s);
+  }
 }
 
 // Calls F<float> or F<__nv_bfloat16> by the storage type of the launch.

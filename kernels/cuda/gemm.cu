@@ -1,9 +1,16 @@
-// GEMMs through cuBLASLt: linear (bias in the epilogue) and batched matmul,
-// forward and backward. Storage is f32 or bf16 with f32 accumulation;
-// parameter gradients are written in their own dtype (f32 master gradients
-// from bf16 activations). The heuristic's choice of algorithm and the
-// descriptors are cached per shape, so a step's GEMMs cost one lookup each
-// after the first run.
+// GEMMs through cuBLASLt: linear and batched matmul, forward and backward,
+// and the products the epilogues pass fuses with their element-wise
+// neighbours through cuBLASLt's epilogues (linear_bwd_wb: BGRADB,
+// linear_gelu: GELU_AUX[_BIAS], linear_bwd_x_dgelu: DGELU). Storage is f32 or
+// bf16 with f32 accumulation; parameter gradients are written in their own
+// dtype (f32 master gradients from bf16 activations). f32 operands are
+// multiplied on TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32: inputs rounded
+// to 10 mantissa bits, f32 accumulation) unless the backend was created with
+// CTR_CUDA_TF32=0. The heuristic's choice of algorithm and the descriptors are
+// cached per shape and epilogue, so a step's GEMMs cost one lookup each after
+// the first run. Where the heuristic offers no algorithm for an epilogue (a
+// shape or type cuBLASLt does not fuse), the product runs plain and the
+// element-wise part runs as the own kernel (elementwise.cu).
 //
 // Everything here is row-major: C[M,N] = op(A)[M,K] op(B)[K,N] is the
 // column-major product C^T = op(B)^T op(A)^T, so cuBLASLt is called with the
@@ -27,7 +34,10 @@ struct GemmKey {
   int32_t ta, tb;
   int64_t M, N, K, lda, ldb, ldc;
   int64_t batch, sa, sb, sc;
-  int32_t a_type, b_type, c_type, bias_type;  // bias_type -1: no bias
+  int32_t a_type, b_type, c_type, bias_type;  // bias_type -1: no bias (or bias gradient)
+  int32_t compute;                            // cublasComputeType_t
+  int32_t epilogue;                           // cublasLtEpilogue_t
+  int64_t aux_ld;                             // GELU_AUX / DGELU: leading dimension of aux
   bool operator==(const GemmKey &o) const { return std::memcmp(this, &o, sizeof *this) == 0; }
 };
 
@@ -76,6 +86,17 @@ GemmKey make_key() {
   return k;
 }
 
+// What the epilogue does beyond the product. bias: the bias read (BIAS) or
+// the bias gradient written (BGRADB); aux: the gelu input written (GELU_AUX)
+// or read (DGELU), in D's type, aux_ld elements apart.
+struct Epi {
+  cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
+  const void *bias = nullptr;
+  int32_t bias_type = -1;
+  void *aux = nullptr;
+  int64_t aux_ld = 0;
+};
+
 // Column-major layout of a row-major rows x cols matrix with row stride ld.
 cublasLtMatrixLayout_t layout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, int64_t batch,
                               int64_t stride) {
@@ -95,17 +116,23 @@ GemmPlan &plan_for(StreamCtx &s, const GemmKey &k) {
   auto it = cache.plans.find(k);
   if (it != cache.plans.end()) return it->second;
   GemmPlan p;
-  CTR_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  CTR_CUBLAS_CHECK(
+      cublasLtMatmulDescCreate(&p.desc, static_cast<cublasComputeType_t>(k.compute), CUDA_R_32F));
   // Swapped operands: cuBLASLt's A is our B and its B is our A.
   const cublasOperation_t opa = k.tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = k.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
   CTR_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa));
   CTR_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb));
-  if (k.bias_type >= 0) {
-    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+  if (k.epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
+    const cublasLtEpilogue_t epi = static_cast<cublasLtEpilogue_t>(k.epilogue);
     CTR_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+  }
+  if (k.bias_type >= 0) {
     const cudaDataType_t bt = cuda_type(k.bias_type);
     CTR_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt));
   }
+  if (k.aux_ld > 0)
+    CTR_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &k.aux_ld, sizeof k.aux_ld));
   // Row-major shapes as stored: A is [M,K] (or [K,M] when transposed), B [K,N] (or [N,K]).
   p.b = layout(cuda_type(k.a_type), k.ta ? k.K : k.M, k.ta ? k.M : k.K, k.lda, k.batch, k.sa);
   p.a = layout(cuda_type(k.b_type), k.tb ? k.N : k.K, k.tb ? k.K : k.N, k.ldb, k.batch, k.sb);
@@ -126,10 +153,13 @@ GemmPlan &plan_for(StreamCtx &s, const GemmKey &k) {
   return cache.plans.emplace(k, p).first->second;
 }
 
-// C[M,N] = op(A) op(B) (+ bias[N]) for each of `batch` products.
-void rm_gemm(StreamCtx &s, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const ctr_tensor_ref &A, int64_t lda,
+// C[M,N] = op(A) op(B) for each of `batch` products, then the epilogue e.
+// Returns false, having launched nothing, when e is not the default and the
+// heuristic found no algorithm for it: the caller then runs the product plain
+// and the epilogue's work itself.
+bool rm_gemm(StreamCtx &s, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const ctr_tensor_ref &A, int64_t lda,
              const ctr_tensor_ref &B, int64_t ldb, const ctr_tensor_ref &C, int64_t ldc, int64_t batch = 1,
-             int64_t sa = 0, int64_t sb = 0, int64_t sc = 0, const ctr_tensor_ref *bias = nullptr) {
+             int64_t sa = 0, int64_t sb = 0, int64_t sc = 0, const Epi &e = Epi{}) {
   GemmKey k = make_key();
   k.ta = ta;
   k.tb = tb;
@@ -146,22 +176,70 @@ void rm_gemm(StreamCtx &s, bool ta, bool tb, int64_t M, int64_t N, int64_t K, co
   k.a_type = A.dtype;
   k.b_type = B.dtype;
   k.c_type = C.dtype;
-  k.bias_type = bias ? bias->dtype : -1;
+  k.bias_type = e.bias ? e.bias_type : -1;
+  k.compute = s.tf32 && A.dtype == CTR_DTYPE_F32 && B.dtype == CTR_DTYPE_F32 && C.dtype == CTR_DTYPE_F32
+                  ? CUBLAS_COMPUTE_32F_FAST_TF32
+                  : CUBLAS_COMPUTE_32F;
+  k.epilogue = e.kind;
+  k.aux_ld = e.aux ? e.aux_ld : 0;
   GemmPlan &p = plan_for(s, k);
-  if (bias) {
-    const void *bp = bias->data;
-    CTR_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof bp));
-  }
+  if (e.kind != CUBLASLT_EPILOGUE_DEFAULT && !p.has_algo) return false;
+  if (e.bias)
+    CTR_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &e.bias, sizeof e.bias));
+  if (e.aux)
+    CTR_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &e.aux, sizeof e.aux));
   const float alpha = 1.0f, beta = 0.0f;
   CTR_CUBLAS_CHECK(cublasLtMatmul(s.lt, p.desc, &alpha, B.data, p.a, A.data, p.b, &beta, C.data, p.c, C.data, p.c,
                  p.has_algo ? &p.algo : nullptr, s.workspace, s.workspace_bytes, s.stream));
+  return true;
+}
+
+Epi bias_epi(const ctr_tensor_ref *bias) {
+  Epi e;
+  if (bias) {
+    e.kind = CUBLASLT_EPILOGUE_BIAS;
+    e.bias = bias->data;
+    e.bias_type = bias->dtype;
+  }
+  return e;
 }
 
 // linear: y[M,N] = x[M,K] w[N,K]^T (+ b[N])
 void k_linear(const Args &c) {
   const int64_t N = c.in_dim(1, 0), K = c.in_dim(1, 1), M = c.in_numel(0) / K;
   rm_gemm(*c.s, false, true, M, N, K, c.in_ref(0), K, c.in_ref(1), K, c.out_ref(0), N, 1, 0, 0, 0,
-          c.num_inputs() > 2 ? &c.in_ref(2) : nullptr);
+          bias_epi(c.num_inputs() > 2 ? &c.in_ref(2) : nullptr));
+}
+// linear_gelu(x, w [, b]) -> (y, h): h = x w^T (+ b), y = gelu(h) (tanh form),
+// one GEMM with GELU_AUX[_BIAS] storing h as the auxiliary matrix.
+void k_linear_gelu(const Args &c) {
+  const int64_t N = c.in_dim(1, 0), K = c.in_dim(1, 1), M = c.in_numel(0) / K;
+  const ctr_tensor_ref *bias = c.num_inputs() > 2 ? &c.in_ref(2) : nullptr;
+  const ctr_tensor_ref &y = c.out_ref(0), &h = c.out_ref(1);
+  Epi e = bias_epi(bias);
+  e.kind = bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+  e.aux = h.data;
+  e.aux_ld = N;
+  // cuBLASLt's auxiliary matrix: D's type, a leading dimension of a multiple of 8.
+  if (h.dtype == y.dtype && N % 8 == 0 && rm_gemm(*c.s, false, true, M, N, K, c.in_ref(0), K, c.in_ref(1), K, y, N, 1, 0, 0, 0, e))
+    return;
+  rm_gemm(*c.s, false, true, M, N, K, c.in_ref(0), K, c.in_ref(1), K, h, N, 1, 0, 0, 0, bias_epi(bias));
+  launch_gelu_tanh(h, y, c.stream());
+}
+// linear_bwd_x_dgelu(g, w, h): dh[M,K] = (g[M,N] w[N,K]) * gelu'(h), one GEMM
+// with DGELU reading h as the auxiliary matrix.
+void k_linear_bwd_x_dgelu(const Args &c) {
+  const int64_t N = c.in_dim(1, 0), K = c.in_dim(1, 1), M = c.in_numel(0) / N;
+  const ctr_tensor_ref &h = c.in_ref(2), &dh = c.out_ref(0);
+  Epi e;
+  e.kind = CUBLASLT_EPILOGUE_DGELU;
+  e.aux = h.data;
+  e.aux_ld = K;
+  if (h.dtype == dh.dtype && K % 8 == 0 && rm_gemm(*c.s, false, false, M, K, N, c.in_ref(0), N, c.in_ref(1), K, dh, K, 1, 0, 0, 0, e))
+    return;
+  rm_gemm(*c.s, false, false, M, K, N, c.in_ref(0), N, c.in_ref(1), K, dh, K);
+  launch_gelu_tanh_bwd(dh, h, dh, c.stream());
 }
 // linear_bwd_x(dy, w): dx[M,K] = dy[M,N] w[N,K]
 void k_linear_bwd_x(const Args &c) {
@@ -172,6 +250,20 @@ void k_linear_bwd_x(const Args &c) {
 void k_linear_bwd_w(const Args &c) {
   const int64_t N = c.out_dim(0, 0), K = c.out_dim(0, 1), M = c.in_numel(1) / K;
   rm_gemm(*c.s, true, false, N, K, M, c.in_ref(0), N, c.in_ref(1), K, c.out_ref(0), K);
+}
+// linear_bwd_wb(dy, x) -> (dw, db): dw as linear_bwd_w, db[N] = column sums of
+// dy, from the same GEMM (BGRADB: dy is cuBLASLt's B, summed over k = M).
+void k_linear_bwd_wb(const Args &c) {
+  const int64_t N = c.out_dim(0, 0), K = c.out_dim(0, 1), M = c.in_numel(1) / K;
+  const ctr_tensor_ref &dw = c.out_ref(0), &db = c.out_ref(1);
+  Epi e;
+  e.kind = CUBLASLT_EPILOGUE_BGRADB;
+  e.bias = db.data;
+  e.bias_type = db.dtype;
+  if (db.dtype == dw.dtype && rm_gemm(*c.s, true, false, N, K, M, c.in_ref(0), N, c.in_ref(1), K, dw, K, 1, 0, 0, 0, e))
+    return;
+  rm_gemm(*c.s, true, false, N, K, M, c.in_ref(0), N, c.in_ref(1), K, dw, K);
+  launch_column_sums(c.in_ref(0), db, *c.s);
 }
 
 struct MatmulDims {
@@ -224,6 +316,9 @@ const KernelEntry kGemmKernels[] = {
     {"linear", bind<k_linear>},
     {"linear_bwd_x", bind<k_linear_bwd_x>},
     {"linear_bwd_w", bind<k_linear_bwd_w>},
+    {"linear_bwd_wb", bind<k_linear_bwd_wb>},
+    {"linear_gelu", bind<k_linear_gelu>},
+    {"linear_bwd_x_dgelu", bind<k_linear_bwd_x_dgelu>},
     {"matmul", bind<k_matmul>},
     {"matmul_bwd", bind<k_matmul_bwd>},
 };

@@ -32,6 +32,14 @@ extern const size_t kMoeKernelCount;
 GemmCache *gemm_cache_create();
 void gemm_cache_destroy(GemmCache *c);
 
+// Launchers that the GEMM file falls back on where cuBLASLt has no fused
+// epilogue for a shape (elementwise.cu). Column sums of x (rows of
+// out.numel elements) into out, in out's dtype; y = gelu(x) and
+// y = g * gelu'(x) in the tanh form (y may be g), in x's storage type.
+void launch_column_sums(const ctr_tensor_ref &x, const ctr_tensor_ref &out, StreamCtx &s);
+void launch_gelu_tanh(const ctr_tensor_ref &x, const ctr_tensor_ref &y, cudaStream_t s);
+void launch_gelu_tanh_bwd(const ctr_tensor_ref &g, const ctr_tensor_ref &x, const ctr_tensor_ref &y, cudaStream_t s);
+
 // Flat optimizer primitives over f32 device buffers (optim.cu).
 // sum of squares of x[n] into *out (one double), in a fixed order.
 void sum_squares(const float *x, int64_t n, double *out, double *scratch, int64_t scratch_len, cudaStream_t s);

@@ -5,12 +5,13 @@
 // the row's statistics are block sums in a fixed order, two passes (mean, then
 // squared deviations) as on the CPU. Saved mean and rstd are f32.
 //
-// The weight and bias gradients are sums over rows. They are computed by a
-// second kernel that owns columns: a block takes 32 columns and 16 row lanes,
-// lane y sums rows y, y + 16, ... in order, and the 16 partials are added in
-// lane order. Every sum has one owner and a fixed order, so the result does not
-// depend on timing and needs no atomics and no scratch buffer; x̂ is recomputed
-// from x, mean and rstd.
+// The weight and bias gradients are sums over rows, reduced in two stages
+// (common.cuh): the rows are cut into ranges so that about 256 blocks share
+// the work, a block takes 32 columns of one range with 8 row lanes (lane y sums
+// rows y, y + 8, ... of the range in order, the lanes' partials are added in
+// lane order), and a second kernel adds each column's range partials in range
+// order. Every sum has one owner and a fixed order, so the result does not
+// depend on timing and needs no atomics; x̂ is recomputed from x, mean and rstd.
 
 #include "common/op_params.h"
 #include "cuda/common.cuh"
@@ -117,47 +118,56 @@ __global__ void norm_bwd_dx_kernel(const X *dy, const X *x, const W *w, const fl
 // (db null: none), x̂ = (x - mean[r]) * rstd[r] (mean null: x * rstd[r]).
 // Overwritten, not accumulated.
 
-constexpr int kColX = 32, kColY = 16;
-
+// Stage one: pw[chunk, j] and pb[chunk, j] for the block's range of rows
+// (pb null: no bias).
 template <typename X, typename O>
-__global__ void norm_param_grads_kernel(const X *dy, const X *x, const float *mean, const float *rstd, O *dw, O *db,
-                                        int64_t R, int64_t C) {
-  __shared__ float pw[kColY][kColX + 1], pb[kColY][kColX + 1];
+__global__ void norm_param_partials_kernel(const X *dy, const X *x, const float *mean, const float *rstd, O *pw,
+                                           O *pb, int64_t R, int64_t C, int64_t rows_per_chunk) {
+  __shared__ float sw[kRowLanes][kColTile + 1], sb[kRowLanes][kColTile + 1];
   const int tx = threadIdx.x, ty = threadIdx.y;
-  for (int64_t j0 = blockIdx.x * int64_t{kColX}; j0 < C; j0 += int64_t{gridDim.x} * kColX) {
-    const int64_t j = j0 + tx;
-    float aw = 0.0f, ab = 0.0f;
-    if (j < C) {
-      for (int64_t r = ty; r < R; r += kColY) {
-        const float g = load(dy, r * C + j);
-        const float m = mean ? mean[r] : 0.0f;
-        aw += g * ((load(x, r * C + j) - m) * rstd[r]);
-        ab += g;
-      }
+  const int64_t j = blockIdx.x * int64_t{kColTile} + tx;
+  const int64_t r0 = blockIdx.y * rows_per_chunk, r1 = r0 + rows_per_chunk < R ? r0 + rows_per_chunk : R;
+  float aw = 0.0f, ab = 0.0f;
+  if (j < C) {
+    for (int64_t r = r0 + ty; r < r1; r += kRowLanes) {
+      const float g = load(dy, r * C + j);
+      const float m = mean ? mean[r] : 0.0f;
+      aw += g * ((load(x, r * C + j) - m) * rstd[r]);
+      ab += g;
     }
-    pw[ty][tx] = aw;
-    pb[ty][tx] = ab;
-    __syncthreads();
-    if (ty == 0 && j < C) {
-      float sw = 0.0f, sb = 0.0f;
-      for (int k = 0; k < kColY; ++k) {
-        sw += pw[k][tx];
-        sb += pb[k][tx];
-      }
-      store(dw, j, sw);
-      if (db) store(db, j, sb);
+  }
+  sw[ty][tx] = aw;
+  sb[ty][tx] = ab;
+  __syncthreads();
+  if (ty == 0 && j < C) {
+    float tw = 0.0f, tb = 0.0f;
+    for (int k = 0; k < kRowLanes; ++k) {
+      tw += sw[k][tx];
+      tb += sb[k][tx];
     }
-    __syncthreads();
+    store(pw, blockIdx.y * C + j, tw);
+    if (pb) store(pb, blockIdx.y * C + j, tb);
   }
 }
 
 template <typename X, typename O>
 void param_grads(const Args &c, const X *dy, const X *x, const float *mean, const float *rstd, O *dw, O *db,
                  int64_t R, int64_t C) {
-  int64_t blocks = (C + kColX - 1) / kColX;
-  if (blocks > 65535) blocks = 65535;
-  CTR_LAUNCH(norm_param_grads_kernel, static_cast<unsigned>(blocks < 1 ? 1 : blocks), dim3(kColX, kColY), 0, c.stream())(
-      dy, x, mean, rstd, dw, db, R, C);
+  if (C == 0) return;
+  const ColumnSplit sp = column_split(R < 1 ? 1 : R, C, c.s->workspace_bytes, 2);
+  const dim3 grid(static_cast<unsigned>((C + kColTile - 1) / kColTile), static_cast<unsigned>(sp.chunks));
+  if (sp.chunks == 1) {
+    CTR_LAUNCH(norm_param_partials_kernel, grid, dim3(kColTile, kRowLanes), 0, c.stream())(
+        dy, x, mean, rstd, dw, db, R, C, sp.rows_per_chunk);
+    return;
+  }
+  float *pw = static_cast<float *>(c.s->workspace), *pb = db ? pw + sp.chunks * C : nullptr;
+  CTR_LAUNCH(norm_param_partials_kernel, grid, dim3(kColTile, kRowLanes), 0, c.stream())(
+      dy, x, mean, rstd, pw, pb, R, C, sp.rows_per_chunk);
+  CTR_LAUNCH(sum_partials_kernel, grid_for(C), 256, 0, c.stream())(static_cast<const float *>(pw), dw, sp.chunks, C);
+  if (db)
+    CTR_LAUNCH(sum_partials_kernel, grid_for(C), 256, 0, c.stream())(static_cast<const float *>(pb), db, sp.chunks,
+                                                                     C);
 }
 
 // ---------------------------------------------------------------------------

@@ -742,6 +742,13 @@ std::vector<OpDef> library_ops() {
   v.push_back(internal("linear_bwd_x", 2, 1));
   v.push_back(internal("linear_bwd_w", 2, 1));
   v.push_back(internal("linear_bwd_b", 1, 1));
+  // Fused by the epilogues pass where the backend has them (GEMM epilogues):
+  // (dy, x) -> (dw, db); (x, w [, b]) -> (gelu(h), h); (g, w, h) -> g w * gelu'(h).
+  v.push_back(internal("linear_bwd_wb", 2, 2));
+  OpDef linear_gelu = internal("linear_gelu", 2, 2);
+  linear_gelu.max_inputs = 3;
+  v.push_back(linear_gelu);
+  v.push_back(internal("linear_bwd_x_dgelu", 3, 1));
   v.push_back(internal("matmul_bwd", 3, 2));
   v.push_back(with_params<ctr_norm_params>(internal("layernorm_bwd", 5, 3), norm_decode));
   v.push_back(with_params<ctr_norm_params>(internal("rmsnorm_bwd", 4, 2), norm_decode));
@@ -771,7 +778,7 @@ std::vector<OpDef> library_ops() {
   append_math_ops(v);
   // Kernels that write an f32 gradient from bf16 data (precision pass).
   const std::pair<const char *, uint32_t> f32_writers[] = {
-      {"linear_bwd_w", 1u}, {"linear_bwd_x", 1u}, {"linear_bwd_b", 1u}, {"matmul_bwd", 3u},
+      {"linear_bwd_w", 1u}, {"linear_bwd_x", 1u}, {"linear_bwd_b", 1u}, {"linear_bwd_wb", 3u}, {"matmul_bwd", 3u},
       {"reduce_rows", 1u},  {"layernorm_bwd", 6u}, {"rmsnorm_bwd", 2u}, {"embedding_bwd", 1u},
       {"mul_bwd", 2u},      {"add_same", 1u},      {"take_rows_bwd", 1u}};
   for (OpDef &d : v)

@@ -48,6 +48,7 @@ void run_precision(PassContext &c) {
 void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }
 void run_bucket(PassContext &c) { pass_bucket(c.graph, c.opt); }
 void run_reorder(PassContext &c) { c.schedule = pass_reorder(c.graph, c.opt); }
+void run_epilogues(PassContext &c) { c.epilogues = pass_epilogues(c.graph, c.opt, c.has_kernel); }
 void run_lower(PassContext &c) {
   c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap);
 }
@@ -61,6 +62,8 @@ std::string dump_fuse(const PassContext &c) { return c.fused + dump_graph(c.grap
 std::string dump_precision(const PassContext &c) { return c.precision + "\n" + dump_graph(c.graph); }
 
 std::string dump_reorder(const PassContext &c) { return c.schedule + "\n" + dump_graph(c.graph); }
+
+std::string dump_epilogues(const PassContext &c) { return c.epilogues + dump_graph(c.graph); }
 
 std::string dump_plan(const PassContext &c) {
   const MemoryPlan &p = c.plan;
@@ -95,6 +98,8 @@ const std::vector<PassDef> &pass_list() {
        run_bucket, nullptr},
       {"reorder", "collectives moved under compute (prefetch, deferred reductions)", false, read_reorder_options,
        run_reorder, dump_reorder},
+      {"epilogues", "GEMM epilogues fused where the backend has the kernels (bias gradient, GELU)", false,
+       read_epilogue_options, run_epilogues, dump_epilogues},
       {"lower", "instruction lists per stream, with events", false, read_lower, run_lower, dump_lower},
       {"plan_memory", "lifetimes over the schedule and a static arena", false, read_plan, run_plan, dump_plan},
   };

@@ -25,6 +25,7 @@ struct CompileOptions {
   int64_t seq = 0;            // binds "seq"; 0 = the graph's maximum
   int64_t micro_batches = 1;  // gradient accumulation steps
   bool fuse = true;           // fuse: exported primitive patterns -> fused ops
+  bool epilogues = true;      // epilogues: GEMM epilogues fused where the backend has the kernels
   // shard: 0 keeps every gathered parameter from forward to backward; 1 frees them
   // after forward except those of the last block and the head, which backward
   // reads first; 2 frees every one and gathers it again for backward.
@@ -92,6 +93,7 @@ struct PassContext {
   std::string fused;             // what fuse rewrote and what it left
   std::string placed;            // what place split over tp and what it left
   std::string precision;         // what precision chose
+  std::string epilogues;         // what epilogues fused
   uint32_t backend_flags = 0;    // the step's backend's CTR_BACKEND_* flags
 };
 
@@ -234,6 +236,14 @@ void read_reorder_options(OptionReader &r, CompileOptions &opt);
 // two segments (blocks) later or at the end of the phase. With opt.overlap
 // false, stream 0 waits for each collective right after issuing it. Fails with
 // CTR_STATUS_UNSUPPORTED naming a node whose op the backend lacks.
+// epilogues.cc: after reorder, element-wise work a GEMM library applies as it
+// stores the product moves into the GEMM's node where the backend has the
+// fused kernel: linear_bwd_w + linear_bwd_b of one dy -> linear_bwd_wb,
+// linear + gelu (tanh) -> linear_gelu, linear_bwd_x + gelu_bwd -> linear_bwd_x_dgelu.
+// Returns what it fused, for `inspect --after epilogues`.
+void read_epilogue_options(OptionReader &r, CompileOptions &opt);
+std::string pass_epilogues(Graph &g, const CompileOptions &opt, const std::function<bool(OpId)> &has_kernel);
+
 Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel, bool overlap = true);
 // Before lowering: tensors whose layout the backend decides (CTR_BACKEND_* flags):
 // attention's saved output becomes f32 [B, H, T] on a backend that keeps the

@@ -1,17 +1,32 @@
 // cuBLASLt on the emulated CUDA device: the descriptors, a heuristic that
 // offers one algorithm, and cublasLtMatmul as a host GEMM (OpenBLAS sgemm on
-// operands widened to f32, then the bias epilogue and the store in D's type,
-// bf16 rounded to nearest even).
+// operands widened to f32, then the epilogue and the store in D's type, bf16
+// rounded to nearest even).
 //
 // It refuses what cuBLASLt refuses, so a call that works here has a chance on
 // a GPU: attribute buffers of the wrong size, operand shapes that do not
 // chain, leading dimensions shorter than a column, batch counts that differ,
 // type combinations outside cuBLASLt's table for CUBLAS_COMPUTE_32F (A and B
-// alike; C and D alike; f32 or bf16), a bias of another type than D. Operands
+// alike; C and D alike; f32 or bf16) and CUBLAS_COMPUTE_32F_FAST_TF32 (f32
+// only), a bias of another type than D, an auxiliary matrix without a pointer
+// or with a leading dimension below D's rows or not a multiple of 8. Operands
 // that reach outside their device allocations fault as on a GPU.
+//
+// The epilogues, as cuBLASLt's documentation defines them on D (m x n):
+//   BIAS          D += bias[m] broadcast over columns
+//   GELU(_BIAS)   D = gelu(D (+ bias)), gelu the tanh form
+//   GELU_AUX(..)  the same, and the value before gelu stored in the auxiliary
+//                 matrix (m x n, its own leading dimension and type)
+//   DGELU         D *= gelu'(aux), aux the forward's stored gelu input
+//   BGRADB        bias[n] = sum over k of op(B)[k, n] (the bias gradient of
+//                 the product whose input gradient is B)
+// FAST_TF32 rounds each element of A and B to TF32 (10 mantissa bits, to
+// nearest, ties away from zero, as the GPU's conversion does) before the f32
+// product, so the emulated error is the real one's order, not zero.
 
 #include <cblas.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -33,6 +48,9 @@ struct ctr_emu_matmul_desc {
   const void *bias = nullptr;
   int64_t bias_batch_stride = 0;
   int32_t bias_type = -1;
+  void *aux = nullptr;
+  int64_t aux_ld = 0, aux_batch_stride = 0;
+  int32_t aux_type = -1;
 };
 struct ctr_emu_matrix_layout {
   uint32_t type = CUDA_R_32F;
@@ -70,11 +88,60 @@ struct Shape {
   int64_t m, n, k, batch;
 };
 
+// An epilogue value taken apart into what it does.
+struct Epilogue {
+  bool known = false;
+  bool bias = false;        // add bias[m]
+  bool gelu = false;        // apply gelu
+  bool aux_out = false;     // store the gelu input in aux
+  bool dgelu = false;       // multiply by gelu'(aux)
+  bool bgrad_b = false;     // bias[n] = column sums of op(B) (BGRADB)
+};
+
+Epilogue epilogue_parts(uint32_t v) {
+  Epilogue e;
+  e.known = true;
+  switch (v) {
+    case CUBLASLT_EPILOGUE_DEFAULT: break;
+    case CUBLASLT_EPILOGUE_BIAS: e.bias = true; break;
+    case CUBLASLT_EPILOGUE_GELU: e.gelu = true; break;
+    case CUBLASLT_EPILOGUE_GELU_BIAS: e.gelu = e.bias = true; break;
+    case CUBLASLT_EPILOGUE_GELU_AUX: e.gelu = e.aux_out = true; break;
+    case CUBLASLT_EPILOGUE_GELU_AUX_BIAS: e.gelu = e.aux_out = e.bias = true; break;
+    case CUBLASLT_EPILOGUE_DGELU: e.dgelu = true; break;
+    case CUBLASLT_EPILOGUE_BGRADB: e.bgrad_b = true; break;
+    default: e.known = false;
+  }
+  return e;
+}
+
+// GELU, tanh form, and its derivative, in f32.
+float gelu_tanh(float x) {
+  const float u = 0.7978845608f * (x + 0.044715f * x * x * x);
+  return 0.5f * x * (1.0f + std::tanh(u));
+}
+float gelu_tanh_grad(float x) {
+  const float u = 0.7978845608f * (x + 0.044715f * x * x * x);
+  const float t = std::tanh(u);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.7978845608f * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+// f32 to TF32 (1 sign, 8 exponent, 10 mantissa bits), to nearest with ties
+// away from zero; infinities and NaN pass unchanged.
+float to_tf32(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
 // cuBLASLt's checks of a product's description.
 cublasStatus_t validate(const ctr_emu_matmul_desc &d, const ctr_emu_matrix_layout &a, const ctr_emu_matrix_layout &b,
-                        const ctr_emu_matrix_layout &c, const ctr_emu_matrix_layout &D, Shape *shape) {
-  if (d.compute != CUBLAS_COMPUTE_32F || d.scale != CUDA_R_32F)
-    return refuse(CUBLAS_STATUS_NOT_SUPPORTED, "only CUBLAS_COMPUTE_32F with f32 scale is emulated");
+                        const ctr_emu_matrix_layout &c, const ctr_emu_matrix_layout &D, bool run, Shape *shape) {
+  if ((d.compute != CUBLAS_COMPUTE_32F && d.compute != CUBLAS_COMPUTE_32F_FAST_TF32) || d.scale != CUDA_R_32F)
+    return refuse(CUBLAS_STATUS_NOT_SUPPORTED,
+                  "only CUBLAS_COMPUTE_32F and CUBLAS_COMPUTE_32F_FAST_TF32 with f32 scale are emulated");
   if (d.pointer_mode != 0) return refuse(CUBLAS_STATUS_NOT_SUPPORTED, "only host pointers for alpha and beta");
   for (int32_t t : {d.transa, d.transb})
     if (t != CUBLAS_OP_N && t != CUBLAS_OP_T) return refuse(CUBLAS_STATUS_INVALID_VALUE, "TRANSA/TRANSB not N or T");
@@ -110,12 +177,28 @@ cublasStatus_t validate(const ctr_emu_matmul_desc &d, const ctr_emu_matrix_layou
                                                    std::to_string(b.type) + ", C " + std::to_string(c.type) +
                                                    ", D " + std::to_string(D.type) +
                                                    " is not in cuBLASLt's table for CUBLAS_COMPUTE_32F");
-  if (d.epilogue != CUBLASLT_EPILOGUE_DEFAULT && d.epilogue != CUBLASLT_EPILOGUE_BIAS)
-    return refuse(CUBLAS_STATUS_NOT_SUPPORTED, "epilogue " + std::to_string(d.epilogue) + " is not emulated");
-  if (d.epilogue == CUBLASLT_EPILOGUE_BIAS && d.bias_type != -1 && static_cast<uint32_t>(d.bias_type) != D.type)
+  if (d.compute == CUBLAS_COMPUTE_32F_FAST_TF32 && (a.type != CUDA_R_32F || D.type != CUDA_R_32F))
+    return refuse(CUBLAS_STATUS_NOT_SUPPORTED, "CUBLAS_COMPUTE_32F_FAST_TF32 takes f32 A, B, C and D only");
+  const Epilogue e = epilogue_parts(d.epilogue);
+  if (!e.known) return refuse(CUBLAS_STATUS_NOT_SUPPORTED, "epilogue " + std::to_string(d.epilogue) + " is not emulated");
+  if ((e.bias || e.bgrad_b) && d.bias_type != -1 && static_cast<uint32_t>(d.bias_type) != D.type)
     return refuse(CUBLAS_STATUS_NOT_SUPPORTED, "a bias of type " + std::to_string(d.bias_type) +
                                                    " for D of type " + std::to_string(D.type) +
-                                                   " (the bias has D's type)");
+                                                   " (the bias and its gradient have D's type)");
+  // The heuristic is asked before the pointers are set; the product needs them.
+  if (run && (e.bias || e.bgrad_b) && !d.bias)
+    return refuse(CUBLAS_STATUS_INVALID_VALUE, "a bias or bias gradient epilogue without CUBLASLT_MATMUL_DESC_BIAS_POINTER");
+  if (e.aux_out || e.dgelu) {
+    if (run && !d.aux) return refuse(CUBLAS_STATUS_INVALID_VALUE, "an auxiliary epilogue without EPILOGUE_AUX_POINTER");
+    if (d.aux_ld < static_cast<int64_t>(D.rows) || d.aux_ld % 8 != 0)
+      return refuse(CUBLAS_STATUS_INVALID_VALUE, "EPILOGUE_AUX_LD " + std::to_string(d.aux_ld) +
+                                                     " is below D's " + std::to_string(D.rows) +
+                                                     " rows or not a multiple of 8");
+    if (D.batch > 1 && d.aux_batch_stride % 8 != 0)
+      return refuse(CUBLAS_STATUS_INVALID_VALUE, "EPILOGUE_AUX_BATCH_STRIDE is not a multiple of 8");
+    if (d.aux_type != -1 && !is_float(static_cast<uint32_t>(d.aux_type)))
+      return refuse(CUBLAS_STATUS_NOT_SUPPORTED, "an auxiliary matrix of type " + std::to_string(d.aux_type));
+  }
   *shape = Shape{m, n, k, D.batch};
   return CUBLAS_STATUS_SUCCESS;
 }
@@ -147,10 +230,27 @@ struct Matmul {
   void *Dp;
 
   cudaError_t operator()() const {
+    const Epilogue e = epilogue_parts(d.epilogue);
+    const bool tf32 = d.compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+    const uint32_t aux_type = d.aux_type == -1 ? D.type : static_cast<uint32_t>(d.aux_type);
+    auto read = [](const void *p, uint32_t t, size_t at) {
+      return t == CUDA_R_32F ? static_cast<const float *>(p)[at]
+                             : __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[at]);
+    };
+    auto write = [](void *p, uint32_t t, size_t at, float v) {
+      if (t == CUDA_R_32F)
+        static_cast<float *>(p)[at] = v;
+      else
+        static_cast<__nv_bfloat16 *>(p)[at] = __float2bfloat16_rn(v);
+    };
     std::vector<float> af, bf, cf, acc(static_cast<size_t>(s.m * s.n));
     for (int64_t bi = 0; bi < s.batch; ++bi) {
       widen(A, a, bi, af);
       widen(B, b, bi, bf);
+      if (tf32) {
+        for (float &v : af) v = to_tf32(v);
+        for (float &v : bf) v = to_tf32(v);
+      }
       cblas_sgemm(CblasColMajor, d.transa == CUBLAS_OP_T ? CblasTrans : CblasNoTrans,
                   d.transb == CUBLAS_OP_T ? CblasTrans : CblasNoTrans, static_cast<int>(s.m), static_cast<int>(s.n),
                   static_cast<int>(s.k), alpha, af.data(), static_cast<int>(a.rows), bf.data(),
@@ -159,22 +259,26 @@ struct Matmul {
         widen(C, c, bi, cf);
         for (size_t i = 0; i < acc.size(); ++i) acc[i] += beta * cf[i];
       }
-      if (d.epilogue == CUBLASLT_EPILOGUE_BIAS) {
-        const int64_t boff = bi * d.bias_batch_stride;
-        for (int64_t j = 0; j < s.n; ++j)
-          for (int64_t i = 0; i < s.m; ++i)
-            acc[static_cast<size_t>(j * s.m + i)] +=
-                D.type == CUDA_R_32F ? static_cast<const float *>(d.bias)[boff + i]
-                                     : __bfloat162float(static_cast<const __nv_bfloat16 *>(d.bias)[boff + i]);
+      const size_t boff = static_cast<size_t>(bi * d.bias_batch_stride);
+      if (e.bgrad_b) {
+        // op(B) is k x n: column j of B, or row j when B is transposed.
+        for (int64_t j = 0; j < s.n; ++j) {
+          float sum = 0.0f;
+          for (int64_t q = 0; q < s.k; ++q)
+            sum += d.transb == CUBLAS_OP_N ? bf[static_cast<size_t>(j * static_cast<int64_t>(b.rows) + q)]
+                                           : bf[static_cast<size_t>(q * static_cast<int64_t>(b.rows) + j)];
+          write(const_cast<void *>(d.bias), D.type, boff + static_cast<size_t>(j), sum);
+        }
       }
       for (int64_t j = 0; j < s.n; ++j)
         for (int64_t i = 0; i < s.m; ++i) {
-          const size_t at = static_cast<size_t>(bi * D.stride + j * D.ld + i);
-          const float v = acc[static_cast<size_t>(j * s.m + i)];
-          if (D.type == CUDA_R_32F)
-            static_cast<float *>(Dp)[at] = v;
-          else
-            static_cast<__nv_bfloat16 *>(Dp)[at] = __float2bfloat16_rn(v);
+          float v = acc[static_cast<size_t>(j * s.m + i)];
+          const size_t aux_at = static_cast<size_t>(bi * d.aux_batch_stride + j * d.aux_ld + i);
+          if (e.bias) v += read(d.bias, D.type, boff + static_cast<size_t>(i));
+          if (e.aux_out) write(d.aux, aux_type, aux_at, v);
+          if (e.gelu) v = gelu_tanh(v);
+          if (e.dgelu) v *= gelu_tanh_grad(read(d.aux, aux_type, aux_at));
+          write(Dp, D.type, static_cast<size_t>(bi * D.stride + j * D.ld + i), v);
         }
     }
     return cudaSuccess;
@@ -241,6 +345,10 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMa
     case CUBLASLT_MATMUL_DESC_BIAS_POINTER: return set(d->bias, buf, size);
     case CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE: return set(d->bias_batch_stride, buf, size);
     case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: return set(d->bias_type, buf, size);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER: return set(d->aux, buf, size);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: return set(d->aux_ld, buf, size);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE: return set(d->aux_batch_stride, buf, size);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE: return set(d->aux_type, buf, size);
   }
   return refuse(CUBLAS_STATUS_NOT_SUPPORTED, "matmul attribute " + std::to_string(attr) + " is not emulated");
 }
@@ -307,7 +415,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtM
   if (!desc || !a || !b || !c || !d || !pref || requested < 1 || !results || !returned)
     return CUBLAS_STATUS_INVALID_VALUE;
   Shape s{};
-  if (cublasStatus_t st = validate(*desc, *a, *b, *c, *d, &s)) return st;
+  if (cublasStatus_t st = validate(*desc, *a, *b, *c, *d, false, &s)) return st;
   std::memset(&results[0], 0, sizeof results[0]);
   results[0].algo.data[0] = kAlgoMagic;
   results[0].workspaceSize = 0;
@@ -327,7 +435,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
   if (algo && algo->data[0] != kAlgoMagic)
     return refuse(CUBLAS_STATUS_INVALID_VALUE, "an algorithm the heuristic did not return");
   Matmul mm{*desc, *a, *b, *c, *d, {}, 0.0f, 0.0f, A, B, C, D};
-  if (cublasStatus_t st = validate(mm.d, mm.a, mm.b, mm.c, mm.D, &mm.s)) return st;
+  if (cublasStatus_t st = validate(mm.d, mm.a, mm.b, mm.c, mm.D, true, &mm.s)) return st;
   std::memcpy(&mm.alpha, alpha, sizeof(float));
   std::memcpy(&mm.beta, beta, sizeof(float));
   if (sticky_error()) return CUBLAS_STATUS_EXECUTION_FAILED;
@@ -340,11 +448,18 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
               std::string("cublasLtMatmul: ") + what + " [" + b + ") is not inside one device allocation");
     return true;
   };
+  const Epilogue e = epilogue_parts(mm.d.epilogue);
+  const size_t bias_len = static_cast<size_t>(e.bgrad_b ? mm.s.n : mm.s.m);
+  const uint32_t aux_type = mm.d.aux_type == -1 ? mm.D.type : static_cast<uint32_t>(mm.d.aux_type);
+  const size_t aux_bytes = (static_cast<size_t>((mm.s.batch - 1) * mm.d.aux_batch_stride) +
+                            static_cast<size_t>((mm.s.n - 1) * mm.d.aux_ld + mm.s.m)) *
+                           elem_size(aux_type);
   if (outside("A", A, extent(mm.a)) || outside("B", B, extent(mm.b)) ||
       (mm.beta != 0.0f && outside("C", C, extent(mm.c))) || outside("D", D, extent(mm.D)) ||
-      (mm.d.epilogue == CUBLASLT_EPILOGUE_BIAS &&
+      ((e.bias || e.bgrad_b) &&
        outside("the bias", mm.d.bias,
-               static_cast<size_t>((mm.s.batch - 1) * mm.d.bias_batch_stride + mm.s.m) * elem_size(mm.D.type))))
+               (static_cast<size_t>((mm.s.batch - 1) * mm.d.bias_batch_stride) + bias_len) * elem_size(mm.D.type))) ||
+      ((e.aux_out || e.dgelu) && outside("the auxiliary matrix", mm.d.aux, aux_bytes)))
     return CUBLAS_STATUS_EXECUTION_FAILED;
   if (enqueue(stream, mm) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
   return CUBLAS_STATUS_SUCCESS;

@@ -445,6 +445,115 @@ TEST(Emu, CublasLtMatmulTransposesBatchesAndBias) {
   cublasLtDestroy(lt);
 }
 
+// The epilogues the GEMM file uses and the TF32 compute type, against host
+// references written from cuBLASLt's documentation: GELU_AUX_BIAS stores the
+// biased product in aux and gelu (tanh form) of it in D; DGELU multiplies the
+// product by gelu' of aux; BGRADB writes the sums of op(B) over k; FAST_TF32
+// rounds the inputs to 10 mantissa bits. And what cuBLASLt refuses of them.
+TEST(Emu, CublasLtEpiloguesAndTf32) {
+  const int m = 8, n = 3, k = 4;
+  std::vector<float> ha(k * m), hb(k * n), hbias(m), haux_in(m * n);
+  for (size_t i = 0; i < ha.size(); ++i) ha[i] = static_cast<float>(i % 7) * 0.25f - 0.75f;
+  for (size_t i = 0; i < hb.size(); ++i) hb[i] = static_cast<float>(i % 5) * 0.5f - 1.0f;
+  for (int i = 0; i < m; ++i) hbias[i] = 0.1f * static_cast<float>(i) - 0.3f;
+  for (size_t i = 0; i < haux_in.size(); ++i) haux_in[i] = static_cast<float>(i % 9) * 0.4f - 1.6f;
+  float *A = device<float>(ha.size()), *B = device<float>(hb.size()), *bias = device<float>(m),
+        *aux = device<float>(m * n), *D = device<float>(m * n), *bgrad = device<float>(n);
+  cudaMemcpy(A, ha.data(), ha.size() * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(B, hb.data(), hb.size() * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(bias, hbias.data(), m * 4, cudaMemcpyHostToDevice);
+  cublasLtHandle_t lt = nullptr;
+  ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
+  // D (m x n) = A^T B, A stored k x m, B k x n.
+  auto product = [&](int i, int j) {
+    float r = 0.0f;
+    for (int p = 0; p < k; ++p) r += ha[i * k + p] * hb[j * k + p];
+    return r;
+  };
+  auto gelu = [](float x) { return 0.5f * x * (1.0f + std::tanh(0.7978845608f * (x + 0.044715f * x * x * x))); };
+  auto gelu_grad = [](float x) {
+    const float t = std::tanh(0.7978845608f * (x + 0.044715f * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.7978845608f * (1.0f + 0.134145f * x * x);
+  };
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  ASSERT_EQ(cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, k, m, k), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, k, n, k), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, m, n, m), CUBLAS_STATUS_SUCCESS);
+  const float alpha = 1.0f, beta = 0.0f;
+  auto run = [&](cublasComputeType_t compute, cublasLtEpilogue_t epi, const void *bp, void *ap, int64_t aux_ld) {
+    cublasLtMatmulDesc_t desc = nullptr;
+    EXPECT_EQ(cublasLtMatmulDescCreate(&desc, compute, CUDA_R_32F), CUBLAS_STATUS_SUCCESS);
+    const cublasOperation_t t = CUBLAS_OP_T;
+    EXPECT_EQ(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t), CUBLAS_STATUS_SUCCESS);
+    EXPECT_EQ(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi),
+              CUBLAS_STATUS_SUCCESS);
+    if (bp)
+      EXPECT_EQ(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof bp),
+                CUBLAS_STATUS_SUCCESS);
+    if (ap) {
+      EXPECT_EQ(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &ap, sizeof ap),
+                CUBLAS_STATUS_SUCCESS);
+      EXPECT_EQ(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof aux_ld),
+                CUBLAS_STATUS_SUCCESS);
+    }
+    const cublasStatus_t st =
+        cublasLtMatmul(lt, desc, &alpha, A, la, B, lb, &beta, D, ld, D, ld, nullptr, nullptr, 0, nullptr);
+    cublasLtMatmulDescDestroy(desc);
+    return st;
+  };
+
+  ASSERT_EQ(run(CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias, aux, m), CUBLAS_STATUS_SUCCESS);
+  auto hd = host(D, m * n), haux = host(aux, m * n);
+  for (int j = 0; j < n; ++j)
+    for (int i = 0; i < m; ++i) {
+      const float pre = product(i, j) + hbias[i];
+      EXPECT_FLOAT_EQ(haux[j * m + i], pre) << i << " " << j;
+      EXPECT_NEAR(hd[j * m + i], gelu(pre), 1e-6f) << i << " " << j;
+    }
+
+  cudaMemcpy(aux, haux_in.data(), haux_in.size() * 4, cudaMemcpyHostToDevice);
+  ASSERT_EQ(run(CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_DGELU, nullptr, aux, m), CUBLAS_STATUS_SUCCESS);
+  hd = host(D, m * n);
+  for (int j = 0; j < n; ++j)
+    for (int i = 0; i < m; ++i)
+      EXPECT_NEAR(hd[j * m + i], product(i, j) * gelu_grad(haux_in[j * m + i]), 1e-5f) << i << " " << j;
+
+  ASSERT_EQ(run(CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_BGRADB, bgrad, nullptr, 0), CUBLAS_STATUS_SUCCESS);
+  const auto hg = host(bgrad, n);
+  for (int j = 0; j < n; ++j) {
+    float ref = 0.0f;
+    for (int p = 0; p < k; ++p) ref += hb[j * k + p];
+    EXPECT_FLOAT_EQ(hg[j], ref) << j;
+  }
+
+  // TF32: 1 + 2^-12 rounds to 1 (half a TF32 ulp is 2^-11), 1 + 3 * 2^-12 to
+  // 1 + 2^-10; an exact product keeps both.
+  std::vector<float> ones_a(k * m, 1.0f + 1.0f / 4096), ones_b(k * n, 1.0f + 3.0f / 4096);
+  cudaMemcpy(A, ones_a.data(), ones_a.size() * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(B, ones_b.data(), ones_b.size() * 4, cudaMemcpyHostToDevice);
+  ASSERT_EQ(run(CUBLAS_COMPUTE_32F_FAST_TF32, CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0), CUBLAS_STATUS_SUCCESS);
+  const float tf32_value = k * (1.0f + 1.0f / 1024);
+  EXPECT_EQ(host(D, 1)[0], tf32_value);
+  ASSERT_EQ(run(CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0), CUBLAS_STATUS_SUCCESS);
+  EXPECT_NE(host(D, 1)[0], tf32_value);
+  EXPECT_NEAR(host(D, 1)[0], k * (1.0 + 1.0 / 4096) * (1.0 + 3.0 / 4096), 1e-6);
+
+  // Refused: an auxiliary matrix without its pointer or with a leading
+  // dimension that is not a multiple of 8, a bias gradient without a pointer,
+  // TF32 for bf16 inputs.
+  EXPECT_EQ(run(CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_DGELU, nullptr, nullptr, 0), CUBLAS_STATUS_INVALID_VALUE);
+  EXPECT_EQ(run(CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_GELU_AUX, nullptr, aux, m + 2), CUBLAS_STATUS_INVALID_VALUE);
+  EXPECT_EQ(run(CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_BGRADB, nullptr, nullptr, 0), CUBLAS_STATUS_INVALID_VALUE);
+  const uint32_t bf16 = CUDA_R_16BF;
+  for (auto l : {la, lb})
+    ASSERT_EQ(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_TYPE, &bf16, sizeof bf16),
+              CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(run(CUBLAS_COMPUTE_32F_FAST_TF32, CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0),
+            CUBLAS_STATUS_NOT_SUPPORTED);
+  for (auto l : {la, lb, ld}) cublasLtMatrixLayoutDestroy(l);
+  cublasLtDestroy(lt);
+}
+
 // ---------------------------------------------------------------------------
 // Faults: each makes the device fail for good, so each runs in a child
 // (defined outside the death-test macro, whose arguments may not hold the

@@ -1,14 +1,22 @@
 // The GPU suite: the CUDA backend against the CPU reference, through the C ABI.
 //
 // Exits 77 (skipped) with the reason when device "cuda" cannot be created (no
-// GPU, no driver, or a build without libctr-cuda.so). With precision fp32 the
-// two backends differ by summation order alone (cuBLASLt's f32 GEMMs, block
-// reductions):
+// GPU, no driver, or a build without libctr-cuda.so). With precision fp32 and
+// exact f32 GEMMs (CTR_CUDA_TF32=0) the two backends differ by summation order
+// alone (cuBLASLt's f32 GEMMs, block reductions):
 // - every op case of the unit suite's finite-difference table (OpCase, compiled
-//   in from tests/unit/test_graph.cc): loss within 1e-4 relative, each
-//   parameter gradient within 1e-4 + 1e-3 * max|cpu gradient| per element;
-// - a gpt and a llama preset trained 20 AdamW steps on the same data: every
-//   step's loss within 2e-3 relative;
+//   in from tests/unit/test_graph.cc), and the wider cases below: loss within
+//   1e-4 relative, each parameter gradient within 1e-4 + 1e-3 * max|cpu
+//   gradient| per element;
+// - the same cases with the default TF32 GEMMs (inputs rounded to 10 mantissa
+//   bits, f32 accumulation): loss within 2e-3 relative, gradients within
+//   1e-4 + 4e-3 * max|cpu gradient|; a TF32 product does differ from the exact
+//   one (the compute type reaches cuBLASLt);
+// - GEMM epilogues (pass epilogues): a GPT-2 MLP runs as linear_gelu,
+//   linear_bwd_x_dgelu and linear_bwd_wb, within the bounds above, and the
+//   same with epilogues=0 and with a hidden size cuBLASLt cannot fuse;
+// - a gpt and a llama preset trained 20 AdamW steps on the same data (TF32):
+//   every step's loss within 2e-3 relative;
 // - a checkpoint saved from a CUDA step resumes on the CPU and the reverse,
 //   and the next steps' losses agree within 2e-3 relative;
 // - a step replayed as a CUDA graph gives bitwise the losses of launching
@@ -24,7 +32,9 @@
 #include "../unit/test_graph.cc"  // op_cases(), OpGraph, load_ir, random_ids
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <set>
 
 namespace {
 
@@ -48,16 +58,26 @@ struct DeviceMesh {
 struct Outcome {
   double loss = 0;
   std::map<std::string, std::vector<float>> grads;
+  std::multiset<std::string> ops;  // of the compiled graph
   std::string error;
+};
+
+// How the device runs a case: f32 GEMMs on TF32 or exact (CTR_CUDA_TF32, read
+// when the backend is created), GEMM epilogues fused or not.
+struct DeviceRun {
+  const char *precision = "fp32";
+  bool tf32 = true;
+  int epilogues = 1;
 };
 
 // One forward and backward pass of a case graph on `device`.
 Outcome run_case(const char *device, ctr_graph *graph, const std::map<std::string, int> &id_inputs, int64_t batch,
-                 int64_t seq, const char *precision = "fp32") {
+                 int64_t seq, const DeviceRun &how = DeviceRun{}) {
   Outcome r;
+  setenv("CTR_CUDA_TF32", how.tf32 ? "1" : "0", 1);
   DeviceMesh m(device);
   Opts o;
-  o.i("batch", batch).i("seed", 1).s("precision", precision);
+  o.i("batch", batch).i("seed", 1).s("precision", how.precision).i("epilogues", how.epilogues);
   if (seq > 0) o.i("seq", seq);
   ctr_step *s = nullptr;
   if (ctr_step_create(m.m, graph, o.o, &s) != CTR_STATUS_OK) {
@@ -71,6 +91,7 @@ Outcome run_case(const char *device, ctr_graph *graph, const std::map<std::strin
     auto ids = random_ids(static_cast<size_t>(g.tensors[t].numel()), kv.second, 1 + 17 * t);
     EXPECT_EQ(ctr_step_set_input(s, kv.first.c_str(), ids.data(), ids.size() * 4), CTR_STATUS_OK) << ctr_last_error();
   }
+  for (const auto &n : g.nodes) r.ops.insert(n.op);
   r.loss = st.forward_backward();
   for (const auto &t : g.tensors)
     if (t.role == ctr::Role::Param) {
@@ -87,14 +108,15 @@ Outcome run_case(const char *device, ctr_graph *graph, const std::map<std::strin
 struct Tolerance {
   const char *precision;
   double rtol, atol, grad_rtol;
+  bool tf32 = false;
 };
 constexpr Tolerance kFp32{"fp32", 1e-4, 1e-4, 1e-3};
+// TF32 rounds each GEMM input to 2^-11 relative: a product of K terms is off
+// by about 2^-11 * sqrt(K) of its terms' size, which the sums over rows of the
+// weight gradients carry into the gradients.
+constexpr Tolerance kTf32{"fp32", 2e-3, 1e-4, 4e-3, true};
 
-void compare_case(ctr_graph *graph, const std::map<std::string, int> &ids, int64_t batch, int64_t seq,
-                  const Tolerance &tol = kFp32) {
-  const Outcome cpu = run_case("cpu", graph, ids, batch, seq);
-  ASSERT_TRUE(cpu.error.empty()) << cpu.error;
-  const Outcome gpu = run_case(device_under_test(), graph, ids, batch, seq, tol.precision);
+void compare_outcomes(const Outcome &cpu, const Outcome &gpu, const Tolerance &tol) {
   if (gpu.error.find("mixture-of-experts op, which runs in f32 only") != std::string::npos) {
     GTEST_SKIP() << gpu.error;
   }
@@ -109,25 +131,135 @@ void compare_case(ctr_graph *graph, const std::map<std::string, int> &ids, int64
   }
 }
 
+Outcome compare_case(ctr_graph *graph, const std::map<std::string, int> &ids, int64_t batch, int64_t seq,
+                     const Tolerance &tol = kFp32, int epilogues = 1) {
+  const Outcome cpu = run_case("cpu", graph, ids, batch, seq);
+  if (!cpu.error.empty()) {
+    ADD_FAILURE() << cpu.error;
+    return cpu;
+  }
+  const Outcome gpu = run_case(device_under_test(), graph, ids, batch, seq, DeviceRun{tol.precision, tol.tf32, epilogues});
+  compare_outcomes(cpu, gpu, tol);
+  return gpu;
+}
 class GpuOp : public ::testing::TestWithParam<OpCase> {};
 
-TEST_P(GpuOp, MatchesCpu) {
+void check_case(const OpCase &c, const Tolerance &tol, int epilogues = 1) {
   OpGraph b;
-  GetParam().build(b);
-  std::map<std::string, int> ids = GetParam().ids;
+  c.build(b);
+  std::map<std::string, int> ids = c.ids;
   if (b.classes > 0) ids["targets"] = static_cast<int>(b.classes);
   ctr_graph *g = nullptr;
   ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
-  if (GetParam().sizes.empty()) compare_case(g, ids, 1, 0);
-  for (const auto &[batch, seq] : GetParam().sizes) {
+  if (c.sizes.empty()) compare_case(g, ids, 1, 0, tol, epilogues);
+  for (const auto &[batch, seq] : c.sizes) {
     SCOPED_TRACE("batch " + std::to_string(batch) + " seq " + std::to_string(seq));
-    compare_case(g, ids, batch, seq);
+    compare_case(g, ids, batch, seq, tol, epilogues);
   }
   ctr_graph_free(g);
 }
 
+bool testing_cpu() { return std::string(device_under_test()) == "cpu"; }
+
+TEST_P(GpuOp, MatchesCpu) { check_case(GetParam(), kFp32); }
+TEST_P(GpuOp, Tf32FollowsCpu) { check_case(GetParam(), testing_cpu() ? kFp32 : kTf32); }
+
+// Wider cases than the unit table's: enough rows that the column sums (bias
+// gradients, mul's broadcast operand) and the norms' weight gradients split
+// their rows over many blocks and add the partials in a second launch, and a
+// GPT-2 MLP (linear, gelu, linear, with biases) whose GEMMs take cuBLASLt's
+// epilogues (hidden 64) or cannot (hidden 12: an auxiliary matrix's leading
+// dimension must be a multiple of 8) and fall back to the own kernels.
+OpCase mlp_case(const char *label, int64_t hidden) {
+  return {label, [hidden](OpGraph &b) {
+            int x = b.add_param("x", {6, 40, 16}, 0.7f, 0.0f);
+            int w1 = b.add_param("w1", {hidden, 16}, 0.3f, 0.0f);
+            int b1 = b.add_param("b1", {hidden}, 0.3f, 0.0f);
+            int w2 = b.add_param("w2", {24, hidden}, 0.3f, 0.0f);
+            int b2 = b.add_param("b2", {24}, 0.3f, 0.0f);
+            int h = b.add_op("linear", {x, w1, b1});
+            int a = b.add_op("gelu", {h});
+            b.finish(b.add_op("linear", {a, w2, b2}), {6, 40, 24});
+          }, {}};
+}
+
+std::vector<OpCase> wide_cases() {
+  std::vector<OpCase> c;
+  c.push_back({"linear_bias_rows", [](OpGraph &b) {
+                 int x = b.add_param("x", {8, 96, 24}, 0.7f, 0.0f);
+                 int w = b.add_param("w", {40, 24}, 0.3f, 0.0f);
+                 int bb = b.add_param("b", {40});
+                 b.finish(b.add_op("linear", {x, w, bb}), {8, 96, 40});
+               }, {}});
+  c.push_back({"mul_broadcast_rows", [](OpGraph &b) {
+                 int x = b.add_param("x", {700, 33});
+                 int y = b.add_param("y", {33});
+                 b.finish(b.add_op("mul", {x, y}), {700, 33});
+               }, {}});
+  c.push_back({"layernorm_rows", [](OpGraph &b) {
+                 int x = b.add_param("x", {1000, 37});
+                 int w = b.add_param("w", {37});
+                 int bb = b.add_param("b", {37});
+                 b.finish(b.add_op("layernorm", {x, w, bb}), {1000, 37});
+               }, {}});
+  c.push_back({"rmsnorm_rows", [](OpGraph &b) {
+                 int x = b.add_param("x", {640, 48});
+                 int w = b.add_param("w", {48});
+                 b.finish(b.add_op("rmsnorm", {x, w}), {640, 48});
+               }, {}});
+  c.push_back(mlp_case("mlp_fused", 64));
+  c.push_back(mlp_case("mlp_unaligned", 12));
+  return c;
+}
+
 INSTANTIATE_TEST_SUITE_P(Ops, GpuOp, ::testing::ValuesIn(op_cases()),
                          [](const ::testing::TestParamInfo<OpCase> &i) { return i.param.label; });
+INSTANTIATE_TEST_SUITE_P(Wide, GpuOp, ::testing::ValuesIn(wide_cases()),
+                         [](const ::testing::TestParamInfo<OpCase> &i) { return i.param.label; });
+
+// The MLP's GEMMs take the epilogues on the device: the compiled graph has the
+// fused ops in place of linear + gelu, linear_bwd_x + gelu_bwd and the bias
+// gradients beside their weight gradients (and epilogues=0 leaves them as
+// they were), each within the bounds of its precision.
+TEST(GpuEpilogues, MlpFusesAndMatchesCpu) {
+  if (testing_cpu()) GTEST_SKIP() << "the CPU backend has no fused GEMM kernels";
+  OpGraph b;
+  mlp_case("mlp", 64).build(b);
+  ctr_graph *g = nullptr;
+  ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+  const std::map<std::string, int> ids{{"targets", static_cast<int>(b.classes)}};
+  for (const Tolerance &tol : {kFp32, kTf32, Tolerance{"bf16", 3e-2, 1e-2, 3e-2}}) {
+    SCOPED_TRACE(std::string(tol.precision) + (tol.tf32 ? " tf32" : ""));
+    const Outcome fused = compare_case(g, ids, 1, 0, tol, 1);
+    EXPECT_EQ(fused.ops.count("linear_gelu"), 1u);
+    EXPECT_EQ(fused.ops.count("linear_bwd_x_dgelu"), 1u);
+    EXPECT_EQ(fused.ops.count("linear_bwd_wb"), 2u);
+    EXPECT_EQ(fused.ops.count("gelu") + fused.ops.count("gelu_bwd") + fused.ops.count("linear_bwd_b"), 0u);
+    const Outcome plain = compare_case(g, ids, 1, 0, tol, 0);
+    EXPECT_EQ(plain.ops.count("linear_gelu") + plain.ops.count("linear_bwd_wb"), 0u);
+    EXPECT_EQ(plain.ops.count("linear_bwd_b"), 2u);
+  }
+  ctr_graph_free(g);
+}
+
+// TF32 is what the device computes with by default: a product of f32 inputs
+// with full mantissas comes out different from the exact one, within the
+// TF32 bound (compare_case), and CTR_CUDA_TF32=0 gives the exact bound.
+TEST(GpuTf32, DiffersFromExactF32) {
+  if (testing_cpu()) GTEST_SKIP() << "the CPU computes in exact f32";
+  OpGraph b;
+  wide_cases()[0].build(b);
+  ctr_graph *g = nullptr;
+  ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+  const std::map<std::string, int> ids{{"targets", static_cast<int>(b.classes)}};
+  const Outcome tf32 = compare_case(g, ids, 1, 0, kTf32), exact = compare_case(g, ids, 1, 0, kFp32);
+  size_t differ = 0;
+  for (const auto &[name, v] : tf32.grads)
+    for (size_t i = 0; i < v.size(); ++i) differ += v[i] != exact.grads.at(name)[i];
+  EXPECT_GT(differ, 0u) << "TF32 and exact f32 GEMMs gave the same gradients";
+  EXPECT_NE(tf32.loss, exact.loss);
+  ctr_graph_free(g);
+}
 
 // The same cases in bf16 on the device (the CUDA default; activations stored
 // in bf16, parameters, their gradients and statistics in f32), against the
@@ -148,7 +280,7 @@ TEST_P(GpuOpBf16, FollowsCpu) {
   const std::string label = GetParam().label;
   if (label == "sub_b_broadcast" || label == "sub_middle_size1")
     GTEST_SKIP() << label << ": the broadcast operand's gradient of sub is reduced in bf16 and misses the bound";
-  const bool cpu = std::string(device_under_test()) == "cpu";  // the CPU refuses bf16
+  const bool cpu = testing_cpu();  // the CPU refuses bf16
   const Tolerance tol = cpu ? kFp32 : Tolerance{"bf16", 3e-2, 1e-2, 3e-2};
   OpGraph b;
   GetParam().build(b);
@@ -166,6 +298,8 @@ TEST_P(GpuOpBf16, FollowsCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Ops, GpuOpBf16, ::testing::ValuesIn(op_cases()),
                          [](const ::testing::TestParamInfo<OpCase> &i) { return i.param.label; });
+INSTANTIATE_TEST_SUITE_P(Wide, GpuOpBf16, ::testing::ValuesIn(wide_cases()),
+                         [](const ::testing::TestParamInfo<OpCase> &i) { return i.param.label; });
 
 // A small preset trained on fixed synthetic batches.
 struct Trainer {
@@ -174,7 +308,7 @@ struct Trainer {
   DeviceMesh mesh;
   int64_t vocab, batch, seq;
   Trainer(const char *preset_name, const char *device, const char *precision = "fp32", int graphs = 1)
-      : mesh(device) {
+      : mesh((setenv("CTR_CUDA_TF32", "1", 1), device)) {  // the default: TF32 GEMMs
     Opts go;
     go.i("layers", 2).i("dim", 64).i("heads", 4).i("vocab", 96).i("seq", 32);
     graph = preset(preset_name, go);
@@ -208,6 +342,18 @@ TEST_P(GpuModel, TwentyStepsMatchCpu) {
   Trainer cpu(GetParam(), "cpu"), gpu(GetParam(), device_under_test());
   ASSERT_NE(cpu.step, nullptr);
   ASSERT_NE(gpu.step, nullptr);
+  if (!testing_cpu()) {
+    // Every bias gradient beside its weight gradient, and GPT-2's MLP GEMMs
+    // with their GELU, take cuBLASLt's epilogues (pass epilogues).
+    std::multiset<std::string> ops;
+    for (const auto &n : gpu.step->impl->graph().nodes) ops.insert(n.op);
+    EXPECT_EQ(ops.count("linear_bwd_b"), 0u);
+    if (std::string(GetParam()) == "gpt") {
+      EXPECT_EQ(ops.count("linear_bwd_wb"), 12u);  // 2 layers: q, k, v, proj, fc, mlp proj
+      EXPECT_EQ(ops.count("linear_gelu"), 2u);
+      EXPECT_EQ(ops.count("linear_bwd_x_dgelu"), 2u);
+    }
+  }
   for (int i = 0; i < 20; ++i) {
     const double a = cpu.run(i), b = gpu.run(i);
     ASSERT_TRUE(std::isfinite(b)) << "step " << i;

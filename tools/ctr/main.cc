@@ -261,7 +261,7 @@ int cmd_graph_build(const BuildArgs &a) {
 // for `graph inspect` and `run` alike.
 struct ScheduleArgs {
   int64_t prefetch = 1, memory_budget = 0;
-  bool no_defer = false, no_overlap = false, no_fuse = false;
+  bool no_defer = false, no_overlap = false, no_fuse = false, no_epilogues = false;
   std::string recompute = "none", bucket = "block", precision = "auto", reshard = "default";
   int64_t bucket_bytes = 0;
 
@@ -310,6 +310,9 @@ struct ScheduleArgs {
     cmd->add_flag("--no-fuse", no_fuse,
                   "Keep exported primitive patterns as they are instead of rewriting them to fused ops "
                   "(attention, rmsnorm, swiglu, gelu, rope)");
+    cmd->add_flag("--no-epilogues", no_epilogues,
+                  "Keep bias gradients and GELU apart from their GEMMs instead of fusing them into "
+                  "cuBLASLt's epilogues (cuda)");
   }
   void set(ctr_options *o) const {
     set_int(o, "prefetch", prefetch);
@@ -317,6 +320,7 @@ struct ScheduleArgs {
     set_int(o, "memory_budget", memory_budget);
     set_int(o, "overlap", no_overlap ? 0 : 1);
     set_int(o, "fuse", no_fuse ? 0 : 1);
+    set_int(o, "epilogues", no_epilogues ? 0 : 1);
     set_int(o, "reshard_after_forward", reshard == "never" ? 0 : reshard == "always" ? 2 : 1);
     set_string(o, "recompute", recompute);
     set_string(o, "bucket", bucket);

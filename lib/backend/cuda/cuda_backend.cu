@@ -263,6 +263,7 @@ int cu_create_stream(void *ctx) {
     return -1;
   }
   w->ctx.sm_count = c.s0.sm_count;
+  w->ctx.tf32 = c.s0.tf32;
   c.workers.push_back(std::move(w));
   return static_cast<int>(c.workers.size());
 }
@@ -575,6 +576,12 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
     say(err, err_size, "CTR_CUDA_DEVICE / CTR_LOCAL_RANK must be a non-negative integer");
     return nullptr;
   }
+  // f32 GEMMs on TF32 tensor cores unless CTR_CUDA_TF32=0 (exact f32 products).
+  const int tf32 = env_int("CTR_CUDA_TF32", 1);
+  if (tf32 != 0 && tf32 != 1) {
+    say(err, err_size, "CTR_CUDA_TF32 must be 0 (exact f32 GEMMs) or 1 (TF32 tensor cores, the default)");
+    return nullptr;
+  }
   const int dev = explicit_dev >= 0 ? explicit_dev : local % count;
   if (dev >= count) {
     say(err, err_size, "CTR_CUDA_DEVICE=" + std::to_string(dev) + " but only " + std::to_string(count) +
@@ -593,6 +600,7 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
   tl_device = -1;
   use_device(dev);
   c->s0.sm_count = prop.multiProcessorCount;
+  c->s0.tf32 = tf32 == 1;
   const int64_t len = sum_squares_scratch_len();
   if (!init_stream(c->s0) || cudaMalloc(&c->sum_scratch, static_cast<size_t>(len + 1) * sizeof(double)) !=
                                           cudaSuccess ||
