@@ -356,7 +356,7 @@ typedef struct ctr_step_metrics {
   double backward_ms;      /* backward kernels */
   double optimizer_ms;     /* clipping and AdamW */
   double tokens_per_s;     /* tokens of this step / step time */
-  int64_t tokens;          /* tokens in this step */
+  int64_t tokens;          /* tokens in this step, over every data share of the mesh */
   int64_t peak_bytes;      /* planned activation arena + parameter state */
   double save_wait_ms;     /* time this step waited to publish a background save */
   /* Since 0.2: */

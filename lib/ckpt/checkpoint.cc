@@ -52,7 +52,9 @@ namespace ctr {
 namespace {
 
 // Version 2 added the metadata checksum; version 1 checkpoints still load.
-constexpr int kCheckpointVersion = 2;
+// Version 3: shard entries are boxes ("box", per dim [lo, hi)); versions 1
+// and 2 wrote row ranges ("rows"), read as boxes whole in every other dim.
+constexpr int kCheckpointVersion = 3;
 constexpr int64_t kBlockBytes = 1 << 20;
 // Larger checksum blocks than any writer makes are refused before a buffer is
 // sized from them.
@@ -106,11 +108,48 @@ std::string meta_checksum(json meta) {
   return hex64(XXH3_64bits(text.data(), text.size()));
 }
 
-// Rows of a tensor as checkpoints cut it (dim 0; one row for a scalar).
-int64_t pl_rows(const ShardView &v) {
-  int64_t elems = 1;
-  for (int64_t d : v.full_shape) elems *= d;
-  return v.row_elems > 0 ? elems / v.row_elems : 0;
+int64_t volume(const std::vector<int64_t> &lo, const std::vector<int64_t> &hi) {
+  int64_t n = 1;
+  for (size_t d = 0; d < lo.size(); ++d) n *= std::max<int64_t>(0, hi[d] - lo[d]);
+  return n;
+}
+
+// Copies the box [a, b) (coordinates in the whole tensor) from a row-major
+// array of extents src_ext whose first element is the whole's src_org, into
+// one of extents dst_ext at dst_org.
+void copy_box(const uint8_t *src, const std::vector<int64_t> &src_org, const std::vector<int64_t> &src_ext,
+              uint8_t *dst, const std::vector<int64_t> &dst_org, const std::vector<int64_t> &dst_ext,
+              const std::vector<int64_t> &a, const std::vector<int64_t> &b) {
+  const size_t nd = a.size();
+  for (size_t d = 0; d < nd; ++d)
+    if (a[d] >= b[d]) return;
+  std::vector<int64_t> ss(nd, 1), ds(nd, 1);
+  for (size_t d = nd - 1; d > 0; --d) {
+    ss[d - 1] = ss[d] * src_ext[d];
+    ds[d - 1] = ds[d] * dst_ext[d];
+  }
+  const size_t run = static_cast<size_t>(b[nd - 1] - a[nd - 1]) * 4;
+  std::vector<int64_t> i(a);  // an odometer over the leading dims
+  for (;;) {
+    int64_t so = 0, dof = 0;
+    for (size_t d = 0; d < nd; ++d) {
+      so += (i[d] - src_org[d]) * ss[d];
+      dof += (i[d] - dst_org[d]) * ds[d];
+    }
+    std::memcpy(dst + dof * 4, src + so * 4, run);
+    size_t d = nd - 1;
+    for (;;) {
+      if (d == 0) return;
+      --d;
+      if (++i[d] < b[d]) break;
+      i[d] = a[d];
+    }
+  }
+}
+
+// The whole tensor's extents as checkpoints cut it (a scalar is one element).
+std::vector<int64_t> full_extents(const ShardView &v) {
+  return v.full_shape.empty() ? std::vector<int64_t>{1} : v.full_shape;
 }
 
 // A fingerprint of what a checkpoint must match: parameter names and full shapes.
@@ -146,12 +185,15 @@ void write_shard(PendingSave &p, int rank) {
     json index = json::array();
     for (const auto &e : p.entries) {
       json hashes = json::array();
-      for (int64_t r = 0; r < e.row1 - e.row0; r += e.block_rows) {
-        int64_t n = std::min(e.block_rows, e.row1 - e.row0 - r) * e.row_bytes;
+      const int64_t rows = e.hi[0] - e.lo[0];
+      for (int64_t r = 0; r < rows; r += e.block_rows) {
+        int64_t n = std::min(e.block_rows, rows - r) * e.row_bytes;
         hashes.push_back(hex64(XXH3_64bits(p.bytes.data() + e.offset + r * e.row_bytes, static_cast<size_t>(n))));
       }
+      json box = json::array();
+      for (size_t d = 0; d < e.lo.size(); ++d) box.push_back({e.lo[d], e.hi[d]});
       index.push_back({{"tensor", e.tensor}, {"kind", e.kind}, {"file", rank_file(rank)}, {"offset", e.offset},
-                       {"rows", {e.row0, e.row1}}, {"block_rows", e.block_rows}, {"xxh3", hashes}});
+                       {"box", box}, {"block_rows", e.block_rows}, {"xxh3", hashes}});
     }
     try {
       write_all(fd, p.bytes.data(), p.bytes.size(), path);
@@ -204,21 +246,35 @@ void Checkpointer::save(const CheckpointState &s, const CheckpointInfo &info, co
   }
   if (std::string agreed = mesh_.first_error(err); !agreed.empty()) fail(CTR_STATUS_IO_ERROR, agreed);
 
-  // Snapshot: this rank's rows of params and optimizer state, and the metadata.
+  // Snapshot: this rank's blocks of params and optimizer state (the valid
+  // box of each, compacted), and the metadata.
   const std::vector<ShardView> shards = s.checkpoint_shards();
   if (p->writer) {
     int64_t total = 0;
     for (const ShardView &v : shards)
-      if (v.write) total += 3 * v.valid_rows * v.row_elems * 4;
+      if (v.write) total += 3 * volume(std::vector<int64_t>(v.valid.size(), 0), v.valid) * 4;
     p->bytes.resize(static_cast<size_t>(total));
     int64_t offset = 0;
+    std::vector<uint8_t> local;
     for (const ShardView &v : shards) {
-      if (v.valid_rows <= 0 || !v.write) continue;
-      const int64_t row_bytes = v.row_elems * 4;
-      const int64_t bytes = v.valid_rows * row_bytes;
+      const std::vector<int64_t> zero(v.valid.size(), 0);
+      const int64_t bytes = volume(zero, v.valid) * 4;
+      if (bytes <= 0 || !v.write) continue;
+      std::vector<int64_t> hi(v.first);
+      for (size_t d = 0; d < hi.size(); ++d) hi[d] += v.valid[d];
+      const int64_t row_bytes = bytes / v.valid[0];
+      // Whole in every dim but the first: the valid box is a prefix of the block.
+      bool prefix = true;
+      for (size_t d = 1; d < v.valid.size(); ++d) prefix &= v.valid[d] == v.local_shape[d];
       for (int k = 0; k < 3; ++k) {
-        s.checkpoint_read(p->bytes.data() + offset, v.buffers[k], static_cast<size_t>(bytes));
-        p->entries.push_back({v.name, kKinds[k], offset, bytes, v.first_row, v.first_row + v.valid_rows,
+        if (prefix) {
+          s.checkpoint_read(p->bytes.data() + offset, v.buffers[k], static_cast<size_t>(bytes));
+        } else {
+          local.resize(static_cast<size_t>(v.n) * 4);
+          s.checkpoint_read(local.data(), v.buffers[k], local.size());
+          copy_box(local.data(), v.first, v.local_shape, p->bytes.data() + offset, v.first, v.valid, v.first, hi);
+        }
+        p->entries.push_back({v.name, kKinds[k], offset, bytes, v.first, hi,
                               std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(row_bytes, 1)), row_bytes});
         offset += bytes;
       }
@@ -376,20 +432,57 @@ void Checkpointer::load(CheckpointState &s, const CheckpointInfo &info, const st
       for (size_t si = 0; si < shards.size(); ++si) {
         const ShardView &pl = shards[si];
         const std::string &name = pl.name;
-        const int64_t row_bytes = pl.row_elems * 4;
+        const std::vector<int64_t> full = full_extents(pl);
+        const size_t nd = full.size();
+        // The box this rank wants: its valid block.
+        std::vector<int64_t> want_lo(pl.first), want_hi(pl.first);
+        for (size_t d = 0; d < nd; ++d) want_hi[d] += pl.valid[d];
         for (int k = 0; k < 3; ++k) {
           std::vector<float> &buf = stage[si][k];
           buf.assign(static_cast<size_t>(pl.n), 0.0f);
-          int64_t want_lo = pl.first_row, want_hi = pl.first_row + pl.valid_rows;
+          uint8_t *dst = reinterpret_cast<uint8_t *>(buf.data());
           int64_t covered = 0;
           for (const json *ep : entries[{name, kKinds[k]}]) {
             const json &e = *ep;
-            int64_t lo = e.at("rows")[0].get<int64_t>(), hi = e.at("rows")[1].get<int64_t>();
-            int64_t a = std::max(lo, want_lo), b = std::min(hi, want_hi);
-            if (a >= b) continue;
+            // The entry's box: "box" (version 3) or "rows" of dim 0, whole in the others.
+            std::vector<int64_t> lo(nd, 0), hi(full);
+            if (e.contains("box")) {
+              const json &box = e.at("box");
+              if (!box.is_array() || box.size() != nd)
+                ckpt_fail(strformat("%s: corrupt metadata for tensor '%s' (%s): a box of %zu dims for a tensor of %zu",
+                                    dir.c_str(), name.c_str(), kKinds[k], box.is_array() ? box.size() : size_t{0}, nd));
+              for (size_t d = 0; d < nd; ++d) {
+                lo[d] = box.at(d).at(0).get<int64_t>();
+                hi[d] = box.at(d).at(1).get<int64_t>();
+              }
+            } else {
+              lo[0] = e.at("rows")[0].get<int64_t>();
+              hi[0] = e.at("rows")[1].get<int64_t>();
+            }
             const std::string file = e.at("file").get<std::string>();
             if (file.find('/') != std::string::npos || file.empty())
               ckpt_fail(strformat("%s: corrupt metadata: bad shard file name '%s'", dir.c_str(), file.c_str()));
+            const int64_t block_rows = e.at("block_rows").get<int64_t>();
+            const auto &hashes = e.at("xxh3");
+            const int64_t offset = e.at("offset").get<int64_t>();
+            // Every number is checked before it sizes or places a read.
+            bool bad = block_rows < 1 || offset < 0 || !hashes.is_array();
+            for (size_t d = 0; d < nd; ++d) bad |= lo[d] < 0 || hi[d] <= lo[d] || hi[d] > full[d];
+            if (bad)
+              ckpt_fail(strformat("%s: corrupt metadata for tensor '%s' (%s): rows %lld..%lld of %lld (or a box outside "
+                                  "%s), offset %lld, block of %lld rows",
+                                  dir.c_str(), name.c_str(), kKinds[k], static_cast<long long>(lo[0]),
+                                  static_cast<long long>(hi[0]), static_cast<long long>(full[0]),
+                                  shape_string(full).c_str(), static_cast<long long>(offset),
+                                  static_cast<long long>(block_rows)));
+            std::vector<int64_t> a(nd), b(nd);
+            bool overlap = true;
+            for (size_t d = 0; d < nd; ++d) {
+              a[d] = std::max(lo[d], want_lo[d]);
+              b[d] = std::min(hi[d], want_hi[d]);
+              overlap &= a[d] < b[d];
+            }
+            if (!overlap) continue;
             const std::string path = dir + "/" + file;
             if (!fds.count(path)) {
               struct stat st {};
@@ -398,41 +491,34 @@ void Checkpointer::load(CheckpointState &s, const CheckpointInfo &info, const st
               fds[path] = open_regular_file(path, "checkpoint shard file", CTR_STATUS_CHECKPOINT_ERROR);
             }
             int fd = fds[path];
-            const int64_t block_rows = e.at("block_rows").get<int64_t>();
-            const auto &hashes = e.at("xxh3");
-            const int64_t offset = e.at("offset").get<int64_t>();
-            // Every number is checked before it sizes or places a read.
-            const int64_t total_rows = row_bytes > 0 ? pl_rows(pl) : 0;
-            if (block_rows < 1 || lo < 0 || hi <= lo || hi > total_rows || offset < 0 || !hashes.is_array())
-              ckpt_fail(strformat("%s: corrupt metadata for tensor '%s' (%s): rows %lld..%lld of %lld, offset %lld, "
-                                  "block of %lld rows",
-                                  dir.c_str(), name.c_str(), kKinds[k], static_cast<long long>(lo),
-                                  static_cast<long long>(hi), static_cast<long long>(total_rows),
-                                  static_cast<long long>(offset), static_cast<long long>(block_rows)));
+            const int64_t rows = hi[0] - lo[0];
+            const int64_t row_bytes = volume(lo, hi) / rows * 4;
             if (block_rows > std::max<int64_t>(1, kMaxBlockBytes / row_bytes))
               ckpt_fail(strformat("%s: corrupt metadata for tensor '%s' (%s): checksum blocks of %lld rows",
                                   dir.c_str(), name.c_str(), kKinds[k], static_cast<long long>(block_rows)));
-            if (static_cast<int64_t>(hashes.size()) != (hi - lo + block_rows - 1) / block_rows)
+            if (static_cast<int64_t>(hashes.size()) != (rows + block_rows - 1) / block_rows)
               ckpt_fail(strformat("%s: corrupt metadata for tensor '%s' (%s): %zu checksums for %lld blocks",
                                   dir.c_str(), name.c_str(), kKinds[k], hashes.size(),
-                                  static_cast<long long>((hi - lo + block_rows - 1) / block_rows)));
+                                  static_cast<long long>((rows + block_rows - 1) / block_rows)));
             struct stat fst {};
-            if (::fstat(fd, &fst) != 0 || offset > fst.st_size ||
-                (hi - lo) * row_bytes > static_cast<int64_t>(fst.st_size) - offset)
+            if (::fstat(fd, &fst) != 0 || offset > fst.st_size || rows * row_bytes > static_cast<int64_t>(fst.st_size) - offset)
               ckpt_fail(strformat("%s: truncated or corrupt: tensor '%s' (%s) rows %lld..%lld at offset %lld need "
                                   "%lld bytes, the file has %lld",
-                                  path.c_str(), name.c_str(), kKinds[k], static_cast<long long>(lo),
-                                  static_cast<long long>(hi), static_cast<long long>(offset),
-                                  static_cast<long long>(offset + (hi - lo) * row_bytes),
+                                  path.c_str(), name.c_str(), kKinds[k], static_cast<long long>(lo[0]),
+                                  static_cast<long long>(hi[0]), static_cast<long long>(offset),
+                                  static_cast<long long>(offset + rows * row_bytes),
                                   static_cast<long long>(fst.st_size)));
-            // Read the checksum blocks that overlap [a, b), verify, copy rows.
-            int64_t b0 = (a - lo) / block_rows, b1 = (b - lo + block_rows - 1) / block_rows;
+            // Read the checksum blocks (rows of the box) that overlap [a0, b0),
+            // verify each, copy the part of the wanted box it holds.
+            const int64_t b0 = (a[0] - lo[0]) / block_rows, b1 = (b[0] - lo[0] + block_rows - 1) / block_rows;
             std::vector<uint8_t> block;
+            std::vector<int64_t> ext(nd), org(lo);
+            for (size_t d = 0; d < nd; ++d) ext[d] = hi[d] - lo[d];
             for (int64_t bi = b0; bi < b1; ++bi) {
-              int64_t r0 = lo + bi * block_rows, r1 = std::min(hi, r0 + block_rows);
+              int64_t r0 = lo[0] + bi * block_rows, r1 = std::min(hi[0], r0 + block_rows);
               int64_t n = (r1 - r0) * row_bytes;
               block.resize(static_cast<size_t>(n));
-              int64_t at = offset + (r0 - lo) * row_bytes;
+              int64_t at = offset + (r0 - lo[0]) * row_bytes;
               ssize_t got = ::pread(fd, block.data(), static_cast<size_t>(n), at);
               if (got != n)
                 ckpt_fail(strformat("%s: truncated shard file: tensor '%s' (%s) rows %lld..%lld end past the file",
@@ -441,15 +527,19 @@ void Checkpointer::load(CheckpointState &s, const CheckpointInfo &info, const st
                   hashes[static_cast<size_t>(bi)].get<std::string>() != hex64(XXH3_64bits(block.data(), block.size())))
                 ckpt_fail(strformat("%s: checksum mismatch in tensor '%s' (%s), rows %lld..%lld: the file is corrupt",
                                     path.c_str(), name.c_str(), kKinds[k], static_cast<long long>(r0), static_cast<long long>(r1)));
-              int64_t c0 = std::max(r0, a), c1 = std::min(r1, b);
-              std::memcpy(buf.data() + (c0 - pl.first_row) * pl.row_elems, block.data() + (c0 - r0) * row_bytes,
-                          static_cast<size_t>((c1 - c0) * row_bytes));
+              org[0] = r0;
+              ext[0] = r1 - r0;
+              std::vector<int64_t> ca(a), cb(b);
+              ca[0] = std::max(r0, a[0]);
+              cb[0] = std::min(r1, b[0]);
+              copy_box(block.data(), org, ext, dst, pl.first, pl.local_shape, ca, cb);
             }
-            covered += b - a;
+            covered += volume(a, b);
           }
-          if (covered != want_hi - want_lo)
-            ckpt_fail(strformat("%s: incomplete checkpoint: rows %lld..%lld of tensor '%s' (%s) are in no shard file",
-                                dir.c_str(), static_cast<long long>(want_lo), static_cast<long long>(want_hi), name.c_str(), kKinds[k]));
+          if (covered != volume(want_lo, want_hi))
+            ckpt_fail(strformat("%s: incomplete checkpoint: elements of tensor '%s' (%s) in %s..%s are in no shard file",
+                                dir.c_str(), name.c_str(), kKinds[k], shape_string(want_lo).c_str(),
+                                shape_string(want_hi).c_str()));
         }
       }
       if (loader && !loader_state.is_null()) {

@@ -21,13 +21,15 @@ namespace data {
 class Loader;
 }
 
-// One parameter as this rank holds it: rows [first_row, first_row + valid_rows)
-// of the full tensor, row_elems floats each, at the start of each buffer.
+// One parameter as this rank holds it: a block of the full tensor (a box: per
+// dim, elements [first, first + valid) of the whole), stored in each buffer as
+// a row-major array of local_shape whose elements past `valid` are padding.
+// A scalar is one element: local_shape, first and valid have one dim.
 struct ShardView {
   std::string name;
   std::vector<int64_t> full_shape;
-  int64_t n = 0;  // floats held locally, padding rows included
-  int64_t first_row = 0, valid_rows = 0, row_elems = 0;
+  int64_t n = 0;  // floats held locally, padding included
+  std::vector<int64_t> local_shape, first, valid;
   void *buffers[3] = {nullptr, nullptr, nullptr};  // param, adam_m, adam_v (device)
   bool write = true;  // this rank saves these rows (false: a replica elsewhere does)
 };

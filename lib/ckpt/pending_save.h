@@ -16,10 +16,14 @@ struct PendingSave {
   std::string dir, tmp;
   bool writer = false;
   std::vector<uint8_t> bytes;  // this rank's rows of every tensor, as written
+  // A box of one tensor: per dim, elements [lo, hi) of the whole, stored
+  // row-major; checksummed in blocks of block_rows rows (dim 0) of the box.
   struct Entry {
     std::string tensor;
     const char *kind;
-    int64_t offset, bytes, row0, row1, block_rows, row_bytes;
+    int64_t offset, bytes;
+    std::vector<int64_t> lo, hi;
+    int64_t block_rows, row_bytes;
   };
   std::vector<Entry> entries;
   nlohmann::json meta;  // everything but the shard list, as of the snapshot

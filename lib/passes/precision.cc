@@ -16,7 +16,7 @@
 //
 // "auto" (the default) means bf16 where the backend has bf16 kernels (it has a
 // kernel for `cast`) and f32 otherwise (the CPU backend computes in f32 only),
-// and f32 for graphs with mixture-of-experts layers.
+// and f32 for graphs with mixture-of-experts layers or tensor-parallel regions.
 // Collectives move f32 parameters and gradients only, so the pass runs before
 // shard: the gathers shard inserts feed the casts. Mixture-of-experts layers
 // (their token exchanges move f32 rows) stay f32 as a whole: the pass refuses
@@ -67,7 +67,7 @@ std::string resolve_precision(const Graph &g, const std::string &option,
                               const std::function<bool(OpId)> &has_kernel) {
   if (option != "auto") return option;
   for (const Node &n : g.nodes)
-    if (n.op.rfind("moe_", 0) == 0) return "fp32";
+    if (n.op.rfind("moe_", 0) == 0 || n.op == "fanout") return "fp32";
   const OpDef *cast = find_op("cast");
   return cast && has_kernel && has_kernel(cast->id) ? "bf16" : "fp32";
 }
@@ -76,11 +76,16 @@ std::string pass_precision(Graph &g, const std::string &precision) {
   CTR_CHECK(g.num_forward >= 0);
   if (precision != "bf16") return "precision: fp32 (every activation f32)";
   const size_t nt = g.tensors.size();
-  for (const Node &n : g.nodes)
+  for (const Node &n : g.nodes) {
     CTR_REQUIRE(n.op.rfind("moe_", 0) != 0, CTR_STATUS_UNSUPPORTED,
                 "precision bf16: node '%s' (%s) is a mixture-of-experts op, which runs in f32 only; use precision "
                 "fp32 for this graph",
                 n.name.c_str(), n.op.c_str());
+    CTR_REQUIRE(n.op != "fanout", CTR_STATUS_UNSUPPORTED,
+                "precision bf16: node '%s' enters a tensor-parallel region, whose all-reduces move f32 activations "
+                "only; use precision fp32 with tp",
+                n.name.c_str());
+  }
 
   // What stays f32.
   std::vector<bool> f32(nt, false);

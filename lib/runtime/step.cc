@@ -646,7 +646,7 @@ void Step::run(ctr_step_metrics *metrics) {
     m.forward_ms = fwd_ms;
     m.backward_ms = bwd_ms;
     m.optimizer_ms = opt_ms;
-    m.tokens = tokens_per_micro_ * k * mesh_.world;
+    m.tokens = tokens_per_micro_ * k * (mesh_.world / mesh_.axis_size("tp"));  // a tp group shares its rows
     m.tokens_per_s = total_ms > 0 ? static_cast<double>(m.tokens) * 1000.0 / total_ms : 0;
     m.peak_bytes = peak_bytes();
     m.save_wait_ms = save_wait_ms_;
@@ -700,13 +700,15 @@ std::vector<ShardView> Step::checkpoint_shards() const {
     v.name = t.name;
     v.full_shape = global_shape(t);
     v.n = s.n;
-    // Checkpoint files hold row ranges: tensors are sharded on dim 0 only.
-    for (const AxisPlacement &a : t.placement.axes) CTR_CHECK(a.kind == AxisPlacement::Shard && a.dim == 0);
     const LocalBlock b = local_block(t, copt_.mesh);
-    const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
-    v.row_elems = rows > 0 ? s.n / rows : 0;
-    v.first_row = b.first.empty() ? 0 : b.first[0];
-    v.valid_rows = b.valid.empty() ? 1 : b.valid[0];
+    v.local_shape = t.shape;
+    v.first = b.first;
+    v.valid = b.valid;
+    if (t.shape.empty()) {
+      v.local_shape = {1};
+      v.first = {0};
+      v.valid = {1};
+    }
     // One copy of each block is written, by its first replica.
     v.write = first_replica(t, copt_.mesh);
     v.buffers[0] = param_ptr(s.tensor);

@@ -487,9 +487,10 @@ TEST(Emu, CublasLtEpiloguesAndTf32) {
     EXPECT_EQ(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t), CUBLAS_STATUS_SUCCESS);
     EXPECT_EQ(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi),
               CUBLAS_STATUS_SUCCESS);
-    if (bp)
+    if (bp) {
       EXPECT_EQ(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof bp),
                 CUBLAS_STATUS_SUCCESS);
+    }
     if (ap) {
       EXPECT_EQ(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &ap, sizeof ap),
                 CUBLAS_STATUS_SUCCESS);

@@ -143,6 +143,26 @@ def main():
         check(worst <= 1e-5, f"moe ep 2->1->4->2x2 differs from one rank by {worst:.2e} relative")
         print(f"moe reshard ep=2 -> 1 -> ep=4 -> ep=2,fsdp=2: max relative loss difference {worst:.2e}")
 
+    # 2c. Tensor parallelism: the same llama moves between tp=2 x fsdp=2 (its
+    #     attention and MLP weights split on their output or input dim, then on
+    #     rows) -> fsdp=4 -> tp=2 -> one rank; compared with the one-rank reference.
+    d = os.path.join(tmp, "tp_reshard")
+    parts = []
+    for k, (world, mesh) in enumerate([(4, "fsdp=2,tp=2"), (4, "fsdp=4"), (2, "tp=2"), (1, "fsdp=1")]):
+        m = os.path.join(tmp, f"tp{k}.jsonl")
+        shares = world // (2 if "tp=2" in mesh else 1)  # a tp group reads one share of the batch
+        extra = ["--save-every", "5", "--save-dir", d, "--stop-after", "5"]
+        if k > 0:
+            extra += ["--resume", "latest"]
+        run(["run", graph, "--steps", str(STEPS), "--batch", str(GLOBAL_BATCH // shares), "--log-every", "0",
+             "--lr", "3e-3", "--warmup", "3", "--metrics", m, "--mesh", mesh, *extra], nprocs=world)
+        parts += losses(m)
+    check(len(parts) == STEPS, f"tp reshard chain produced {len(parts)} steps")
+    if len(parts) == STEPS and len(ref) == STEPS:
+        worst = max(abs(x - y) / abs(y) for x, y in zip(parts, ref))
+        check(worst <= 1e-5, f"tp=2 x fsdp=2 -> fsdp=4 -> tp=2 -> 1 differs from one rank by {worst:.2e} relative")
+        print(f"reshard tp=2,fsdp=2 -> fsdp=4 -> tp=2 -> 1: max relative loss difference {worst:.2e}")
+
     # 3. Damaged checkpoints are refused with a message naming file and tensor,
     #    and --resume latest falls back to the previous good one.
     d = os.path.join(tmp, "damage")
@@ -212,13 +232,27 @@ def main():
             meta["checksum"] = meta_checksum(meta)
         json.dump(meta, open(meta_path, "w"))
 
-    edit_meta(lambda m: m["shards"][0].update(rows=[0, 2 ** 34]))
-    load_once(False, "rows 0..17179869184 of", "2^34 rows")
-    p = run(["run", graph, "--steps", str(STEPS), "--batch", str(GLOBAL_BATCH), "--log-every", "0",
-             "--resume", "latest", "--save-dir", d, "--stop-after", "1"])
-    if p is not None:
-        check("unusable" in p.stderr and "step_00000005" in p.stdout and "out of memory" not in p.stderr,
-              f"2^34 rows: no fallback to the previous checkpoint:\n{p.stdout}\n{p.stderr}")
+    # Entries are boxes (per dim [lo, hi)); a version-2 entry's "rows" are read as a
+    # box whole in the other dims and checked the same way.
+    def huge(m, key):
+        e = m["shards"][0]
+        if key == "box":
+            e["box"][0] = [0, 2 ** 34]
+        else:
+            del e["box"]
+            e["rows"] = [0, 2 ** 34]
+
+    for key in ("box", "rows"):
+        edit_meta(lambda m: huge(m, key))
+        load_once(False, "rows 0..17179869184 of", f"2^34 rows ({key})")
+        p = run(["run", graph, "--steps", str(STEPS), "--batch", str(GLOBAL_BATCH), "--log-every", "0",
+                 "--resume", "latest", "--save-dir", d, "--stop-after", "1"])
+        if p is not None:
+            check("unusable" in p.stderr and "step_00000005" in p.stdout and "out of memory" not in p.stderr,
+                  f"2^34 rows ({key}): no fallback to the previous checkpoint:\n{p.stdout}\n{p.stderr}")
+        restore()
+    edit_meta(lambda m: m["shards"][0].update(box=[[0, 1]]))
+    load_once(False, "a box of 1 dims for a tensor of 2", "box of the wrong rank")
     restore()
     edit_meta(lambda m: m["shards"][0].update(offset=1 << 40))
     load_once(False, "the file has", "offset past the file")

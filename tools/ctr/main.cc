@@ -489,11 +489,11 @@ int64_t default_seq(const ctr_graph *g) {
   return seq;
 }
 
-// The ranks of a data-parallel mesh each train on their own share of one
-// global batch. Every rank runs the same loader (same seed, same state),
-// advances it by the whole global batch and reads only rows
-// [rank * local, (rank + 1) * local), so the data order and the loader state do
-// not depend on the number of ranks, and no rank touches another's data.
+// The data shares of a mesh (ranks, or tensor-parallel groups) each train on
+// their own share of one global batch. Every rank runs the same loader (same
+// seed, same state), advances it by the whole global batch and reads only rows
+// [share * local, (share + 1) * local), so the data order and the loader state do
+// not depend on the number of ranks, and no share touches another's data.
 class Batches {
  public:
   Batches(ctr_loader *loader, int64_t seq, int64_t local_rows, int rank, int world)
@@ -620,6 +620,8 @@ int cmd_run(const RunArgs &a) {
   auto train = [&]() -> int {
     const int rank = ctr_mesh_rank(mesh.get());
     const int world = ctr_mesh_world_size(mesh.get());
+    // The ranks of a tensor-parallel group read the same rows.
+    const int data_rank = ctr_mesh_data_rank(mesh.get()), data_size = ctr_mesh_data_size(mesh.get());
     const bool lead = rank == 0;  // one rank speaks for the job
 
     // Opened before the (possibly slow) compile so that a bad path fails at once.
@@ -660,7 +662,7 @@ int cmd_run(const RunArgs &a) {
 
     const int64_t local_rows = a.batch * a.micro_batches;
     Loader train_loader = open_loader(a.data, seq, static_cast<uint64_t>(a.data_seed));
-    Batches batches(train_loader.get(), seq, local_rows, rank, world);
+    Batches batches(train_loader.get(), seq, local_rows, data_rank, data_size);
     // The loader's position goes into checkpoints with the step.
     check(ctr_step_attach_loader(step.get(), train_loader.get()));
 
@@ -784,7 +786,7 @@ int cmd_run(const RunArgs &a) {
     auto evaluate = [&](int64_t at) -> double {
       Loader eval_loader = a.data.empty() ? open_loader("", seq, 0, kEvalCorpusBytes, kEvalCorpusSeed)
                                           : open_loader(a.data, seq, 0);
-      Batches eval(eval_loader.get(), seq, local_rows, rank, world);
+      Batches eval(eval_loader.get(), seq, local_rows, data_rank, data_size);
       double sum = 0;
       for (int64_t i = 0; i < a.eval_batches; ++i) {
         eval.next();
