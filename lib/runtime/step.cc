@@ -741,6 +741,7 @@ double Step::forward_backward() {
               "forward_backward: gradient inspection needs micro_batches = 1");
   bind_micro_batch(0);
   exec_->run(Executor::Phase::Forward);
+  ran_forward_ = true;
   exec_->run(Executor::Phase::Backward);
   return read_loss();
 }

@@ -1575,6 +1575,260 @@ TEST(OpGradientCoverage, EveryFileOpIsChecked) {
   for (const auto &op : ctr::file_op_names()) EXPECT_TRUE(covered.count(op)) << op;
 }
 
+// ---------------------------------------------------------------------------
+// Sharding rules (OpDef::shard_rule): each op with a rule, run on the blocks of
+// 2 and 4 ranks as its rule places them, equals the unsplit op. Outputs are
+// combined by their placements (concatenated for S, summed for P, equal for R),
+// and so are the gradients of a loss linear in the outputs: an input split on a
+// dim gets its block of the whole gradient, a replicated input feeding split
+// outputs a summand of it (the all-reduce a fanout's gradient does).
+
+struct RuleCase {
+  std::string label, op;
+  std::vector<std::vector<int64_t>> shapes;  // inputs, every one a parameter
+  std::vector<ctr::AxisState> placed;        // the placement of each input along the axis
+  std::map<std::string, ctr::Attr> attrs;
+  std::vector<int64_t> ranks = {2, 4};
+};
+
+void PrintTo(const RuleCase &c, std::ostream *os) { *os << c.label; }
+
+struct RuleRun {
+  std::vector<float> out;
+  std::vector<std::vector<float>> grads;
+};
+
+std::vector<float> block_of(const std::vector<float> &x, const std::vector<int64_t> &shape, int dim, int64_t r,
+                            int64_t ranks, std::vector<int64_t> *local) {
+  *local = shape;
+  (*local)[static_cast<size_t>(dim)] /= ranks;
+  int64_t outer = 1, inner = 1;
+  for (int d = 0; d < dim; ++d) outer *= shape[static_cast<size_t>(d)];
+  for (size_t d = static_cast<size_t>(dim) + 1; d < shape.size(); ++d) inner *= shape[d];
+  const int64_t n = shape[static_cast<size_t>(dim)], m = n / ranks;
+  std::vector<float> out;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = r * m; i < (r + 1) * m; ++i)
+      for (int64_t k = 0; k < inner; ++k) out.push_back(x[static_cast<size_t>((o * n + i) * inner + k)]);
+  return out;
+}
+
+// Writes a block back into the whole (the inverse of block_of).
+void put_block(std::vector<float> &x, const std::vector<int64_t> &shape, int dim, int64_t r, int64_t ranks,
+               const std::vector<float> &b) {
+  int64_t outer = 1, inner = 1;
+  for (int d = 0; d < dim; ++d) outer *= shape[static_cast<size_t>(d)];
+  for (size_t d = static_cast<size_t>(dim) + 1; d < shape.size(); ++d) inner *= shape[d];
+  const int64_t n = shape[static_cast<size_t>(dim)], m = n / ranks;
+  size_t at = 0;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = r * m; i < (r + 1) * m; ++i)
+      for (int64_t k = 0; k < inner; ++k) x[static_cast<size_t>((o * n + i) * inner + k)] = b[at++];
+}
+
+int64_t count(const std::vector<int64_t> &s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+// One rank's graph: the op on parameters holding `data`, loss = sum(out * c).
+RuleRun run_rule_graph(const std::string &op, const std::vector<std::vector<int64_t>> &shapes,
+                       const std::vector<std::vector<float>> &data, const std::map<std::string, ctr::Attr> &attrs,
+                       const std::vector<float> &c) {
+  OpGraph b;
+  std::vector<int> in;
+  for (size_t i = 0; i < shapes.size(); ++i) in.push_back(b.add_param_data("in" + std::to_string(i), shapes[i], data[i]));
+  const int y = b.add_op(op, in, attrs);
+  const int64_t n = static_cast<int64_t>(c.size());
+  const int flat = b.add_op("reshape", {y}, {{"shape", ctr::Attr::of_ints({1, n})}});
+  const int w = b.add_const("c", {1, n}, c);
+  b.g.loss = b.add_op("linear", {flat, w});
+  RuleRun r;
+  ctr_graph *g = nullptr;
+  EXPECT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+  if (!g) return r;
+  Mesh m;
+  Opts o;
+  o.i("batch", 1).s("keep", b.g.tensors[y].name.c_str());
+  ctr_step *s = nullptr;
+  EXPECT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_OK) << ctr_last_error();
+  if (s) {
+    s->impl->forward_backward();
+    r.out.resize(static_cast<size_t>(n));
+    EXPECT_EQ(ctr_step_get_output(s, b.g.tensors[y].name.c_str(), r.out.data(), r.out.size()), CTR_STATUS_OK)
+        << ctr_last_error();
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      r.grads.emplace_back(static_cast<size_t>(count(shapes[i])));
+      s->impl->read_grad("in" + std::to_string(i), r.grads.back().data(), r.grads.back().size());
+    }
+    ctr_step_free(s);
+  }
+  ctr_graph_free(g);
+  return r;
+}
+
+class ShardRule : public ::testing::TestWithParam<RuleCase> {};
+
+TEST_P(ShardRule, BlocksOfRanksEqualTheWholeOp) {
+  const RuleCase &rc = GetParam();
+  const ctr::OpDef *def = ctr::find_op(rc.op);
+  ASSERT_NE(def, nullptr);
+  ASSERT_NE(def->shard_rule, nullptr) << rc.op << " has no sharding rule";
+  std::mt19937 rng(7);
+  // Positive inputs, so that log, sqrt, rsqrt, pow and div are defined.
+  std::uniform_real_distribution<float> nd(0.5f, 1.5f);
+  std::vector<std::vector<float>> data;
+  for (const auto &sh : rc.shapes) {
+    data.emplace_back(static_cast<size_t>(count(sh)));
+    for (float &v : data.back()) v = nd(rng);
+  }
+  // The whole op, its output shape from the shape rule.
+  OpGraph shaped;
+  std::vector<int> in;
+  for (size_t i = 0; i < rc.shapes.size(); ++i) in.push_back(shaped.add_param("in" + std::to_string(i), rc.shapes[i]));
+  const int y = shaped.add_op(rc.op, in, rc.attrs);
+  shaped.g.loss = y;
+  ctr::CompileOptions co;
+  co.batch = 1;
+  ctr::Graph &sg = shaped.g;
+  for (auto &t : sg.tensors)
+    if (t.role == ctr::Role::Param) {
+      t.shape.clear();
+      for (const auto &d : t.dims) t.shape.push_back(d.size);
+      t.has_shape = true;
+    }
+  std::vector<ctr::OutInfo> oi;
+  def->infer(sg, sg.nodes[0], oi);
+  const std::vector<int64_t> out_shape = oi[0].shape;
+  sg.tensors[static_cast<size_t>(y)].shape = out_shape;
+  std::vector<float> c(static_cast<size_t>(count(out_shape)));
+  for (float &v : c) v = nd(rng);
+  const RuleRun whole = run_rule_graph(rc.op, rc.shapes, data, rc.attrs, c);
+  ASSERT_EQ(whole.out.size(), c.size());
+
+  for (int64_t ranks : rc.ranks) {
+    SCOPED_TRACE(rc.label + " on " + std::to_string(ranks) + " ranks");
+    ctr::Node node = sg.nodes[0];
+    std::vector<ctr::AxisState> outs;
+    const std::string why = def->shard_rule(sg, &node, rc.placed, ranks, outs);
+    ASSERT_EQ(why, "");
+    ASSERT_GE(outs.size(), 1u);
+    const ctr::AxisState o = outs[0];
+    bool split_out = o.kind != ctr::AxisState::Replicate;
+    std::vector<float> out(c.size(), 0.0f);
+    std::vector<std::vector<float>> grads;
+    for (const auto &sh : rc.shapes) grads.emplace_back(static_cast<size_t>(count(sh)), 0.0f);
+    for (int64_t r = 0; r < ranks; ++r) {
+      std::vector<std::vector<int64_t>> shapes;
+      std::vector<std::vector<float>> local;
+      for (size_t i = 0; i < rc.shapes.size(); ++i) {
+        std::vector<int64_t> ls = rc.shapes[i];
+        if (rc.placed[i].kind == ctr::AxisState::Shard)
+          local.push_back(block_of(data[i], rc.shapes[i], rc.placed[i].dim, r, ranks, &ls));
+        else
+          local.push_back(data[i]);
+        shapes.push_back(ls);
+      }
+      std::vector<int64_t> ols = out_shape;
+      const std::vector<float> lc =
+          o.kind == ctr::AxisState::Shard ? block_of(c, out_shape, o.dim, r, ranks, &ols) : c;
+      const RuleRun part = run_rule_graph(rc.op, shapes, local, node.attrs, lc);
+      ASSERT_EQ(part.out.size(), lc.size());
+      if (o.kind == ctr::AxisState::Shard) {
+        put_block(out, out_shape, o.dim, r, ranks, part.out);
+      } else if (o.kind == ctr::AxisState::Partial) {
+        for (size_t k = 0; k < out.size(); ++k) out[k] += part.out[k];
+      } else {
+        for (size_t k = 0; k < out.size(); ++k) EXPECT_NEAR(part.out[k], whole.out[k], 1e-5 + 1e-5 * std::fabs(whole.out[k]));
+        out = part.out;
+      }
+      for (size_t i = 0; i < rc.shapes.size(); ++i) {
+        if (rc.placed[i].kind == ctr::AxisState::Shard) {
+          put_block(grads[i], rc.shapes[i], rc.placed[i].dim, r, ranks, part.grads[i]);
+        } else if (split_out) {
+          for (size_t k = 0; k < grads[i].size(); ++k) grads[i][k] += part.grads[i][k];
+        } else {
+          grads[i] = part.grads[i];
+        }
+      }
+    }
+    for (size_t k = 0; k < out.size(); ++k)
+      ASSERT_NEAR(out[k], whole.out[k], 1e-5 + 1e-5 * std::fabs(whole.out[k])) << "output element " << k;
+    for (size_t i = 0; i < grads.size(); ++i)
+      for (size_t k = 0; k < grads[i].size(); ++k)
+        ASSERT_NEAR(grads[i][k], whole.grads[i][k], 1e-5 + 1e-5 * std::fabs(whole.grads[i][k]))
+            << "gradient of input " << i << " element " << k;
+  }
+}
+
+std::vector<RuleCase> rule_cases() {
+  using S = ctr::AxisState;
+  const std::vector<int64_t> x = {2, 3, 8};
+  std::vector<RuleCase> c;
+  for (const char *op : {"gelu", "silu", "tanh", "sigmoid", "exp", "neg", "log", "erf", "rsqrt", "sqrt", "reciprocal"})
+    c.push_back({std::string(op) + "_split_last", op, {x}, {S::shard(2)}, {}});
+  c.push_back({"pow_split_last", "pow", {x}, {S::shard(2)}, {{"exponent", ctr::Attr::of_float(1.5)}}});
+  c.push_back({"gelu_split_rows", "gelu", {x}, {S::shard(1)}, {}, {3}});
+  for (const char *op : {"add", "sub", "mul", "div", "swiglu"})
+    c.push_back({std::string(op) + "_split_last", op, {x, x}, {S::shard(2), S::shard(2)}, {}});
+  c.push_back({"rope_by_heads", "rope", {{2, 4, 16}}, {S::shard(2)}, {{"heads", ai(4)}}});
+  c.push_back({"attention_by_heads", "attention", {{2, 5, 16}, {2, 5, 16}, {2, 5, 16}},
+               {S::shard(2), S::shard(2), S::shard(2)}, {{"heads", ai(4)}, {"kv_heads", ai(4)}, {"causal", ai(1)}}});
+  c.push_back({"attention_gqa_by_heads", "attention", {{2, 5, 16}, {2, 5, 8}, {2, 5, 8}},
+               {S::shard(2), S::shard(2), S::shard(2)}, {{"heads", ai(4)}, {"kv_heads", ai(2)}, {"causal", ai(1)}},
+               {2}});
+  c.push_back({"linear_column", "linear", {x, {12, 8}, {12}}, {S::replicate(), S::shard(0), S::shard(0)}, {}});
+  c.push_back({"linear_column_no_bias", "linear", {x, {12, 8}}, {S::replicate(), S::shard(0)}, {}});
+  c.push_back({"linear_row", "linear", {x, {6, 8}}, {S::shard(2), S::shard(1)}, {}});
+  c.push_back({"linear_replicated", "linear", {x, {6, 8}}, {S::replicate(), S::replicate()}, {}});
+  return c;
+}
+
+INSTANTIATE_TEST_SUITE_P(Rules, ShardRule, ::testing::ValuesIn(rule_cases()),
+                         [](const auto &info) { return info.param.label; });
+
+TEST(ShardRuleCoverage, EveryFileOpRuleIsChecked) {
+  std::set<std::string> covered;
+  for (const auto &c : rule_cases()) covered.insert(c.op);
+  int rules = 0;
+  for (const auto &op : ctr::file_op_names())
+    if (ctr::find_op(op)->shard_rule) {
+      ++rules;
+      EXPECT_TRUE(covered.count(op)) << op << " has a sharding rule and no case";
+    }
+  EXPECT_GT(rules, 10);
+}
+
+// What the rules refuse, and why.
+TEST(ShardRuleRefusals, NameTheReason) {
+  using S = ctr::AxisState;
+  OpGraph b;
+  int q = b.add_param("q", {2, 5, 16}), k = b.add_param("k", {2, 5, 8});
+  int att = b.add_op("attention", {q, k, k}, {{"heads", ai(4)}, {"kv_heads", ai(2)}});
+  int xx = b.add_param("x", {2, 3, 8}), yy = b.add_param("y", {8});
+  int add = b.add_op("add", {xx, yy});
+  for (auto &t : b.g.tensors) {
+    t.shape.clear();
+    for (const auto &d : t.dims) t.shape.push_back(d.size);
+  }
+  b.g.tensors[static_cast<size_t>(att)].shape = {2, 5, 16};
+  b.g.tensors[static_cast<size_t>(add)].shape = {2, 3, 8};
+  std::vector<S> out;
+  ctr::Node n = b.g.nodes[0];
+  const std::string gqa = ctr::find_op("attention")->shard_rule(b.g, &n, {S::shard(2), S::shard(2), S::shard(2)}, 4, out);
+  EXPECT_NE(gqa.find("kv_heads=2 is not divisible by 4 ranks"), std::string::npos) << gqa;
+  n = b.g.nodes[0];
+  const std::string mixed = ctr::find_op("attention")->shard_rule(b.g, &n, {S::shard(2), S::replicate(), S::shard(2)}, 2, out);
+  EXPECT_NE(mixed.find("placed"), std::string::npos) << mixed;
+  n = b.g.nodes[1];
+  const std::string bcast = ctr::find_op("add")->shard_rule(b.g, &n, {S::shard(2), S::shard(0)}, 2, out);
+  EXPECT_NE(bcast.find("broadcast"), std::string::npos) << bcast;
+  const std::string lin = ctr::find_op("linear")->shard_rule(b.g, &n, {S::shard(2), S::shard(0)}, 2, out);
+  EXPECT_NE(lin.find("neither column- nor row-parallel"), std::string::npos) << lin;
+  EXPECT_EQ(ctr::find_op("layernorm")->shard_rule, nullptr);  // norms run on whole features only
+}
+
 // The step refuses the graph naming its first node and every needle.
 void expect_refused(OpGraph &b, const std::vector<std::string> &needles) {
   ctr_graph *g = nullptr;
