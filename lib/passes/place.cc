@@ -222,15 +222,38 @@ class Placer {
     regions_.push_back(std::move(r));
   }
 
+  // Regions, their all-reduces with the bytes each moves per micro-batch
+  // (the textbook volumes: one activation forward, one gradient backward per
+  // region), and what was left replicated.
   std::string report() const {
     std::string s = strformat("place: tp=%lld, %d tensor-parallel regions\n", static_cast<long long>(ranks_),
                               static_cast<int>(regions_.size()));
+    int64_t total = 0, count = 0;
+    std::set<int> fanned;
     for (const Region &r : regions_) {
       std::string cols, rows;
-      for (int ni : r.col) cols += (cols.empty() ? "" : ", ") + g_.nodes[ni].name;
-      for (int ni : r.row) rows += (rows.empty() ? "" : ", ") + g_.nodes[ni].name;
+      int64_t fwd = 0, bwd = 0;
+      for (int ni : r.col) {
+        cols += (cols.empty() ? "" : ", ") + g_.nodes[ni].name;
+        const int x = g_.nodes[ni].inputs[0];
+        if (fanned.insert(x).second) {
+          bwd += g_.tensors[x].bytes();
+          ++count;
+        }
+      }
+      for (int ni : r.row) {
+        rows += (rows.empty() ? "" : ", ") + g_.nodes[ni].name;
+        fwd += g_.tensors[g_.nodes[ni].outputs[0]].bytes();
+        ++count;
+      }
+      total += fwd + bwd;
       s += "  column-parallel " + cols + " -> row-parallel " + rows + "\n";
+      s += strformat("    all-reduce over tp: %lld bytes forward (the row-parallel sum), %lld bytes backward (the "
+                     "gradient at the fanout)\n",
+                     static_cast<long long>(fwd), static_cast<long long>(bwd));
     }
+    s += strformat("  per micro-batch: %lld all-reduces over tp, %lld bytes\n", static_cast<long long>(count),
+                   static_cast<long long>(total));
     return s + left_;
   }
 

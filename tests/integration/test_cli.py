@@ -157,6 +157,19 @@ def check_placements(tmp):
     experts = [line for line in dump.splitlines() if "experts.w1:" in line]
     check(experts and all("placed ep:S(0), fsdp:S(0) of [4," in line for line in experts),
           f"expert weights over ep and fsdp: {experts}")
+    # Tensor parallelism: attention and MLP regions, Megatron's 4 all-reduces of
+    # B*T*C floats per layer per micro-batch, the weights' blocks; sizes that do not
+    # fit are refused naming the node and the numbers.
+    tp = run("graph", "inspect", g, "--after", "place", "--tp", "2", "--batch", "2").stdout
+    btc = 2 * 32 * 64 * 4
+    check("2 tensor-parallel regions" in tp and f"per micro-batch: 4 all-reduces over tp, {4 * btc} bytes" in tp
+          and tp.count(f"{btc} bytes forward (the row-parallel sum), {btc} bytes backward") == 2,
+          f"tp regions and volumes: {tp[:800]}")
+    check("layers.0.mlp.fc.weight:f32[128,64] placed tp:S(0) of [256,64]" in tp
+          and "layers.0.mlp.proj.weight:f32[64,128] placed tp:S(1) of [64,256]" in tp
+          and "heads=2" in tp, f"tp blocks: {tp[:1500]}")
+    r = run("graph", "inspect", g, "--after", "place", "--tp", "3", expect=1)
+    check("does not divide" in r.stderr and "tp=3" in r.stderr, f"tp=3 on 4 heads: {r.stderr}")
 
 
 def check_special_files(tmp, graph):
