@@ -201,7 +201,11 @@ func TestMoEMetricsCountTheTokensOfEachExpert(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { g.Close() })
-	s := newStep(t, testMesh(t), g, NewOptions().SetInt("batch", 2).SetInt("seq", 16))
+	m := testMesh(t)
+	if m.DataRank() != 0 || m.DataSize() != 1 {
+		t.Fatalf("one rank's data share: %d of %d", m.DataRank(), m.DataSize())
+	}
+	s := newStep(t, m, g, NewOptions().SetInt("batch", 2).SetInt("seq", 16))
 	if layers, err := s.MoEMetrics(); err != nil || len(layers) != 0 {
 		t.Fatalf("before a run: %v, %v", layers, err)
 	}
@@ -217,6 +221,10 @@ func TestMoEMetricsCountTheTokensOfEachExpert(t *testing.T) {
 	}
 	if _, err := s.Run(); err != nil {
 		t.Fatal(err)
+	}
+	// One rank: no collective runs.
+	if axes, err := s.CommMetrics(); err != nil || len(axes) != 0 {
+		t.Fatalf("comm metrics on one rank: %v, %v", axes, err)
 	}
 	layers, err := s.MoEMetrics()
 	if err != nil || len(layers) != 1 || layers[0].Layer != "layers.0.moe" || len(layers[0].TokensPerExpert) != 4 {

@@ -322,6 +322,25 @@ func (s *Step) MoEMetrics() ([]MoELayer, error) {
 	return layers, nil
 }
 
+// CommMetrics returns the milliseconds the last run's collectives were in
+// flight, per mesh axis; empty without collectives.
+func (s *Step) CommMetrics() (map[string]float64, error) {
+	h, err := s.lock()
+	if err != nil {
+		return nil, err
+	}
+	defer s.mu.Unlock()
+	var text *C.char
+	if err := call(func() C.ctr_status { return C.ctr_step_comm_metrics(h, &text) }); err != nil {
+		return nil, err
+	}
+	axes := map[string]float64{}
+	if err := json.Unmarshal([]byte(C.GoString(text)), &axes); err != nil {
+		return nil, err
+	}
+	return axes, nil
+}
+
 // SetLR replaces the schedule by a constant learning rate from the next run.
 func (s *Step) SetLR(lr float64) error {
 	h, err := s.lock()

@@ -405,6 +405,14 @@ CTR_API ctr_status ctr_step_get_output(ctr_step *step, const char *name, float *
  * counts are summed, so this call itself communicates nothing. */
 CTR_API ctr_status ctr_step_moe_metrics(ctr_step *step, const char **json);
 
+/* Since 0.5. Communication of the last ctr_step_run per mesh axis, as a JSON
+ * object {"tp": ms, "fsdp": ms, ...}: for each axis the step's collectives run
+ * over, the milliseconds they were in flight on the communication stream (of
+ * this rank; overlapped with compute or not, as comm_ms in ctr_step_metrics,
+ * whose sum it splits). "{}" for a step without collectives or before the first
+ * run. *json belongs to the step and stays valid until its next mutating call. */
+CTR_API ctr_status ctr_step_comm_metrics(ctr_step *step, const char **json);
+
 /* Replaces the learning-rate schedule by a constant lr from the next run on
  * (lr >= 0 and finite). */
 CTR_API ctr_status ctr_step_set_lr(ctr_step *step, double lr);

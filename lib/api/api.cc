@@ -628,6 +628,14 @@ extern "C" ctr_status ctr_step_get_output(ctr_step *step, const char *name, floa
   CTR_API_END
 }
 
+extern "C" ctr_status ctr_step_comm_metrics(ctr_step *step, const char **json) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_comm_metrics");
+  REQUIRE_ARG(json != nullptr, "ctr_step_comm_metrics: json is NULL");
+  *json = step->impl->comm_metrics().c_str();
+  CTR_API_END
+}
+
 extern "C" ctr_status ctr_step_moe_metrics(ctr_step *step, const char **json) {
   CTR_API_BEGIN
   STEP_ARG("ctr_step_moe_metrics");

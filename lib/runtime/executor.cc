@@ -95,6 +95,7 @@ struct Executor::Collective {
   bool device = false;
   CommWork *work = nullptr;
   Clock::time_point issued{};
+  int axis_slot = -1;  // index into Executor::axis_ns_
   // Host copies of the buffers when the backend's memory is not host memory
   // (pinned where the backend has host_alloc).
   std::vector<HostBuffer> host_in, host_out;
@@ -127,6 +128,14 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
   staged_ = (be_.iface->flags & CTR_BACKEND_DEVICE_MEMORY) != 0;
   const size_t nn = g.nodes.size();
   calls_.resize(nn);
+  // The mesh axes of the collectives, in node order, for per-axis timing.
+  for (const Node &n : g.nodes) {
+    if (collective_kind(n) == CollKind::None) continue;
+    const std::string axis = n.attr_string("axis", "");
+    if (std::find(axis_names_.begin(), axis_names_.end(), axis) == axis_names_.end()) axis_names_.push_back(axis);
+  }
+  axis_ns_ = std::make_unique<std::atomic<int64_t>[]>(axis_names_.size());
+  for (size_t i = 0; i < axis_names_.size(); ++i) axis_ns_[i] = 0;
   colls_.resize(nn);
   refs_of_.resize(g.tensors.size());
   auto resolve = [&](const Instr &in) {
@@ -157,6 +166,8 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
       c->ex = this;
       c->node = &n;
       c->comm = mesh_.comm(n.attr_string("axis", ""));
+      c->axis_slot = static_cast<int>(
+          std::find(axis_names_.begin(), axis_names_.end(), n.attr_string("axis", "")) - axis_names_.begin());
       c->timeout_ms = mesh_.timeout_ms;
       const CollKind kind = collective_kind(n);
       if (is_exchange_kind(kind)) {
@@ -336,7 +347,9 @@ void Executor::run_collective(void *user) {
   } catch (const std::exception &e) {
     ex.note_failure(*c, CTR_STATUS_COMM_ERROR, e.what());
   }
-  ex.comm_ns_ += ns_since(t0);
+  const int64_t ns = ns_since(t0);
+  ex.comm_ns_ += ns;
+  if (c->axis_slot >= 0) ex.axis_ns_[static_cast<size_t>(c->axis_slot)] += ns;
 }
 
 void Executor::note_failure(const Collective &c, ctr_status code, const std::string &msg) {
@@ -401,7 +414,9 @@ void Executor::wait_device(void *user) {
   } catch (const std::exception &e) {
     ex.note_failure(*c, CTR_STATUS_COMM_ERROR, e.what());
   }
-  ex.comm_ns_ += ns_since(c->issued);
+  const int64_t ns = ns_since(c->issued);
+  ex.comm_ns_ += ns;
+  if (c->axis_slot >= 0) ex.axis_ns_[static_cast<size_t>(c->axis_slot)] += ns;
 }
 
 // An expert exchange over the ep group (P ranks, this one q): experts are in P
@@ -496,6 +511,13 @@ void Executor::raise_if_failed() {
 }
 
 double Executor::take_comm_ms() { return static_cast<double>(comm_ns_.exchange(0)) / 1e6; }
+
+std::vector<std::pair<std::string, double>> Executor::take_comm_ms_by_axis() {
+  std::vector<std::pair<std::string, double>> out;
+  for (size_t i = 0; i < axis_names_.size(); ++i)
+    out.emplace_back(axis_names_[i], static_cast<double>(axis_ns_[i].exchange(0)) / 1e6);
+  return out;
+}
 
 double Executor::take_exposed_ms() { return static_cast<double>(std::exchange(exposed_ns_, 0)) / 1e6; }
 

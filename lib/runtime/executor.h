@@ -54,6 +54,9 @@ class Executor {
   // Time the comm stream spent in collectives (issue to completion) since the
   // last call, in ms.
   double take_comm_ms();
+  // Per mesh axis with collectives in this step's program: the time they were
+  // in flight since the last call (milliseconds), in order of first use; reset.
+  std::vector<std::pair<std::string, double>> take_comm_ms_by_axis();
   // Time stream 0 spent waiting for the comm stream (its waits on collectives'
   // events and the end-of-phase drain) since the last call, in ms: the
   // communication that compute did not hide.
@@ -120,6 +123,9 @@ class Executor {
   ctr_status err_code_ = CTR_STATUS_OK;
   std::string err_msg_;
   std::atomic<int64_t> comm_ns_{0};
+  // Per mesh axis the collectives run over: its name and their time in flight.
+  std::vector<std::string> axis_names_;
+  std::unique_ptr<std::atomic<int64_t>[]> axis_ns_;
   int64_t exposed_ns_ = 0;
   std::atomic<int> exit_countdown_{0};
 };

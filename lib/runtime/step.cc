@@ -548,6 +548,7 @@ void Step::run(ctr_step_metrics *metrics) {
   auto t0 = Clock::now();
   double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
   exec_->take_comm_ms();  // collectives outside the step (get_param, ...) do not count
+  exec_->take_comm_ms_by_axis();
   exec_->take_exposed_ms();
   const int64_t k = copt_.micro_batches;
   for (int64_t mb = 0; mb < k; ++mb) {
@@ -655,6 +656,11 @@ void Step::run(ctr_step_metrics *metrics) {
     m.compute_ms = std::max(0.0, fwd_ms + bwd_ms - m.exposed_comm_ms);
     m.skipped_steps = skipped_steps_;
     std::memcpy(metrics, &m, std::min(sizeof m, metrics->size));
+  }
+  {
+    nlohmann::json axes = nlohmann::json::object();
+    for (const auto &[axis, ms] : exec_->take_comm_ms_by_axis()) axes[axis] = ms;
+    comm_json_ = axes.dump();
   }
 }
 

@@ -552,6 +552,8 @@ def moe_metrics():
                              top_k=2, ffn_dim=32) as g, \
             ctr.Step(mesh, g, batch=2, seq=16) as step:
         assert step.moe_metrics() == [], step.moe_metrics()
+        # One rank: its data share is the whole batch, and no collective runs.
+        assert (mesh.data_rank, mesh.data_size) == (0, 1), (mesh.data_rank, mesh.data_size)
         for name in ("layers.0.moe.router.weight", "layers.1.moe.router.weight"):
             step.set_param(name, np.zeros((4, 32), dtype=np.float32))
         ids = np.arange(32, dtype=np.int32).reshape(2, 16)
@@ -559,6 +561,7 @@ def moe_metrics():
         step.set_input("targets", ids)
         step.run()
         layers = step.moe_metrics()
+        assert step.comm_metrics() == {}, step.comm_metrics()
         assert [m["layer"] for m in layers] == ["layers.0.moe", "layers.1.moe"], layers
         # Every token ties and picks experts 0 and 1.
         assert layers[0]["tokens_per_expert"] == [32, 32, 0, 0], layers

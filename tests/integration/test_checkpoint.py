@@ -157,6 +157,14 @@ def main():
         run(["run", graph, "--steps", str(STEPS), "--batch", str(GLOBAL_BATCH // shares), "--log-every", "0",
              "--lr", "3e-3", "--warmup", "3", "--metrics", m, "--mesh", mesh, *extra], nprocs=world)
         parts += losses(m)
+        if k == 0 and os.path.exists(m):
+            # Communication per mesh axis (ctr_step_comm_metrics): both axes, adding up to comm_ms.
+            for line in open(m):
+                j = json.loads(line)
+                axes = j.get("comm_ms_by_axis", {})
+                check(sorted(axes) == ["fsdp", "tp"] and all(v > 0 for v in axes.values())
+                      and abs(sum(axes.values()) - j["comm_ms"]) <= 1e-6 * j["comm_ms"] + 1e-6,
+                      f"comm per axis on {mesh}: {axes}, comm_ms {j['comm_ms']}")
     check(len(parts) == STEPS, f"tp reshard chain produced {len(parts)} steps")
     if len(parts) == STEPS and len(ref) == STEPS:
         worst = max(abs(x - y) / abs(y) for x, y in zip(parts, ref))

@@ -814,6 +814,7 @@ int cmd_run(const RunArgs &a) {
     // recent rate rather than a whole-run average dominated by the first steps.
     double window_ms = 0, window_tokens = 0, window_wall = 0;
     double window_comm_ms = 0, window_exposed_ms = 0;
+    std::vector<std::pair<std::string, double>> window_axes;  // comm ms per mesh axis
     int64_t window_steps = 0;
     const auto run_start = Clock::now();
 
@@ -905,6 +906,18 @@ int cmd_run(const RunArgs &a) {
       window_comm_ms += m.comm_ms;
       window_exposed_ms += m.exposed_comm_ms;
       ++window_steps;
+      nlohmann::json comm_axes = nlohmann::json::object();
+      {
+        const char *text = nullptr;
+        check(ctr_step_comm_metrics(step.get(), &text));
+        comm_axes = nlohmann::json::parse(text);
+        for (auto it = comm_axes.begin(); it != comm_axes.end(); ++it) {
+          auto w = std::find_if(window_axes.begin(), window_axes.end(),
+                                [&](const auto &p) { return p.first == it.key(); });
+          if (w == window_axes.end()) w = window_axes.insert(window_axes.end(), {it.key(), 0.0});
+          w->second += it.value().get<double>();
+        }
+      }
 
       const bool log = a.log_every > 0 && (i == 1 || i % a.log_every == 0 || i == a.steps);
       if (lead && log) {
@@ -913,8 +926,13 @@ int cmd_run(const RunArgs &a) {
         const double tok_s = window_ms > 0 ? window_tokens / (window_ms / 1000.0) : 0;
         const double eta = window_wall / n * static_cast<double>(a.steps - i);
         // One rank has no collectives: its communication figures are zero.
+        // Per axis when the step communicates over more than one.
+        std::string by_axis;
+        if (window_axes.size() > 1)
+          for (const auto &[axis, total] : window_axes)
+            by_axis += ctr::strformat("%s %s %.1f", by_axis.empty() ? ":" : ",", axis.c_str(), total / n);
         const std::string comm =
-            world > 1 ? ctr::strformat(" | comm %.1f ms (exposed %.1f)", window_comm_ms / n,
+            world > 1 ? ctr::strformat(" | comm %.1f ms%s (exposed %.1f)", window_comm_ms / n, by_axis.c_str(),
                                        window_exposed_ms / n)
                       : std::string();
         const double window_mfu = ms > 0 && peak > 0 ? flops * tok_s / world / peak : 0;
@@ -928,6 +946,7 @@ int cmd_run(const RunArgs &a) {
         std::fflush(stdout);
         window_ms = window_tokens = window_wall = 0;
         window_comm_ms = window_exposed_ms = 0;
+        for (auto &w : window_axes) w.second = 0;
         window_steps = 0;
       }
 
@@ -977,6 +996,7 @@ int cmd_run(const RunArgs &a) {
             {"compute_ms", m.compute_ms},
             {"comm_ms", m.comm_ms},
             {"exposed_comm_ms", m.exposed_comm_ms},
+            {"comm_ms_by_axis", comm_axes},
         };
         if (eval_loss) j["eval_loss"] = *eval_loss;
         if (!moe.empty()) j["moe"] = moe;

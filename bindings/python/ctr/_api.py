@@ -534,6 +534,13 @@ class Step(_Handle):
         _L.step_moe_metrics(self._p(), ctypes.byref(text))
         return json.loads(_dec(text.value))
 
+    def comm_metrics(self):
+        """Milliseconds the last run's collectives were in flight, per mesh axis
+        ({"tp": ms, "fsdp": ms, ...}; empty without collectives)."""
+        text = ctypes.c_char_p()
+        _L.step_comm_metrics(self._p(), ctypes.byref(text))
+        return json.loads(_dec(text.value))
+
     def get_output(self, name, shape=None):
         """A forward activation kept with the step option keep= (e.g. "logits"), as of the
         last run or evaluate (its last micro-batch).

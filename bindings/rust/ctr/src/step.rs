@@ -209,6 +209,15 @@ impl Step {
         Ok(unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned())
     }
 
+    /// Milliseconds the last run's collectives were in flight, per mesh axis, as JSON text
+    /// ({"tp": ms, "fsdp": ms, ...}; "{}" without collectives).
+    pub fn comm_metrics(&mut self) -> Result<String> {
+        let mut text: *const std::os::raw::c_char = std::ptr::null();
+        // SAFETY: live handle; the string is owned by the step and copied at once.
+        check(unsafe { sys::ctr_step_comm_metrics(self.as_ptr(), &mut text) })?;
+        Ok(unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned())
+    }
+
     /// Replaces the schedule by a constant learning rate from the next run on.
     pub fn set_lr(&mut self, lr: f64) -> Result<()> {
         // SAFETY: live handle.

@@ -113,10 +113,13 @@ fn moe_metrics_count_the_tokens_of_each_expert() {
     let g = Graph::preset("moe", &opts).unwrap();
     let mut step = Step::new(&mesh, &g, &Options::new().int("batch", 2).int("seq", 16)).unwrap();
     assert_eq!(step.moe_metrics().unwrap(), "[]");
+    // One rank: its data share is the whole batch, and no collective runs.
+    assert_eq!((mesh.data_rank(), mesh.data_size()), (0, 1));
     let ids: Vec<i32> = (0..32).collect();
     step.set_input("tokens", &ids).unwrap();
     step.set_input("targets", &ids).unwrap();
     step.run().unwrap();
+    assert_eq!(step.comm_metrics().unwrap(), "{}");
     let text = step.moe_metrics().unwrap();
     assert!(text.contains("\"layer\":\"layers.0.moe\"") && text.contains("tokens_per_expert"), "{text}");
     // Every token picks 2 of the 4 experts: the counts sum to 2 * 32.
