@@ -1,0 +1,126 @@
+#!/usr/bin/python3
+"""Tensor parallelism against FSDP at the same world size and global batch, on the CPU.
+
+    /usr/bin/python3 tools/bench/bench_tp.py                  # gpt L=4 C=256 H=8 T=256, global batch 8
+    /usr/bin/python3 tools/bench/bench_tp.py --ctr build/tools/ctr --steps 12 --json out.json
+
+For each world size (2 and 4) the peer is fsdp=W; the meshes measured against it are tp=W
+(and fsdp=2 x tp=2 at W=4). Per mesh, rank 0's figures:
+  - planned memory: the activation arena and the parameter bytes from `ctr graph inspect
+    --after plan_memory` (gradients take as many bytes as parameters, AdamW twice as many),
+    next to the parameter bytes computed by hand: fsdp divides every parameter by its size;
+    tp divides the attention and MLP weights (12 C^2 + 7 C per layer with biases, GPT-2 style)
+    and leaves embeddings, norms and row-parallel biases whole;
+  - the all-reduce bytes over tp per micro-batch that `inspect --after place` reports, next
+    to Megatron's textbook volume, 4 all-reduces of B*T*C floats per layer;
+  - the median step time of `ctr launch -n W -- ctr run --mesh M` over --steps steps (the
+    first --warmup skipped), and its ratio to the peer's.
+Nothing is asserted: the figures are printed (and written with --json) for BENCHMARKS.md.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def find_ctr(given):
+    if given:
+        return given
+    for cand in (HERE.parent.parent / "build" / "tools" / "ctr",):
+        if cand.exists():
+            return str(cand)
+    sys.exit("bench_tp: pass --ctr PATH (no build/tools/ctr)")
+
+
+def sizes(mesh):
+    return dict((k, int(v)) for k, v in (a.split("=") for a in mesh.split(",")))
+
+
+def inspect(ctr, graph, after, mesh, batch):
+    s = sizes(mesh)
+    args = [ctr, "graph", "inspect", graph, "--after", after, "--batch", str(batch)]
+    for axis in ("fsdp", "tp"):
+        if axis in s:
+            args += [f"--{axis}", str(s[axis])]
+    return subprocess.run(args, capture_output=True, text=True, check=True).stdout
+
+
+def run(ctr, graph, world, mesh, batch, steps, warmup, threads, tmp):
+    metrics = os.path.join(tmp, f"m_{mesh.replace(',', '_').replace('=', '')}.jsonl")
+    cmd = [ctr, "launch", "-n", str(world), "--", ctr, "run", graph, "--steps", str(steps), "--batch",
+           str(batch), "--mesh", mesh, "--log-every", "0", "--metrics", metrics]
+    env = {**os.environ, "CTR_NUM_THREADS": str(threads)}
+    subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, timeout=1800)
+    rows = [json.loads(line) for line in open(metrics)][warmup:]
+    return statistics.median(r["step_ms"] for r in rows), statistics.median(r["comm_ms"] for r in rows)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ctr")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="threads per rank (CTR_NUM_THREADS)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    ctr = find_ctr(a.ctr)
+    tmp = tempfile.mkdtemp(prefix="ctr_bench_tp_")
+    graph = os.path.join(tmp, "gpt.ctrg")
+    subprocess.run([ctr, "graph", "build", "--preset", "gpt", "--layers", str(a.layers), "--dim", str(a.dim),
+                    "--heads", str(a.heads), "--seq", str(a.seq), "--vocab", str(a.vocab), "-o", graph],
+                   check=True, capture_output=True)
+    L, C, T, V = a.layers, a.dim, a.seq, a.vocab
+    total_params = V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+    split_params = L * (12 * C * C + 7 * C)  # q, k, v, o, fc, proj weights; q, k, v, fc biases
+    print(f"gpt L={L} C={C} H={a.heads} T={T} V={V}, global batch {a.global_batch}, "
+          f"{total_params / 1e6:.2f}M parameters, {a.threads} thread(s) per rank")
+    print(f"{'mesh':>14} {'arena MiB':>10} {'params MiB':>11} {'by hand':>8} {'state MiB':>10} "
+          f"{'tp bytes/mb':>12} {'textbook':>9} {'step ms':>8} {'comm ms':>8} {'vs fsdp':>8}")
+    results = []
+    for world, meshes in ((2, ["fsdp=2", "tp=2"]), (4, ["fsdp=4", "tp=4", "fsdp=2,tp=2"])):
+        peer_ms = None
+        for mesh in meshes:
+            s = sizes(mesh)
+            tp, fsdp = s.get("tp", 1), s.get("fsdp", 1)
+            batch = a.global_batch // (world // tp)
+            plan = inspect(ctr, graph, "plan_memory", mesh, batch)
+            arena = int(re.search(r"arena (\d+) bytes", plan).group(1))
+            params = int(re.search(r"params (\d+) bytes", plan).group(1))
+            hand = 4 * ((total_params - split_params) + split_params / tp) / fsdp
+            tp_bytes = textbook = 0
+            if tp > 1:
+                placed = inspect(ctr, graph, "place", mesh, batch)
+                tp_bytes = int(re.search(r"per micro-batch: \d+ all-reduces over tp, (\d+) bytes", placed).group(1))
+                textbook = 4 * L * batch * T * C * 4
+            step_ms, comm_ms = run(ctr, graph, world, mesh, batch, a.steps, a.warmup, a.threads, tmp)
+            if peer_ms is None:
+                peer_ms = step_ms
+            state = arena + 4 * params  # params, gradients, AdamW m and v
+            row = dict(world=world, mesh=mesh, batch_per_rank=batch, arena_bytes=arena, param_bytes=params,
+                       param_bytes_by_hand=hand, state_bytes=state, tp_bytes_per_micro_batch=tp_bytes,
+                       textbook_bytes=textbook, step_ms=step_ms, comm_ms=comm_ms, vs_fsdp=step_ms / peer_ms)
+            results.append(row)
+            print(f"{mesh:>14} {arena / 2**20:10.1f} {params / 2**20:11.2f} {hand / 2**20:8.2f} "
+                  f"{state / 2**20:10.1f} {tp_bytes:12d} {textbook:9d} {step_ms:8.1f} {comm_ms:8.1f} "
+                  f"{step_ms / peer_ms:7.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(config=vars(a), results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
