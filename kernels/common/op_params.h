@@ -15,6 +15,12 @@
 extern "C" {
 #endif
 
+/* embedding, embedding_bwd */
+typedef struct ctr_embedding_params {
+  int64_t padding_idx;    /* "padding_idx", default -1 (none): the row whose lookups
+                             pass no gradient back to the table, as PyTorch's */
+} ctr_embedding_params;
+
 /* layernorm, rmsnorm and their backward ops */
 typedef struct ctr_norm_params {
   float eps;              /* "eps", default 1e-5 */

@@ -113,7 +113,7 @@ void embedding_fwd(const int32_t *ids, const float *table, float *out, int64_t n
 }
 
 void embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t n, int64_t V,
-                   int64_t C, bool accumulate) {
+                   int64_t C, bool accumulate, int64_t padding_idx) {
   if (!accumulate) fill(dtable, 0.0f, V * C);
   // Split over columns: two rows with the same id then never race, and the
   // additions into each row happen in token order, as in a serial loop.
@@ -121,6 +121,7 @@ void embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t
   for_range(C, grain, [=](int64_t c0, int64_t c1) {
     const int64_t w = c1 - c0;
     for (int64_t i = 0; i < n; ++i) {
+      if (ids[i] == padding_idx) continue;
       float *dst = dtable + static_cast<int64_t>(ids[i]) * C + c0;
       const float *src = dout + i * C + c0;
       for (int64_t j = 0; j < w; ++j) dst[j] += src[j];

@@ -62,9 +62,10 @@ void matmul_bwd(const float *dc, const float *a, const float *b, float *da, floa
 // out[n,C] = table[ids[n], :]
 void embedding_fwd(const int32_t *ids, const float *table, float *out, int64_t n, int64_t V,
                    int64_t C);
-// dtable[V,C] (+)= scatter-add of dout[n,C] rows into rows ids[n].
+// dtable[V,C] (+)= scatter-add of dout[n,C] rows into rows ids[n], leaving out the
+// rows whose id is padding_idx (-1: none).
 void embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t n, int64_t V,
-                   int64_t C, bool accumulate);
+                   int64_t C, bool accumulate, int64_t padding_idx = -1);
 
 // ---------------------------------------------------------------------------
 // Element-wise with trailing broadcast: b has nb elements, nb divides n, and

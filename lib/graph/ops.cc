@@ -88,6 +88,9 @@ void embedding_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   need_dtype(g, n, 0, CTR_DTYPE_F32);
   need_dtype(g, n, 1, CTR_DTYPE_I32);
   if (S(g, n, 0).size() != 2) shape_mismatch(g, n, 0, "[vocab, dim]");
+  const int64_t pad = n.attr_int("padding_idx", -1);
+  if (pad < -1 || pad >= S(g, n, 0)[0])
+    bad_node(g, n, "attribute 'padding_idx' (" + std::to_string(pad) + ") must be a row of the table or -1 (none)");
   auto s = S(g, n, 1);
   s.push_back(S(g, n, 0)[1]);
   out = {f32(s)};
@@ -577,6 +580,10 @@ bool moe_count_ids(const Graph &g, const Node &n, int input, int64_t *lo, int64_
 // ---------------------------------------------------------------------------
 // Attribute decoding and id ranges
 
+void embedding_decode(const Graph &, const Node &n, void *out) {
+  static_cast<ctr_embedding_params *>(out)->padding_idx = n.attr_int("padding_idx", -1);
+}
+
 void norm_decode(const Graph &, const Node &n, void *out) {
   auto *p = static_cast<ctr_norm_params *>(out);
   p->eps = static_cast<float>(n.attr_float("eps", 1e-5));
@@ -636,7 +643,7 @@ std::vector<OpDef> library_ops() {
   std::vector<OpDef> v;
   OpDef e = with_bwd(fwd("embedding", 2, 2, embedding_infer, zero_flops), "embedding_bwd", {G(0), In(1)}, 1);
   e.id_range = embedding_ids;
-  v.push_back(e);
+  v.push_back(with_params<ctr_embedding_params>(e, embedding_decode));
   OpDef lin = fwd("linear", 2, 3, linear_infer, linear_flops);
   lin.vjp = linear_vjp;
   v.push_back(lin);
@@ -738,7 +745,7 @@ std::vector<OpDef> library_ops() {
                            d.name != "moe_grouped_linear";
 
   // Internal ops emitted by autodiff.
-  v.push_back(internal("embedding_bwd", 2, 1));
+  v.push_back(with_params<ctr_embedding_params>(internal("embedding_bwd", 2, 1), embedding_decode));
   v.push_back(internal("linear_bwd_x", 2, 1));
   v.push_back(internal("linear_bwd_w", 2, 1));
   v.push_back(internal("linear_bwd_b", 1, 1));

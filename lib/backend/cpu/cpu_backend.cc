@@ -89,7 +89,8 @@ void k_embedding(const Args &c) {
 }
 void k_embedding_bwd(const Args &c) {
   const auto &t = c.out_shape(0);
-  cpu::embedding_bwd(c.in<int32_t>(1), c.in<float>(0), c.out<float>(0), numel(c.in_shape(1)), t[0], t[1], false);
+  cpu::embedding_bwd(c.in<int32_t>(1), c.in<float>(0), c.out<float>(0), numel(c.in_shape(1)), t[0], t[1], false,
+                     c.params<ctr_embedding_params>().padding_idx);
 }
 void k_linear(const Args &c) {
   const auto &w = c.in_shape(1);

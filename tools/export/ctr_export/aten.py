@@ -948,9 +948,16 @@ def a_nll_loss(c, node):
 
 
 def a_embedding(c, node):
+    # aten.embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False);
+    # nn.Embedding and F.embedding pass a negative padding_idx counted from the end already.
     table_arg, ids_arg = node.args[0], node.args[1]
+    pad = int(c.same(node, 2, "the embedding's padding_idx", -1))
+    if c.same(node, 3, "the embedding's scale_grad_by_freq", False):
+        c.fail("embedding with scale_grad_by_freq=True: libctr's embedding gradient is not "
+               "scaled by the frequency of the ids")
     table = _operand(c, table_arg)
-    if c.is_const(ids_arg):
+    attrs = {"padding_idx": pad} if pad >= 0 else None
+    if c.is_const(ids_arg) and attrs is None:
         v1, v2 = c.const_value(ids_arg, 1), c.const_value(ids_arg, 2)
         f1, f2 = v1.flatten(), v2.flatten()
         if all(d == 1 for d in v1.shape[:-1]) and v1.shape[:-1] == v2.shape[:-1] and \
@@ -968,7 +975,7 @@ def a_embedding(c, node):
     ids = c.mat(c.val(ids_arg))
     if ids.dtype != _I32:
         c.fail("embedding ids must be integer token ids")
-    return _emit_like(c, "embedding", [table, ids], node)
+    return _emit_like(c, "embedding", [table, ids], node, attrs)
 
 
 def a_slice(c, node):
