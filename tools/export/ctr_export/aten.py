@@ -23,6 +23,17 @@ is baked into the recorded ops. So:
    fuse pass then recognises the larger patterns (attention, norms, SwiGLU, RoPE).
 4. Nodes are named and placed in blocks by the module that issued them (forward hooks), and
    an op that cannot be mapped is an ExportError naming the ATen op and the model's source line.
+
+Why make_fx and not torch.export with dynamic batch and sequence dims: torch.export would
+hand over the sizes as symbols, but it compiles the model's Python bytecode (TorchDynamo)
+against fake tensors, and turns what ordinary model code does with sizes into guards on
+those symbols that the user must satisfy by hand: of the four models of tests/zoo, the
+nanoGPT and GPT-2 styles fail there on PyTorch 2.15 ("Constraints violated (seq)", batch and
+seq declared as Dims up to the model's length), where make_fx exports and trains all four.
+make_fx runs the model eagerly on real tensors, so the constants to fold have real values, a
+failure is an ATen op at a source line, and what it records are the ops eager execution
+dispatches. What it does not give, the symbolic sizes, the two traces of point 1 recover;
+control flow on sizes that differs between them is refused.
 """
 
 import hashlib
@@ -102,8 +113,7 @@ def _all_tensors(model: nn.Module, kind: str):
     tied tensor has included (named_parameters() lists a tied one once)."""
     names: Dict[int, List[str]] = {}
     uniq: List[torch.Tensor] = []
-    for mod_name, m in model.named_modules(remove_duplicate=False) if _has_rd() else \
-            _named_modules_all(model):
+    for mod_name, m in model.named_modules(remove_duplicate=False):
         store = m._parameters if kind == "param" else m._buffers
         for n, t in store.items():
             if t is None:
@@ -117,24 +127,12 @@ def _all_tensors(model: nn.Module, kind: str):
     return names, uniq
 
 
-def _has_rd() -> bool:
-    import inspect
-    return "remove_duplicate" in inspect.signature(nn.Module.named_modules).parameters
-
-
-def _named_modules_all(model: nn.Module, prefix=""):
-    yield prefix, model
-    for name, child in model._modules.items():
-        if child is not None:
-            yield from _named_modules_all(child, f"{prefix}.{name}" if prefix else name)
-
-
 class _Trace:
     """One make_fx trace of the training function and the values of its nodes in that run."""
 
     def __init__(self, model, loss_fn, params, buffers, pnames, bnames, tokens, targets):
         self.inputs = list(params) + list(buffers) + [tokens, targets]
-        from torch.nn.utils import stateless
+        from torch.func import functional_call
 
         def fn(ps, bs, tok, tgt):
             pb = {}
@@ -145,8 +143,8 @@ class _Trace:
                 for n in names:
                     pb[n] = t
             if loss_fn is None:
-                return stateless.functional_call(model, pb, (tok, tgt))
-            out = stateless.functional_call(model, pb, (tok,))
+                return functional_call(model, pb, (tok, tgt))
+            out = functional_call(model, pb, (tok,))
             return out, loss_fn(out, tgt)
 
         scopes = _Scopes(model)
@@ -1198,13 +1196,6 @@ def _sdpa(c, node, q_arg, k_arg, v_arg, mask, dropout, causal, scale):
     return _transpose(c, node, o4, [0, 2, 1, 3])
 
 
-def a_sdpa_113(c, node):
-    # PyTorch 1.13: (q, k, v, attn_mask, dropout_p, need_attn_weights, is_causal)
-    q, k, v, mask, dropout, _need_weights, causal = (list(node.args) + [None] * 7)[:7]
-    out = _sdpa(c, node, q, k, v, mask, dropout, causal, None)
-    return _Tuple([out, None])
-
-
 def a_sdpa(c, node):
     # PyTorch 2: scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
     # *, scale) and its CPU flash kernel (q, k, v, dropout_p, is_causal, *, attn_mask, scale),
@@ -1290,12 +1281,8 @@ def _register():
     A[aten.view_as_complex.default] = a_view_as_complex
     A[aten.view_as_real.default] = a_view_as_real
     A[aten.native_dropout.default] = a_dropout
-    for name in ("_scaled_dot_product_attention_forward",):
-        if hasattr(aten, name):
-            A[getattr(aten, name).default] = a_sdpa_113
-    for name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu"):
-        if hasattr(aten, name):
-            A[getattr(aten, name).default] = a_sdpa
+    A[aten.scaled_dot_product_attention.default] = a_sdpa
+    A[aten._scaled_dot_product_flash_attention_for_cpu.default] = a_sdpa
     A[aten.repeat.default] = a_repeat
     for name in ("gt", "lt", "ge", "le", "eq", "ne"):
         for overload in ("Scalar", "Tensor"):
