@@ -26,16 +26,15 @@ VOCAB, DIM, SEQ = 32, 16, 12
 
 
 def random_batches(pad=None, pad_share=0.3, seed=0):
-    """STEPS batches of random tokens and targets; with pad, about pad_share of the tokens
-    are the padding id."""
+    """STEPS batches of random tokens, each target a fixed function of its token (so the loss
+    can fall); with pad, about pad_share of the tokens are the padding id."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(STEPS):
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         if pad is not None:
             tokens[torch.rand(BATCH, SEQ, generator=g) < pad_share] = pad
-        targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        out.append((tokens, targets))
+        out.append((tokens, (3 * tokens + 1) % VOCAB))
     return out
 
 
@@ -55,10 +54,10 @@ def train_both(model, data, tmp_path, tracer="aten"):
 def assert_same_training(model, torch_losses, ctr_losses, weights):
     for i, (a, b) in enumerate(zip(torch_losses, ctr_losses)):
         assert abs(a - b) <= LOSS_RTOL * abs(a), f"step {i}: torch {a:.7f} libctr {b:.7f}"
-    final = model.state_dict()
+    final = dict(model.named_parameters())
     assert set(weights) == set(final)
     for name, got in weights.items():
-        d = float(np.abs(got - final[name].numpy()).max())
+        d = float(np.abs(got - final[name].detach().numpy()).max())
         assert d <= WEIGHT_ATOL, f"{name}: libctr's final weights differ by {d:.3g}"
 
 
@@ -131,3 +130,146 @@ def test_embedding_scale_grad_by_freq_refused(tracer):
         ctr_export.to_graph(FreqScaled(), random_batches()[0], None, tracer=tracer)
     assert e.value.file and os.path.basename(e.value.file) == os.path.basename(__file__)
     assert e.value.line is not None
+
+
+# ------------------------------------------------------------------------------------------
+# Decompositions of ATen ops the model code records
+
+
+class Body(nn.Module):
+    """Embedding -> (the case's body) -> linear head -> cross-entropy."""
+
+    def __init__(self, seed=1):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.lin = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens, targets):
+        logits = self.head(self.body(self.emb(tokens)))
+        return logits, F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class InPlace(Body):
+    """In-place arithmetic and activations on activations (x += ..., x.mul_(...))."""
+
+    def body(self, x):
+        h = self.lin(x)
+        h += x
+        h.mul_(0.5)
+        h.sub_(0.1)
+        F.silu(h, inplace=True)
+        return h.div_(2.0)
+
+
+class InPlaceMaskedFill(Body):
+    """Scores of a causal attention masked in place, as older model code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1))
+
+    def body(self, x):
+        T = x.shape[1]
+        att = self.lin(x) @ x.transpose(1, 2)
+        att.masked_fill_(self.mask[:T, :T], float("-inf"))
+        return F.softmax(att, dim=-1) @ x
+
+
+class Baddbmm(Body):
+    """Attention scores by baddbmm, beta * scores + alpha * q @ k^T (beta = 0: q @ k^T)."""
+
+    def __init__(self, beta):
+        super().__init__()
+        self.beta = beta
+
+    def body(self, x):
+        q, kt = self.lin(x), x.transpose(1, 2)
+        att = torch.baddbmm(q @ kt, q, kt, beta=self.beta, alpha=0.25)
+        return F.softmax(att, dim=-1) @ x
+
+
+class Addmm(Body):
+    """A linear layer written as addmm with alpha and beta."""
+
+    def body(self, x):
+        B, T, C = x.shape
+        h = torch.addmm(self.lin.bias, x.reshape(B * T, C), self.lin.weight.t(), beta=0.5,
+                        alpha=2.0)
+        return torch.tanh(h.reshape(B, T, C))
+
+
+class TransposedIds(nn.Module):
+    """Sequence-first code: tokens.t() into the embedding, transposed back for the head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.lin = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens, targets):
+        h = self.emb(tokens.t())  # [T, B, C]
+        logits = self.head(torch.tanh(self.lin(h))).transpose(0, 1)
+        return logits, F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class LogSoftmaxView(nn.Module):
+    """log_softmax, then a view flattening batch and sequence, then nll_loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens, targets):
+        logp = F.log_softmax(self.head(torch.tanh(self.emb(tokens))), dim=-1)
+        return logp, F.nll_loss(logp.view(-1, VOCAB), targets.view(-1))
+
+
+DECOMPOSED = {
+    "inplace": (InPlace, {"add": 1, "mul": 1, "sub": 1, "silu": 1, "div": 1}),
+    "inplace-masked-fill": (InPlaceMaskedFill, {"masked_fill": 1}),
+    "baddbmm": (lambda: Baddbmm(0.5), {"matmul": 3}),
+    "baddbmm-beta0": (lambda: Baddbmm(0.0), {"matmul": 2}),
+    "addmm": (Addmm, {"linear": 2}),
+    "transposed-ids": (TransposedIds, {"embedding": 1}),
+    "log-softmax-view": (LogSoftmaxView, {"cross_entropy": 1, "log_softmax": 1}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECOMPOSED))
+def test_decomposed(tmp_path, case):
+    make, ops = DECOMPOSED[case]
+    model = make()
+    data = random_batches()
+    graph = ctr_export.to_graph(model, data[0], None)
+    counts = {op: sum(n.op == op for n in graph.nodes) for op in ops}
+    assert counts == ops, counts
+    torch_losses, ctr_losses, weights = train_both(model, data, tmp_path)
+    assert_same_training(model, torch_losses, ctr_losses, weights)
+    assert torch_losses[-1] < torch_losses[0], "the loss did not fall"
+
+
+class InPlaceOnStaleView(Body):
+    def body(self, x):
+        h = self.lin(x)
+        v = h.view(-1, DIM)
+        h.mul_(2.0)  # MARK stale view
+        return torch.tanh(v).view(x.shape)
+
+
+def line_of(marker):
+    with open(__file__, encoding="utf-8") as f:
+        return next(i for i, text in enumerate(f, 1) if text.rstrip().endswith(f"# MARK {marker}"))
+
+
+def test_inplace_refusals():
+    data = random_batches()
+    with pytest.raises(ctr_export.ExportError, match="read afterwards through another view") as e:
+        ctr_export.to_graph(InPlaceOnStaleView(), data[0], None)
+    assert e.value.op == "aten.mul_.Tensor" and e.value.line == line_of("stale view")
+    assert os.path.samefile(e.value.file, __file__)

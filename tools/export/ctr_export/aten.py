@@ -347,7 +347,7 @@ class _AtenConverter(_Converter):
         if isinstance(v, _TParam):
             w = self.mat(v.w)
             return self.emit("transpose", [w], w.s1[::-1], w.s2[::-1], {"perm": [1, 0]},
-                             node=v.node)
+                             dtype=w.dtype, node=v.node)
         if isinstance(v, _LogSoftmax):
             x = self.mat(v.x)
             return self.emit("log_softmax", [x], x.s1, x.s2, self.dim_attr(v.dim, x.rank),
@@ -605,6 +605,13 @@ def a_to_copy(c, node):
 def a_view(c, node):
     v = c.val(node.args[0])
     s1, s2 = _out(c, node)
+    if isinstance(v, _LogSoftmax):
+        # log_softmax(x, -1).view(-1, V): the log_softmax of the view of x, as long as the
+        # view keeps the classes' dim, so nll_loss still reads it as cross_entropy.
+        x = v.x.base if isinstance(v.x, _Reshaped) else c.mat(v.x)
+        if v.dim % x.rank == x.rank - 1 and s1[-1:] == x.s1[-1:] and s2[-1:] == x.s2[-1:]:
+            return _LogSoftmax(x if (s1, s2) == (x.s1, x.s2) else _Reshaped(x, s1, s2), -1,
+                               v.node)
     base = v.base if isinstance(v, _Reshaped) else c.mat(v)
     if (s1, s2) == (base.s1, base.s2):
         return base
@@ -719,11 +726,35 @@ def _mm(c, node, bias_arg, a_arg, b_arg):
     return out
 
 
+def _scale_add(c, node, product, bias_arg, beta, alpha):
+    """beta * bias + alpha * product (addmm's and baddbmm's arithmetic); beta = 0 ignores
+    the bias, as PyTorch does (even a NaN in it)."""
+    out = c.mat(product)
+    if alpha != 1:
+        out = c.emit("mul", [out, c.scalar(float(alpha))], out.s1, out.s2, node=node,
+                     suffix=".alpha")
+    if beta != 0:
+        bias = _operand(c, bias_arg)
+        if beta != 1:
+            bias = c.emit("mul", [bias, c.scalar(float(beta))], bias.s1, bias.s2, node=node,
+                          suffix=".beta")
+        o1, o2 = _out(c, node)
+        out = c.emit("add", [out, bias], o1, o2, node=node, suffix=".bias")
+    return out
+
+
 def a_addmm(c, node):
     beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
-    if beta != 1 or alpha != 1:
-        c.fail("addmm with alpha or beta other than 1")
-    return _mm(c, node, node.args[0], node.args[1], node.args[2])
+    if beta == 1 and alpha == 1:
+        return _mm(c, node, node.args[0], node.args[1], node.args[2])
+    return _scale_add(c, node, _mm(c, node, None, node.args[1], node.args[2]), node.args[0],
+                      beta, alpha)
+
+
+def a_baddbmm(c, node):
+    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    return _scale_add(c, node, _bmm(c, node, node.args[1], node.args[2]), node.args[0], beta,
+                      alpha)
 
 
 def a_mm(c, node):
@@ -731,7 +762,11 @@ def a_mm(c, node):
 
 
 def a_bmm(c, node):
-    av, bv = c.val(node.args[0]), c.val(node.args[1])
+    return _bmm(c, node, node.args[0], node.args[1])
+
+
+def _bmm(c, node, a_arg, b_arg):
+    av, bv = c.val(a_arg), c.val(b_arg)
     if isinstance(av, _Reshaped) and isinstance(bv, _Reshaped):
         a, b = av.base, bv.base
         if a.rank == b.rank and a.rank >= 3 and a.s1[:-2] == b.s1[:-2] and \
@@ -1227,6 +1262,58 @@ def a_dropout(c, node):
 ATEN: Dict[Any, Callable] = {}
 
 
+# Ops whose result shares the memory of their first argument: views, and in-place updates
+# (which return the tensor they updated).
+_VIEW_OPS = {"aten.view", "aten._unsafe_view", "aten.slice", "aten.select", "aten.transpose",
+             "aten.t", "aten.permute", "aten.expand", "aten.unsqueeze", "aten.squeeze",
+             "aten.alias", "aten.split", "aten.split_with_sizes", "aten.unbind",
+             "aten.view_as_complex", "aten.view_as_real", "aten.as_strided", "aten.diagonal"}
+
+
+def _aliases_first_arg(n: fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:  # an item of split's results
+        return isinstance(n.args[0], fx.Node) and _aliases_first_arg(n.args[0])
+    name = _aten_name(n.target).rsplit(".", 1)[0]
+    return name in _VIEW_OPS or name.endswith("_")
+
+
+def _inplace(functional):
+    """x.op_(...) as x.op(...): make_fx records the in-place op, and every later read of x
+    as a read of its result, so the functional op's result takes its place. Refused where
+    that is not the same: an update of a parameter, buffer or input, or of a tensor that
+    is read afterwards through another alias (a view taken before the update, or the base
+    of an updated view), which would still see the old values."""
+    def convert(c, node):
+        target = node.args[0]
+        if not isinstance(target, fx.Node) or target.op == "placeholder" or \
+                c.is_const(target):
+            c.fail("an in-place update of a parameter, buffer, input or constant: libctr's "
+                   "graph computes new tensors only; use the op that returns its result")
+        order = c.const_cache.setdefault("node_order", {n: i for i, n in enumerate(c.t1.nodes)})
+        root = target
+        while _aliases_first_arg(root) and isinstance(root.args[0], fx.Node):
+            root = root.args[0]
+        aliases, todo = set(), [root]
+        while todo:
+            m = todo.pop()
+            if m in aliases or m is node:
+                continue
+            aliases.add(m)
+            todo.extend(u for u in m.users if _aliases_first_arg(u) and u.args[0] is m)
+        for m in aliases:
+            for u in m.users:
+                if u is not node and order[u] > order[node] and u not in aliases:
+                    reader = _aten_name(u.target) if u.op == "call_function" else u.name
+                    c.fail(f"an in-place update of a tensor that is read afterwards through "
+                           f"another view of it (by {reader}), which would see the old values "
+                           f"in libctr's graph: update a copy, or use the op that returns "
+                           f"its result")
+        return functional(c, node)
+    return convert
+
+
 def _register():
     A = ATEN
     for op in (aten.alias.default, aten.clone.default, aten.detach.default,
@@ -1284,6 +1371,19 @@ def _register():
     A[aten.scaled_dot_product_attention.default] = a_sdpa
     A[aten._scaled_dot_product_flash_attention_for_cpu.default] = a_sdpa
     A[aten.repeat.default] = a_repeat
+    A[aten.baddbmm.default] = a_baddbmm
+    # In-place forms of mapped ops.
+    for name, op in (("add_", "add"), ("sub_", "sub"), ("mul_", "mul"), ("div_", "div")):
+        packet = getattr(aten, name)
+        A[packet.Tensor] = _inplace(_binary(op))
+        A[packet.Scalar] = _inplace(_binary(op))
+    for name in ("neg", "exp", "log", "tanh", "erf", "rsqrt", "sqrt", "sigmoid", "reciprocal",
+                 "silu"):
+        A[getattr(aten, name + "_").default] = _inplace(_unary(name))
+    A[aten.pow_.Scalar] = _inplace(a_pow)
+    A[aten.gelu_.default] = _inplace(a_gelu)
+    A[aten.masked_fill_.Scalar] = _inplace(a_masked_fill)
+    A[aten.masked_fill_.Tensor] = _inplace(a_masked_fill)
     for name in ("gt", "lt", "ge", "le", "eq", "ne"):
         for overload in ("Scalar", "Tensor"):
             A[getattr(getattr(aten, name), overload)] = a_compare
