@@ -64,6 +64,12 @@ typedef struct ctr_grouped_linear_params {
   float weight_grad_scale; /* "weight_grad_scale", default 1: the weight gradient's factor */
 } ctr_grouped_linear_params;
 
+/* clamp, clamp_bwd: x held to [min, max] */
+typedef struct ctr_clamp_params {
+  float min;              /* "min", default -inf (none) */
+  float max;              /* "max", default +inf (none) */
+} ctr_clamp_params;
+
 /* pow, pow_bwd: x^exponent */
 typedef struct ctr_pow_params {
   float exponent;         /* "exponent", required */

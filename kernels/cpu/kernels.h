@@ -167,14 +167,15 @@ void swiglu_bwd(const float *dy, const float *gate, const float *up, float *dgat
 // Element-wise unary math (n elements), the formulas of common/math.h (libm).
 // Domains are not checked (log of a negative gives NaN, as libm does).
 
-enum class Unary { Exp, Log, Tanh, Erf, Rsqrt, Sqrt, Neg, Reciprocal, Sigmoid, Pow };
+enum class Unary { Exp, Log, Tanh, Erf, Rsqrt, Sqrt, Neg, Reciprocal, Sigmoid, Relu, Clamp, Pow };
 
-// y = f(x); p is pow's exponent, ignored by the other ops.
-void unary_fwd(Unary op, const float *x, float *y, int64_t n, float p = 0.0f);
+// y = f(x); p is pow's exponent, p and q clamp's bounds; the other ops ignore them.
+void unary_fwd(Unary op, const float *x, float *y, int64_t n, float p = 0.0f, float q = 0.0f);
 // dx = dy * f'(x), from v: the forward output y for exp, tanh, sigmoid, sqrt,
-// rsqrt and reciprocal, the input x for log, erf and pow; neg reads no v (it
-// may be null) and gives dx = -dy.
-void unary_bwd(Unary op, const float *dy, const float *v, float *dx, int64_t n, float p = 0.0f);
+// rsqrt and reciprocal, the input x for log, erf, relu, clamp and pow; neg
+// reads no v (it may be null) and gives dx = -dy.
+void unary_bwd(Unary op, const float *dy, const float *v, float *dx, int64_t n, float p = 0.0f,
+               float q = 0.0f);
 
 // ---------------------------------------------------------------------------
 // Rotary position embedding on x[B,T,H*D] (H heads of size D, D even), the

@@ -185,10 +185,19 @@ void norm_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
 double norm_flops(const Graph &g, const Node &n) { return 8.0 * static_cast<double>(numel(S(g, n, 0))); }
 
 // ---------------------------------------------------------------------------
-// exp, log, tanh, erf, rsqrt, sqrt, neg, reciprocal, sigmoid (x) ; pow(x) attr
-// exponent (required): element-wise, same shape. The backward reads the output
+// exp, log, tanh, erf, rsqrt, sqrt, neg, reciprocal, sigmoid, relu (x) ; pow(x)
+// attr exponent (required) ; clamp(x) attrs min, max (floats, at least one):
+// element-wise, same shape. The backward reads the output
 // where the derivative is a function of it alone, the input otherwise (see
 // kernels/common/math.h). No op checks its domain (log of a negative is NaN).
+
+void clamp_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  if (!n.has_attr("min") && !n.has_attr("max")) bad_node(g, n, "attribute 'min' or 'max' (a float) is required");
+  const double lo = n.attr_float("min", -INFINITY), hi = n.attr_float("max", INFINITY);
+  if (std::isnan(lo) || std::isnan(hi)) bad_node(g, n, "attributes 'min' and 'max' must not be NaN");
+  if (lo > hi) bad_node(g, n, strformat("attribute 'min' (%g) is above 'max' (%g)", lo, hi));
+  infer_same_f32(g, n, out);
+}
 
 void pow_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   if (!n.has_attr("exponent")) bad_node(g, n, "missing attribute 'exponent' (a float)");
@@ -594,6 +603,12 @@ void pow_decode(const Graph &, const Node &n, void *out) {
   static_cast<ctr_pow_params *>(out)->exponent = static_cast<float>(n.attr_float("exponent", 1.0));
 }
 
+void clamp_decode(const Graph &, const Node &n, void *out) {
+  auto *p = static_cast<ctr_clamp_params *>(out);
+  p->min = static_cast<float>(n.attr_float("min", -INFINITY));
+  p->max = static_cast<float>(n.attr_float("max", INFINITY));
+}
+
 void rope_decode(const Graph &, const Node &n, void *out) {
   auto *p = static_cast<ctr_rope_params *>(out);
   p->heads = n.attr_int("heads", 1);
@@ -667,6 +682,9 @@ std::vector<OpDef> library_ops() {
   v.push_back(with_bwd(fwd("reciprocal", 1, 1, infer_same_f32, elementwise_flops), "reciprocal_bwd",
                        {G(0), Out(0)}));
   v.push_back(with_bwd(fwd("sigmoid", 1, 1, infer_same_f32, elementwise_flops), "sigmoid_bwd", {G(0), Out(0)}));
+  v.push_back(with_bwd(fwd("relu", 1, 1, infer_same_f32, elementwise_flops), "relu_bwd", {G(0), In(0)}));
+  v.push_back(with_params<ctr_clamp_params>(
+      with_bwd(fwd("clamp", 1, 1, clamp_infer, elementwise_flops), "clamp_bwd", {G(0), In(0)}), clamp_decode));
   v.push_back(with_params<ctr_pow_params>(
       with_bwd(fwd("pow", 1, 1, pow_infer, elementwise_flops), "pow_bwd", {G(0), In(0)}), pow_decode));
   v.push_back(with_params<ctr_rope_params>(
@@ -755,8 +773,9 @@ std::vector<OpDef> library_ops() {
   v.push_back(internal("silu_bwd", 2, 1));
   v.push_back(internal("swiglu_bwd", 3, 2));
   for (const char *name : {"exp_bwd", "log_bwd", "tanh_bwd", "erf_bwd", "rsqrt_bwd", "sqrt_bwd",
-                           "reciprocal_bwd", "sigmoid_bwd"})
+                           "reciprocal_bwd", "sigmoid_bwd", "relu_bwd"})
     v.push_back(internal(name, 2, 1));
+  v.push_back(with_params<ctr_clamp_params>(internal("clamp_bwd", 2, 1), clamp_decode));
   v.push_back(internal("neg_bwd", 1, 1));
   v.push_back(with_params<ctr_pow_params>(internal("pow_bwd", 2, 1), pow_decode));
   v.push_back(with_params<ctr_rope_params>(internal("rope_bwd", 1, 1), rope_decode));
