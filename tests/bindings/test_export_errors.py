@@ -4,7 +4,7 @@
     .venv/bin/python3 tests/bindings/test_export_errors.py
 
 Each case is a small module with one construct libctr cannot run (torch.cumsum, nn.Conv1d,
-relu, dropout in training, a mask computed from activations, reading a value on the host;
+softplus, dropout in training, a mask computed from activations, reading a value on the host;
 and, for the torch.fx tracer, a branch on a traced size). ctr_export.export must raise
 ExportError whose message names the ATen op (or the fx construct) and the file and line of
 the call, with .op, .file and .line set to match; the line numbers are found from the source
@@ -103,9 +103,9 @@ class Slice(Base):
         return x[:, :, :4].repeat(1, 1, DIM // 4)  # MARK slice
 
 
-class Relu(Base):
+class Softplus(Base):
     def body(self, x):
-        return torch.relu(x)  # MARK relu
+        return F.softplus(x)  # MARK softplus
 
 
 class ActivationMask(Base):
@@ -140,7 +140,7 @@ CASES = [
     # (module class, op named in the message, marker on the offending line, phrase, tracer)
     (Cumsum, "aten.cumsum.default", "cumsum", "running sum", "auto"),
     (Conv, "aten.convolution.default", "conv", "convolutions", "auto"),
-    (Relu, "aten.relu.default", "relu", "no relu", "auto"),
+    (Softplus, "aten.softplus.default", "softplus", "no equivalent", "auto"),
     (Dropout, "aten.bernoulli_.float", "dropout", "model.eval()", "auto"),
     (ActivationMask, "aten.gt.Scalar", "activation mask", "mask computed", "auto"),
     (HostRead, "Tensor.item", "item", "on the host", "auto"),

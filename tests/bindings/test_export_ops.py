@@ -230,7 +230,18 @@ class LogSoftmaxView(nn.Module):
         return logp, F.nll_loss(logp.view(-1, VOCAB), targets.view(-1))
 
 
+class Activations(Body):
+    """relu and clamp, functional and in place, with one bound or two."""
+
+    def body(self, x):
+        h = F.relu(self.lin(x)) + torch.clamp(x, -0.5, 0.4)
+        h = h + x.clamp_min(-0.2) - x.clamp(max=0.3)
+        h.clamp_(-1.0, 1.0)
+        return torch.relu_(h)
+
+
 DECOMPOSED = {
+    "relu-clamp": (Activations, {"relu": 2, "clamp": 4}),
     "inplace": (InPlace, {"add": 1, "mul": 1, "sub": 1, "silu": 1, "div": 1}),
     "inplace-masked-fill": (InPlaceMaskedFill, {"masked_fill": 1}),
     "baddbmm": (lambda: Baddbmm(0.5), {"matmul": 3}),

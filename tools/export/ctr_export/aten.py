@@ -243,7 +243,6 @@ _NOT_MAPPED = {
                  "export with tracer=\"fx\", which maps it onto libctr's moe ops",
     "aten.sort": "sorting follows the data, which one trace would fix",
     "aten.cumsum": "a running sum has no libctr op",
-    "aten.relu": "libctr has no relu; GELU and SiLU are its activations",
     "aten.index.Tensor": "indexing with a tensor computed in the model: index with constants, "
                          "or use an nn.Embedding",
     "aten.scatter": "scatter writes at computed positions, which libctr's ops do not",
@@ -878,6 +877,36 @@ def a_pow(c, node):
     return _emit_like(c, "pow", [x], node, {"exponent": float(e)})
 
 
+def a_relu(c, node):
+    return _emit_like(c, "relu", [_f32(c, c.val(node.args[0]))], node)
+
+
+def a_clamp(c, node):
+    """clamp(x, min, max), clamp_min(x, min), clamp_max(x, max) with constant bounds."""
+    name = _aten_name(node.target)
+    if "clamp_min" in name:
+        lo, hi = c.same(node, 1, "clamp's min"), None
+    elif "clamp_max" in name:
+        lo, hi = None, c.same(node, 1, "clamp's max")
+    else:
+        lo = c.same(node, 1, "clamp's min", node.kwargs.get("min"))
+        hi = c.same(node, 2, "clamp's max", node.kwargs.get("max"))
+    for b in (lo, hi):
+        if b is not None and not isinstance(b, (int, float)):
+            c.fail("clamp with tensor bounds (libctr clamps to constants)")
+    if lo is None and hi is None:
+        return c.val(node.args[0])
+    attrs = {}
+    if lo is not None:
+        attrs["min"] = float(lo)
+    if hi is not None:
+        attrs["max"] = float(hi)
+    if lo is not None and hi is not None and lo > hi:
+        # PyTorch then gives max everywhere (and no gradient).
+        c.fail(f"clamp with min {lo} above max {hi}")
+    return _emit_like(c, "clamp", [_f32(c, c.val(node.args[0]))], node, attrs)
+
+
 def a_gelu(c, node):
     approx = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
     attrs = {} if approx == "tanh" else {"approximate": "none"}
@@ -1372,6 +1401,14 @@ def _register():
     A[aten._scaled_dot_product_flash_attention_for_cpu.default] = a_sdpa
     A[aten.repeat.default] = a_repeat
     A[aten.baddbmm.default] = a_baddbmm
+    A[aten.relu.default] = a_relu
+    A[aten.clamp.default] = a_clamp
+    A[aten.clamp_min.default] = a_clamp
+    A[aten.clamp_max.default] = a_clamp
+    A[aten.relu_.default] = _inplace(a_relu)
+    A[aten.clamp_.default] = _inplace(a_clamp)
+    A[aten.clamp_min_.default] = _inplace(a_clamp)
+    A[aten.clamp_max_.default] = _inplace(a_clamp)
     # In-place forms of mapped ops.
     for name, op in (("add_", "add"), ("sub_", "sub"), ("mul_", "mul"), ("div_", "div")):
         packet = getattr(aten, name)
