@@ -284,3 +284,79 @@ def test_inplace_refusals():
         ctr_export.to_graph(InPlaceOnStaleView(), data[0], None)
     assert e.value.op == "aten.mul_.Tensor" and e.value.line == line_of("stale view")
     assert os.path.samefile(e.value.file, __file__)
+
+
+class ShiftedLabelsLoss(nn.Module):
+    """The causal-LM loss of Hugging Face's models: labels padded with the ignored index,
+    shifted by one, both sides flattened."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.lin = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens, labels):
+        logits = self.head(torch.tanh(self.lin(self.emb(tokens))))
+        labels = F.pad(labels, (0, 1), value=-100)
+        shift_labels = labels[..., 1:].contiguous()
+        loss = F.cross_entropy(logits.view(-1, VOCAB), shift_labels.view(-1), ignore_index=-100)
+        return logits, loss
+
+
+def test_shifted_labels_loss(tmp_path):
+    # labels[t + 1] follows from tokens[t], so the shifted loss can fall.
+    data = []
+    for tokens, targets in random_batches():
+        labels = torch.roll(targets, 1, dims=1)
+        data.append((tokens, labels))
+    model = ShiftedLabelsLoss()
+    graph = ctr_export.to_graph(model, data[0], None)
+    assert [n.op for n in graph.nodes if n.op in ("slice", "cross_entropy")] == \
+        ["slice", "slice", "cross_entropy"]
+    torch_losses, ctr_losses, weights = train_both(model, data, tmp_path)
+    assert_same_training(model, torch_losses, ctr_losses, weights)
+    assert torch_losses[-1] < torch_losses[0], "the loss did not fall"
+
+
+class PaddedNotIgnored(ShiftedLabelsLoss):
+    def forward(self, tokens, labels):
+        logits = self.head(self.emb(tokens))
+        labels = F.pad(labels, (0, 1), value=0)
+        return logits, F.cross_entropy(logits.view(-1, VOCAB), labels[..., 1:].reshape(-1))  # MARK pad 0
+
+
+def test_padding_that_would_count_is_refused():
+    with pytest.raises(ctr_export.ExportError, match="not the ignored index") as e:
+        ctr_export.to_graph(PaddedNotIgnored(), random_batches()[0], None)
+    assert e.value.line == line_of("pad 0") and os.path.samefile(e.value.file, __file__)
+
+
+# ------------------------------------------------------------------------------------------
+# A model of the transformers library itself
+
+
+class HFCausalLM(nn.Module):
+    """transformers' GPT2LMHeadModel (a small random one, nothing downloaded), its own loss
+    from labels = the tokens."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=DIM, n_layer=2, n_head=2,
+                         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
+                         eos_token_id=0)
+        torch.manual_seed(1)
+        self.model = GPT2LMHeadModel(cfg)
+
+    def forward(self, tokens, targets):
+        out = self.model(input_ids=tokens, labels=tokens)
+        return out.logits, out.loss
+
+
+def test_transformers_gpt2(tmp_path):
+    data = random_batches()
+    model = HFCausalLM()
+    torch_losses, ctr_losses, weights = train_both(model, data, tmp_path)
+    assert_same_training(model, torch_losses, ctr_losses, weights)

@@ -210,6 +210,19 @@ class _LogSoftmax:
         self.x, self.dim, self.node = x, dim, node
 
 
+class _Padded:
+    """x padded at the end of its last dim with `after` copies of a constant (constant_pad_nd
+    of integer targets, as Hugging Face's causal-LM loss shifts its labels): cross_entropy
+    reads it as x against the logits cut to x's length when the constant is the ignored
+    target; anything else refuses it."""
+
+    __slots__ = ("x", "after", "value", "s1", "s2", "node")
+
+    def __init__(self, x, after, value, s1, s2, node):
+        self.x, self.after, self.value = x, after, value
+        self.s1, self.s2, self.node = tuple(s1), tuple(s2), node
+
+
 class _Complex:
     """A complex tensor as its real and imaginary parts (graph tensors)."""
 
@@ -355,6 +368,10 @@ class _AtenConverter(_Converter):
             return self.scalar(float(v))
         if isinstance(v, _Unavailable):
             self.fail(f"reads {v.why}")
+        if isinstance(v, _Padded):
+            self.fail("a tensor padded with a constant (constant_pad_nd) is mapped only as "
+                      "cross_entropy targets padded with the ignored index at the end of the "
+                      "sequence", node=v.node)
         if isinstance(v, _Complex):
             self.fail(f"a complex {what} outside the patterns libctr maps (view_as_complex, "
                       f"multiplication, view_as_real)")
@@ -604,6 +621,8 @@ def a_to_copy(c, node):
 def a_view(c, node):
     v = c.val(node.args[0])
     s1, s2 = _out(c, node)
+    if isinstance(v, _Padded):
+        return _Reshaped(v, s1, s2)  # read by cross_entropy, or refused by mat()
     if isinstance(v, _LogSoftmax):
         # log_softmax(x, -1).view(-1, V): the log_softmax of the view of x, as long as the
         # view keeps the classes' dim, so nll_loss still reads it as cross_entropy.
@@ -993,6 +1012,8 @@ def a_nll_loss(c, node):
     rank = len(xv.s1) if isinstance(xv, _Reshaped) else c.mat(xv).rank
     if lv.dim % rank != rank - 1:
         c.fail("log_softmax over a dim other than the classes (the last)")
+    if isinstance(tv, _Reshaped) and isinstance(tv.base, _Padded):
+        return _nll_padded(c, node, xv, tv.base, ignore)
     # Read through views that flatten [B, T, V] to [B*T, V]: the loss is the same.
     if isinstance(xv, _Reshaped) and isinstance(tv, _Reshaped) and \
             xv.base.s1[:-1] == tv.base.s1 and xv.base.s2[:-1] == tv.base.s2 and \
@@ -1006,6 +1027,29 @@ def a_nll_loss(c, node):
         c.fail("cross_entropy targets must have the logits' leading dims")
     attrs = {} if ignore is None or int(ignore) == -1 else {"ignore_index": int(ignore)}
     loss = c.emit("cross_entropy", [x, t], (), (), attrs, node=node)
+    return _Tuple([loss, None])
+
+
+def _nll_padded(c, node, xv, p: _Padded, ignore):
+    """cross_entropy(logits.view(-1, V), pad(t, (0, k), ignore).view(-1)): the padded
+    positions are ignored, so the loss (a mean over the targets not ignored) is the one of
+    the logits without their last k positions against t."""
+    ignore = -100 if ignore is None else int(ignore)
+    if not isinstance(xv, _Reshaped) or xv.base.s1[:-1] != p.s1 or xv.base.s2[:-1] != p.s2:
+        c.fail("cross_entropy of padded targets against logits other than [.., seq, classes] "
+               "flattened to [-1, classes]")
+    if p.value != ignore:
+        c.fail(f"targets padded with {p.value}, which is not the ignored index {ignore}: "
+               f"the padded positions would count in the loss")
+    x, t = xv.base, p.x
+    d = x.rank - 2
+    s1 = x.s1[:d] + (x.s1[d] - p.after,) + x.s1[d + 1:]
+    s2 = x.s2[:d] + (x.s2[d] - p.after,) + x.s2[d + 1:]
+    if (s1[:-1], s2[:-1]) != (t.s1, t.s2):
+        c.fail("padded targets whose length differs from the logits' once the padding is cut")
+    cut = c.emit("slice", [x], s1, s2, {"dim": d, "end": -p.after}, node=node, suffix=".cut")
+    attrs = {} if ignore == -1 else {"ignore_index": ignore}
+    loss = c.emit("cross_entropy", [cut, t], (), (), attrs, node=node)
     return _Tuple([loss, None])
 
 
@@ -1040,8 +1084,42 @@ def a_embedding(c, node):
     return _emit_like(c, "embedding", [table, ids], node, attrs)
 
 
-def a_slice(c, node):
+def a_constant_pad_nd(c, node):
     x = c.mat(c.val(node.args[0]))
+    pad = [int(p) for p in c.same(node, 1, "the padding")]
+    value = c.same(node, 2, "the padding value", 0)
+    if x.dtype != _I32 or len(pad) != 2 or pad[0] != 0 or pad[1] <= 0:
+        c.fail("constant padding other than of integer targets at the end of their last dim "
+               "(F.pad(labels, (0, k), value=ignore_index))")
+    s1, s2 = _out(c, node)
+    return _Padded(x, pad[1], value, s1, s2, node)
+
+
+def _slice_padded(c, node, p: _Padded):
+    """p[..., start:] along its padded last dim: the padding stays, x loses its first
+    `start` entries."""
+    dim = int(c.same(node, 1, "slice dim", 0)) % len(p.s1)
+    (b1, b2), (e1, e2) = c.arg2(node, 2, 0), c.arg2(node, 3, None)
+    step = int(c.same(node, 4, "slice step", 1))
+    full = (e1 is None or int(e1) >= p.s1[dim]) and (e2 is None or int(e2) >= p.s2[dim])
+    start = int(b1 or 0)
+    if dim != len(p.s1) - 1 or step != 1 or not full or (b1 or 0) != (b2 or 0) or \
+            start < 0 or start > p.x.s1[dim]:
+        c.fail("a slice of padded targets other than [..., start:] within the unpadded part")
+    x = p.x
+    if start:
+        s1 = x.s1[:-1] + (x.s1[-1] - start,)
+        s2 = x.s2[:-1] + (x.s2[-1] - start,)
+        x = c.emit("slice", [x], s1, s2, {"dim": dim, "start": start}, dtype=x.dtype, node=node)
+    o1, o2 = _out(c, node)
+    return _Padded(x, p.after, p.value, o1, o2, p.node)
+
+
+def a_slice(c, node):
+    v = c.val(node.args[0])
+    if isinstance(v, _Padded):
+        return _slice_padded(c, node, v)
+    x = c.mat(v)
     dim = int(c.same(node, 1, "slice dim", 0)) % x.rank
     s1o, s2o = _out(c, node)
     if (s1o, s2o) == (x.s1, x.s2):
@@ -1401,6 +1479,7 @@ def _register():
     A[aten._scaled_dot_product_flash_attention_for_cpu.default] = a_sdpa
     A[aten.repeat.default] = a_repeat
     A[aten.baddbmm.default] = a_baddbmm
+    A[aten.constant_pad_nd.default] = a_constant_pad_nd
     A[aten.relu.default] = a_relu
     A[aten.clamp.default] = a_clamp
     A[aten.clamp_min.default] = a_clamp
