@@ -3,14 +3,18 @@
 # second run is quick), then configures and builds.
 #
 #   tools/setup.sh              build dependencies, then build into ./build
-#   tools/setup.sh --tests      also the test dependencies (GoogleTest, PyTorch for parity)
+#   tools/setup.sh --tests      also the test dependencies: GoogleTest and the like from
+#                               Debian, and the Python environment of the tests and the
+#                               exporter (PyTorch, numpy, pytest, ...) from PyPI into .venv,
+#                               exactly as tools/requirements-test.txt pins it
 #   tools/setup.sh --sanitize   also clang, its sanitizer runtimes and llvm-symbolizer;
 #                               builds into ./build-san with clang under AddressSanitizer
 #                               and UndefinedBehaviorSanitizer, with the tests and the
 #                               libFuzzer targets (the build tools/sanitize.sh runs)
 #
 # Environment: BUILD_DIR (default build, or build-san with --sanitize), MESON_ARGS
-# (extra `meson setup` arguments).
+# (extra `meson setup` arguments). The test suites run their Python programs with
+# .venv/bin/python3 (tests/meson.build), which --tests and --sanitize make.
 set -eu
 
 cd "$(dirname "$0")/.."
@@ -24,7 +28,7 @@ if [ "$mode" = --sanitize ]; then BUILD_DIR=${BUILD_DIR:-build-san}; else BUILD_
 pkgs="meson ninja-build pkg-config g++ flatbuffers-compiler libflatbuffers-dev
 libopenblas-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libssl-dev libucx-dev python3"
 if [ -n "$mode" ]; then
-  pkgs="$pkgs libgtest-dev python3-numpy python3-torch python3-flatbuffers python3-setuptools
+  pkgs="$pkgs libgtest-dev python3-numpy python3-setuptools python3-venv
 ucx-utils binutils golang-go valgrind"
 fi
 if [ "$mode" = --sanitize ]; then
@@ -41,6 +45,26 @@ if [ -n "$missing" ]; then
   echo "setup: installing$missing"
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends $missing
+fi
+
+# The tests' Python environment. It is made anew whenever the requirements file differs
+# from the copy the venv keeps of the one it was made from (so a package dropped from the
+# file goes too), and is left alone otherwise. pip keeps the wheels it downloaded in its
+# cache, so making it again takes no download. --no-deps: the file lists every package,
+# dependencies included; --no-compile: modules are compiled when first imported, not all
+# of torch's at install.
+venv_made=false
+if [ -n "$mode" ]; then
+  req=tools/requirements-test.txt
+  if ! cmp -s "$req" .venv/requirements-test.txt; then
+    echo "setup: making the Python environment .venv ($req)"
+    rm -rf .venv
+    /usr/bin/python3 -m venv .venv
+    .venv/bin/python3 -m pip install -q --disable-pip-version-check --no-deps --no-compile \
+      --only-binary=:all: -r "$req"
+    cp "$req" .venv/requirements-test.txt
+    venv_made=true
+  fi
 fi
 
 # The sanitizer build: one clang build serves the sanitized test suites and the
@@ -72,9 +96,9 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   # shellcheck disable=SC2086
   meson setup "$BUILD_DIR" -Dtests=$tests ${MESON_ARGS:-} "$@"
 else
-  # Packages installed just now (UCX, GoogleTest, ...) are found only by a
-  # fresh configuration.
-  if [ -n "$missing" ]; then meson setup --reconfigure "$BUILD_DIR"; fi
+  # Packages installed just now (UCX, GoogleTest, ...) and a new .venv are found
+  # only by a fresh configuration.
+  if [ -n "$missing" ] || [ "$venv_made" = true ]; then meson setup --reconfigure "$BUILD_DIR"; fi
   if [ "$tests" = true ]; then meson configure "$BUILD_DIR" -Dtests=true; fi
   # shellcheck disable=SC2086
   if [ -n "${MESON_ARGS:-}" ] || [ $# -gt 0 ]; then meson configure "$BUILD_DIR" ${MESON_ARGS:-} "$@"; fi

@@ -53,12 +53,12 @@ CTR_HOST_DEVICE float silu_grad(float x) {
 
 // ---------------------------------------------------------------------------
 // Element-wise unary ops (the file ops exp, log, tanh, erf, rsqrt, sqrt, neg,
-// reciprocal, sigmoid and pow). Each is a functor: value(x) is the op, grad(v)
+// reciprocal, sigmoid, relu, clamp and pow). Each is a functor: value(x) is the op, grad(v)
 // its derivative d value / dx written in terms of what the op's backward reads.
 // That is the forward output y where the derivative is a function of y alone
 // (exp, tanh, sigmoid, sqrt, rsqrt, reciprocal: one multiply instead of a
 // transcendental, as PyTorch's backward formulas do), and the input x otherwise
-// (log, erf, pow); neg reads neither. They call libm, which is exact to about an
+// (log, erf, relu, clamp, pow); neg reads neither. They call libm, which is exact to about an
 // ulp: these ops serve traced code, not the presets' hot loops.
 //
 // Nothing checks domains, here or in the kernels: log, sqrt and rsqrt need
@@ -112,6 +112,21 @@ struct Reciprocal {
 struct Sigmoid {
   CTR_HOST_DEVICE float value(float x) const { return sigmoid(x); }
   CTR_HOST_DEVICE float grad(float y) const { return y * (1.0f - y); }
+};
+
+// max(x, 0), NaN kept; d/dx = 1 where x > 0, else 0 (at 0 too, as PyTorch's
+// threshold_backward gives).
+struct Relu {
+  CTR_HOST_DEVICE float value(float x) const { return x < 0.0f ? 0.0f : x; }
+  CTR_HOST_DEVICE float grad(float x) const { return x > 0.0f ? 1.0f : 0.0f; }
+};
+
+// x held to [lo, hi] (an infinite bound: none), NaN kept; d/dx = 1 where
+// lo <= x <= hi, bounds included, as PyTorch's clamp_backward gives.
+struct Clamp {
+  float lo, hi;
+  CTR_HOST_DEVICE float value(float x) const { return x < lo ? lo : (x > hi ? hi : x); }
+  CTR_HOST_DEVICE float grad(float x) const { return x >= lo && x <= hi ? 1.0f : 0.0f; }
 };
 
 // x^p; d/dx = p x^(p-1) (powf handles negative x for integer p).

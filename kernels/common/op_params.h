@@ -15,6 +15,12 @@
 extern "C" {
 #endif
 
+/* embedding, embedding_bwd */
+typedef struct ctr_embedding_params {
+  int64_t padding_idx;    /* "padding_idx", default -1 (none): the row whose lookups
+                             pass no gradient back to the table, as PyTorch's */
+} ctr_embedding_params;
+
 /* layernorm, rmsnorm and their backward ops */
 typedef struct ctr_norm_params {
   float eps;              /* "eps", default 1e-5 */
@@ -57,6 +63,12 @@ typedef struct ctr_moe_loss_params {
 typedef struct ctr_grouped_linear_params {
   float weight_grad_scale; /* "weight_grad_scale", default 1: the weight gradient's factor */
 } ctr_grouped_linear_params;
+
+/* clamp, clamp_bwd: x held to [min, max] */
+typedef struct ctr_clamp_params {
+  float min;              /* "min", default -inf (none) */
+  float max;              /* "max", default +inf (none) */
+} ctr_clamp_params;
 
 /* pow, pow_bwd: x^exponent */
 typedef struct ctr_pow_params {

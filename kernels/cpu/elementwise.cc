@@ -83,7 +83,7 @@ void reduce_columns(int64_t n, int64_t nb, float *out, bool accumulate, const Ro
 
 // The functor of a unary op (common/math.h), passed to fn.
 template <class Fn>
-void with_unary(Unary op, float p, const Fn &fn) {
+void with_unary(Unary op, float p, float q, const Fn &fn) {
   switch (op) {
     case Unary::Exp: return fn(math::Exp{});
     case Unary::Log: return fn(math::Log{});
@@ -94,6 +94,8 @@ void with_unary(Unary op, float p, const Fn &fn) {
     case Unary::Neg: return fn(math::Neg{});
     case Unary::Reciprocal: return fn(math::Reciprocal{});
     case Unary::Sigmoid: return fn(math::Sigmoid{});
+    case Unary::Relu: return fn(math::Relu{});
+    case Unary::Clamp: return fn(math::Clamp{p, q});
     case Unary::Pow: return fn(math::Pow{p});
   }
 }
@@ -113,7 +115,7 @@ void embedding_fwd(const int32_t *ids, const float *table, float *out, int64_t n
 }
 
 void embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t n, int64_t V,
-                   int64_t C, bool accumulate) {
+                   int64_t C, bool accumulate, int64_t padding_idx) {
   if (!accumulate) fill(dtable, 0.0f, V * C);
   // Split over columns: two rows with the same id then never race, and the
   // additions into each row happen in token order, as in a serial loop.
@@ -121,6 +123,7 @@ void embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t
   for_range(C, grain, [=](int64_t c0, int64_t c1) {
     const int64_t w = c1 - c0;
     for (int64_t i = 0; i < n; ++i) {
+      if (ids[i] == padding_idx) continue;
       float *dst = dtable + static_cast<int64_t>(ids[i]) * C + c0;
       const float *src = dout + i * C + c0;
       for (int64_t j = 0; j < w; ++j) dst[j] += src[j];
@@ -252,20 +255,21 @@ void swiglu_bwd(const float *dy, const float *gate, const float *up, float *dgat
 // Unary math: one loop over the op's functor. libm calls keep these loops
 // scalar, so they split as soon as the exp-based activations do.
 
-void unary_fwd(Unary op, const float *x, float *y, int64_t n, float p) {
-  with_unary(op, p, [=](auto f) {
+void unary_fwd(Unary op, const float *x, float *y, int64_t n, float p, float q) {
+  with_unary(op, p, q, [=](auto f) {
     for_range(n, kGrainExp, [=](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) y[i] = f.value(x[i]);
     });
   });
 }
 
-void unary_bwd(Unary op, const float *dy, const float *v, float *dx, int64_t n, float p) {
+void unary_bwd(Unary op, const float *dy, const float *v, float *dx, int64_t n, float p,
+               float q) {
   if (op == Unary::Neg) {
     unary_fwd(op, dy, dx, n);
     return;
   }
-  with_unary(op, p, [=](auto f) {
+  with_unary(op, p, q, [=](auto f) {
     for_range(n, kGrainExp, [=](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) dx[i] = dy[i] * f.grad(v[i]);
     });

@@ -62,9 +62,10 @@ void matmul_bwd(const float *dc, const float *a, const float *b, float *da, floa
 // out[n,C] = table[ids[n], :]
 void embedding_fwd(const int32_t *ids, const float *table, float *out, int64_t n, int64_t V,
                    int64_t C);
-// dtable[V,C] (+)= scatter-add of dout[n,C] rows into rows ids[n].
+// dtable[V,C] (+)= scatter-add of dout[n,C] rows into rows ids[n], leaving out the
+// rows whose id is padding_idx (-1: none).
 void embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t n, int64_t V,
-                   int64_t C, bool accumulate);
+                   int64_t C, bool accumulate, int64_t padding_idx = -1);
 
 // ---------------------------------------------------------------------------
 // Element-wise with trailing broadcast: b has nb elements, nb divides n, and
@@ -166,14 +167,15 @@ void swiglu_bwd(const float *dy, const float *gate, const float *up, float *dgat
 // Element-wise unary math (n elements), the formulas of common/math.h (libm).
 // Domains are not checked (log of a negative gives NaN, as libm does).
 
-enum class Unary { Exp, Log, Tanh, Erf, Rsqrt, Sqrt, Neg, Reciprocal, Sigmoid, Pow };
+enum class Unary { Exp, Log, Tanh, Erf, Rsqrt, Sqrt, Neg, Reciprocal, Sigmoid, Relu, Clamp, Pow };
 
-// y = f(x); p is pow's exponent, ignored by the other ops.
-void unary_fwd(Unary op, const float *x, float *y, int64_t n, float p = 0.0f);
+// y = f(x); p is pow's exponent, p and q clamp's bounds; the other ops ignore them.
+void unary_fwd(Unary op, const float *x, float *y, int64_t n, float p = 0.0f, float q = 0.0f);
 // dx = dy * f'(x), from v: the forward output y for exp, tanh, sigmoid, sqrt,
-// rsqrt and reciprocal, the input x for log, erf and pow; neg reads no v (it
-// may be null) and gives dx = -dy.
-void unary_bwd(Unary op, const float *dy, const float *v, float *dx, int64_t n, float p = 0.0f);
+// rsqrt and reciprocal, the input x for log, erf, relu, clamp and pow; neg
+// reads no v (it may be null) and gives dx = -dy.
+void unary_bwd(Unary op, const float *dy, const float *v, float *dx, int64_t n, float p = 0.0f,
+               float q = 0.0f);
 
 // ---------------------------------------------------------------------------
 // Rotary position embedding on x[B,T,H*D] (H heads of size D, D even), the

@@ -161,6 +161,11 @@ template <typename F>
 F make_functor(const Args &) { return F{}; }
 template <>
 math::Pow make_functor<math::Pow>(const Args &c) { return math::Pow{c.params<ctr_pow_params>().exponent}; }
+template <>
+math::Clamp make_functor<math::Clamp>(const Args &c) {
+  const auto &p = c.params<ctr_clamp_params>();
+  return math::Clamp{p.min, p.max};
+}
 
 template <typename F, typename T>
 void unary(const Args &c) {
@@ -415,6 +420,10 @@ const KernelEntry kElementwiseKernels[] = {
     {"rsqrt_bwd", bind<unary_bwd_any<math::Rsqrt>>},
     {"sqrt", bind<unary_any<math::Sqrt>>},
     {"sqrt_bwd", bind<unary_bwd_any<math::Sqrt>>},
+    {"relu", bind<unary_any<math::Relu>>},
+    {"relu_bwd", bind<unary_bwd_any<math::Relu>>},
+    {"clamp", bind<unary_any<math::Clamp>>},
+    {"clamp_bwd", bind<unary_bwd_any<math::Clamp>>},
     {"neg", bind<unary_any<math::Neg>>},
     {"neg_bwd", bind<unary_bwd_any<math::Neg>>},
     {"reciprocal", bind<unary_any<math::Reciprocal>>},

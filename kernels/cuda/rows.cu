@@ -36,17 +36,17 @@ __global__ void embedding_fwd_kernel(const S *table, const int32_t *ids, D *out,
 }
 
 // dtable (zeroed first) [id, c] += dout[i, c] for ids in [v0, v1) of this
-// thread's slice, in token order.
+// thread's slice, in token order; lookups of padding_idx (-1: none) add nothing.
 template <typename S, typename D>
 __global__ void embedding_bwd_kernel(const S *dout, const int32_t *ids, D *dtable, int64_t n, int64_t V, int64_t C,
-                                     int64_t slice) {
+                                     int64_t slice, int64_t padding_idx) {
   const int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   for (int64_t v0 = blockIdx.y * slice; v0 < V; v0 += int64_t{gridDim.y} * slice) {
     const int64_t v1 = v0 + slice < V ? v0 + slice : V;
     if (j >= C) continue;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t id = __ldg(ids + i);
-      if (id < v0 || id >= v1) continue;
+      if (id < v0 || id >= v1 || id == padding_idx) continue;
       const int64_t o = id * C + j;
       store(dtable, o, load(dtable, o) + load(dout, i * C + j));
     }
@@ -79,7 +79,8 @@ void embedding_bwd(const Args &c) {
   const dim3 grid(static_cast<unsigned>(xblocks < 2147483647 ? xblocks : 2147483647),
                   static_cast<unsigned>((V + slice - 1) / slice));
   CTR_LAUNCH(embedding_bwd_kernel, grid, kThreads, 0, c.stream())(c.in<const S>(0), c.in<const int32_t>(1), c.out<D>(0), n,
-                                                          V, C, slice);
+                                                          V, C, slice,
+                                                          c.params<ctr_embedding_params>().padding_idx);
 }
 
 // ---------------------------------------------------------------------------

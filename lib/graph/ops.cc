@@ -88,6 +88,9 @@ void embedding_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   need_dtype(g, n, 0, CTR_DTYPE_F32);
   need_dtype(g, n, 1, CTR_DTYPE_I32);
   if (S(g, n, 0).size() != 2) shape_mismatch(g, n, 0, "[vocab, dim]");
+  const int64_t pad = n.attr_int("padding_idx", -1);
+  if (pad < -1 || pad >= S(g, n, 0)[0])
+    bad_node(g, n, "attribute 'padding_idx' (" + std::to_string(pad) + ") must be a row of the table or -1 (none)");
   auto s = S(g, n, 1);
   s.push_back(S(g, n, 0)[1]);
   out = {f32(s)};
@@ -182,10 +185,19 @@ void norm_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
 double norm_flops(const Graph &g, const Node &n) { return 8.0 * static_cast<double>(numel(S(g, n, 0))); }
 
 // ---------------------------------------------------------------------------
-// exp, log, tanh, erf, rsqrt, sqrt, neg, reciprocal, sigmoid (x) ; pow(x) attr
-// exponent (required): element-wise, same shape. The backward reads the output
+// exp, log, tanh, erf, rsqrt, sqrt, neg, reciprocal, sigmoid, relu (x) ; pow(x)
+// attr exponent (required) ; clamp(x) attrs min, max (floats, at least one):
+// element-wise, same shape. The backward reads the output
 // where the derivative is a function of it alone, the input otherwise (see
 // kernels/common/math.h). No op checks its domain (log of a negative is NaN).
+
+void clamp_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  if (!n.has_attr("min") && !n.has_attr("max")) bad_node(g, n, "attribute 'min' or 'max' (a float) is required");
+  const double lo = n.attr_float("min", -INFINITY), hi = n.attr_float("max", INFINITY);
+  if (std::isnan(lo) || std::isnan(hi)) bad_node(g, n, "attributes 'min' and 'max' must not be NaN");
+  if (lo > hi) bad_node(g, n, strformat("attribute 'min' (%g) is above 'max' (%g)", lo, hi));
+  infer_same_f32(g, n, out);
+}
 
 void pow_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   if (!n.has_attr("exponent")) bad_node(g, n, "missing attribute 'exponent' (a float)");
@@ -577,6 +589,10 @@ bool moe_count_ids(const Graph &g, const Node &n, int input, int64_t *lo, int64_
 // ---------------------------------------------------------------------------
 // Attribute decoding and id ranges
 
+void embedding_decode(const Graph &, const Node &n, void *out) {
+  static_cast<ctr_embedding_params *>(out)->padding_idx = n.attr_int("padding_idx", -1);
+}
+
 void norm_decode(const Graph &, const Node &n, void *out) {
   auto *p = static_cast<ctr_norm_params *>(out);
   p->eps = static_cast<float>(n.attr_float("eps", 1e-5));
@@ -585,6 +601,12 @@ void norm_decode(const Graph &, const Node &n, void *out) {
 // Required: pow_infer refuses a node without it, so the default is never used.
 void pow_decode(const Graph &, const Node &n, void *out) {
   static_cast<ctr_pow_params *>(out)->exponent = static_cast<float>(n.attr_float("exponent", 1.0));
+}
+
+void clamp_decode(const Graph &, const Node &n, void *out) {
+  auto *p = static_cast<ctr_clamp_params *>(out);
+  p->min = static_cast<float>(n.attr_float("min", -INFINITY));
+  p->max = static_cast<float>(n.attr_float("max", INFINITY));
 }
 
 void rope_decode(const Graph &, const Node &n, void *out) {
@@ -636,7 +658,7 @@ std::vector<OpDef> library_ops() {
   std::vector<OpDef> v;
   OpDef e = with_bwd(fwd("embedding", 2, 2, embedding_infer, zero_flops), "embedding_bwd", {G(0), In(1)}, 1);
   e.id_range = embedding_ids;
-  v.push_back(e);
+  v.push_back(with_params<ctr_embedding_params>(e, embedding_decode));
   OpDef lin = fwd("linear", 2, 3, linear_infer, linear_flops);
   lin.vjp = linear_vjp;
   v.push_back(lin);
@@ -660,6 +682,9 @@ std::vector<OpDef> library_ops() {
   v.push_back(with_bwd(fwd("reciprocal", 1, 1, infer_same_f32, elementwise_flops), "reciprocal_bwd",
                        {G(0), Out(0)}));
   v.push_back(with_bwd(fwd("sigmoid", 1, 1, infer_same_f32, elementwise_flops), "sigmoid_bwd", {G(0), Out(0)}));
+  v.push_back(with_bwd(fwd("relu", 1, 1, infer_same_f32, elementwise_flops), "relu_bwd", {G(0), In(0)}));
+  v.push_back(with_params<ctr_clamp_params>(
+      with_bwd(fwd("clamp", 1, 1, clamp_infer, elementwise_flops), "clamp_bwd", {G(0), In(0)}), clamp_decode));
   v.push_back(with_params<ctr_pow_params>(
       with_bwd(fwd("pow", 1, 1, pow_infer, elementwise_flops), "pow_bwd", {G(0), In(0)}), pow_decode));
   v.push_back(with_params<ctr_rope_params>(
@@ -738,7 +763,7 @@ std::vector<OpDef> library_ops() {
                            d.name != "moe_grouped_linear";
 
   // Internal ops emitted by autodiff.
-  v.push_back(internal("embedding_bwd", 2, 1));
+  v.push_back(with_params<ctr_embedding_params>(internal("embedding_bwd", 2, 1), embedding_decode));
   v.push_back(internal("linear_bwd_x", 2, 1));
   v.push_back(internal("linear_bwd_w", 2, 1));
   v.push_back(internal("linear_bwd_b", 1, 1));
@@ -755,8 +780,9 @@ std::vector<OpDef> library_ops() {
   v.push_back(internal("silu_bwd", 2, 1));
   v.push_back(internal("swiglu_bwd", 3, 2));
   for (const char *name : {"exp_bwd", "log_bwd", "tanh_bwd", "erf_bwd", "rsqrt_bwd", "sqrt_bwd",
-                           "reciprocal_bwd", "sigmoid_bwd"})
+                           "reciprocal_bwd", "sigmoid_bwd", "relu_bwd"})
     v.push_back(internal(name, 2, 1));
+  v.push_back(with_params<ctr_clamp_params>(internal("clamp_bwd", 2, 1), clamp_decode));
   v.push_back(internal("neg_bwd", 1, 1));
   v.push_back(with_params<ctr_pow_params>(internal("pow_bwd", 2, 1), pow_decode));
   v.push_back(with_params<ctr_rope_params>(internal("rope_bwd", 1, 1), rope_decode));

@@ -103,7 +103,7 @@ def main():
     if not os.path.exists(py):
         print("xlang: Python: SKIP: tests/bindings/xlang_python.py does not exist yet")
     else:
-        programs.append(("Python", ["/usr/bin/python3", py]))
+        programs.append(("Python", [sys.executable, py]))
 
     outputs = {}
     for name, cmd in programs:

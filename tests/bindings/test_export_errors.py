@@ -1,11 +1,11 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """The exporter refuses what libctr cannot run, and says what and where.
 
-    /usr/bin/python3 tests/bindings/test_export_errors.py
+    .venv/bin/python3 tests/bindings/test_export_errors.py
 
 Each case is a small module with one construct libctr cannot run (torch.cumsum, nn.Conv1d,
-relu, dropout in training, a mask computed from activations, reading a value on the host;
-and, for the torch.fx tracer, a trace-breaking unpack). ctr_export.export must raise
+softplus, dropout in training, a mask computed from activations, reading a value on the host;
+and, for the torch.fx tracer, a branch on a traced size). ctr_export.export must raise
 ExportError whose message names the ATen op (or the fx construct) and the file and line of
 the call, with .op, .file and .line set to match; the line numbers are found from the source
 of this file (the lines marked "# MARK"), so editing the cases cannot silently break the test.
@@ -103,9 +103,9 @@ class Slice(Base):
         return x[:, :, :4].repeat(1, 1, DIM // 4)  # MARK slice
 
 
-class Relu(Base):
+class Softplus(Base):
     def body(self, x):
-        return torch.relu(x)  # MARK relu
+        return F.softplus(x)  # MARK softplus
 
 
 class ActivationMask(Base):
@@ -129,19 +129,26 @@ class Unpack(Base):
         return x.view(b, t, c)
 
 
+class SizeBranch(Base):
+    def body(self, x):
+        if x.shape[1] > 1:  # MARK size branch
+            x = x * 2
+        return x
+
+
 CASES = [
     # (module class, op named in the message, marker on the offending line, phrase, tracer)
     (Cumsum, "aten.cumsum.default", "cumsum", "running sum", "auto"),
     (Conv, "aten.convolution.default", "conv", "convolutions", "auto"),
-    (Relu, "aten.relu.default", "relu", "no relu", "auto"),
+    (Softplus, "aten.softplus.default", "softplus", "no equivalent", "auto"),
     (Dropout, "aten.bernoulli_.float", "dropout", "model.eval()", "auto"),
     (ActivationMask, "aten.gt.Scalar", "activation mask", "mask computed", "auto"),
     (HostRead, "Tensor.item", "item", "on the host", "auto"),
-    (Unpack, "torch.fx", "unpack", "cannot trace", "fx"),
+    (SizeBranch, "torch.fx", "size branch", "cannot trace", "fx"),
 ]
 
 # Constructs the ATen tracer maps onto libctr's general ops.
-EXPORTS = [ErfGelu, Mean, Broadcast, Slice, Unpack]
+EXPORTS = [ErfGelu, Mean, Broadcast, Slice, Unpack, SizeBranch]
 
 
 def line_of(marker):

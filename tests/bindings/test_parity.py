@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """libctr trains the reference models exactly as PyTorch does.
 
-    /usr/bin/python3 tests/bindings/test_parity.py
+    .venv/bin/python3 tests/bindings/test_parity.py
 
 For each reference model (tools/export/models: gpt, llama with grouped-query attention, and
 moe twice: top-2 softmax routing with a shared expert, top-1 sigmoid routing without) at a

@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Weights make the round trip PyTorch -> libctr -> PyTorch (and back) unchanged.
 
-    /usr/bin/python3 tests/bindings/test_roundtrip.py
+    .venv/bin/python3 tests/bindings/test_roundtrip.py
 
 For each reference model: export it with ctr_export, train 5 steps in libctr, write the
 weights with Step.export_safetensors, read that file with the small safetensors reader below

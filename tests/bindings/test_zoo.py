@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Ordinary PyTorch model code exports and trains in libctr exactly as in PyTorch.
 
-    /usr/bin/python3 tests/bindings/test_zoo.py [case ...]
+    .venv/bin/python3 tests/bindings/test_zoo.py [case ...]
 
 Each case is a model of tests/zoo, written the way common open-source model files are
 (nanoGPT, Hugging Face GPT-2, Meta's Llama, Hugging Face Llama), exported with ctr_export's
@@ -50,7 +50,7 @@ SIZES = dict(vocab=128, seq=32, dim=64, heads=4, layers=2)
 CASES = {
     "nanogpt": ("nanogpt", {}),
     "nanogpt-nobias": ("nanogpt", dict(bias=False)),
-    # scaled_dot_product_attention(is_causal=True) (PyTorch 1.13's private form here),
+    # scaled_dot_product_attention(is_causal=True) (on the CPU, its flash kernel),
     # mapped by the exporter straight onto libctr's attention.
     "nanogpt-flash": ("nanogpt", dict(flash=True)),
     "gpt2_hf": ("gpt2_hf", {}),

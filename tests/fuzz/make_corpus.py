@@ -12,7 +12,7 @@ target's directory is emptied first, so the result depends only on the sources.
 
 Graph seeds for ops no preset uses (the element-wise unary ops, the general math ops, the layout
 ops) are written with ctr_export's graph writer (tools/export/ctr_export/graphfile.py), which
-needs flatc and Python's flatbuffers and numpy (Debian's python3 has them); the models of
+needs flatc and Python's flatbuffers and numpy (.venv/bin/python3 has them); the models of
 tests/zoo are exported with ctr_export itself (torch).
 
 The small model is the one of tests/fuzz/fuzz_common.h (GPT, 1 layer, width 8,

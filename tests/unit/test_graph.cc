@@ -811,7 +811,7 @@ void check_gradients(ctr_graph *graph, const std::map<std::string, int> &id_inpu
       ASSERT_EQ(ctr_step_evaluate(s, &lm), CTR_STATUS_OK);
       double fd = (lp - lm) / (2.0 * h);
       EXPECT_NEAR(grad[k], fd, 2e-3 + 3e-2 * std::fabs(grad[k]))
-          << "param " << t.name << "[" << k << "]";
+          << "param " << t.name << "[" << k << "] = " << w[k];
     }
     ASSERT_EQ(ctr_step_set_param(s, t.name.c_str(), w.data(), n), CTR_STATUS_OK);
     std::vector<float> d(n);
@@ -1323,6 +1323,22 @@ std::vector<OpCase> op_cases() {
                    int x = b.add_positive_param("x", {4, 6});
                    b.finish(b.add_op(op, {x}), {4, 6});
                  }, {}});
+  // relu and clamp: piecewise linear. The finite differences need every input
+  // farther from a kink than their step (1e-2); the means and bounds here keep
+  // this seed's draws at least 0.04 away.
+  c.push_back({"relu", [](OpGraph &b) {
+                 int x = b.add_param("x", {4, 6}, 0.7f, -0.2f);
+                 b.finish(b.add_op("relu", {x}), {4, 6});
+               }, {}});
+  c.push_back({"clamp", [](OpGraph &b) {
+                 int x = b.add_param("x", {4, 6}, 0.7f, 0.2f);
+                 b.finish(b.add_op("clamp", {x}, {{"min", ctr::Attr::of_float(-0.4)},
+                                                   {"max", ctr::Attr::of_float(0.4)}}), {4, 6});
+               }, {}});
+  c.push_back({"clamp_min_only", [](OpGraph &b) {
+                 int x = b.add_param("x", {4, 6}, 0.7f, 0.2f);
+                 b.finish(b.add_op("clamp", {x}, {{"min", ctr::Attr::of_float(0.05)}}), {4, 6});
+               }, {}});
   c.push_back({"pow_fractional", [](OpGraph &b) {
                  int x = b.add_positive_param("x", {4, 6});
                  b.finish(b.add_op("pow", {x}, {{"exponent", ctr::Attr::of_float(1.5)}}), {4, 6});
@@ -2215,6 +2231,60 @@ TEST(CrossEntropy, IgnoreIndexAttributeWidensTheIgnoredRange) {
   }
 }
 
+// padding_idx: the lookups of that row pass no gradient back; every other row's
+// gradient is the one without the attribute. Out-of-table values are refused.
+TEST(Embedding, PaddingRowGetsNoGradientFromItsLookups) {
+  auto table_grad = [](std::map<std::string, ctr::Attr> attrs, std::vector<float> &gr) {
+    OpGraph b;
+    int t = b.add_param("table", {7, 5});
+    int ids = b.add_ids("ids", {2, 3});
+    b.finish(b.add_op("embedding", {t, ids}, attrs), {2, 3, 5});
+    ctr_graph *g = nullptr;
+    ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+    Mesh m;
+    Opts o;
+    o.i("batch", 1);
+    ctr_step *s = nullptr;
+    ASSERT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_OK) << ctr_last_error();
+    std::vector<int32_t> ids_v = {2, 4, 2, 0, 6, 2};
+    std::vector<int32_t> targets = {1, 0, 4, 3, 2, 1};  // finish(): cross-entropy over the 5 columns
+    ASSERT_EQ(ctr_step_set_input(s, "ids", ids_v.data(), 24), CTR_STATUS_OK) << ctr_last_error();
+    ASSERT_EQ(ctr_step_set_input(s, "targets", targets.data(), 24), CTR_STATUS_OK) << ctr_last_error();
+    s->impl->forward_backward();
+    gr.assign(35, 0.0f);
+    s->impl->read_grad("table", gr.data(), gr.size());
+    ctr_step_free(s);
+    ctr_graph_free(g);
+  };
+  std::vector<float> plain, padded;
+  table_grad({}, plain);
+  table_grad({{"padding_idx", ctr::Attr::of_int(2)}}, padded);
+  for (int r = 0; r < 7; ++r)
+    for (int j = 0; j < 5; ++j) {
+      if (r == 2) {
+        EXPECT_NE(plain[r * 5 + j], 0.0f) << j;  // the row is looked up three times
+        EXPECT_EQ(padded[r * 5 + j], 0.0f) << j;
+      } else {
+        EXPECT_EQ(padded[r * 5 + j], plain[r * 5 + j]) << r << "," << j;
+      }
+    }
+  for (int64_t bad : {-2, 7}) {
+    OpGraph b;
+    int t = b.add_param("table", {7, 5});
+    int ids = b.add_ids("ids", {2, 3});
+    b.finish(b.add_op("embedding", {t, ids}, {{"padding_idx", ctr::Attr::of_int(bad)}}), {2, 3, 5});
+    ctr_graph *g = nullptr;
+    ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+    Mesh m;
+    Opts o;
+    o.i("batch", 1);
+    ctr_step *s = nullptr;
+    EXPECT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_INVALID_GRAPH) << bad;
+    EXPECT_NE(std::string(ctr_last_error()).find("padding_idx"), std::string::npos) << ctr_last_error();
+    ctr_graph_free(g);
+  }
+}
+
 TEST(LayoutOps, ConstantIdsOutOfRangeAreRefused) {
   OpGraph b;
   int t = b.add_param("table", {7, 6});
@@ -2286,6 +2356,31 @@ TEST(UnaryOps, PowWithoutExponentIsRefusedNamingTheNode) {
   ctr_graph_free(g);
 }
 
+TEST(UnaryOps, ClampBoundsAreCheckedNamingTheNode) {
+  const std::vector<std::pair<std::vector<std::pair<std::string, ctr::Attr>>, std::string>> cases = {
+      {{}, "'min' or 'max'"},
+      {{{"min", ctr::Attr::of_float(0.5)}, {"max", ctr::Attr::of_float(-0.5)}}, "above 'max'"},
+      {{{"max", ctr::Attr::of_float(NAN)}}, "must not be NaN"}};
+  for (const auto &[attrs, why] : cases) {
+    OpGraph b;
+    int x = b.add_param("x", {4, 6});
+    std::map<std::string, ctr::Attr> a(attrs.begin(), attrs.end());
+    b.finish(b.add_op("clamp", {x}, a), {4, 6});
+    const std::string node = b.g.nodes[0].name;
+    ctr_graph *g = nullptr;
+    ASSERT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+    Mesh m;
+    Opts o;
+    o.i("batch", 1);
+    ctr_step *s = nullptr;
+    EXPECT_EQ(ctr_step_create(m.m, g, o.o, &s), CTR_STATUS_INVALID_GRAPH) << why;
+    const std::string err = ctr_last_error();
+    EXPECT_NE(err.find("'" + node + "'"), std::string::npos) << err;
+    EXPECT_NE(err.find(why), std::string::npos) << err;
+    ctr_graph_free(g);
+  }
+}
+
 TEST(UnaryOps, PowExponentMustBeAFiniteNumber) {
   for (const ctr::Attr &bad : {ctr::Attr::of_string("two"), ctr::Attr::of_float(INFINITY)}) {
     OpGraph b;
@@ -2305,7 +2400,8 @@ TEST(UnaryOps, PowExponentMustBeAFiniteNumber) {
 }
 
 TEST(UnaryOps, AreCheapToRecompute) {
-  for (const char *op : {"exp", "log", "tanh", "erf", "rsqrt", "sqrt", "neg", "reciprocal", "sigmoid", "pow"}) {
+  for (const char *op : {"exp", "log", "tanh", "erf", "rsqrt", "sqrt", "neg", "reciprocal", "sigmoid", "relu",
+                         "clamp", "pow"}) {
     const ctr::OpDef *d = ctr::find_op(op);
     ASSERT_NE(d, nullptr) << op;
     EXPECT_TRUE(d->cheap_to_recompute) << op;

@@ -1,9 +1,9 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Step time of exported ordinary model code against the equivalent preset graph, on the CPU.
 
-    /usr/bin/python3 tools/bench/bench_export.py                    # nanogpt vs --preset gpt
-    /usr/bin/python3 tools/bench/bench_export.py --model llama_meta # vs --preset llama
-    /usr/bin/python3 tools/bench/bench_export.py --no-fuse          # the exported graph unfused
+    .venv/bin/python3 tools/bench/bench_export.py                    # nanogpt vs --preset gpt
+    .venv/bin/python3 tools/bench/bench_export.py --model llama_meta # vs --preset llama
+    .venv/bin/python3 tools/bench/bench_export.py --no-fuse          # the exported graph unfused
 
 The model comes from tests/zoo (written the way common open-source model files are) and is
 exported with ctr_export's ATen tracer; the peer is `ctr graph build --preset` at the same

@@ -1,9 +1,9 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Training-step speed of libctr against PyTorch on the CPU, for the gpt and llama presets.
 
-    /usr/bin/python3 tools/bench/bench_gpt.py                        # gpt, V=256 T=256 L=4 H=4 C=256 B=8
-    /usr/bin/python3 tools/bench/bench_gpt.py --preset llama         # same sizes, --kv-heads 2
-    /usr/bin/python3 tools/bench/bench_gpt.py --ctr build/tools/ctr --steps 20 --json out.json
+    .venv/bin/python3 tools/bench/bench_gpt.py                        # gpt, V=256 T=256 L=4 H=4 C=256 B=8
+    .venv/bin/python3 tools/bench/bench_gpt.py --preset llama         # same sizes, --kv-heads 2
+    .venv/bin/python3 tools/bench/bench_gpt.py --ctr build/tools/ctr --steps 20 --json out.json
 
 One script measures both sides on the same configuration and prints one table:
   1. the OpenBLAS sgemm peak on this machine (tools/bench/sgemm_peak.c, compiled with cc into a

@@ -1,9 +1,9 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Training-step speed of libctr's `moe` preset against PyTorch on the CPU.
 
-    /usr/bin/python3 tools/bench/bench_moe.py       # V=256 T=128 L=2 H=4 Hkv=2 C=128 B=8 E=8 k=2
-    /usr/bin/python3 tools/bench/bench_moe.py --top-k 1 --router-score sigmoid --shared-ffn-dim 256
-    /usr/bin/python3 tools/bench/bench_moe.py --ctr build/tools/ctr --steps 40 --json out.json
+    .venv/bin/python3 tools/bench/bench_moe.py       # V=256 T=128 L=2 H=4 Hkv=2 C=128 B=8 E=8 k=2
+    .venv/bin/python3 tools/bench/bench_moe.py --top-k 1 --router-score sigmoid --shared-ffn-dim 256
+    .venv/bin/python3 tools/bench/bench_moe.py --ctr build/tools/ctr --steps 40 --json out.json
 
 The companion of bench_gpt.py (whose sgemm peak, ctr lookup and summary it reuses), for the
 mixture-of-experts preset. One script measures both sides on the same configuration:

@@ -1,8 +1,8 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch definitions of libctr's two model presets, `gpt` and `llama`, for the benchmarks.
 
-    /usr/bin/python3 tools/bench/torch_models.py                 # print both presets' parameters
-    /usr/bin/python3 tools/bench/torch_models.py --preset llama --layers 2 --dim 128 --heads 4
+    .venv/bin/python3 tools/bench/torch_models.py                 # print both presets' parameters
+    .venv/bin/python3 tools/bench/torch_models.py --preset llama --layers 2 --dim 128 --heads 4
 
     from torch_models import GPT, GPTConfig, Llama, LlamaConfig, flops_per_token
     model = GPT(GPTConfig(vocab=256, seq=256, layers=4, dim=256, heads=4), seed=0)

@@ -89,7 +89,8 @@ void k_embedding(const Args &c) {
 }
 void k_embedding_bwd(const Args &c) {
   const auto &t = c.out_shape(0);
-  cpu::embedding_bwd(c.in<int32_t>(1), c.in<float>(0), c.out<float>(0), numel(c.in_shape(1)), t[0], t[1], false);
+  cpu::embedding_bwd(c.in<int32_t>(1), c.in<float>(0), c.out<float>(0), numel(c.in_shape(1)), t[0], t[1], false,
+                     c.params<ctr_embedding_params>().padding_idx);
 }
 void k_linear(const Args &c) {
   const auto &w = c.in_shape(1);
@@ -269,20 +270,24 @@ void k_swiglu_bwd(const Args &c) {
 }
 // Unary math: input 0 is x (forward) or the output gradient (backward), input 1
 // what the backward reads (none for neg_bwd).
+// The op's parameters for cpu::unary_fwd/bwd: pow's exponent, clamp's bounds.
 template <cpu::Unary U>
-float unary_param(const Args &c) {
-  if constexpr (U == cpu::Unary::Pow) return c.params<ctr_pow_params>().exponent;
+std::pair<float, float> unary_params(const Args &c) {
+  if constexpr (U == cpu::Unary::Pow) return {c.params<ctr_pow_params>().exponent, 0.0f};
+  if constexpr (U == cpu::Unary::Clamp) return {c.params<ctr_clamp_params>().min, c.params<ctr_clamp_params>().max};
   (void)c;
-  return 0.0f;
+  return {0.0f, 0.0f};
 }
 template <cpu::Unary U>
 void k_unary(const Args &c) {
-  cpu::unary_fwd(U, c.in<float>(0), c.out<float>(0), numel(c.in_shape(0)), unary_param<U>(c));
+  const auto [p, q] = unary_params<U>(c);
+  cpu::unary_fwd(U, c.in<float>(0), c.out<float>(0), numel(c.in_shape(0)), p, q);
 }
 template <cpu::Unary U>
 void k_unary_bwd(const Args &c) {
+  const auto [p, q] = unary_params<U>(c);
   cpu::unary_bwd(U, c.in<float>(0), c.num_inputs() > 1 ? c.in<float>(1) : nullptr, c.out<float>(0),
-                 numel(c.in_shape(0)), unary_param<U>(c));
+                 numel(c.in_shape(0)), p, q);
 }
 // softmax and log_softmax see x as [outer, C, inner] around their dim; inner
 // is 1 for the last dim, which keeps softmax's row kernels.
@@ -562,6 +567,9 @@ void register_library_kernels() {
         {"reciprocal_bwd", bind<k_unary_bwd<cpu::Unary::Reciprocal>>},
         {"sigmoid", bind<k_unary<cpu::Unary::Sigmoid>>},
         {"sigmoid_bwd", bind<k_unary_bwd<cpu::Unary::Sigmoid>>},
+        {"relu", bind<k_unary<cpu::Unary::Relu>>}, {"relu_bwd", bind<k_unary_bwd<cpu::Unary::Relu>>},
+        {"clamp", bind<k_unary<cpu::Unary::Clamp>>},
+        {"clamp_bwd", bind<k_unary_bwd<cpu::Unary::Clamp>>},
         {"pow", bind<k_unary<cpu::Unary::Pow>>},  {"pow_bwd", bind<k_unary_bwd<cpu::Unary::Pow>>},
         {"rope_bwd", bind<k_rope_bwd>},           {"attention", bind<k_attention>},
         {"attention_bwd", bind<k_attention_bwd>}, {"cross_entropy", bind<k_cross_entropy>},

@@ -18,8 +18,17 @@ ExportError naming the op and the source line that called it. The file is writte
 Python code flatc generates from graphs/ctr_graph.fbs (see graphfile.py).
 """
 
+import logging
 import os
 from typing import Callable, Optional, Sequence, Union
+
+# PyPI's torch is built with CUDA; where triton is not installed (it serves GPU code only, and
+# exporting never needs it) torch.utils.flop_counter warns at its import, which tracing
+# triggers, that triton kernels' flops cannot be counted. Quiet that one logger unless the
+# user configured it.
+_flop_log = logging.getLogger("torch.utils.flop_counter")
+if _flop_log.level == logging.NOTSET:
+    _flop_log.setLevel(logging.ERROR)
 
 from .graphfile import GraphDef, SchemaError, serialize
 from .aten import convert_aten

@@ -23,6 +23,17 @@ is baked into the recorded ops. So:
    fuse pass then recognises the larger patterns (attention, norms, SwiGLU, RoPE).
 4. Nodes are named and placed in blocks by the module that issued them (forward hooks), and
    an op that cannot be mapped is an ExportError naming the ATen op and the model's source line.
+
+Why make_fx and not torch.export with dynamic batch and sequence dims: torch.export would
+hand over the sizes as symbols, but it compiles the model's Python bytecode (TorchDynamo)
+against fake tensors, and turns what ordinary model code does with sizes into guards on
+those symbols that the user must satisfy by hand: of the four models of tests/zoo, the
+nanoGPT and GPT-2 styles fail there on PyTorch 2.15 ("Constraints violated (seq)", batch and
+seq declared as Dims up to the model's length), where make_fx exports and trains all four.
+make_fx runs the model eagerly on real tensors, so the constants to fold have real values, a
+failure is an ATen op at a source line, and what it records are the ops eager execution
+dispatches. What it does not give, the symbolic sizes, the two traces of point 1 recover;
+control flow on sizes that differs between them is refused.
 """
 
 import hashlib
@@ -102,8 +113,7 @@ def _all_tensors(model: nn.Module, kind: str):
     tied tensor has included (named_parameters() lists a tied one once)."""
     names: Dict[int, List[str]] = {}
     uniq: List[torch.Tensor] = []
-    for mod_name, m in model.named_modules(remove_duplicate=False) if _has_rd() else \
-            _named_modules_all(model):
+    for mod_name, m in model.named_modules(remove_duplicate=False):
         store = m._parameters if kind == "param" else m._buffers
         for n, t in store.items():
             if t is None:
@@ -117,24 +127,12 @@ def _all_tensors(model: nn.Module, kind: str):
     return names, uniq
 
 
-def _has_rd() -> bool:
-    import inspect
-    return "remove_duplicate" in inspect.signature(nn.Module.named_modules).parameters
-
-
-def _named_modules_all(model: nn.Module, prefix=""):
-    yield prefix, model
-    for name, child in model._modules.items():
-        if child is not None:
-            yield from _named_modules_all(child, f"{prefix}.{name}" if prefix else name)
-
-
 class _Trace:
     """One make_fx trace of the training function and the values of its nodes in that run."""
 
     def __init__(self, model, loss_fn, params, buffers, pnames, bnames, tokens, targets):
         self.inputs = list(params) + list(buffers) + [tokens, targets]
-        from torch.nn.utils import stateless
+        from torch.func import functional_call
 
         def fn(ps, bs, tok, tgt):
             pb = {}
@@ -145,8 +143,8 @@ class _Trace:
                 for n in names:
                     pb[n] = t
             if loss_fn is None:
-                return stateless.functional_call(model, pb, (tok, tgt))
-            out = stateless.functional_call(model, pb, (tok,))
+                return functional_call(model, pb, (tok, tgt))
+            out = functional_call(model, pb, (tok,))
             return out, loss_fn(out, tgt)
 
         scopes = _Scopes(model)
@@ -212,6 +210,19 @@ class _LogSoftmax:
         self.x, self.dim, self.node = x, dim, node
 
 
+class _Padded:
+    """x padded at the end of its last dim with `after` copies of a constant (constant_pad_nd
+    of integer targets, as Hugging Face's causal-LM loss shifts its labels): cross_entropy
+    reads it as x against the logits cut to x's length when the constant is the ignored
+    target; anything else refuses it."""
+
+    __slots__ = ("x", "after", "value", "s1", "s2", "node")
+
+    def __init__(self, x, after, value, s1, s2, node):
+        self.x, self.after, self.value = x, after, value
+        self.s1, self.s2, self.node = tuple(s1), tuple(s2), node
+
+
 class _Complex:
     """A complex tensor as its real and imaginary parts (graph tensors)."""
 
@@ -245,7 +256,6 @@ _NOT_MAPPED = {
                  "export with tracer=\"fx\", which maps it onto libctr's moe ops",
     "aten.sort": "sorting follows the data, which one trace would fix",
     "aten.cumsum": "a running sum has no libctr op",
-    "aten.relu": "libctr has no relu; GELU and SiLU are its activations",
     "aten.index.Tensor": "indexing with a tensor computed in the model: index with constants, "
                          "or use an nn.Embedding",
     "aten.scatter": "scatter writes at computed positions, which libctr's ops do not",
@@ -349,7 +359,7 @@ class _AtenConverter(_Converter):
         if isinstance(v, _TParam):
             w = self.mat(v.w)
             return self.emit("transpose", [w], w.s1[::-1], w.s2[::-1], {"perm": [1, 0]},
-                             node=v.node)
+                             dtype=w.dtype, node=v.node)
         if isinstance(v, _LogSoftmax):
             x = self.mat(v.x)
             return self.emit("log_softmax", [x], x.s1, x.s2, self.dim_attr(v.dim, x.rank),
@@ -358,6 +368,10 @@ class _AtenConverter(_Converter):
             return self.scalar(float(v))
         if isinstance(v, _Unavailable):
             self.fail(f"reads {v.why}")
+        if isinstance(v, _Padded):
+            self.fail("a tensor padded with a constant (constant_pad_nd) is mapped only as "
+                      "cross_entropy targets padded with the ignored index at the end of the "
+                      "sequence", node=v.node)
         if isinstance(v, _Complex):
             self.fail(f"a complex {what} outside the patterns libctr maps (view_as_complex, "
                       f"multiplication, view_as_real)")
@@ -607,6 +621,15 @@ def a_to_copy(c, node):
 def a_view(c, node):
     v = c.val(node.args[0])
     s1, s2 = _out(c, node)
+    if isinstance(v, _Padded):
+        return _Reshaped(v, s1, s2)  # read by cross_entropy, or refused by mat()
+    if isinstance(v, _LogSoftmax):
+        # log_softmax(x, -1).view(-1, V): the log_softmax of the view of x, as long as the
+        # view keeps the classes' dim, so nll_loss still reads it as cross_entropy.
+        x = v.x.base if isinstance(v.x, _Reshaped) else c.mat(v.x)
+        if v.dim % x.rank == x.rank - 1 and s1[-1:] == x.s1[-1:] and s2[-1:] == x.s2[-1:]:
+            return _LogSoftmax(x if (s1, s2) == (x.s1, x.s2) else _Reshaped(x, s1, s2), -1,
+                               v.node)
     base = v.base if isinstance(v, _Reshaped) else c.mat(v)
     if (s1, s2) == (base.s1, base.s2):
         return base
@@ -721,11 +744,35 @@ def _mm(c, node, bias_arg, a_arg, b_arg):
     return out
 
 
+def _scale_add(c, node, product, bias_arg, beta, alpha):
+    """beta * bias + alpha * product (addmm's and baddbmm's arithmetic); beta = 0 ignores
+    the bias, as PyTorch does (even a NaN in it)."""
+    out = c.mat(product)
+    if alpha != 1:
+        out = c.emit("mul", [out, c.scalar(float(alpha))], out.s1, out.s2, node=node,
+                     suffix=".alpha")
+    if beta != 0:
+        bias = _operand(c, bias_arg)
+        if beta != 1:
+            bias = c.emit("mul", [bias, c.scalar(float(beta))], bias.s1, bias.s2, node=node,
+                          suffix=".beta")
+        o1, o2 = _out(c, node)
+        out = c.emit("add", [out, bias], o1, o2, node=node, suffix=".bias")
+    return out
+
+
 def a_addmm(c, node):
     beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
-    if beta != 1 or alpha != 1:
-        c.fail("addmm with alpha or beta other than 1")
-    return _mm(c, node, node.args[0], node.args[1], node.args[2])
+    if beta == 1 and alpha == 1:
+        return _mm(c, node, node.args[0], node.args[1], node.args[2])
+    return _scale_add(c, node, _mm(c, node, None, node.args[1], node.args[2]), node.args[0],
+                      beta, alpha)
+
+
+def a_baddbmm(c, node):
+    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    return _scale_add(c, node, _bmm(c, node, node.args[1], node.args[2]), node.args[0], beta,
+                      alpha)
 
 
 def a_mm(c, node):
@@ -733,7 +780,11 @@ def a_mm(c, node):
 
 
 def a_bmm(c, node):
-    av, bv = c.val(node.args[0]), c.val(node.args[1])
+    return _bmm(c, node, node.args[0], node.args[1])
+
+
+def _bmm(c, node, a_arg, b_arg):
+    av, bv = c.val(a_arg), c.val(b_arg)
     if isinstance(av, _Reshaped) and isinstance(bv, _Reshaped):
         a, b = av.base, bv.base
         if a.rank == b.rank and a.rank >= 3 and a.s1[:-2] == b.s1[:-2] and \
@@ -845,6 +896,36 @@ def a_pow(c, node):
     return _emit_like(c, "pow", [x], node, {"exponent": float(e)})
 
 
+def a_relu(c, node):
+    return _emit_like(c, "relu", [_f32(c, c.val(node.args[0]))], node)
+
+
+def a_clamp(c, node):
+    """clamp(x, min, max), clamp_min(x, min), clamp_max(x, max) with constant bounds."""
+    name = _aten_name(node.target)
+    if "clamp_min" in name:
+        lo, hi = c.same(node, 1, "clamp's min"), None
+    elif "clamp_max" in name:
+        lo, hi = None, c.same(node, 1, "clamp's max")
+    else:
+        lo = c.same(node, 1, "clamp's min", node.kwargs.get("min"))
+        hi = c.same(node, 2, "clamp's max", node.kwargs.get("max"))
+    for b in (lo, hi):
+        if b is not None and not isinstance(b, (int, float)):
+            c.fail("clamp with tensor bounds (libctr clamps to constants)")
+    if lo is None and hi is None:
+        return c.val(node.args[0])
+    attrs = {}
+    if lo is not None:
+        attrs["min"] = float(lo)
+    if hi is not None:
+        attrs["max"] = float(hi)
+    if lo is not None and hi is not None and lo > hi:
+        # PyTorch then gives max everywhere (and no gradient).
+        c.fail(f"clamp with min {lo} above max {hi}")
+    return _emit_like(c, "clamp", [_f32(c, c.val(node.args[0]))], node, attrs)
+
+
 def a_gelu(c, node):
     approx = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
     attrs = {} if approx == "tanh" else {"approximate": "none"}
@@ -931,6 +1012,8 @@ def a_nll_loss(c, node):
     rank = len(xv.s1) if isinstance(xv, _Reshaped) else c.mat(xv).rank
     if lv.dim % rank != rank - 1:
         c.fail("log_softmax over a dim other than the classes (the last)")
+    if isinstance(tv, _Reshaped) and isinstance(tv.base, _Padded):
+        return _nll_padded(c, node, xv, tv.base, ignore)
     # Read through views that flatten [B, T, V] to [B*T, V]: the loss is the same.
     if isinstance(xv, _Reshaped) and isinstance(tv, _Reshaped) and \
             xv.base.s1[:-1] == tv.base.s1 and xv.base.s2[:-1] == tv.base.s2 and \
@@ -947,10 +1030,40 @@ def a_nll_loss(c, node):
     return _Tuple([loss, None])
 
 
+def _nll_padded(c, node, xv, p: _Padded, ignore):
+    """cross_entropy(logits.view(-1, V), pad(t, (0, k), ignore).view(-1)): the padded
+    positions are ignored, so the loss (a mean over the targets not ignored) is the one of
+    the logits without their last k positions against t."""
+    ignore = -100 if ignore is None else int(ignore)
+    if not isinstance(xv, _Reshaped) or xv.base.s1[:-1] != p.s1 or xv.base.s2[:-1] != p.s2:
+        c.fail("cross_entropy of padded targets against logits other than [.., seq, classes] "
+               "flattened to [-1, classes]")
+    if p.value != ignore:
+        c.fail(f"targets padded with {p.value}, which is not the ignored index {ignore}: "
+               f"the padded positions would count in the loss")
+    x, t = xv.base, p.x
+    d = x.rank - 2
+    s1 = x.s1[:d] + (x.s1[d] - p.after,) + x.s1[d + 1:]
+    s2 = x.s2[:d] + (x.s2[d] - p.after,) + x.s2[d + 1:]
+    if (s1[:-1], s2[:-1]) != (t.s1, t.s2):
+        c.fail("padded targets whose length differs from the logits' once the padding is cut")
+    cut = c.emit("slice", [x], s1, s2, {"dim": d, "end": -p.after}, node=node, suffix=".cut")
+    attrs = {} if ignore == -1 else {"ignore_index": ignore}
+    loss = c.emit("cross_entropy", [cut, t], (), (), attrs, node=node)
+    return _Tuple([loss, None])
+
+
 def a_embedding(c, node):
+    # aten.embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False);
+    # nn.Embedding and F.embedding pass a negative padding_idx counted from the end already.
     table_arg, ids_arg = node.args[0], node.args[1]
+    pad = int(c.same(node, 2, "the embedding's padding_idx", -1))
+    if c.same(node, 3, "the embedding's scale_grad_by_freq", False):
+        c.fail("embedding with scale_grad_by_freq=True: libctr's embedding gradient is not "
+               "scaled by the frequency of the ids")
     table = _operand(c, table_arg)
-    if c.is_const(ids_arg):
+    attrs = {"padding_idx": pad} if pad >= 0 else None
+    if c.is_const(ids_arg) and attrs is None:
         v1, v2 = c.const_value(ids_arg, 1), c.const_value(ids_arg, 2)
         f1, f2 = v1.flatten(), v2.flatten()
         if all(d == 1 for d in v1.shape[:-1]) and v1.shape[:-1] == v2.shape[:-1] and \
@@ -968,11 +1081,45 @@ def a_embedding(c, node):
     ids = c.mat(c.val(ids_arg))
     if ids.dtype != _I32:
         c.fail("embedding ids must be integer token ids")
-    return _emit_like(c, "embedding", [table, ids], node)
+    return _emit_like(c, "embedding", [table, ids], node, attrs)
+
+
+def a_constant_pad_nd(c, node):
+    x = c.mat(c.val(node.args[0]))
+    pad = [int(p) for p in c.same(node, 1, "the padding")]
+    value = c.same(node, 2, "the padding value", 0)
+    if x.dtype != _I32 or len(pad) != 2 or pad[0] != 0 or pad[1] <= 0:
+        c.fail("constant padding other than of integer targets at the end of their last dim "
+               "(F.pad(labels, (0, k), value=ignore_index))")
+    s1, s2 = _out(c, node)
+    return _Padded(x, pad[1], value, s1, s2, node)
+
+
+def _slice_padded(c, node, p: _Padded):
+    """p[..., start:] along its padded last dim: the padding stays, x loses its first
+    `start` entries."""
+    dim = int(c.same(node, 1, "slice dim", 0)) % len(p.s1)
+    (b1, b2), (e1, e2) = c.arg2(node, 2, 0), c.arg2(node, 3, None)
+    step = int(c.same(node, 4, "slice step", 1))
+    full = (e1 is None or int(e1) >= p.s1[dim]) and (e2 is None or int(e2) >= p.s2[dim])
+    start = int(b1 or 0)
+    if dim != len(p.s1) - 1 or step != 1 or not full or (b1 or 0) != (b2 or 0) or \
+            start < 0 or start > p.x.s1[dim]:
+        c.fail("a slice of padded targets other than [..., start:] within the unpadded part")
+    x = p.x
+    if start:
+        s1 = x.s1[:-1] + (x.s1[-1] - start,)
+        s2 = x.s2[:-1] + (x.s2[-1] - start,)
+        x = c.emit("slice", [x], s1, s2, {"dim": dim, "start": start}, dtype=x.dtype, node=node)
+    o1, o2 = _out(c, node)
+    return _Padded(x, p.after, p.value, o1, o2, p.node)
 
 
 def a_slice(c, node):
-    x = c.mat(c.val(node.args[0]))
+    v = c.val(node.args[0])
+    if isinstance(v, _Padded):
+        return _slice_padded(c, node, v)
+    x = c.mat(v)
     dim = int(c.same(node, 1, "slice dim", 0)) % x.rank
     s1o, s2o = _out(c, node)
     if (s1o, s2o) == (x.s1, x.s2):
@@ -1191,13 +1338,6 @@ def _sdpa(c, node, q_arg, k_arg, v_arg, mask, dropout, causal, scale):
     return _transpose(c, node, o4, [0, 2, 1, 3])
 
 
-def a_sdpa_113(c, node):
-    # PyTorch 1.13: (q, k, v, attn_mask, dropout_p, need_attn_weights, is_causal)
-    q, k, v, mask, dropout, _need_weights, causal = (list(node.args) + [None] * 7)[:7]
-    out = _sdpa(c, node, q, k, v, mask, dropout, causal, None)
-    return _Tuple([out, None])
-
-
 def a_sdpa(c, node):
     # PyTorch 2: scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
     # *, scale) and its CPU flash kernel (q, k, v, dropout_p, is_causal, *, attn_mask, scale),
@@ -1227,6 +1367,58 @@ def a_dropout(c, node):
 
 
 ATEN: Dict[Any, Callable] = {}
+
+
+# Ops whose result shares the memory of their first argument: views, and in-place updates
+# (which return the tensor they updated).
+_VIEW_OPS = {"aten.view", "aten._unsafe_view", "aten.slice", "aten.select", "aten.transpose",
+             "aten.t", "aten.permute", "aten.expand", "aten.unsqueeze", "aten.squeeze",
+             "aten.alias", "aten.split", "aten.split_with_sizes", "aten.unbind",
+             "aten.view_as_complex", "aten.view_as_real", "aten.as_strided", "aten.diagonal"}
+
+
+def _aliases_first_arg(n: fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:  # an item of split's results
+        return isinstance(n.args[0], fx.Node) and _aliases_first_arg(n.args[0])
+    name = _aten_name(n.target).rsplit(".", 1)[0]
+    return name in _VIEW_OPS or name.endswith("_")
+
+
+def _inplace(functional):
+    """x.op_(...) as x.op(...): make_fx records the in-place op, and every later read of x
+    as a read of its result, so the functional op's result takes its place. Refused where
+    that is not the same: an update of a parameter, buffer or input, or of a tensor that
+    is read afterwards through another alias (a view taken before the update, or the base
+    of an updated view), which would still see the old values."""
+    def convert(c, node):
+        target = node.args[0]
+        if not isinstance(target, fx.Node) or target.op == "placeholder" or \
+                c.is_const(target):
+            c.fail("an in-place update of a parameter, buffer, input or constant: libctr's "
+                   "graph computes new tensors only; use the op that returns its result")
+        order = c.const_cache.setdefault("node_order", {n: i for i, n in enumerate(c.t1.nodes)})
+        root = target
+        while _aliases_first_arg(root) and isinstance(root.args[0], fx.Node):
+            root = root.args[0]
+        aliases, todo = set(), [root]
+        while todo:
+            m = todo.pop()
+            if m in aliases or m is node:
+                continue
+            aliases.add(m)
+            todo.extend(u for u in m.users if _aliases_first_arg(u) and u.args[0] is m)
+        for m in aliases:
+            for u in m.users:
+                if u is not node and order[u] > order[node] and u not in aliases:
+                    reader = _aten_name(u.target) if u.op == "call_function" else u.name
+                    c.fail(f"an in-place update of a tensor that is read afterwards through "
+                           f"another view of it (by {reader}), which would see the old values "
+                           f"in libctr's graph: update a copy, or use the op that returns "
+                           f"its result")
+        return functional(c, node)
+    return convert
 
 
 def _register():
@@ -1283,13 +1475,31 @@ def _register():
     A[aten.view_as_complex.default] = a_view_as_complex
     A[aten.view_as_real.default] = a_view_as_real
     A[aten.native_dropout.default] = a_dropout
-    for name in ("_scaled_dot_product_attention_forward",):
-        if hasattr(aten, name):
-            A[getattr(aten, name).default] = a_sdpa_113
-    for name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu"):
-        if hasattr(aten, name):
-            A[getattr(aten, name).default] = a_sdpa
+    A[aten.scaled_dot_product_attention.default] = a_sdpa
+    A[aten._scaled_dot_product_flash_attention_for_cpu.default] = a_sdpa
     A[aten.repeat.default] = a_repeat
+    A[aten.baddbmm.default] = a_baddbmm
+    A[aten.constant_pad_nd.default] = a_constant_pad_nd
+    A[aten.relu.default] = a_relu
+    A[aten.clamp.default] = a_clamp
+    A[aten.clamp_min.default] = a_clamp
+    A[aten.clamp_max.default] = a_clamp
+    A[aten.relu_.default] = _inplace(a_relu)
+    A[aten.clamp_.default] = _inplace(a_clamp)
+    A[aten.clamp_min_.default] = _inplace(a_clamp)
+    A[aten.clamp_max_.default] = _inplace(a_clamp)
+    # In-place forms of mapped ops.
+    for name, op in (("add_", "add"), ("sub_", "sub"), ("mul_", "mul"), ("div_", "div")):
+        packet = getattr(aten, name)
+        A[packet.Tensor] = _inplace(_binary(op))
+        A[packet.Scalar] = _inplace(_binary(op))
+    for name in ("neg", "exp", "log", "tanh", "erf", "rsqrt", "sqrt", "sigmoid", "reciprocal",
+                 "silu"):
+        A[getattr(aten, name + "_").default] = _inplace(_unary(name))
+    A[aten.pow_.Scalar] = _inplace(a_pow)
+    A[aten.gelu_.default] = _inplace(a_gelu)
+    A[aten.masked_fill_.Scalar] = _inplace(a_masked_fill)
+    A[aten.masked_fill_.Tensor] = _inplace(a_masked_fill)
     for name in ("gt", "lt", "ge", "le", "eq", "ne"):
         for overload in ("Scalar", "Tensor"):
             A[getattr(getattr(aten, name), overload)] = a_compare

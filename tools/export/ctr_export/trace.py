@@ -827,18 +827,28 @@ def f_embedding(c, node):
     a = _bind(c, node, ["input", "weight"], {"padding_idx": None, "max_norm": None,
                                              "norm_type": 2.0, "scale_grad_by_freq": False,
                                              "sparse": False})
-    for k in ("padding_idx", "max_norm"):
-        if c.const_arg(a[k], k) is not None:
-            c.fail(f"embedding with {k}: not supported by libctr's embedding")
-    return _embedding(c, node, a["input"], a["weight"])
+    if c.const_arg(a["max_norm"], "max_norm") is not None:
+        c.fail("embedding with max_norm: not supported by libctr's embedding")
+    if c.const_arg(a["scale_grad_by_freq"], "scale_grad_by_freq"):
+        c.fail("embedding with scale_grad_by_freq=True: libctr's embedding gradient is not "
+               "scaled by the frequency of the ids")
+    return _embedding(c, node, a["input"], a["weight"], c.const_arg(a["padding_idx"], "padding_idx"))
 
 
-def _embedding(c, node, ids_arg, table_arg):
+def _embedding(c, node, ids_arg, table_arg, padding_idx=None):
+    """padding_idx: PyTorch's (None: none; negative: counted from the end): the row whose
+    lookups pass no gradient back to the table."""
     table = c.tensor(table_arg, "embedding table")
     if table.rank != 2:
         c.fail("the embedding table must be 2-D [rows, dim]")
+    attrs = None
+    if padding_idx is not None:
+        rows = table.s1[0]
+        if not isinstance(rows, int) or not -rows <= int(padding_idx) < rows:
+            c.fail(f"embedding padding_idx {padding_idx} is no row of the table")
+        attrs = {"padding_idx": int(padding_idx) % rows}
     pos = c.env.get(ids_arg) if isinstance(ids_arg, fx.Node) else None
-    if isinstance(pos, _Positions):
+    if isinstance(pos, _Positions) and attrs is None:
         # table(arange(t)) is the first t rows: libctr's take_rows.
         c.positional_rows.append(table.s1[0])
         s1 = (pos.like.s1[pos.axis],) + table.s1[1:]
@@ -848,7 +858,7 @@ def _embedding(c, node, ids_arg, table_arg):
     if ids.dtype != _I32:
         c.fail("embedding ids must be integer token ids")
     return c.emit("embedding", [table, ids], ids.s1 + table.s1[1:], ids.s2 + table.s2[1:],
-                  node=node)
+                  attrs, node=node)
 
 
 def f_layer_norm(c, node):
@@ -1080,9 +1090,12 @@ def m_linear(c, node, m):
 
 
 def m_embedding(c, node, m):
-    if m.padding_idx is not None or m.max_norm is not None:
-        c.fail("nn.Embedding with padding_idx or max_norm")
-    return _embedding(c, node, node.args[0], m.weight)
+    if m.max_norm is not None:
+        c.fail("nn.Embedding with max_norm: not supported by libctr's embedding")
+    if m.scale_grad_by_freq:
+        c.fail("nn.Embedding with scale_grad_by_freq=True: libctr's embedding gradient is not "
+               "scaled by the frequency of the ids")
+    return _embedding(c, node, node.args[0], m.weight, m.padding_idx)
 
 
 def m_layernorm(c, node, m):
