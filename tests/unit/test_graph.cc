@@ -1785,6 +1785,9 @@ std::vector<RuleCase> rule_cases() {
   for (const char *op : {"gelu", "silu", "tanh", "sigmoid", "exp", "neg", "log", "erf", "rsqrt", "sqrt", "reciprocal"})
     c.push_back({std::string(op) + "_split_last", op, {x}, {S::shard(2)}, {}});
   c.push_back({"pow_split_last", "pow", {x}, {S::shard(2)}, {{"exponent", ctr::Attr::of_float(1.5)}}});
+  c.push_back({"relu_split_last", "relu", {x}, {S::shard(2)}, {}});
+  c.push_back({"clamp_split_last", "clamp", {x}, {S::shard(2)},
+               {{"min", ctr::Attr::of_float(0.8)}, {"max", ctr::Attr::of_float(1.2)}}});
   c.push_back({"gelu_split_rows", "gelu", {x}, {S::shard(1)}, {}, {3}});
   for (const char *op : {"add", "sub", "mul", "div", "swiglu"})
     c.push_back({std::string(op) + "_split_last", op, {x, x}, {S::shard(2), S::shard(2)}, {}});
