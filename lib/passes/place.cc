@@ -17,9 +17,9 @@
 // on its input dim, Shard(1)) and ends the region with a partial sum, which an
 // all-reduce over tp makes whole again before its bias is added. A region that
 // reaches anything else (a norm, the loss, a layout op) is left replicated,
-// and the reason is kept for `graph inspect --after place`. A region must fit
-// the axis: a head count or a width that tp does not divide is refused naming
-// the node, the axis size and the dimension.
+// and the reason is kept for `graph inspect --after place`. A region that is
+// otherwise valid must fit the axis: a head count or a width that tp does not
+// divide is refused naming the node, the axis size and the dimension.
 
 #include <algorithm>
 #include <map>
@@ -37,6 +37,10 @@ struct Region {
   std::set<int> col, row, nodes;             // node indices
   std::map<int, AxisState> state;            // tensors whose placement the region sets
   std::map<int, Node> rewritten;             // nodes whose rule rewrote attributes
+  // A size the axis does not divide (a head count, a width): the step is
+  // refused with this message if the region is otherwise valid, and nothing
+  // is said if the region is left replicated for another reason.
+  std::string misfit;
 };
 
 class Placer {
@@ -63,6 +67,7 @@ class Placer {
         left_ += "  left replicated: " + g_.nodes[ni].name + " (" + why + ")\n";
         continue;
       }
+      if (!r.misfit.empty()) fail(CTR_STATUS_UNSUPPORTED, r.misfit);
       commit(r);
     }
     return report();
@@ -106,12 +111,12 @@ class Placer {
                      n.op.c_str());
   }
 
-  // Adds linear ni as a column-parallel seed. Sizes that do not fit fail the
-  // step (a refusal, not a replicated region).
+  // Adds linear ni as a column-parallel seed; a width the axis does not
+  // divide is the region's misfit.
   void add_column(int ni, Region &r, std::vector<int> &work) {
     const Node &n = g_.nodes[ni];
     const std::string err = check_divides(n, "the output width", g_.tensors[n.inputs[1]].shape[0]);
-    if (!err.empty()) fail(CTR_STATUS_UNSUPPORTED, err);
+    if (r.misfit.empty()) r.misfit = err;
     r.col.insert(ni);
     const int y = n.outputs[0];
     r.state[y] = AxisState::shard(static_cast<int>(g_.tensors[y].shape.size()) - 1);
@@ -149,7 +154,7 @@ class Placer {
       for (size_t i = 1; i < n.inputs.size(); ++i)
         if (at(r, n.inputs[i]).kind != AxisState::Replicate) return "linear '" + n.name + "' reads a split weight";
       const std::string err = check_divides(n, "the input width", g_.tensors[n.inputs[1]].shape[1]);
-      if (!err.empty()) fail(CTR_STATUS_UNSUPPORTED, err);
+      if (r.misfit.empty()) r.misfit = err;
       // Its output is whole again once the all-reduce that closes the region ran.
       r.row.insert(ni);
       return "";
@@ -162,6 +167,16 @@ class Placer {
       Node trial = n;
       std::vector<AxisState> out;
       std::string why = d->shard_rule(g_, &trial, in, ranks_, out);
+      if (why.find("is not divisible by") != std::string::npos) {
+        // A head count the axis does not divide: the region's misfit; it grows
+        // on as if the heads fitted, to learn whether it is otherwise valid.
+        if (r.misfit.empty())
+          r.misfit = strformat("place: node '%s' (%s) cannot be split over tp=%lld: %s", n.name.c_str(),
+                               n.op.c_str(), static_cast<long long>(ranks_), why.c_str());
+        trial = n;
+        out.clear();
+        why = d->shard_rule(g_, &trial, in, 1, out);
+      }
       if (why.empty()) {
         bool split = false;
         for (const AxisState &s : out) split |= s.kind != AxisState::Replicate;
@@ -174,11 +189,6 @@ class Placer {
         }
         return "";
       }
-      // A head count the axis does not divide is a refusal of the step.
-      if (why.find("is not divisible by") != std::string::npos)
-        fail(CTR_STATUS_UNSUPPORTED,
-             strformat("place: node '%s' (%s) cannot be split over tp=%lld: %s", n.name.c_str(), n.op.c_str(),
-                       static_cast<long long>(ranks_), why.c_str()));
       if (attempt == 1) return n.op + " '" + n.name + "': " + why;
       // Pull the replicated float inputs in as split tensors, then retry.
       for (int i : n.inputs) {

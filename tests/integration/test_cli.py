@@ -170,6 +170,14 @@ def check_placements(tmp):
           and "heads=2" in tp, f"tp blocks: {tp[:1500]}")
     r = run("graph", "inspect", g, "--after", "place", "--tp", "3", expect=1)
     check("does not divide" in r.stderr and "tp=3" in r.stderr, f"tp=3 on 4 heads: {r.stderr}")
+    # A size tp does not divide is no refusal where its region is left replicated anyway:
+    # an untied head of 250 words before the loss, on tp=4.
+    lm = os.path.join(tmp, "place_llama.ctrg")
+    run("graph", "build", "--preset", "llama", "--layers", "1", "--dim", "64", "--heads", "4",
+        "--kv-heads", "4", "--vocab", "250", "--seq", "32", "-o", lm)
+    tp4 = run("graph", "inspect", lm, "--after", "place", "--tp", "4").stdout
+    check("2 tensor-parallel regions" in tp4 and "left replicated: logits (cross_entropy" in tp4,
+          f"llama on tp=4 with 250 words: {tp4[:800]}")
 
 
 def check_special_files(tmp, graph):
