@@ -121,7 +121,20 @@ int main(int argc, char **argv) {
     extra += used;
     if (*extra == ',') ++extra;
   }
-  CHECK(ctr_step_create(mesh, graph, so, &step));
+  {
+    /* A mesh the model cannot take is refused here: say why and leave cleanly
+     * (every rank refuses alike, so the mesh is torn down collectively). */
+    ctr_status st = ctr_step_create(mesh, graph, so, &step);
+    if (st != CTR_STATUS_OK) {
+      fprintf(stderr, "ctr_step_create failed: %s: %s\n", ctr_status_string(st), ctr_last_error());
+      ctr_graph_free(graph);
+      ctr_mesh_free(mesh);
+      ctr_options_free(mo);
+      ctr_options_free(go);
+      ctr_options_free(so);
+      return 1;
+    }
+  }
   if (zero_router) {
     float zeros[4 * 32] = {0};
     CHECK(ctr_step_set_param(step, "layers.0.moe.router.weight", zeros, 4 * 32));

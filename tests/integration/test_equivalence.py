@@ -134,7 +134,10 @@ def main():
     # Meshes the model cannot take are refused at step creation, naming why.
     for preset, n, mesh, want in [("llama", 4, "tp=4", "heads=2 is not divisible by 4 ranks"),
                                   ("moe", 2, "tp=2", "mixture-of-experts")]:
-        err = run(preset, n, mesh, os.path.join(tmp, f"refused_{preset}.txt"))
+        cmd = [CTR, "launch", "-n", str(n), "--", PROG, preset, mesh, str(BATCH), str(STEPS),
+               os.path.join(tmp, f"refused_{preset}.txt")]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIME_LIMIT)
+        err = None if p.returncode == 0 else f"exit {p.returncode}: {p.stderr}"
         if not err or want not in err or "tp" not in err:
             failures.append(f"{preset} {mesh}: expected a refusal naming '{want}', got: {err}")
         else:
