@@ -1614,32 +1614,33 @@ struct RuleRun {
   std::vector<std::vector<float>> grads;
 };
 
-std::vector<float> block_of(const std::vector<float> &x, const std::vector<int64_t> &shape, int dim, int64_t r,
-                            int64_t ranks, std::vector<int64_t> *local) {
-  *local = shape;
-  (*local)[static_cast<size_t>(dim)] /= ranks;
+// Calls f(i) with the row-major index in the whole of each element of block r
+// of `ranks` equal blocks of dim, in the block's own row-major order.
+template <typename F>
+void for_block(const std::vector<int64_t> &shape, int dim, int64_t r, int64_t ranks, F f) {
   int64_t outer = 1, inner = 1;
   for (int d = 0; d < dim; ++d) outer *= shape[static_cast<size_t>(d)];
   for (size_t d = static_cast<size_t>(dim) + 1; d < shape.size(); ++d) inner *= shape[d];
   const int64_t n = shape[static_cast<size_t>(dim)], m = n / ranks;
-  std::vector<float> out;
   for (int64_t o = 0; o < outer; ++o)
     for (int64_t i = r * m; i < (r + 1) * m; ++i)
-      for (int64_t k = 0; k < inner; ++k) out.push_back(x[static_cast<size_t>((o * n + i) * inner + k)]);
+      for (int64_t k = 0; k < inner; ++k) f(static_cast<size_t>((o * n + i) * inner + k));
+}
+
+std::vector<float> block_of(const std::vector<float> &x, const std::vector<int64_t> &shape, int dim, int64_t r,
+                            int64_t ranks, std::vector<int64_t> *local) {
+  *local = shape;
+  (*local)[static_cast<size_t>(dim)] /= ranks;
+  std::vector<float> out;
+  for_block(shape, dim, r, ranks, [&](size_t at) { out.push_back(x[at]); });
   return out;
 }
 
 // Writes a block back into the whole (the inverse of block_of).
 void put_block(std::vector<float> &x, const std::vector<int64_t> &shape, int dim, int64_t r, int64_t ranks,
                const std::vector<float> &b) {
-  int64_t outer = 1, inner = 1;
-  for (int d = 0; d < dim; ++d) outer *= shape[static_cast<size_t>(d)];
-  for (size_t d = static_cast<size_t>(dim) + 1; d < shape.size(); ++d) inner *= shape[d];
-  const int64_t n = shape[static_cast<size_t>(dim)], m = n / ranks;
-  size_t at = 0;
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t i = r * m; i < (r + 1) * m; ++i)
-      for (int64_t k = 0; k < inner; ++k) x[static_cast<size_t>((o * n + i) * inner + k)] = b[at++];
+  size_t k = 0;
+  for_block(shape, dim, r, ranks, [&](size_t at) { x[at] = b[k++]; });
 }
 
 int64_t count(const std::vector<int64_t> &s) {

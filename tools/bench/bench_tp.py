@@ -29,15 +29,10 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.dont_write_bytecode = True
 
-
-def find_ctr(given):
-    if given:
-        return given
-    for cand in (HERE.parent.parent / "build" / "tools" / "ctr",):
-        if cand.exists():
-            return str(cand)
-    sys.exit("bench_tp: pass --ctr PATH (no build/tools/ctr)")
+import bench_gpt  # noqa: E402  (find_ctr)
 
 
 def sizes(mesh):
@@ -65,7 +60,7 @@ def run(ctr, graph, world, mesh, batch, steps, warmup, threads, tmp):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ctr")
+    ap.add_argument("--ctr", default="build/tools/ctr")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
@@ -77,7 +72,10 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="threads per rank (CTR_NUM_THREADS)")
     ap.add_argument("--json")
     a = ap.parse_args()
-    ctr = find_ctr(a.ctr)
+    found = bench_gpt.find_ctr(a.ctr)
+    if not found:
+        sys.exit(f"bench_tp: no ctr program at {a.ctr} (pass --ctr PATH)")
+    ctr = str(found)
     tmp = tempfile.mkdtemp(prefix="ctr_bench_tp_")
     graph = os.path.join(tmp, "gpt.ctrg")
     subprocess.run([ctr, "graph", "build", "--preset", "gpt", "--layers", str(a.layers), "--dim", str(a.dim),
