@@ -158,6 +158,70 @@ void all_reduce_vjp(VjpBuilder &b, const Node &n) {
   }
 }
 
+// Activation gathers and scatters of the place pass (sequence parallelism):
+// rows of a [rows, width] view, split over the axis in rank order. all_gather
+// attr rows: the whole row count (the fsdp gathers of the shard pass have it
+// too: their output is the whole parameter). reduce_scatter attr ranks: the
+// output is this rank's 1/ranks of the rows.
+void all_gather_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  if (n.inputs.size() != 1) bad_node(g, n, "an activation all_gather has one input");
+  auto s = S(g, n, 0);
+  if (s.empty()) bad_node(g, n, "cannot gather a scalar");
+  s[0] = n.attr_int("rows", s[0]);
+  out = {OutInfo{g.tensors[n.inputs[0]].dtype, s}};
+}
+
+void reduce_scatter_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  if (n.inputs.size() != 1) bad_node(g, n, "an activation reduce_scatter has one input");
+  auto s = S(g, n, 0);
+  const int64_t ranks = n.attr_int("ranks", 0);
+  if (s.empty() || ranks <= 0 || s[0] % ranks != 0)
+    bad_node(g, n, strformat("%lld ranks do not divide the rows of the input", static_cast<long long>(ranks)));
+  s[0] /= ranks;
+  out = {OutInfo{g.tensors[n.inputs[0]].dtype, s}};
+}
+
+std::map<std::string, Attr> activation_collective(const Node &n) {
+  return {{"axis", Attr::of_string(n.attr_string("axis", ""))},
+          {"ranks", Attr::of_int(n.attr_int("ranks", 1))},
+          {"activation", Attr::of_int(1)}};
+}
+
+// The gradient of an activation gather: where the gathered rows feed compute
+// that each rank does for its own share (a column-parallel linear), the
+// partial gradients are summed and scattered back ("grad" = "reduce_scatter");
+// where they feed compute that every rank repeats whole (the head after the
+// last block), every rank holds the same whole gradient and keeps its own
+// rows ("grad" = "slice", attr index: this rank's position on the axis).
+void all_gather_vjp(VjpBuilder &b, const Node &n) {
+  const int gy = b.grad(n.outputs[0]);
+  if (gy < 0 || !b.needs(n.inputs[0])) return;
+  const int gx = b.new_grad_tensor(n.inputs[0], "grad");
+  const int64_t rows = b.graph().tensors[n.inputs[0]].shape[0];
+  if (n.attr_string("grad", "reduce_scatter") == "slice") {
+    const int64_t at = n.attr_int("index", 0) * rows;
+    b.emit("slice", {gy}, {gx}, {{"dim", Attr::of_int(0)}, {"start", Attr::of_int(at)}, {"end", Attr::of_int(at + rows)}},
+           n.block);
+  } else {
+    std::map<std::string, Attr> attrs = activation_collective(n);
+    attrs["reduce"] = Attr::of_string("sum");
+    b.emit("reduce_scatter", {gy}, {gx}, attrs, n.block);
+  }
+  b.accumulate(n.inputs[0], gx);
+}
+
+// The gradient of scattering a sum: every rank's share of the output gradient,
+// gathered (each summand's gradient is the sum's).
+void reduce_scatter_vjp(VjpBuilder &b, const Node &n) {
+  const int gy = b.grad(n.outputs[0]);
+  if (gy < 0 || !b.needs(n.inputs[0])) return;
+  const int gx = b.new_grad_tensor(n.inputs[0], "grad");
+  std::map<std::string, Attr> attrs = activation_collective(n);
+  attrs["rows"] = Attr::of_int(b.graph().tensors[n.inputs[0]].shape[0]);
+  b.emit("all_gather", {gy}, {gx}, attrs, n.block);
+  b.accumulate(n.inputs[0], gx);
+}
+
 }  // namespace
 
 void append_placement_ops(std::vector<OpDef> &v) {
@@ -178,6 +242,14 @@ void append_placement_ops(std::vector<OpDef> &v) {
     if (d.name == "all_reduce") {
       d.shard_rule = all_reduce_rule;
       d.vjp = all_reduce_vjp;
+    }
+    if (d.name == "all_gather") {
+      d.infer = all_gather_infer;
+      d.vjp = all_gather_vjp;
+    }
+    if (d.name == "reduce_scatter") {
+      d.infer = reduce_scatter_infer;
+      d.vjp = reduce_scatter_vjp;
     }
   }
 }

@@ -68,7 +68,7 @@ void bucket_phase(Graph &g, int begin, int end, bool backward, const CompileOpti
   std::map<size_t, int64_t> group_bytes;
   for (int ni = begin; ni < end; ++ni) {
     const Node &n = g.nodes[ni];
-    if (!is_collective(n) || n.inputs.size() != 1 || n.has_attr("reduce")) continue;
+    if (!is_collective(n) || n.inputs.size() != 1 || is_immediate(n)) continue;
     const std::string axis = n.attr_string("axis", "");
     const int64_t bytes = g.tensors[static_cast<size_t>(n.outputs[0])].alloc_size();
     size_t gi;

@@ -27,6 +27,10 @@ void read_lower(OptionReader &r, CompileOptions &o) { o.overlap = r.get_int("ove
 
 void read_plan(OptionReader &r, CompileOptions &o) { o.micro_batches = r.get_int("micro_batches", 1, 1, 1 << 16); }
 
+void read_place(OptionReader &r, CompileOptions &o) {
+  o.sequence_parallel = r.get_int("sequence_parallel", 0, 0, 1) != 0;
+}
+
 void run_nothing(PassContext &) {}
 void run_verify(PassContext &c) { pass_verify(c.graph); }
 void run_infer_shapes(PassContext &c) { pass_infer_shapes(c.graph, c.opt); }
@@ -87,7 +91,7 @@ const std::vector<PassDef> &pass_list() {
       {"expert", "experts split over ep, token exchanges and global load balance inserted", false, nullptr,
        run_expert, nullptr},
       {"place", "activations placed over tp: column- and row-parallel regions, heads split, all-reduces inserted",
-       false, nullptr, run_place, dump_place},
+       false, read_place, run_place, dump_place},
       {"autodiff", "the backward graph appended", false, nullptr, run_autodiff, nullptr},
       {"recompute", "activation checkpointing: block forwards copied into backward", false,
        read_recompute_options, run_recompute, nullptr},

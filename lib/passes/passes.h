@@ -38,6 +38,7 @@ struct CompileOptions {
   std::string precision = "auto";  // precision: auto, fp32 or bf16 (activation storage)
   std::string bucket = "block";    // bucket: block, bytes or none
   int64_t bucket_bytes = 0;        // bucket: byte budget per bucket in "bytes" mode (0 = none)
+  bool sequence_parallel = false;  // place: activations between tp regions split by tokens over tp
   MeshPlacement mesh;
 };
 
@@ -196,6 +197,14 @@ inline bool is_collective(const Node &n) { return collective_kind(n) != CollKind
 // The expert exchanges (all-to-all of tokens), a kind of collective that
 // compute reads at once: never bucketed or moved.
 inline bool is_exchange(const Node &n) { return is_exchange_kind(collective_kind(n)); }
+// A collective whose output compute of the same phase reads at once: the
+// expert exchanges, sums of statistics and partial activations (attribute
+// "reduce") and the activation gathers and scatters of the place pass
+// (attribute "activation"). Bucket leaves them alone; reorder keeps each right
+// behind what produces its input.
+inline bool is_immediate(const Node &n) {
+  return is_exchange(n) || (is_collective(n) && (n.has_attr("reduce") || n.attr_int("activation", 0) != 0));
+}
 
 // segments.cc: the compute nodes of a phase [begin, end) cut into segments,
 // maximal runs of nodes of one block; bucket and reorder place collectives by

@@ -339,20 +339,327 @@ class Placer {
       for (Node &n : after[ni]) nodes.push_back(std::move(n));
     }
     g_.nodes = std::move(nodes);
-    // Local shapes, in order, from the parameters' blocks.
-    for (Node &n : g_.nodes) {
-      const OpDef *d = find_op(n.op);
-      CTR_CHECK(d != nullptr && d->infer != nullptr);
-      std::vector<OutInfo> out;
-      d->infer(g_, n, out);
-      CTR_CHECK(out.size() == n.outputs.size());
-      for (size_t k = 0; k < out.size(); ++k) {
-        Tensor &t = g_.tensors[n.outputs[k]];
-        t.shape = out[k].shape;
-        t.dtype = out[k].dtype;
-        t.has_shape = true;
+  }
+};
+
+// Output shapes again, in order, from the inputs' local shapes.
+void infer_local_shapes(Graph &g) {
+  for (Node &n : g.nodes) {
+    const OpDef *d = find_op(n.op);
+    CTR_CHECK(d != nullptr && d->infer != nullptr);
+    std::vector<OutInfo> out;
+    d->infer(g, n, out);
+    CTR_CHECK(out.size() == n.outputs.size());
+    for (size_t k = 0; k < out.size(); ++k) {
+      Tensor &t = g.tensors[n.outputs[k]];
+      t.shape = out[k].shape;
+      t.dtype = out[k].dtype;
+      t.has_shape = true;
+    }
+  }
+}
+
+// Sequence parallelism (option sequence_parallel): between the regions the
+// activations are split over tp by tokens, so that what runs there (norms,
+// residual adds, bias adds, element-wise ops) runs on 1/tp of the tokens and
+// its activations take 1/tp of the memory. The split is by rows of the
+// [tokens, width] view of a [B, T, width] activation (tokens = B*T of one
+// micro-batch), so every block is contiguous and the collectives move plain
+// rank-ordered rows: where the region's fanout was, an all-gather of the rows
+// (its gradient a reduce-scatter of the partial gradients); where its closing
+// all-reduce was, a reduce-scatter (its gradient an all-gather). Per byte
+// moved this is what the all-reduce moved, in two halves.
+//
+// The token-wise zone grows from the regions' edges through ops that work on
+// each token's row alone. Where it begins at a tensor computed whole (the
+// embeddings), each rank takes its rows (a slice behind a fanout, whose
+// gradient all-reduces the rows' gradients back into the whole); where a
+// token-wise tensor is read by whole-tensor compute (the head and the loss),
+// an all-gather rebuilds it, whose gradient is each rank's rows of the same
+// whole gradient. Parameters read in the zone (norm weights, biases of the
+// row-parallel linears) are used on 1/tp of the tokens, so a fanout sums their
+// gradients over tp.
+class SequenceSplit {
+ public:
+  SequenceSplit(Graph &g, int64_t ranks, int64_t index) : g_(g), ranks_(ranks), index_(index) {
+    producer_.assign(g.tensors.size(), -1);
+    readers_.resize(g.tensors.size());
+    for (int ni = 0; ni < static_cast<int>(g.nodes.size()); ++ni) {
+      for (int o : g.nodes[ni].outputs) producer_[o] = ni;
+      for (int i : g.nodes[ni].inputs) readers_[i].push_back(ni);
+    }
+    zone_t_.assign(g.tensors.size(), 0);
+    zone_n_.assign(g.nodes.size(), 0);
+  }
+
+  std::string run() {
+    std::vector<int> work;
+    for (int ni = 0; ni < static_cast<int>(g_.nodes.size()); ++ni) {
+      const Node &n = g_.nodes[ni];
+      if (!edge(n)) continue;
+      if (n.op == "fanout") seed(n.inputs[0], n, work);
+      if (n.op == "all_reduce") seed(n.outputs[0], n, work);
+    }
+    while (!work.empty()) {
+      const int t = work.back();
+      work.pop_back();
+      const int p = producer_[t];
+      if (p >= 0 && !zone_n_[p] && row_wise(g_.nodes[p])) add_node(p, work);
+      for (int r : readers_[t])
+        if (!zone_n_[r] && row_wise(g_.nodes[r])) add_node(r, work);
+    }
+    rewrite();
+    return report_;
+  }
+
+ private:
+  Graph &g_;
+  int64_t ranks_, index_;
+  int64_t tokens_ = -1;
+  std::vector<int> producer_;
+  std::vector<std::vector<int>> readers_;
+  std::vector<char> zone_t_, zone_n_;
+  std::string report_;
+
+  const std::vector<int64_t> &shape(int t) const { return g_.tensors[t].shape; }
+  // A region's fanout or closing all-reduce.
+  static bool edge(const Node &n) {
+    return (n.op == "fanout" || n.op == "all_reduce") && n.attr_string("axis", "") == kAxis;
+  }
+
+  bool token_rows(int t) const {
+    const Tensor &x = g_.tensors[t];
+    if (x.dtype != CTR_DTYPE_F32 || x.shape.size() < 2 || x.shape.back() <= 0) return false;
+    return x.numel() / x.shape.back() == tokens_;
+  }
+
+  void seed(int t, const Node &at, std::vector<int> &work) {
+    const Tensor &x = g_.tensors[t];
+    CTR_REQUIRE(x.shape.size() >= 2 && x.shape.back() > 0, CTR_STATUS_UNSUPPORTED,
+                "place: sequence parallelism needs [tokens..., width] activations at the edges of the "
+                "tensor-parallel regions; '%s' (at node '%s') has %d dims",
+                x.name.c_str(), at.name.c_str(), static_cast<int>(x.shape.size()));
+    const int64_t rows = x.numel() / x.shape.back();
+    if (tokens_ < 0) {
+      tokens_ = rows;
+      CTR_REQUIRE(tokens_ % ranks_ == 0, CTR_STATUS_UNSUPPORTED,
+                  "place: sequence parallelism splits the %lld tokens of a micro-batch (batch x seq) over "
+                  "tp=%lld, which does not divide them; use a batch or sequence length that tp divides, or "
+                  "no sequence parallelism",
+                  static_cast<long long>(tokens_), static_cast<long long>(ranks_));
+    }
+    CTR_REQUIRE(rows == tokens_, CTR_STATUS_UNSUPPORTED,
+                "place: sequence parallelism: '%s' (at node '%s') has %lld rows, other region edges %lld tokens",
+                x.name.c_str(), at.name.c_str(), static_cast<long long>(rows), static_cast<long long>(tokens_));
+    if (!zone_t_[t]) {
+      zone_t_[t] = 1;
+      work.push_back(t);
+    }
+  }
+
+  // Whether node n computes each token's row from that token's rows alone:
+  // norms over the last dim, element-wise ops on same-shaped token tensors and
+  // rows broadcast over the tokens.
+  bool row_wise(const Node &n) const {
+    static const std::set<std::string> elementwise = {
+        "silu", "swiglu", "exp", "log", "tanh", "erf", "rsqrt", "sqrt", "neg", "reciprocal",
+        "sigmoid", "pow", "gelu", "relu", "clamp", "add", "sub", "mul", "div"};
+    if (n.outputs.empty() || !token_rows(n.outputs[0])) return false;
+    const std::vector<int64_t> &y = shape(n.outputs[0]);
+    const std::vector<int64_t> row = {y.back()};
+    if (n.op == "layernorm" || n.op == "rmsnorm") {
+      if (shape(n.inputs[0]) != y) return false;
+      for (size_t i = 1; i < n.inputs.size(); ++i)
+        if (shape(n.inputs[i]) != row) return false;
+      return true;
+    }
+    if (!elementwise.count(n.op)) return false;
+    for (int i : n.inputs)
+      if (shape(i) != y && shape(i) != row && g_.tensors[i].numel() != 1) return false;
+    return true;
+  }
+
+  void add_node(int ni, std::vector<int> &work) {
+    zone_n_[ni] = 1;
+    const Node &n = g_.nodes[ni];
+    auto mark = [&](int t) {
+      if (!zone_t_[t]) {
+        zone_t_[t] = 1;
+        work.push_back(t);
+      }
+    };
+    for (int i : n.inputs)
+      if (shape(i) == shape(n.outputs[0])) mark(i);
+    for (int o : n.outputs) mark(o);
+  }
+
+  int add_tensor(const std::string &name, int like, std::vector<int64_t> shape) {
+    Tensor t;
+    t.name = name;
+    t.dtype = g_.tensors[like].dtype;
+    t.shape = std::move(shape);
+    t.has_shape = true;
+    zone_t_.push_back(0);
+    return g_.add_tensor(std::move(t));
+  }
+
+  std::map<std::string, Attr> coll_attrs() const {
+    return {{"axis", Attr::of_string(kAxis)}, {"ranks", Attr::of_int(ranks_)}, {"activation", Attr::of_int(1)}};
+  }
+
+  void rewrite() {
+    const int nn = static_cast<int>(g_.nodes.size());
+    const int nt = static_cast<int>(g_.tensors.size());
+    const int64_t local_rows = tokens_ / ranks_;
+    std::vector<std::vector<Node>> before(nn), after(nn);
+    std::vector<char> drop(nn, 0);
+    auto rows_view = [&](int t) { return std::vector<int64_t>{tokens_, shape(t).back()}; };
+    auto bytes = [&](int t) { return g_.tensors[t].bytes(); };
+    int64_t fwd_bytes = 0, bwd_bytes = 0, entry_bytes = 0, exit_bytes = 0, param_bytes = 0;
+    int gathers = 0, scatters = 0, entries = 0, exits = 0, params = 0;
+
+    // Where the zone begins: this rank's rows of a whole tensor.
+    std::map<int, int> local;  // whole zone tensor -> this rank's rows
+    for (int t = 0; t < nt; ++t) {
+      if (!zone_t_[t]) continue;
+      const int p = producer_[t];
+      if (p >= 0 && (zone_n_[p] || edge(g_.nodes[p])))
+        continue;
+      int first = nn;
+      for (int r : readers_[t])
+        if (zone_n_[r] || g_.nodes[r].op == "fanout") first = std::min(first, r);
+      if (first == nn) continue;
+      const std::string &name = g_.tensors[t].name;
+      const int fan = add_tensor(name + ".sp_whole", t, shape(t));
+      const int rows = add_tensor(name + ".sp_rows", t, rows_view(t));
+      const int mine = add_tensor(name + ".sp", t, {local_rows, shape(t).back()});
+      const int blk = g_.nodes[first].block;
+      before[first].push_back(Node::make("fanout", name + ".sp_fanout", {t}, {fan}, blk, {{"axis", Attr::of_string(kAxis)}}));
+      before[first].push_back(Node::make("reshape", name + ".sp_rows", {fan}, {rows}, blk, {{"shape", Attr::of_ints(rows_view(t))}}));
+      before[first].push_back(Node::make("slice", name + ".sp", {rows}, {mine}, blk,
+                                         {{"dim", Attr::of_int(0)},
+                                          {"start", Attr::of_int(index_ * local_rows)},
+                                          {"end", Attr::of_int((index_ + 1) * local_rows)}}));
+      local[t] = mine;
+      zone_t_[mine] = 1;
+      ++entries;
+      entry_bytes += bytes(t);
+    }
+    auto local_of = [&](int t) {
+      auto it = local.find(t);
+      return it == local.end() ? t : it->second;
+    };
+
+    // The regions' edges.
+    for (int ni = 0; ni < nn; ++ni) {
+      Node &n = g_.nodes[ni];
+      if (!edge(n)) continue;
+      if (n.op == "fanout") {
+        const int x = n.inputs[0], y = n.outputs[0];
+        const int rows = add_tensor(g_.tensors[x].name + ".sp_gathered", x, rows_view(x));
+        std::map<std::string, Attr> a = coll_attrs();
+        a["rows"] = Attr::of_int(tokens_);
+        after[ni].push_back(Node::make("all_gather", g_.tensors[x].name + ".sp_all_gather", {local_of(x)}, {rows}, n.block, a));
+        after[ni].push_back(Node::make("reshape", g_.tensors[y].name, {rows}, {y}, n.block, {{"shape", Attr::of_ints(shape(x))}}));
+        drop[ni] = 1;
+        ++gathers;
+        fwd_bytes += bytes(x);
+        bwd_bytes += bytes(x);
+      } else if (n.op == "all_reduce") {
+        const int x = n.inputs[0], y = n.outputs[0];
+        const int rows = add_tensor(g_.tensors[x].name + ".rows", x, rows_view(x));
+        std::map<std::string, Attr> a = coll_attrs();
+        a["reduce"] = Attr::of_string("sum");
+        after[ni].push_back(Node::make("reshape", g_.tensors[x].name + ".rows", {x}, {rows}, n.block, {{"shape", Attr::of_ints(rows_view(x))}}));
+        after[ni].push_back(Node::make("reduce_scatter", g_.tensors[y].name + ".reduce_scatter", {rows}, {y}, n.block, a));
+        drop[ni] = 1;
+        ++scatters;
+        fwd_bytes += bytes(x);
+        bwd_bytes += bytes(x);
       }
     }
+
+    // Inside the zone: rows of the entries, and broadcast rows (parameters)
+    // behind a fanout that sums their gradients over tp.
+    std::map<int, int> fanned;
+    for (int ni = 0; ni < nn; ++ni) {
+      if (!zone_n_[ni]) continue;
+      Node &n = g_.nodes[ni];
+      for (int &in : n.inputs) {
+        if (zone_t_[in]) {
+          in = local_of(in);
+          continue;
+        }
+        auto it = fanned.find(in);
+        if (it == fanned.end()) {
+          const int f = add_tensor(g_.tensors[in].name + ".sp", in, shape(in));
+          before[ni].push_back(Node::make("fanout", g_.tensors[in].name + ".sp_fanout", {in}, {f}, n.block,
+                                          {{"axis", Attr::of_string(kAxis)}}));
+          it = fanned.emplace(in, f).first;
+          if (g_.tensors[in].role == Role::Param) {
+            ++params;
+            param_bytes += bytes(in);
+          }
+        }
+        in = it->second;
+      }
+    }
+
+    // Where whole-tensor compute reads the zone: the rows gathered again.
+    for (int t = 0; t < nt; ++t) {
+      if (!zone_t_[t] || local.count(t)) continue;
+      std::vector<int> outside;
+      for (int r : readers_[t])
+        if (!zone_n_[r] && !edge(g_.nodes[r]))
+          outside.push_back(r);
+      if (outside.empty()) continue;
+      const std::string &name = g_.tensors[t].name;
+      const int rows = add_tensor(name + ".sp_gathered", t, rows_view(t));
+      const int whole = add_tensor(name + ".whole", t, shape(t));
+      std::map<std::string, Attr> a = coll_attrs();
+      a["rows"] = Attr::of_int(tokens_);
+      a["grad"] = Attr::of_string("slice");
+      a["index"] = Attr::of_int(index_);
+      const int first = outside.front();
+      before[first].push_back(Node::make("all_gather", name + ".sp_all_gather", {t}, {rows}, g_.nodes[first].block, a));
+      before[first].push_back(Node::make("reshape", name + ".whole", {rows}, {whole}, g_.nodes[first].block,
+                                         {{"shape", Attr::of_ints(shape(t))}}));
+      for (int r : outside)
+        for (int &in : g_.nodes[r].inputs)
+          if (in == t) in = whole;
+      ++exits;
+      exit_bytes += bytes(t);
+    }
+
+    std::vector<Node> nodes;
+    for (int ni = 0; ni < nn; ++ni) {
+      for (Node &n : before[ni]) nodes.push_back(std::move(n));
+      if (!drop[ni]) nodes.push_back(std::move(g_.nodes[ni]));
+      for (Node &n : after[ni]) nodes.push_back(std::move(n));
+    }
+    g_.nodes = std::move(nodes);
+    infer_local_shapes(g_);
+    for (int t = 0; t < static_cast<int>(zone_t_.size()); ++t) {
+      Tensor &x = g_.tensors[t];
+      if (!zone_t_[t] || local.count(t) || x.shape.empty()) continue;
+      std::vector<int64_t> whole = x.shape;
+      whole[0] *= ranks_;
+      x.placement.add_shard(kAxis, 0, whole);
+    }
+    int zn = 0;
+    for (char z : zone_n_) zn += z;
+    report_ = strformat(
+        "  sequence parallel: %lld tokens per micro-batch split over tp (%lld rows each) across %d token-wise "
+        "nodes\n"
+        "    per micro-batch: %d all-gathers and %d reduce-scatters over tp at the regions' edges, %lld bytes "
+        "forward and %lld backward (the all-reduces' bytes, as two halves)\n"
+        "    %d whole tensors split where the zone begins (%lld bytes all-reduced backward), %d gathered where "
+        "whole-tensor compute reads it (%lld bytes forward), %d parameters' gradients all-reduced (%lld "
+        "bytes)\n",
+        static_cast<long long>(tokens_), static_cast<long long>(local_rows), zn, gathers, scatters,
+        static_cast<long long>(fwd_bytes), static_cast<long long>(bwd_bytes), entries,
+        static_cast<long long>(entry_bytes), exits, static_cast<long long>(exit_bytes), params,
+        static_cast<long long>(param_bytes));
   }
 };
 
@@ -374,6 +681,11 @@ std::string pass_place(Graph &g, const CompileOptions &opt) {
               "output reaches another linear through ops that run on split heads or features):\n%s",
               static_cast<long long>(tp), g.name.c_str(), report.c_str());
   p.rewrite();
+  infer_local_shapes(g);
+  if (opt.sequence_parallel) {
+    SequenceSplit sp(g, tp, opt.mesh.index(kAxis));
+    report += sp.run();
+  }
   return report;
 }
 

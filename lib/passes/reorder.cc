@@ -73,7 +73,7 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
     if (!is_collective(n)) continue;
     // Collectives that compute of this phase reads at once (an expert exchange,
     // summed load-balancing statistics) stay right behind what they read.
-    if (is_exchange(n) || n.has_attr("reduce")) {
+    if (is_immediate(n)) {
       int prod = -1;
       for (int in : n.inputs)
         if (auto p = producer.find(in); p != producer.end()) prod = std::max(prod, p->second);

@@ -202,7 +202,7 @@ int main(int argc, char **argv) {
     /* Per-rank bytes of parameters and optimizer state: ~1/N under fsdp=N. */
     int64_t arena = 0, pbytes = 0, obytes = 0;
     CHECK(ctr_step_memory(step, &arena, &pbytes, &obytes));
-    if (out) fprintf(out, "memory %lld %lld\n", (long long)pbytes, (long long)obytes);
+    if (out) fprintf(out, "memory %lld %lld %lld\n", (long long)pbytes, (long long)obytes, (long long)arena);
   }
   if (out) fclose(out);
   free(tok);

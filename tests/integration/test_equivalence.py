@@ -4,7 +4,7 @@ fsdp=4 and dp=2 x fsdp=2 (and fsdp=2 with every or no parameter resharded after
 forward, and with micro-batches) with the same global batch give the same per-step
 losses within 1e-5 relative and the same final weights. So do tensor-parallel meshes
 made from the same single-device graphs: tp=2, fsdp=2 x tp=2, dp=2 x tp=2, tp=2 with
-micro-batches, and tp=4 (gpt; llama's 2 kv heads do not split over 4 ranks, which is
+micro-batches, and tp=4, each also with sequence parallelism (gpt; llama's 2 kv heads do not split over 4 ranks, which is
 refused naming the node and the numbers, as is tp on the moe preset). So does the moe
 preset (4 experts, top-2) with its experts
 split over ep: ep=2, ep=4, ep=2 x fsdp=2, dp=2 x ep=2, and dp=2 and fsdp=2 (the
@@ -20,6 +20,7 @@ import tempfile
 CTR, PROG = sys.argv[1], sys.argv[2]
 STEPS, BATCH = 20, 8
 TIME_LIMIT = 240  # seconds per launched job; a hang fails the test instead of blocking CI
+SP = "sequence_parallel=1"
 
 
 def run(preset, nprocs, mesh, out, reshard=1, micro=1, extra=None):
@@ -44,13 +45,15 @@ def read(path):
             param = float(parts[1])
         elif parts[0] == "memory":
             memory = int(parts[1]) + int(parts[2])
+            arena[path] = int(parts[3])
         else:
             losses.append(float(parts[0]))
     return losses, param, memory
 
 
-# The second checksum (a row-parallel weight under tp), by output file.
-param2 = {}
+# The second checksum (a row-parallel weight under tp), and the planned
+# activation arena, by output file.
+param2, arena = {}, {}
 
 
 def main():
@@ -69,18 +72,22 @@ def main():
                  (2, "dp=2", 1, 1), (2, "fsdp=2", 0, 1), (2, "fsdp=2", 2, 1), (2, "fsdp=2", 1, 2),
                  # Tensor parallelism from the same single-device graph: heads
                  # and MLP features split (llama: 2 kv heads, so tp <= 2).
-                 (2, "tp=2", 1, 1), (4, "fsdp=2,tp=2", 1, 1), (4, "dp=2,tp=2", 1, 1), (2, "tp=2", 1, 2)]
+                 (2, "tp=2", 1, 1), (4, "fsdp=2,tp=2", 1, 1), (4, "dp=2,tp=2", 1, 1), (2, "tp=2", 1, 2),
+                 # Sequence parallelism: norms and residuals split by tokens
+                 # between the regions.
+                 (2, "tp=2", 1, 1, SP), (4, "fsdp=2,tp=2", 1, 1, SP), (2, "tp=2", 1, 2, SP)]
         if preset == "gpt":
-            cases += [(4, "tp=4", 1, 1)]
+            cases += [(4, "tp=4", 1, 1), (4, "tp=4", 1, 1, SP), (4, "dp=2,tp=2", 1, 1, SP)]
         if preset == "moe":
             # The load-balancing loss is over each micro-batch of the global
             # batch, so micro-batches would change it: none here.
             cases = [(2, "ep=2", 1, 1), (4, "ep=4", 1, 1), (4, "ep=2,fsdp=2", 1, 1),
                      (4, "dp=2,ep=2", 1, 1), (2, "dp=2", 1, 1), (2, "fsdp=2", 1, 1)]
-        for n, mesh, reshard, micro in cases:
-            label = f"{preset} {mesh} reshard={reshard} micro={micro}"
-            path = os.path.join(tmp, f"{preset}_{mesh}_{reshard}_{micro}.txt")
-            err = run(preset, n, mesh, path, reshard, micro)
+        for n, mesh, reshard, micro, *more in cases:
+            opts = more[0] if more else None
+            label = f"{preset} {mesh} reshard={reshard} micro={micro}" + (f" {opts}" if opts else "")
+            path = os.path.join(tmp, f"{preset}_{mesh}_{reshard}_{micro}{'_' + opts if opts else ''}.txt")
+            err = run(preset, n, mesh, path, reshard, micro, extra=opts)
             if err:
                 failures.append(f"{label}: {err}")
                 continue
@@ -106,6 +113,13 @@ def main():
             p2, ref2 = param2.get(path), param2.get(ref_path)
             if ref2 is not None and (p2 is None or abs(p2 - ref2) > 1e-4 * abs(ref2)):
                 failures.append(f"{label}: final MLP output weights differ: {p2} vs {ref2}")
+            if opts == SP:
+                # Norms, residuals and their saved statistics take 1/tp of the
+                # tokens: the planned activations fall against tp alone.
+                plain = os.path.join(tmp, f"{preset}_{mesh}_{reshard}_{micro}.txt")
+                if plain in arena and not arena[path] < arena[plain]:
+                    failures.append(f"{label}: activation arena {arena[path]} bytes, not below tp alone's "
+                                    f"{arena[plain]}")
             print(f"{label}: max relative loss difference {worst:.2e}, "
                   f"weights {param:.9g} vs {ref_param:.9g}, params+optimizer {mem} of {ref_mem} bytes")
     # Skewed routing: a zero router (and no learning, so it stays zero) sends every

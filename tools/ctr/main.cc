@@ -261,7 +261,7 @@ int cmd_graph_build(const BuildArgs &a) {
 // for `graph inspect` and `run` alike.
 struct ScheduleArgs {
   int64_t prefetch = 1, memory_budget = 0;
-  bool no_defer = false, no_overlap = false, no_fuse = false, no_epilogues = false;
+  bool no_defer = false, no_overlap = false, no_fuse = false, no_epilogues = false, sequence_parallel = false;
   std::string recompute = "none", bucket = "block", precision = "auto", reshard = "default";
   int64_t bucket_bytes = 0;
 
@@ -313,6 +313,9 @@ struct ScheduleArgs {
     cmd->add_flag("--no-epilogues", no_epilogues,
                   "Keep bias gradients and GELU apart from their GEMMs instead of fusing them into "
                   "cuBLASLt's epilogues (cuda)");
+    cmd->add_flag("--sequence-parallel", sequence_parallel,
+                  "With a tp axis: split the activations between the tensor-parallel regions (norms, "
+                  "residuals) by tokens over tp, with all-gathers and reduce-scatters in place of all-reduces");
   }
   void set(ctr_options *o) const {
     set_int(o, "prefetch", prefetch);
@@ -326,6 +329,7 @@ struct ScheduleArgs {
     set_string(o, "bucket", bucket);
     set_string(o, "precision", precision);
     if (bucket_bytes > 0) set_int(o, "bucket_bytes", bucket_bytes);
+    if (sequence_parallel) set_int(o, "sequence_parallel", 1);
   }
 };
 
