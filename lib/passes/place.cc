@@ -651,8 +651,9 @@ class SequenceSplit {
     report_ = strformat(
         "  sequence parallel: %lld tokens per micro-batch split over tp (%lld rows each) across %d token-wise "
         "nodes\n"
-        "    per micro-batch: %d all-gathers and %d reduce-scatters over tp at the regions' edges, %lld bytes "
-        "forward and %lld backward (the all-reduces' bytes, as two halves)\n"
+        "    per micro-batch: %d all-gathers and %d reduce-scatters over tp at the regions' edges, of %lld bytes "
+        "of whole tensors forward and %lld backward; each moves half what an all-reduce of its tensor does, so "
+        "on the wire they move what the all-reduces of tp alone do\n"
         "    %d whole tensors split where the zone begins (%lld bytes all-reduced backward), %d gathered where "
         "whole-tensor compute reads it (%lld bytes forward), %d parameters' gradients all-reduced (%lld "
         "bytes)\n",

@@ -170,6 +170,17 @@ def check_placements(tmp):
           and "heads=2" in tp, f"tp blocks: {tp[:1500]}")
     r = run("graph", "inspect", g, "--after", "place", "--tp", "3", expect=1)
     check("does not divide" in r.stderr and "tp=3" in r.stderr, f"tp=3 on 4 heads: {r.stderr}")
+    # Sequence parallelism: the same bytes as all-gathers and reduce-scatters, the
+    # norms on this rank's rows of the B*T tokens, a token count tp does not divide refused.
+    sp = run("graph", "inspect", g, "--after", "place", "--tp", "2", "--batch", "2", "--rank", "1",
+             "--sequence-parallel").stdout
+    check(f"2 all-gathers and 2 reduce-scatters over tp at the regions' edges, of {4 * btc} bytes of whole "
+          f"tensors forward and {4 * btc} backward" in sp and "layers.0.ln2:f32[32,64]" in sp
+          and "slice(" in sp and "start=32" in sp and 'grad="slice" index=1' in sp,
+          f"sequence parallel volumes and blocks: {sp[:3000]}")
+    r = run("graph", "inspect", g, "--after", "place", "--tp", "2", "--seq", "31", "--sequence-parallel",
+            expect=1)
+    check("31 tokens" in r.stderr and "tp=2" in r.stderr, f"sp with 31 tokens on tp=2: {r.stderr}")
     # A size tp does not divide is no refusal where its region is left replicated anyway:
     # an untied head of 250 words before the loss, on tp=4.
     lm = os.path.join(tmp, "place_llama.ctrg")
