@@ -5,16 +5,19 @@
     /usr/bin/python3 tools/bench/bench_tp.py --ctr build/tools/ctr --steps 12 --json out.json
 
 For each world size (2 and 4) the peer is fsdp=W; the meshes measured against it are tp=W
-(and fsdp=2 x tp=2 at W=4). Per mesh, rank 0's figures:
+(and fsdp=2 x tp=2 at W=4), each also with sequence parallelism ("+sp"). Per mesh, rank 0's
+figures:
   - planned memory: the activation arena and the parameter bytes from `ctr graph inspect
     --after plan_memory` (gradients take as many bytes as parameters, AdamW twice as many),
     next to the parameter bytes computed by hand: fsdp divides every parameter by its size;
     tp divides the attention and MLP weights (12 C^2 + 7 C per layer with biases, GPT-2 style)
     and leaves embeddings, norms and row-parallel biases whole;
-  - the all-reduce bytes over tp per micro-batch that `inspect --after place` reports, next
-    to Megatron's textbook volume, 4 all-reduces of B*T*C floats per layer;
+  - the bytes over tp per micro-batch that `inspect --after place` reports, next to
+    Megatron's textbook volume: 4 all-reduces of B*T*C floats per layer, or with sequence
+    parallelism 4 all-gathers and 4 reduce-scatters of B*T*C floats (whole-tensor bytes: each
+    moves half of what an all-reduce of the same tensor moves on the wire);
   - the median step time of `ctr launch -n W -- ctr run --mesh M` over --steps steps (the
-    first --warmup skipped), and its ratio to the peer's.
+    first --warmup skipped), and its ratio to the peer's (--steps 0: memory and bytes only).
 Nothing is asserted: the figures are printed (and written with --json) for BENCHMARKS.md.
 """
 
@@ -39,19 +42,23 @@ def sizes(mesh):
     return dict((k, int(v)) for k, v in (a.split("=") for a in mesh.split(",")))
 
 
-def inspect(ctr, graph, after, mesh, batch):
+def inspect(ctr, graph, after, mesh, batch, sp=False):
     s = sizes(mesh)
     args = [ctr, "graph", "inspect", graph, "--after", after, "--batch", str(batch)]
+    if sp:
+        args.append("--sequence-parallel")
     for axis in ("fsdp", "tp"):
         if axis in s:
             args += [f"--{axis}", str(s[axis])]
     return subprocess.run(args, capture_output=True, text=True, check=True).stdout
 
 
-def run(ctr, graph, world, mesh, batch, steps, warmup, threads, tmp):
-    metrics = os.path.join(tmp, f"m_{mesh.replace(',', '_').replace('=', '')}.jsonl")
+def run(ctr, graph, world, mesh, batch, steps, warmup, threads, tmp, sp=False):
+    metrics = os.path.join(tmp, f"m_{mesh.replace(',', '_').replace('=', '')}{'_sp' if sp else ''}.jsonl")
     cmd = [ctr, "launch", "-n", str(world), "--", ctr, "run", graph, "--steps", str(steps), "--batch",
            str(batch), "--mesh", mesh, "--log-every", "0", "--metrics", metrics]
+    if sp:
+        cmd.append("--sequence-parallel")
     env = {**os.environ, "CTR_NUM_THREADS": str(threads)}
     subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, timeout=1800)
     rows = [json.loads(line) for line in open(metrics)][warmup:]
@@ -89,30 +96,40 @@ def main():
     print(f"{'mesh':>14} {'arena MiB':>10} {'params MiB':>11} {'by hand':>8} {'state MiB':>10} "
           f"{'tp bytes/mb':>12} {'textbook':>9} {'step ms':>8} {'comm ms':>8} {'vs fsdp':>8}")
     results = []
-    for world, meshes in ((2, ["fsdp=2", "tp=2"]), (4, ["fsdp=4", "tp=4", "fsdp=2,tp=2"])):
+    for world, meshes in ((2, ["fsdp=2", "tp=2", "tp=2+sp"]),
+                          (4, ["fsdp=4", "tp=4", "tp=4+sp", "fsdp=2,tp=2", "fsdp=2,tp=2+sp"])):
         peer_ms = None
-        for mesh in meshes:
+        for label in meshes:
+            mesh, sp = label.removesuffix("+sp"), label.endswith("+sp")
             s = sizes(mesh)
             tp, fsdp = s.get("tp", 1), s.get("fsdp", 1)
             batch = a.global_batch // (world // tp)
-            plan = inspect(ctr, graph, "plan_memory", mesh, batch)
+            plan = inspect(ctr, graph, "plan_memory", mesh, batch, sp)
             arena = int(re.search(r"arena (\d+) bytes", plan).group(1))
             params = int(re.search(r"params (\d+) bytes", plan).group(1))
             hand = 4 * ((total_params - split_params) + split_params / tp) / fsdp
             tp_bytes = textbook = 0
             if tp > 1:
-                placed = inspect(ctr, graph, "place", mesh, batch)
-                tp_bytes = int(re.search(r"per micro-batch: \d+ all-reduces over tp, (\d+) bytes", placed).group(1))
-                textbook = 4 * L * batch * T * C * 4
-            step_ms, comm_ms = run(ctr, graph, world, mesh, batch, a.steps, a.warmup, a.threads, tmp)
+                placed = inspect(ctr, graph, "place", mesh, batch, sp)
+                if sp:
+                    m = re.search(r"of (\d+) bytes of whole tensors forward and (\d+) backward", placed)
+                    tp_bytes = int(m.group(1)) + int(m.group(2))
+                    textbook = 8 * L * batch * T * C * 4
+                else:
+                    m = re.search(r"per micro-batch: \d+ all-reduces over tp, (\d+) bytes", placed)
+                    tp_bytes = int(m.group(1))
+                    textbook = 4 * L * batch * T * C * 4
+            step_ms = comm_ms = float("nan")
+            if a.steps > 0:
+                step_ms, comm_ms = run(ctr, graph, world, mesh, batch, a.steps, a.warmup, a.threads, tmp, sp)
             if peer_ms is None:
                 peer_ms = step_ms
             state = arena + 4 * params  # params, gradients, AdamW m and v
-            row = dict(world=world, mesh=mesh, batch_per_rank=batch, arena_bytes=arena, param_bytes=params,
+            row = dict(world=world, mesh=label, batch_per_rank=batch, arena_bytes=arena, param_bytes=params,
                        param_bytes_by_hand=hand, state_bytes=state, tp_bytes_per_micro_batch=tp_bytes,
                        textbook_bytes=textbook, step_ms=step_ms, comm_ms=comm_ms, vs_fsdp=step_ms / peer_ms)
             results.append(row)
-            print(f"{mesh:>14} {arena / 2**20:10.1f} {params / 2**20:11.2f} {hand / 2**20:8.2f} "
+            print(f"{label:>14} {arena / 2**20:10.1f} {params / 2**20:11.2f} {hand / 2**20:8.2f} "
                   f"{state / 2**20:10.1f} {tp_bytes:12d} {textbook:9d} {step_ms:8.1f} {comm_ms:8.1f} "
                   f"{step_ms / peer_ms:7.2f}x")
     if a.json:
