@@ -75,6 +75,15 @@ typedef struct ctr_pow_params {
   float exponent;         /* "exponent", required */
 } ctr_pow_params;
 
+/* vocab_ce_stats, vocab_ce_loss, vocab_ce_bwd: cross-entropy over logits whose
+   vocabulary is split over ranks; this rank holds words [offset, offset + valid)
+   in the first `valid` of its columns (the rest pad the last rank's block). */
+typedef struct ctr_vocab_ce_params {
+  int64_t offset;         /* "offset": the first word of this rank's columns */
+  int64_t valid;          /* "valid": how many of its columns are words */
+  int64_t ranks;          /* "ranks": the ranks the vocabulary is split over */
+} ctr_vocab_ce_params;
+
 /* gelu, gelu_bwd */
 typedef struct ctr_gelu_params {
   int32_t exact;          /* "approximate": "tanh" (default) 0, "none" 1 */

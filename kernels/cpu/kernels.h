@@ -226,6 +226,21 @@ void cross_entropy_fwd(const float *logits, const int32_t *targets, float *loss,
 void cross_entropy_bwd(const float *logits, const int32_t *targets, const float *lse,
                        float dloss, int64_t count, float *dlogits, int64_t R, int64_t V);
 
+// Cross-entropy over a vocabulary split over ranks: this rank's logits[R,V]
+// hold words [offset, offset + valid) in their first `valid` columns.
+// stats[R,3] per row: the max of its valid columns, the sum of exp(x - max)
+// over them, and the logit of the target when this rank holds it (else 0).
+void vocab_ce_stats(const float *logits, const int32_t *targets, float *stats, int64_t R, int64_t V,
+                    int64_t offset, int64_t valid);
+// From every rank's stats (all[ranks * R, 3], rank-major): lse[R] of the whole
+// vocabulary and loss[0] the mean of lse - target logit over counted rows.
+void vocab_ce_loss(const int32_t *targets, const float *all, float *loss, float *lse, int64_t *count, int64_t R,
+                   int64_t ranks);
+// dlogits[R,V] = dloss * (softmax - onehot) / count over this rank's columns;
+// padding columns and ignored rows zero.
+void vocab_ce_bwd(const float *logits, const int32_t *targets, const float *lse, float dloss, int64_t count,
+                  float *dlogits, int64_t R, int64_t V, int64_t offset, int64_t valid);
+
 // ---------------------------------------------------------------------------
 // Mixture of experts (moe.cc). N tokens, E experts, k experts per token, D the
 // width; slots[n*k + j] is the row of the permuted buffer xp[M = N*k, D] that

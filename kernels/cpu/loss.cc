@@ -80,4 +80,73 @@ void cross_entropy_bwd(const float *logits, const int32_t *targets, const float 
                     });
 }
 
+void vocab_ce_stats(const float *logits, const int32_t *targets, float *stats, int64_t R, int64_t V,
+                    int64_t offset, int64_t valid) {
+  ctr::parallel_for(R, std::max<int64_t>(1, kGrain / std::max<int64_t>(V, 1)), [=](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *x = logits + r * V;
+      float *o = stats + r * 3;
+      if (valid <= 0) {
+        o[0] = -INFINITY;
+        o[1] = 0.0f;
+      } else {
+        const float m = row_max(x, valid);
+        float acc[16] = {};
+        int64_t j = 0;
+        for (; j + 16 <= valid; j += 16)
+          for (int k = 0; k < 16; ++k) acc[k] += math::exp_fast(x[j + k] - m);
+        float sum = 0.0f;
+        for (; j < valid; ++j) sum += math::exp_fast(x[j] - m);
+        for (int k = 0; k < 16; ++k) sum += acc[k];
+        o[0] = m;
+        o[1] = sum;
+      }
+      const int64_t t = static_cast<int64_t>(targets[r]) - offset;
+      o[2] = targets[r] >= 0 && t >= 0 && t < valid ? x[t] : 0.0f;
+    }
+  });
+}
+
+void vocab_ce_loss(const int32_t *targets, const float *all, float *loss, float *lse, int64_t *count, int64_t R,
+                   int64_t ranks) {
+  double sum = 0.0;
+  int64_t n = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    float m = -INFINITY;
+    for (int64_t k = 0; k < ranks; ++k) m = std::max(m, all[(k * R + r) * 3]);
+    float s = 0.0f, target = 0.0f;
+    for (int64_t k = 0; k < ranks; ++k) {
+      const float *st = all + (k * R + r) * 3;
+      if (st[1] > 0.0f) s += st[1] * std::exp(st[0] - m);
+      target += st[2];
+    }
+    lse[r] = m + std::log(s);
+    if (targets[r] < 0) continue;
+    sum += static_cast<double>(lse[r]) - static_cast<double>(target);
+    ++n;
+  }
+  *count = n;
+  loss[0] = n > 0 ? static_cast<float>(sum / static_cast<double>(n)) : 0.0f;
+}
+
+void vocab_ce_bwd(const float *logits, const int32_t *targets, const float *lse, float dloss, int64_t count,
+                  float *dlogits, int64_t R, int64_t V, int64_t offset, int64_t valid) {
+  const float g = count > 0 ? dloss / static_cast<float>(count) : 0.0f;
+  ctr::parallel_for(R, std::max<int64_t>(1, kGrain / std::max<int64_t>(V, 1)), [=](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float *o = dlogits + r * V;
+      if (targets[r] < 0 || count <= 0) {
+        std::memset(o, 0, V * sizeof(float));
+        continue;
+      }
+      const float *x = logits + r * V;
+      const float l = lse[r];
+      for (int64_t j = 0; j < valid; ++j) o[j] = g * math::exp_fast(x[j] - l);
+      for (int64_t j = std::max<int64_t>(valid, 0); j < V; ++j) o[j] = 0.0f;
+      const int64_t t = static_cast<int64_t>(targets[r]) - offset;
+      if (t >= 0 && t < valid) o[t] -= g;
+    }
+  });
+}
+
 }  // namespace ctr::cpu

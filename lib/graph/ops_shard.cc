@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/op_params.h"
 #include "core/status.h"
 #include "graph/ops_internal.h"
 
@@ -222,6 +223,54 @@ void reduce_scatter_vjp(VjpBuilder &b, const Node &n) {
   b.accumulate(n.inputs[0], gx);
 }
 
+// The vocabulary-parallel cross-entropy (the place pass's head): each rank's
+// logits cover words [offset, offset + valid) of `vocab`; vocab_ce_stats
+// reduces them to three numbers per row, an all-gather brings every rank's,
+// and vocab_ce_loss combines them into the loss every rank holds whole. Its
+// gradient, vocab_ce_bwd, is each rank's columns of softmax - onehot: the
+// statistics need none (the combined derivative is that of the whole loss).
+void vocab_ce_decode(const Graph &, const Node &n, void *out) {
+  auto *p = static_cast<ctr_vocab_ce_params *>(out);
+  p->offset = n.attr_int("offset", 0);
+  p->valid = n.attr_int("valid", 0);
+  p->ranks = n.attr_int("ranks", 1);
+}
+
+void vocab_ce_check(const Graph &g, const Node &n) {
+  need_dtype(g, n, 0, CTR_DTYPE_F32);
+  need_dtype(g, n, 1, CTR_DTYPE_I32);
+  need_rank_at_least(g, n, 0, 1);
+  const auto &l = S(g, n, 0);
+  std::vector<int64_t> rows(l.begin(), l.end() - 1);
+  if (S(g, n, 1) != rows) shape_mismatch(g, n, 1, shape_string(rows));
+  const int64_t offset = n.attr_int("offset", -1), valid = n.attr_int("valid", -1);
+  if (offset < 0 || valid < 0 || valid > l.back() || offset + valid > n.attr_int("vocab", 0))
+    bad_node(g, n, "attributes offset, valid and vocab do not describe this rank's columns");
+}
+
+void vocab_ce_stats_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  vocab_ce_check(g, n);
+  out = {f32({numel(S(g, n, 1)), 3})};
+}
+
+void vocab_ce_loss_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  vocab_ce_check(g, n);
+  const int64_t R = numel(S(g, n, 1));
+  if (S(g, n, 2) != std::vector<int64_t>{n.attr_int("ranks", 1) * R, 3})
+    shape_mismatch(g, n, 2, strformat("[%lld,3]", static_cast<long long>(n.attr_int("ranks", 1) * R)));
+  out = {f32({}), f32({R}), OutInfo{CTR_DTYPE_I64, {1}}};
+}
+
+// Targets: words of the whole vocabulary, or ignored (negative down to ignore_index).
+bool vocab_ce_ids(const Graph &, const Node &n, int input, int64_t *lo, int64_t *hi) {
+  if (input != 1) return false;
+  *lo = std::min<int64_t>(-1, n.attr_int("ignore_index", -1));
+  *hi = n.attr_int("vocab", 0);
+  return true;
+}
+
+double vocab_ce_flops(const Graph &g, const Node &n) { return 4.0 * static_cast<double>(numel(S(g, n, 0))); }
+
 }  // namespace
 
 void append_placement_ops(std::vector<OpDef> &v) {
@@ -231,6 +280,16 @@ void append_placement_ops(std::vector<OpDef> &v) {
   f.moves_values = true;
   f.shard_rule = fanout_rule;
   v.push_back(f);
+  OpDef stats = internal("vocab_ce_stats", 2, 1);
+  stats.infer = vocab_ce_stats_infer;
+  stats.id_range = vocab_ce_ids;
+  stats.flops = vocab_ce_flops;
+  v.push_back(with_params<ctr_vocab_ce_params>(stats, vocab_ce_decode));
+  OpDef loss = with_bwd(internal("vocab_ce_loss", 3, 3), "vocab_ce_bwd", {G(0), In(0), In(1), Out(1), Out(2)}, 1);
+  loss.infer = vocab_ce_loss_infer;
+  loss.id_range = vocab_ce_ids;
+  v.push_back(with_params<ctr_vocab_ce_params>(loss, vocab_ce_decode));
+  v.push_back(with_params<ctr_vocab_ce_params>(internal("vocab_ce_bwd", 5, 1), vocab_ce_decode));
   const char *pointwise[] = {"silu", "swiglu", "exp",  "log", "tanh", "erf", "rsqrt", "sqrt", "neg",
                              "reciprocal", "sigmoid", "pow", "gelu", "relu", "clamp", "add", "sub", "mul", "div"};
   for (OpDef &d : v) {

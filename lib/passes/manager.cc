@@ -36,7 +36,7 @@ void run_verify(PassContext &c) { pass_verify(c.graph); }
 void run_infer_shapes(PassContext &c) { pass_infer_shapes(c.graph, c.opt); }
 void run_fuse(PassContext &c) { c.fused = pass_fuse(c.graph, c.opt); }
 void run_expert(PassContext &c) { pass_expert(c.graph, c.opt); }
-void run_place(PassContext &c) { c.placed = pass_place(c.graph, c.opt); }
+void run_place(PassContext &c) { c.placed = pass_place(c.graph, c.opt, c.has_kernel); }
 void run_autodiff(PassContext &c) {
   // The backend's layouts of saved outputs, before anything sizes them (the
   // reorder pass's memory-budget trials, recompute, the plan): after expert,

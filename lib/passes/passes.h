@@ -165,7 +165,7 @@ void pass_expert(Graph &g, const CompileOptions &opt);
 // whole; a `fanout` where a replicated activation enters (its gradient is
 // all-reduced). Regions come from the ops' sharding rules alone. Returns what
 // was placed and what was left replicated, and why. No-op without tp.
-std::string pass_place(Graph &g, const CompileOptions &opt);
+std::string pass_place(Graph &g, const CompileOptions &opt, const std::function<bool(OpId)> &has_kernel);
 
 // recompute.cc: activation checkpointing per block: the block's forward nodes
 // copied into backward (all of them, or with selective only the cheap ones),

@@ -45,7 +45,8 @@ struct Region {
 
 class Placer {
  public:
-  Placer(Graph &g, int64_t ranks) : g_(g), ranks_(ranks) {
+  Placer(Graph &g, int64_t ranks, int64_t index, bool vocab_kernels)
+      : g_(g), ranks_(ranks), index_(index), vocab_kernels_(vocab_kernels) {
     const int nf = static_cast<int>(g.nodes.size());
     producer_.assign(g.tensors.size(), -1);
     readers_.resize(g.tensors.size());
@@ -59,6 +60,7 @@ class Placer {
 
   // Grows and commits every region; returns what was placed and left.
   std::string run() {
+    find_head();
     for (int ni = 0; ni < static_cast<int>(g_.nodes.size()); ++ni) {
       if (assigned_[ni] || !eligible_column(ni)) continue;
       Region r;
@@ -73,12 +75,14 @@ class Placer {
     return report();
   }
 
-  int regions() const { return static_cast<int>(regions_.size()); }
+  int regions() const { return static_cast<int>(regions_.size()) + (head_linear_ >= 0 ? 1 : 0); }
   const std::string &first_refusal() const { return first_refusal_; }
 
  private:
   Graph &g_;
-  int64_t ranks_;
+  int64_t ranks_, index_;
+  bool vocab_kernels_;
+  int head_linear_ = -1, head_loss_ = -1;  // the vocabulary-parallel head, when there is one
   std::vector<int> producer_;
   std::vector<std::vector<int>> readers_;
   std::vector<AxisState> state_;
@@ -232,6 +236,42 @@ class Placer {
     regions_.push_back(std::move(r));
   }
 
+  // The head: logits = linear(h, W[, b]) read only by the cross_entropy that
+  // is the loss. Split over the vocabulary (W and b on their rows, padded
+  // where tp does not divide the words), with the loss computed from three
+  // numbers per row of every rank: the logits are never whole anywhere.
+  void find_head() {
+    if (g_.loss < 0 || producer_[g_.loss] < 0) return;
+    const int ce = producer_[g_.loss];
+    const Node &c = g_.nodes[ce];
+    if (c.op != "cross_entropy") return;
+    const int logits = c.inputs[0];
+    const int p = producer_[logits];
+    std::string why;
+    if (!vocab_kernels_)
+      why = "the backend has no vocabulary-parallel cross-entropy kernels";
+    else if (p < 0 || g_.nodes[p].op != "linear")
+      why = "the logits are not computed by a linear";
+    else if (assigned_[p])
+      why = "its linear belongs to a region";
+    else if (readers_[logits].size() != 1)
+      why = "the logits are read by more than the loss";
+    else if (!single_use_param(g_.nodes[p].inputs[1]))
+      why = "the head's weight '" + g_.tensors[g_.nodes[p].inputs[1]].name +
+            "' is read elsewhere too (tied to the embedding) or is no parameter";
+    else if (g_.nodes[p].inputs.size() == 3 && !single_use_param_1d(g_.nodes[p].inputs[2]))
+      why = "the head's bias is read elsewhere too";
+    else if (state_[g_.nodes[p].inputs[0]].kind != AxisState::Replicate)
+      why = "the head's input is split";
+    if (!why.empty()) {
+      left_ += "  left replicated: " + g_.tensors[logits].name + " and the loss (" + why + ")\n";
+      return;
+    }
+    head_linear_ = p;
+    head_loss_ = ce;
+    assigned_[p] = assigned_[ce] = true;
+  }
+
   // Regions, their all-reduces with the bytes each moves per micro-batch
   // (the textbook volumes: one activation forward, one gradient backward per
   // region), and what was left replicated.
@@ -264,6 +304,19 @@ class Placer {
     }
     s += strformat("  per micro-batch: %lld all-reduces over tp, %lld bytes\n", static_cast<long long>(count),
                    static_cast<long long>(total));
+    if (head_linear_ >= 0) {
+      const Node &lin = g_.nodes[head_linear_];
+      const int64_t V = g_.tensors[lin.inputs[1]].shape[0];
+      const int64_t per = (V + ranks_ - 1) / ranks_;
+      const int64_t rows = g_.tensors[g_.nodes[head_loss_].inputs[1]].numel();
+      s += strformat("  vocabulary-parallel head: %s over %lld words, %lld per rank (the last rank's %lld valid), "
+                     "loss from an all-gather of 3 floats per row (%lld bytes per micro-batch), the gradient of "
+                     "its input all-reduced (%lld bytes)\n",
+                     lin.name.c_str(), static_cast<long long>(V), static_cast<long long>(per),
+                     static_cast<long long>(V - per * (ranks_ - 1) > 0 ? V - per * (ranks_ - 1) : 0),
+                     static_cast<long long>(12 * rows * ranks_),
+                     static_cast<long long>(g_.tensors[lin.inputs[0]].bytes()));
+    }
     return s + left_;
   }
 
@@ -331,6 +384,53 @@ class Placer {
         Tensor &x = g_.tensors[t];
         if (s.kind == AxisState::Shard) x.placement.add_shard(kAxis, s.dim, x.shape);
       }
+    }
+    if (head_linear_ >= 0) {
+      Node &lin = g_.nodes[head_linear_];
+      const int x = lin.inputs[0];
+      auto it = fanned.find(x);
+      if (it == fanned.end()) {
+        const int fx = add_tensor(g_.tensors[x].name + ".tp", x);
+        before[head_linear_].push_back(Node::make("fanout", g_.tensors[x].name + ".fanout", {x}, {fx}, lin.block,
+                                                  {{"axis", Attr::of_string(kAxis)}}));
+        it = fanned.emplace(x, fx).first;
+      }
+      lin.inputs[0] = it->second;
+      const int64_t V = g_.tensors[lin.inputs[1]].shape[0];
+      const int64_t per = (V + ranks_ - 1) / ranks_;
+      const int64_t offset = std::min(V, index_ * per), valid = std::min(per, V - offset);
+      for (size_t i = 1; i < lin.inputs.size(); ++i) {
+        Tensor &t = g_.tensors[lin.inputs[i]];
+        t.placement.add_shard(kAxis, 0, t.shape);
+        t.shape[0] = per;
+      }
+      Node &ce = g_.nodes[head_loss_];
+      const int logits = ce.inputs[0], targets = ce.inputs[1];
+      const int64_t rows = g_.tensors[targets].numel();
+      std::map<std::string, Attr> a = ce.attrs;
+      a["offset"] = Attr::of_int(offset);
+      a["valid"] = Attr::of_int(valid);
+      a["vocab"] = Attr::of_int(V);
+      a["ranks"] = Attr::of_int(ranks_);
+      auto add_shaped = [&](const std::string &name, std::vector<int64_t> shape) {
+        Tensor t;
+        t.name = name;
+        t.shape = std::move(shape);
+        t.has_shape = true;
+        return g_.add_tensor(std::move(t));
+      };
+      const int stats = add_shaped(g_.tensors[logits].name + ".stats", {rows, 3});
+      const int all = add_shaped(g_.tensors[logits].name + ".stats_all", {ranks_ * rows, 3});
+      before[head_loss_].push_back(Node::make("vocab_ce_stats", ce.name + ".stats", {logits, targets}, {stats},
+                                              ce.block, a));
+      before[head_loss_].push_back(Node::make("all_gather", ce.name + ".stats_all", {stats}, {all}, ce.block,
+                                              {{"axis", Attr::of_string(kAxis)},
+                                               {"ranks", Attr::of_int(ranks_)},
+                                               {"rows", Attr::of_int(ranks_ * rows)},
+                                               {"activation", Attr::of_int(1)}}));
+      ce.op = "vocab_ce_loss";
+      ce.inputs = {logits, targets, all};
+      ce.attrs = a;
     }
     std::vector<Node> nodes;
     for (size_t ni = 0; ni < g_.nodes.size(); ++ni) {
@@ -666,7 +766,7 @@ class SequenceSplit {
 
 }  // namespace
 
-std::string pass_place(Graph &g, const CompileOptions &opt) {
+std::string pass_place(Graph &g, const CompileOptions &opt, const std::function<bool(OpId)> &has_kernel) {
   CTR_CHECK(g.num_forward < 0);
   const int64_t tp = opt.mesh.size(kAxis);
   if (tp <= 1) return "place: no tensor-parallel axis";
@@ -675,7 +775,12 @@ std::string pass_place(Graph &g, const CompileOptions &opt) {
                 "place: graph '%s' has mixture-of-experts layers (node '%s'), which tp does not split yet; use "
                 "ep, fsdp and dp",
                 g.name.c_str(), n.name.c_str());
-  Placer p(g, tp);
+  bool vocab_kernels = true;
+  for (const char *op : {"vocab_ce_stats", "vocab_ce_loss", "vocab_ce_bwd"}) {
+    const OpDef *d = find_op(op);
+    vocab_kernels = vocab_kernels && d != nullptr && has_kernel && has_kernel(d->id);
+  }
+  Placer p(g, tp, opt.mesh.index(kAxis), vocab_kernels);
   std::string report = p.run();
   CTR_REQUIRE(p.regions() > 0, CTR_STATUS_UNSUPPORTED,
               "place: mesh axis 'tp' has size %lld, but graph '%s' has no tensor-parallel region (a linear whose "

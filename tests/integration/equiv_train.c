@@ -3,7 +3,8 @@
  * usage: equiv_train PRESET MESH GLOBAL_BATCH STEPS OUT_FILE [reshard(0/1)] [micro_batches]
  *   PRESET: gpt, llama or moe (4 experts, top-2, a shared expert)
  *   Options of the program itself in the list: top_k=K (moe), zero_router=1 (moe:
- *   router weights set to zero, so every token ties and goes to experts 0..K-1). 
+ *   router weights set to zero, so every token ties and goes to experts 0..K-1),
+ *   vocab=V (the words of the model and the data; 64 by default).
  *                    [KEY=VALUE,...]   (more step options, e.g. prefetch=2,recompute=all)
  *
  * Rank and world come from the environment (ctr launch sets them). Every rank
@@ -30,7 +31,8 @@
 int main(int argc, char **argv) {
   const char *preset, *mesh_spec, *out_path, *extra = "";
   int global_batch, steps, reshard = 1, micro = 1;
-  const int T = 16, V = 64;
+  const int T = 16;
+  int V = 64;
   ctr_options *mo, *go, *so;
   ctr_mesh *mesh;
   ctr_graph *graph;
@@ -76,6 +78,7 @@ int main(int argc, char **argv) {
   }
   local = global_batch / data_size / micro;
   if (strstr(extra, "top_k=")) top_k = atoi(strstr(extra, "top_k=") + 6);
+  if (strstr(extra, "vocab=")) V = atoi(strstr(extra, "vocab=") + 6);
 
   CHECK(ctr_options_create(&go));
   CHECK(ctr_options_set_int(go, "layers", 2));
@@ -112,7 +115,7 @@ int main(int argc, char **argv) {
     number = strtol(value, &end, 10);
     if (strcmp(key, "zero_router") == 0)
       zero_router = (int)number;
-    else if (strcmp(key, "top_k") == 0)
+    else if (strcmp(key, "top_k") == 0 || strcmp(key, "vocab") == 0)
       ;
     else if (*end == '\0')
       CHECK(ctr_options_set_int(so, key, number));

@@ -379,6 +379,23 @@ void k_cross_entropy_bwd(const Args &c) {
   cpu::cross_entropy_bwd(c.in<float>(1), c.in<int32_t>(2), c.in<float>(3), *c.in<float>(0),
                          *c.in<int64_t>(4), c.out<float>(0), numel(l) / V, V);
 }
+void k_vocab_ce_stats(const Args &c) {
+  const auto &l = c.in_shape(0);
+  const auto &p = c.params<ctr_vocab_ce_params>();
+  cpu::vocab_ce_stats(c.in<float>(0), c.in<int32_t>(1), c.out<float>(0), numel(l) / l.back(), l.back(), p.offset,
+                      p.valid);
+}
+void k_vocab_ce_loss(const Args &c) {
+  const auto &p = c.params<ctr_vocab_ce_params>();
+  cpu::vocab_ce_loss(c.in<int32_t>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1), c.out<int64_t>(2),
+                     numel(c.in_shape(1)), p.ranks);
+}
+void k_vocab_ce_bwd(const Args &c) {
+  const auto &l = c.in_shape(1);
+  const auto &p = c.params<ctr_vocab_ce_params>();
+  cpu::vocab_ce_bwd(c.in<float>(1), c.in<int32_t>(2), c.in<float>(3), *c.in<float>(0), *c.in<int64_t>(4),
+                    c.out<float>(0), numel(l) / l.back(), l.back(), p.offset, p.valid);
+}
 void k_reshape(const Args &c) {
   cpu::copy(c.in<void>(0), c.out<void>(0), c.a->inputs[0].bytes);
 }
@@ -573,6 +590,8 @@ void register_library_kernels() {
         {"pow", bind<k_unary<cpu::Unary::Pow>>},  {"pow_bwd", bind<k_unary_bwd<cpu::Unary::Pow>>},
         {"rope_bwd", bind<k_rope_bwd>},           {"attention", bind<k_attention>},
         {"attention_bwd", bind<k_attention_bwd>}, {"cross_entropy", bind<k_cross_entropy>},
+        {"vocab_ce_stats", bind<k_vocab_ce_stats>}, {"vocab_ce_loss", bind<k_vocab_ce_loss>},
+        {"vocab_ce_bwd", bind<k_vocab_ce_bwd>},
         {"cross_entropy_bwd", bind<k_cross_entropy_bwd>},
         {"reshape", bind<k_reshape>},             {"transpose", bind<k_transpose>},
         {"fanout", bind<k_reshape>},
