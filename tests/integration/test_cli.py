@@ -181,14 +181,21 @@ def check_placements(tmp):
     r = run("graph", "inspect", g, "--after", "place", "--tp", "2", "--seq", "31", "--sequence-parallel",
             expect=1)
     check("31 tokens" in r.stderr and "tp=2" in r.stderr, f"sp with 31 tokens on tp=2: {r.stderr}")
-    # A size tp does not divide is no refusal where its region is left replicated anyway:
-    # an untied head of 250 words before the loss, on tp=4.
+    # A vocabulary tp does not divide is split unevenly: an untied head of 250 words
+    # on tp=4 holds 63 words per rank (61 on the last), the loss from an all-gather
+    # of 3 floats per row; a head tied to the embedding stays replicated, saying why.
     lm = os.path.join(tmp, "place_llama.ctrg")
     run("graph", "build", "--preset", "llama", "--layers", "1", "--dim", "64", "--heads", "4",
         "--kv-heads", "4", "--vocab", "250", "--seq", "32", "-o", lm)
-    tp4 = run("graph", "inspect", lm, "--after", "place", "--tp", "4").stdout
-    check("2 tensor-parallel regions" in tp4 and "left replicated: logits (cross_entropy" in tp4,
-          f"llama on tp=4 with 250 words: {tp4[:800]}")
+    tp4 = run("graph", "inspect", lm, "--after", "place", "--tp", "4", "--rank", "3").stdout
+    check("2 tensor-parallel regions" in tp4
+          and "vocabulary-parallel head: logits over 250 words, 63 per rank (the last rank's 61 valid), loss "
+          f"from an all-gather of 3 floats per row ({12 * 32 * 4} bytes per micro-batch)" in tp4
+          and "output.weight:f32[63,64] placed tp:S(0) of [250,64]" in tp4
+          and "offset=189" in tp4 and "valid=61" in tp4 and "logits:f32[1,32,63]" in tp4,
+          f"llama on tp=4 with 250 words: {tp4[:3000]}")
+    check("left replicated: logits and the loss (the head's weight 'wte' is read elsewhere too" in tp,
+          f"gpt's tied head on tp=2: {tp[:1500]}")
 
 
 def check_special_files(tmp, graph):

@@ -1763,3 +1763,46 @@ TEST(Determinism, BroadcastAndReductionsDoNotDependOnThreadCount) {
 }
 
 }  // namespace
+
+// The vocabulary-parallel cross-entropy on 2 and 4 ranks (11 words: 6+5 and
+// 3+3+3+2, the last rank's block padded with columns that must not count)
+// equals the whole-vocabulary kernel: loss, log-sum-exp and every column of
+// the gradient, ignored rows included.
+TEST(VocabParallelCrossEntropy, RanksEqualTheWholeVocabulary) {
+  const int64_t R = 7, V = 11;
+  const F logits = random_vec(R * V, 71, -3.0f, 3.0f);
+  const std::vector<int32_t> targets = {3, 10, -1, 0, 5, 6, -100};
+  float loss = 0;
+  int64_t count = 0;
+  F lse(R), grad(R * V);
+  ctr::cpu::cross_entropy_fwd(logits.data(), targets.data(), &loss, lse.data(), &count, R, V);
+  ctr::cpu::cross_entropy_bwd(logits.data(), targets.data(), lse.data(), 0.7f, count, grad.data(), R, V);
+  for (int64_t ranks : {2, 4}) {
+    const int64_t per = (V + ranks - 1) / ranks;
+    std::vector<F> local(ranks, F(R * per, 100.0f));  // padding columns hold junk
+    F all(ranks * R * 3);
+    for (int64_t k = 0; k < ranks; ++k) {
+      const int64_t offset = k * per, valid = std::min(per, V - offset);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = 0; j < valid; ++j) local[k][r * per + j] = logits[r * V + offset + j];
+      ctr::cpu::vocab_ce_stats(local[k].data(), targets.data(), all.data() + k * R * 3, R, per, offset, valid);
+    }
+    for (int64_t k = 0; k < ranks; ++k) {
+      const int64_t offset = k * per, valid = std::min(per, V - offset);
+      float l = 0;
+      int64_t n = 0;
+      F ls(R), g(R * per, -5.0f);
+      ctr::cpu::vocab_ce_loss(targets.data(), all.data(), &l, ls.data(), &n, R, ranks);
+      EXPECT_EQ(n, count);
+      EXPECT_NEAR(l, loss, 1e-6f * std::abs(loss) + 1e-6f) << ranks << " ranks, rank " << k;
+      for (int64_t r = 0; r < R; ++r) EXPECT_NEAR(ls[r], lse[r], 1e-5f) << "row " << r;
+      ctr::cpu::vocab_ce_bwd(local[k].data(), targets.data(), ls.data(), 0.7f, n, g.data(), R, per, offset, valid);
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t j = 0; j < valid; ++j)
+          EXPECT_NEAR(g[r * per + j], grad[r * V + offset + j], 1e-6f) << ranks << " ranks, row " << r << " word "
+                                                                          << offset + j;
+        for (int64_t j = valid; j < per; ++j) EXPECT_EQ(g[r * per + j], 0.0f) << "padding column " << j;
+      }
+    }
+  }
+}
