@@ -68,7 +68,7 @@ def meta_checksum(meta):
 
 def main():
     run(["graph", "build", "--preset", "llama", "--layers", "2", "--dim", "48", "--heads", "4",
-         "--kv-heads", "2", "--vocab", "256", "--seq", "32", "-o", graph])
+         "--kv-heads", "2", "--vocab", "250", "--seq", "32", "-o", graph])
 
     # Reference: 20 uninterrupted steps on one rank.
     ref_path = os.path.join(tmp, "ref.jsonl")
@@ -145,7 +145,9 @@ def main():
 
     # 2c. Tensor parallelism: the same llama moves between tp=2 x fsdp=2 (its
     #     attention and MLP weights split on their output or input dim, then on
-    #     rows) -> fsdp=4 -> tp=2 -> one rank; compared with the one-rank reference.
+    #     rows; its head of 250 words split over the vocabulary, 125 rows per tp
+    #     rank, 63 and 62 per fsdp rank) -> fsdp=4 -> tp=2 -> one rank; compared
+    #     with the one-rank reference.
     d = os.path.join(tmp, "tp_reshard")
     parts = []
     for k, (world, mesh) in enumerate([(4, "fsdp=2,tp=2"), (4, "fsdp=4"), (2, "tp=2"), (1, "fsdp=1")]):
@@ -323,7 +325,7 @@ def main():
         raw = open(st, "rb").read()
         n = int.from_bytes(raw[:8], "little")
         header = json.loads(raw[8:8 + n])
-        check("tok_embeddings.weight" in header and header["tok_embeddings.weight"]["shape"] == [256, 48],
+        check("tok_embeddings.weight" in header and header["tok_embeddings.weight"]["shape"] == [250, 48],
               f"safetensors header: {list(header)[:5]}")
         end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
         check(len(raw) == 8 + n + end, "safetensors data size does not match its header")
