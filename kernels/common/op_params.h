@@ -84,6 +84,14 @@ typedef struct ctr_vocab_ce_params {
   int64_t ranks;          /* "ranks": the ranks the vocabulary is split over */
 } ctr_vocab_ce_params;
 
+/* vocab_embedding, vocab_embedding_bwd: lookups in a table split over ranks
+   by rows; this rank's rows hold words [offset, offset + valid). */
+typedef struct ctr_vocab_embedding_params {
+  int64_t offset;         /* "offset" */
+  int64_t valid;          /* "valid" */
+  int64_t padding_idx;    /* "padding_idx", default -1 (none), a word of the whole vocabulary */
+} ctr_vocab_embedding_params;
+
 /* gelu, gelu_bwd */
 typedef struct ctr_gelu_params {
   int32_t exact;          /* "approximate": "tanh" (default) 0, "none" 1 */

@@ -131,6 +131,35 @@ void embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t
   });
 }
 
+void vocab_embedding_fwd(const int32_t *ids, const float *table, float *out, int64_t n, int64_t C, int64_t offset,
+                         int64_t valid) {
+  for_range(n, std::max<int64_t>(1, kGrain / std::max<int64_t>(C, 1)), [=](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t r = static_cast<int64_t>(ids[i]) - offset;
+      if (r >= 0 && r < valid)
+        std::memcpy(out + i * C, table + r * C, C * sizeof(float));
+      else
+        std::memset(out + i * C, 0, C * sizeof(float));
+    }
+  });
+}
+
+void vocab_embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t n, int64_t rows, int64_t C,
+                         int64_t offset, int64_t valid, int64_t padding_idx) {
+  fill(dtable, 0.0f, rows * C);
+  const int64_t grain = std::max<int64_t>(16, kGrain / std::max<int64_t>(n, 1));
+  for_range(C, grain, [=](int64_t c0, int64_t c1) {
+    const int64_t w = c1 - c0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = static_cast<int64_t>(ids[i]) - offset;
+      if (ids[i] == padding_idx || r < 0 || r >= valid) continue;
+      float *dst = dtable + r * C + c0;
+      const float *src = dout + i * C + c0;
+      for (int64_t j = 0; j < w; ++j) dst[j] += src[j];
+    }
+  });
+}
+
 // ---------------------------------------------------------------------------
 // Broadcast arithmetic
 

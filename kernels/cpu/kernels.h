@@ -66,6 +66,14 @@ void embedding_fwd(const int32_t *ids, const float *table, float *out, int64_t n
 // rows whose id is padding_idx (-1: none).
 void embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t n, int64_t V,
                    int64_t C, bool accumulate, int64_t padding_idx = -1);
+// The lookups of a table split over ranks by rows: this rank's table[rows, C]
+// holds words [offset, offset + valid). A word elsewhere gives a zero row (the
+// all-reduce over the ranks adds the holder's); backward adds only this rank's
+// words (never padding_idx, a word of the whole vocabulary).
+void vocab_embedding_fwd(const int32_t *ids, const float *table, float *out, int64_t n, int64_t C, int64_t offset,
+                         int64_t valid);
+void vocab_embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t n, int64_t rows, int64_t C,
+                         int64_t offset, int64_t valid, int64_t padding_idx);
 
 // ---------------------------------------------------------------------------
 // Element-wise with trailing broadcast: b has nb elements, nb divides n, and

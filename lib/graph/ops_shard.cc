@@ -271,6 +271,36 @@ bool vocab_ce_ids(const Graph &, const Node &n, int input, int64_t *lo, int64_t 
 
 double vocab_ce_flops(const Graph &g, const Node &n) { return 4.0 * static_cast<double>(numel(S(g, n, 0))); }
 
+// vocab_embedding(table [rows, C], ids [...]) -> [..., C]: the lookups of this
+// rank's words (rows [offset, offset + valid) of the whole table of `vocab`),
+// zero rows for the others; an all-reduce over the ranks completes them.
+void vocab_embedding_decode(const Graph &, const Node &n, void *out) {
+  auto *p = static_cast<ctr_vocab_embedding_params *>(out);
+  p->offset = n.attr_int("offset", 0);
+  p->valid = n.attr_int("valid", 0);
+  p->padding_idx = n.attr_int("padding_idx", -1);
+}
+
+void vocab_embedding_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  need_dtype(g, n, 0, CTR_DTYPE_F32);
+  need_dtype(g, n, 1, CTR_DTYPE_I32);
+  const auto &t = S(g, n, 0);
+  if (t.size() != 2) bad_node(g, n, "the table must be [rows, width]");
+  const int64_t offset = n.attr_int("offset", -1), valid = n.attr_int("valid", -1);
+  if (offset < 0 || valid < 0 || valid > t[0] || offset + valid > n.attr_int("vocab", 0))
+    bad_node(g, n, "attributes offset, valid and vocab do not describe this rank's rows");
+  auto s = S(g, n, 1);
+  s.push_back(t[1]);
+  out = {f32(s)};
+}
+
+bool vocab_embedding_ids(const Graph &, const Node &n, int input, int64_t *lo, int64_t *hi) {
+  if (input != 1) return false;
+  *lo = 0;
+  *hi = n.attr_int("vocab", 0);
+  return true;
+}
+
 }  // namespace
 
 void append_placement_ops(std::vector<OpDef> &v) {
@@ -290,6 +320,13 @@ void append_placement_ops(std::vector<OpDef> &v) {
   loss.id_range = vocab_ce_ids;
   v.push_back(with_params<ctr_vocab_ce_params>(loss, vocab_ce_decode));
   v.push_back(with_params<ctr_vocab_ce_params>(internal("vocab_ce_bwd", 5, 1), vocab_ce_decode));
+  OpDef emb = with_bwd(internal("vocab_embedding", 2, 1), "vocab_embedding_bwd", {G(0), In(1)}, 1);
+  emb.infer = vocab_embedding_infer;
+  emb.id_range = vocab_embedding_ids;
+  v.push_back(with_params<ctr_vocab_embedding_params>(emb, vocab_embedding_decode));
+  OpDef emb_bwd = internal("vocab_embedding_bwd", 2, 1);
+  emb_bwd.id_range = vocab_embedding_ids;
+  v.push_back(with_params<ctr_vocab_embedding_params>(emb_bwd, vocab_embedding_decode));
   const char *pointwise[] = {"silu", "swiglu", "exp",  "log", "tanh", "erf", "rsqrt", "sqrt", "neg",
                              "reciprocal", "sigmoid", "pow", "gelu", "relu", "clamp", "add", "sub", "mul", "div"};
   for (OpDef &d : v) {

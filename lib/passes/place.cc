@@ -45,8 +45,9 @@ struct Region {
 
 class Placer {
  public:
-  Placer(Graph &g, int64_t ranks, int64_t index, bool vocab_kernels)
-      : g_(g), ranks_(ranks), index_(index), vocab_kernels_(vocab_kernels) {
+  Placer(Graph &g, int64_t ranks, int64_t index, bool vocab_kernels, bool vocab_embedding_kernels)
+      : g_(g), ranks_(ranks), index_(index), vocab_kernels_(vocab_kernels),
+        vocab_embedding_kernels_(vocab_embedding_kernels) {
     const int nf = static_cast<int>(g.nodes.size());
     producer_.assign(g.tensors.size(), -1);
     readers_.resize(g.tensors.size());
@@ -82,7 +83,9 @@ class Placer {
   Graph &g_;
   int64_t ranks_, index_;
   bool vocab_kernels_;
+  bool vocab_embedding_kernels_;
   int head_linear_ = -1, head_loss_ = -1;  // the vocabulary-parallel head, when there is one
+  int tied_embedding_ = -1;                // the embedding that shares the head's weight
   std::vector<int> producer_;
   std::vector<std::vector<int>> readers_;
   std::vector<AxisState> state_;
@@ -256,20 +259,40 @@ class Placer {
       why = "its linear belongs to a region";
     else if (readers_[logits].size() != 1)
       why = "the logits are read by more than the loss";
-    else if (!single_use_param(g_.nodes[p].inputs[1]))
+    else if (!head_weight(g_.nodes[p].inputs[1], p))
       why = "the head's weight '" + g_.tensors[g_.nodes[p].inputs[1]].name +
-            "' is read elsewhere too (tied to the embedding) or is no parameter";
+            "' is read by more than the head and one embedding, or is no parameter";
     else if (g_.nodes[p].inputs.size() == 3 && !single_use_param_1d(g_.nodes[p].inputs[2]))
       why = "the head's bias is read elsewhere too";
     else if (state_[g_.nodes[p].inputs[0]].kind != AxisState::Replicate)
       why = "the head's input is split";
+    if (why.empty() && tied_embedding_ >= 0 && !vocab_embedding_kernels_)
+      why = "its weight is tied to the embedding and the backend has no vocabulary-parallel embedding kernels";
     if (!why.empty()) {
+      tied_embedding_ = -1;
       left_ += "  left replicated: " + g_.tensors[logits].name + " and the loss (" + why + ")\n";
       return;
     }
     head_linear_ = p;
     head_loss_ = ce;
     assigned_[p] = assigned_[ce] = true;
+    if (tied_embedding_ >= 0) assigned_[tied_embedding_] = true;
+  }
+
+  // The head's weight: a 2-D parameter read by the head only, or by the head
+  // and one embedding as its table (tied; tied_embedding_ set).
+  bool head_weight(int w, int head) {
+    const Tensor &t = g_.tensors[w];
+    if (t.role != Role::Param || t.shape.size() != 2) return false;
+    int embedding = -1;
+    for (int r : readers_[w]) {
+      if (r == head) continue;
+      const Node &n = g_.nodes[r];
+      if (n.op != "embedding" || n.inputs[0] != w || embedding >= 0 || assigned_[r]) return false;
+      embedding = r;
+    }
+    tied_embedding_ = embedding;
+    return true;
   }
 
   // Regions, their all-reduces with the bytes each moves per micro-batch
@@ -316,6 +339,12 @@ class Placer {
                      static_cast<long long>(V - per * (ranks_ - 1) > 0 ? V - per * (ranks_ - 1) : 0),
                      static_cast<long long>(12 * rows * ranks_),
                      static_cast<long long>(g_.tensors[lin.inputs[0]].bytes()));
+      if (tied_embedding_ >= 0) {
+        const Node &e = g_.nodes[tied_embedding_];
+        s += strformat("    tied to embedding %s: each rank looks up its words, an all-reduce over tp completes the "
+                       "rows (%lld bytes forward)\n",
+                       e.name.c_str(), static_cast<long long>(g_.tensors[e.outputs[0]].bytes()));
+      }
     }
     return s + left_;
   }
@@ -403,6 +432,23 @@ class Placer {
         Tensor &t = g_.tensors[lin.inputs[i]];
         t.placement.add_shard(kAxis, 0, t.shape);
         t.shape[0] = per;
+      }
+      if (tied_embedding_ >= 0) {
+        // This rank's words looked up, the others' rows zero; the sum over tp
+        // completes every row (its gradient, the identity, reaches each
+        // rank's rows of the table whole).
+        Node &e = g_.nodes[tied_embedding_];
+        const int y = e.outputs[0];
+        const int part = add_tensor(g_.tensors[y].name + ".partial", y);
+        g_.tensors[part].placement.axes.push_back(AxisPlacement::partial(kAxis));
+        e.op = "vocab_embedding";
+        e.outputs[0] = part;
+        e.attrs["offset"] = Attr::of_int(offset);
+        e.attrs["valid"] = Attr::of_int(valid);
+        e.attrs["vocab"] = Attr::of_int(V);
+        after[tied_embedding_].push_back(Node::make("all_reduce", g_.tensors[y].name + ".all_reduce", {part}, {y},
+                                                    e.block,
+                                                    {{"axis", Attr::of_string(kAxis)}, {"reduce", Attr::of_string("sum")}}));
       }
       Node &ce = g_.nodes[head_loss_];
       const int logits = ce.inputs[0], targets = ce.inputs[1];
@@ -498,7 +544,16 @@ class SequenceSplit {
       const Node &n = g_.nodes[ni];
       if (!edge(n)) continue;
       if (n.op == "fanout") seed(n.inputs[0], n, work);
-      if (n.op == "all_reduce") seed(n.outputs[0], n, work);
+      if (n.op != "all_reduce") continue;
+      // A sum read by whole-tensor compute only (the tied embedding's, before
+      // the position embedding is added) stays an all-reduce: a reduce-scatter
+      // and an all-gather at once would move the same bytes in two steps.
+      bool row_reader = false;
+      for (int r : readers_[n.outputs[0]]) row_reader = row_reader || row_wise(g_.nodes[r]);
+      if (row_reader)
+        seed(n.outputs[0], n, work);
+      else
+        whole_.insert(ni);
     }
     while (!work.empty()) {
       const int t = work.back();
@@ -519,6 +574,7 @@ class SequenceSplit {
   std::vector<int> producer_;
   std::vector<std::vector<int>> readers_;
   std::vector<char> zone_t_, zone_n_;
+  std::set<int> whole_;  // all-reduces left whole
   std::string report_;
 
   const std::vector<int64_t> &shape(int t) const { return g_.tensors[t].shape; }
@@ -526,6 +582,8 @@ class SequenceSplit {
   static bool edge(const Node &n) {
     return (n.op == "fanout" || n.op == "all_reduce") && n.attr_string("axis", "") == kAxis;
   }
+  // An edge that the zone replaces (an all-gather or a reduce-scatter in its place).
+  bool split_edge(int ni) const { return edge(g_.nodes[ni]) && !whole_.count(ni); }
 
   bool token_rows(int t) const {
     const Tensor &x = g_.tensors[t];
@@ -623,7 +681,7 @@ class SequenceSplit {
     for (int t = 0; t < nt; ++t) {
       if (!zone_t_[t]) continue;
       const int p = producer_[t];
-      if (p >= 0 && (zone_n_[p] || edge(g_.nodes[p])))
+      if (p >= 0 && (zone_n_[p] || split_edge(p)))
         continue;
       int first = nn;
       for (int r : readers_[t])
@@ -653,7 +711,7 @@ class SequenceSplit {
     // The regions' edges.
     for (int ni = 0; ni < nn; ++ni) {
       Node &n = g_.nodes[ni];
-      if (!edge(n)) continue;
+      if (!split_edge(ni)) continue;
       if (n.op == "fanout") {
         const int x = n.inputs[0], y = n.outputs[0];
         const int rows = add_tensor(g_.tensors[x].name + ".sp_gathered", x, rows_view(x));
@@ -710,7 +768,7 @@ class SequenceSplit {
       if (!zone_t_[t] || local.count(t)) continue;
       std::vector<int> outside;
       for (int r : readers_[t])
-        if (!zone_n_[r] && !edge(g_.nodes[r]))
+        if (!zone_n_[r] && !split_edge(r))
           outside.push_back(r);
       if (outside.empty()) continue;
       const std::string &name = g_.tensors[t].name;
@@ -775,12 +833,16 @@ std::string pass_place(Graph &g, const CompileOptions &opt, const std::function<
                 "place: graph '%s' has mixture-of-experts layers (node '%s'), which tp does not split yet; use "
                 "ep, fsdp and dp",
                 g.name.c_str(), n.name.c_str());
-  bool vocab_kernels = true;
-  for (const char *op : {"vocab_ce_stats", "vocab_ce_loss", "vocab_ce_bwd"}) {
-    const OpDef *d = find_op(op);
-    vocab_kernels = vocab_kernels && d != nullptr && has_kernel && has_kernel(d->id);
-  }
-  Placer p(g, tp, opt.mesh.index(kAxis), vocab_kernels);
+  auto kernels = [&](std::initializer_list<const char *> ops) {
+    bool all = true;
+    for (const char *op : ops) {
+      const OpDef *d = find_op(op);
+      all = all && d != nullptr && has_kernel && has_kernel(d->id);
+    }
+    return all;
+  };
+  Placer p(g, tp, opt.mesh.index(kAxis), kernels({"vocab_ce_stats", "vocab_ce_loss", "vocab_ce_bwd"}),
+           kernels({"vocab_embedding", "vocab_embedding_bwd"}));
   std::string report = p.run();
   CTR_REQUIRE(p.regions() > 0, CTR_STATUS_UNSUPPORTED,
               "place: mesh axis 'tp' has size %lld, but graph '%s' has no tensor-parallel region (a linear whose "

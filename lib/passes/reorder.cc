@@ -75,10 +75,21 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
     // summed load-balancing statistics) stay right behind what they read.
     if (is_immediate(n)) {
       int prod = -1;
-      for (int in : n.inputs)
-        if (auto p = producer.find(in); p != producer.end()) prod = std::max(prod, p->second);
-      CTR_CHECK(prod >= 0);
-      after_node[prod].push_back(ni);
+      std::set<int> colls;  // collectives it reads: issued right behind the last of them
+      for (int in : n.inputs) {
+        if (auto c = coll_of_output.find(in); c != coll_of_output.end())
+          colls.insert(c->second);
+        else if (auto p = producer.find(in); p != producer.end())
+          prod = std::max(prod, p->second);
+      }
+      if (colls.empty()) {
+        CTR_CHECK(prod >= 0);
+        after_node[prod].push_back(ni);
+      } else {
+        if (prod >= 0) colls.insert(prod);
+        missing[ni] = static_cast<int>(colls.size());
+        for (int d : colls) dependents[d].push_back(ni);
+      }
       continue;
     }
     std::set<int> deps;

@@ -174,16 +174,17 @@ def check_placements(tmp):
     # norms on this rank's rows of the B*T tokens, a token count tp does not divide refused.
     sp = run("graph", "inspect", g, "--after", "place", "--tp", "2", "--batch", "2", "--rank", "1",
              "--sequence-parallel").stdout
-    check(f"2 all-gathers and 2 reduce-scatters over tp at the regions' edges, of {4 * btc} bytes of whole "
-          f"tensors forward and {4 * btc} backward" in sp and "layers.0.ln2:f32[32,64]" in sp
-          and "slice(" in sp and "start=32" in sp and 'grad="slice" index=1' in sp,
+    # (Two regions and the vocabulary-parallel head: 3 all-gathers, 2 reduce-scatters.)
+    check(f"3 all-gathers and 2 reduce-scatters over tp at the regions' edges, of {5 * btc} bytes of whole "
+          f"tensors forward and {5 * btc} backward" in sp and "layers.0.ln2:f32[32,64]" in sp
+          and "ln_f:f32[32,64]" in sp and "slice(" in sp and "start=32" in sp,
           f"sequence parallel volumes and blocks: {sp[:3000]}")
     r = run("graph", "inspect", g, "--after", "place", "--tp", "2", "--seq", "31", "--sequence-parallel",
             expect=1)
     check("31 tokens" in r.stderr and "tp=2" in r.stderr, f"sp with 31 tokens on tp=2: {r.stderr}")
     # A vocabulary tp does not divide is split unevenly: an untied head of 250 words
     # on tp=4 holds 63 words per rank (61 on the last), the loss from an all-gather
-    # of 3 floats per row; a head tied to the embedding stays replicated, saying why.
+    # of 3 floats per row; gpt's head, tied to its embedding (above), is split with it.
     lm = os.path.join(tmp, "place_llama.ctrg")
     run("graph", "build", "--preset", "llama", "--layers", "1", "--dim", "64", "--heads", "4",
         "--kv-heads", "4", "--vocab", "250", "--seq", "32", "-o", lm)
@@ -194,8 +195,9 @@ def check_placements(tmp):
           and "output.weight:f32[63,64] placed tp:S(0) of [250,64]" in tp4
           and "offset=189" in tp4 and "valid=61" in tp4 and "logits:f32[1,32,63]" in tp4,
           f"llama on tp=4 with 250 words: {tp4[:3000]}")
-    check("left replicated: logits and the loss (the head's weight 'wte' is read elsewhere too" in tp,
-          f"gpt's tied head on tp=2: {tp[:1500]}")
+    check("tied to embedding tok_emb: each rank looks up its words, an all-reduce over tp completes the rows "
+          f"({btc} bytes forward)" in tp and "wte:f32[125,64] placed tp:S(0) of [250,64]" in tp
+          and "vocab_embedding(" in tp, f"gpt's tied head on tp=2: {tp[:3000]}")
 
 
 def check_special_files(tmp, graph):

@@ -4,8 +4,8 @@ fsdp=4 and dp=2 x fsdp=2 (and fsdp=2 with every or no parameter resharded after
 forward, and with micro-batches) with the same global batch give the same per-step
 losses within 1e-5 relative and the same final weights. So do tensor-parallel meshes
 made from the same single-device graphs: tp=2, fsdp=2 x tp=2, dp=2 x tp=2, tp=2 with
-micro-batches, and tp=4, each also with sequence parallelism, and llama's head split over a
-vocabulary of 61 words that tp=2 does not divide (gpt; llama's 2 kv heads do not split over 4 ranks, which is
+micro-batches, and tp=4, each also with sequence parallelism, and the heads split over a
+vocabulary of 61 words that tp does not divide (gpt's tied to its embedding; gpt; llama's 2 kv heads do not split over 4 ranks, which is
 refused naming the node and the numbers, as is tp on the moe preset). So does the moe
 preset (4 experts, top-2) with its experts
 split over ep: ep=2, ep=4, ep=2 x fsdp=2, dp=2 x ep=2, and dp=2 and fsdp=2 (the
@@ -123,27 +123,32 @@ def main():
                                     f"{arena[plain]}")
             print(f"{label}: max relative loss difference {worst:.2e}, "
                   f"weights {param:.9g} vs {ref_param:.9g}, params+optimizer {mem} of {ref_mem} bytes")
-    # A vocabulary tp does not divide (61 words): llama's untied head is split over
-    # the words (31 and 30 per rank) and the loss comes from every rank's row
-    # statistics, never from whole logits; with fsdp and sequence parallelism too.
-    ref_path = os.path.join(tmp, "vocab61_1.txt")
-    err = run("llama", 1, "fsdp=1", ref_path, extra="vocab=61")
-    if err:
-        failures.append(f"llama with 61 words: {err}")
-    else:
+    # A vocabulary tp does not divide (61 words): the head is split over the words
+    # (31 and 30 per rank on tp=2, 16 and 13 on tp=4) and the loss comes from every
+    # rank's row statistics, never from whole logits; gpt's head shares its weight
+    # with the embedding, which looks up each rank's words and sums over tp.
+    for preset, meshes in [("llama", [(2, "tp=2", ""), (4, "fsdp=2,tp=2", SP)]),
+                           ("gpt", [(2, "tp=2", ""), (4, "tp=4", SP), (4, "fsdp=2,tp=2", SP)])]:
+        ref_path = os.path.join(tmp, f"{preset}_vocab61_1.txt")
+        err = run(preset, 1, "fsdp=1", ref_path, extra="vocab=61")
+        if err:
+            failures.append(f"{preset} with 61 words: {err}")
+            continue
         ref, ref_param, _ = read(ref_path)
-        for n, mesh, opts in [(2, "tp=2", "vocab=61"), (4, "fsdp=2,tp=2", "vocab=61," + SP)]:
-            path = os.path.join(tmp, f"vocab61_{mesh}.txt")
-            err = run("llama", n, mesh, path, extra=opts)
+        for n, mesh, opts in meshes:
+            opts = "vocab=61" + ("," + opts if opts else "")
+            path = os.path.join(tmp, f"{preset}_vocab61_{mesh}_{opts}.txt")
+            err = run(preset, n, mesh, path, extra=opts)
             if err:
-                failures.append(f"llama with 61 words {mesh}: {err}")
+                failures.append(f"{preset} with 61 words {mesh}: {err}")
                 continue
             got, param, _ = read(path)
             worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref)) if got else 1.0
             if len(got) != STEPS or worst > 1e-5 or param is None or abs(param - ref_param) > 1e-4 * abs(ref_param):
-                failures.append(f"llama with 61 words {mesh} {opts}: losses differ by {worst:.2e} relative, "
+                failures.append(f"{preset} with 61 words {mesh} {opts}: losses differ by {worst:.2e} relative, "
                                 f"weights {param} vs {ref_param}")
-            print(f"llama with 61 words, {mesh} {opts}: max relative loss difference {worst:.2e}")
+            print(f"{preset} with 61 words, {mesh} {opts}: max relative loss difference {worst:.2e}, "
+                  f"weights {param:.9g} vs {ref_param:.9g}")
     # Skewed routing: a zero router (and no learning, so it stays zero) sends every
     # token of every rank to expert 0 (top-1) or experts 0 and 1 (top-2), all on
     # ep rank 0. Nothing may be dropped: each mesh trains as one rank does.

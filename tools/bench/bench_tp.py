@@ -11,11 +11,13 @@ figures:
     --after plan_memory` (gradients take as many bytes as parameters, AdamW twice as many),
     next to the parameter bytes computed by hand: fsdp divides every parameter by its size;
     tp divides the attention and MLP weights (12 C^2 + 7 C per layer with biases, GPT-2 style)
-    and leaves embeddings, norms and row-parallel biases whole;
+    and the token embedding (tied to the vocabulary-parallel head), and leaves the position
+    embedding, norms and row-parallel biases whole;
   - the bytes over tp per micro-batch that `inspect --after place` reports, next to
     Megatron's textbook volume: 4 all-reduces of B*T*C floats per layer, or with sequence
-    parallelism 4 all-gathers and 4 reduce-scatters of B*T*C floats (whole-tensor bytes: each
-    moves half of what an all-reduce of the same tensor moves on the wire);
+    parallelism 4 all-gathers and 4 reduce-scatters of B*T*C floats per layer and one pair
+    at the vocabulary-parallel head (whole-tensor bytes: each moves half of what an
+    all-reduce of the same tensor moves on the wire);
   - the median step time of `ctr launch -n W -- ctr run --mesh M` over --steps steps (the
     first --warmup skipped), and its ratio to the peer's (--steps 0: memory and bytes only).
 Nothing is asserted: the figures are printed (and written with --json) for BENCHMARKS.md.
@@ -90,7 +92,9 @@ def main():
                    check=True, capture_output=True)
     L, C, T, V = a.layers, a.dim, a.seq, a.vocab
     total_params = V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
-    split_params = L * (12 * C * C + 7 * C)  # q, k, v, o, fc, proj weights; q, k, v, fc biases
+    # q, k, v, o, fc, proj weights; q, k, v, fc biases; the head's weight, tied to the
+    # embedding, split over the vocabulary (V divisible by tp here: no padding rows)
+    split_params = L * (12 * C * C + 7 * C) + V * C
     print(f"gpt L={L} C={C} H={a.heads} T={T} V={V}, global batch {a.global_batch}, "
           f"{total_params / 1e6:.2f}M parameters, {a.threads} thread(s) per rank")
     print(f"{'mesh':>14} {'arena MiB':>10} {'params MiB':>11} {'by hand':>8} {'state MiB':>10} "
@@ -114,7 +118,8 @@ def main():
                 if sp:
                     m = re.search(r"of (\d+) bytes of whole tensors forward and (\d+) backward", placed)
                     tp_bytes = int(m.group(1)) + int(m.group(2))
-                    textbook = 8 * L * batch * T * C * 4
+                    # and the head's input gathered (its gradient reduce-scattered)
+                    textbook = (8 * L + 2) * batch * T * C * 4
                 else:
                     m = re.search(r"per micro-batch: \d+ all-reduces over tp, (\d+) bytes", placed)
                     tp_bytes = int(m.group(1))

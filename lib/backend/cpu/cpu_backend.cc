@@ -379,6 +379,18 @@ void k_cross_entropy_bwd(const Args &c) {
   cpu::cross_entropy_bwd(c.in<float>(1), c.in<int32_t>(2), c.in<float>(3), *c.in<float>(0),
                          *c.in<int64_t>(4), c.out<float>(0), numel(l) / V, V);
 }
+void k_vocab_embedding(const Args &c) {
+  const auto &t = c.in_shape(0);
+  const auto &p = c.params<ctr_vocab_embedding_params>();
+  cpu::vocab_embedding_fwd(c.in<int32_t>(1), c.in<float>(0), c.out<float>(0), numel(c.in_shape(1)), t[1], p.offset,
+                           p.valid);
+}
+void k_vocab_embedding_bwd(const Args &c) {
+  const auto &t = c.out_shape(0);
+  const auto &p = c.params<ctr_vocab_embedding_params>();
+  cpu::vocab_embedding_bwd(c.in<int32_t>(1), c.in<float>(0), c.out<float>(0), numel(c.in_shape(1)), t[0], t[1],
+                           p.offset, p.valid, p.padding_idx);
+}
 void k_vocab_ce_stats(const Args &c) {
   const auto &l = c.in_shape(0);
   const auto &p = c.params<ctr_vocab_ce_params>();
@@ -591,7 +603,8 @@ void register_library_kernels() {
         {"rope_bwd", bind<k_rope_bwd>},           {"attention", bind<k_attention>},
         {"attention_bwd", bind<k_attention_bwd>}, {"cross_entropy", bind<k_cross_entropy>},
         {"vocab_ce_stats", bind<k_vocab_ce_stats>}, {"vocab_ce_loss", bind<k_vocab_ce_loss>},
-        {"vocab_ce_bwd", bind<k_vocab_ce_bwd>},
+        {"vocab_ce_bwd", bind<k_vocab_ce_bwd>}, {"vocab_embedding", bind<k_vocab_embedding>},
+        {"vocab_embedding_bwd", bind<k_vocab_embedding_bwd>},
         {"cross_entropy_bwd", bind<k_cross_entropy_bwd>},
         {"reshape", bind<k_reshape>},             {"transpose", bind<k_transpose>},
         {"fanout", bind<k_reshape>},
