@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <unistd.h>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -38,6 +39,17 @@
 #include "runtime/step.h"
 
 namespace {
+
+// A folder of this process's own under the test temp dir: the suites that run
+// this binary at once (plain, fenced, leak-checked) never share files.
+std::string scratch() {
+  static const std::string dir = [] {
+    std::string d = testing::TempDir() + "/ctr_test_graph_" + std::to_string(getpid());
+    std::filesystem::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
 
 using ctr::Graph;
 
@@ -164,7 +176,7 @@ TEST(GraphFile, PresetRoundTripsThroughFile) {
     Opts o;
     o.i("layers", 2).i("dim", 32).i("heads", 4).i("vocab", 50).i("seq", 16);
     ctr_graph *g = preset(name, o);
-    std::string path = testing::TempDir() + "/rt_" + name + ".ctrg";
+    std::string path = scratch() + "/rt_" + name + ".ctrg";
     ASSERT_EQ(ctr_graph_save_file(g, path.c_str()), CTR_STATUS_OK) << ctr_last_error();
     ctr_graph *h = nullptr;
     ASSERT_EQ(ctr_graph_load_file(path.c_str(), &h), CTR_STATUS_OK) << ctr_last_error();
@@ -261,7 +273,7 @@ TEST_F(Malformed, TruncatedFile) {
   }
   EXPECT_EQ(out, nullptr);
   // And from a file on disk.
-  std::string path = testing::TempDir() + "/trunc.ctrg";
+  std::string path = scratch() + "/trunc.ctrg";
   FILE *f = fopen(path.c_str(), "wb");
   fwrite(good.data(), 1, good.size() / 3, f);
   fclose(f);
@@ -2600,7 +2612,7 @@ void write_counting_tokens(const std::string &path, int64_t count) {
 
 TEST(LoaderAbi, ResumeWithAnotherBatchSizeKeepsTheEpochExact) {
   const int64_t seq = 8, windows = 64;
-  std::string path = testing::TempDir() + "/loader_tokens.bin";
+  std::string path = scratch() + "/loader_tokens.bin";
   write_counting_tokens(path, windows * seq + 1);
   Opts lo;
   lo.i("seq", seq).i("seed", 9);
@@ -2632,7 +2644,7 @@ TEST(LoaderAbi, ResumeWithAnotherBatchSizeKeepsTheEpochExact) {
     }
   };
   for (int i = 0; i < 3; ++i) take(a, 4);  // 12 windows on "4 ranks x 1 row"
-  std::string dir = testing::TempDir() + "/loader_ckpt";
+  std::string dir = scratch() + "/loader_ckpt";
   ASSERT_EQ(ctr_step_save(s1, dir.c_str()), CTR_STATUS_OK) << ctr_last_error();
   take(a, 4);  // drawn after the save: must be drawn again after the restore
   seen.resize(12);
@@ -2688,7 +2700,7 @@ namespace {
 // seen exactly once.
 TEST(LoaderAbi, EpochIsExactAcrossRescaleFourThreeTwo) {
   const int64_t seq = 4, windows = 97;
-  std::string path = testing::TempDir() + "/rescale_tokens.bin";
+  std::string path = scratch() + "/rescale_tokens.bin";
   write_counting_tokens(path, windows * seq + 1);
   Opts go;
   go.i("layers", 1).i("dim", 8).i("heads", 2).i("vocab", 16).i("seq", seq);
@@ -2732,7 +2744,7 @@ TEST(LoaderAbi, EpochIsExactAcrossRescaleFourThreeTwo) {
       for (int w : batch)
         if (by_position.size() < static_cast<size_t>(windows)) by_position.push_back(w);
     }
-    ckpt = testing::TempDir() + "/rescale_ckpt_" + std::to_string(ph);
+    ckpt = scratch() + "/rescale_ckpt_" + std::to_string(ph);
     ASSERT_EQ(ctr_step_save(steps[0], ckpt.c_str()), CTR_STATUS_OK) << ctr_last_error();
     for (int r = 0; r < p.ranks; ++r) {
       ctr_step_free(steps[r]);
@@ -2931,7 +2943,7 @@ class CheckpointDir : public ::testing::Test {
     Opts o;
     o.i("layers", 1).i("dim", 16).i("heads", 2).i("vocab", 11).i("seq", 8);
     g = preset("gpt", o);
-    root = testing::TempDir() + "/ctr_ckptdir_" +
+    root = scratch() + "/ctr_ckptdir_" +
            ::testing::UnitTest::GetInstance()->current_test_info()->name();
     fs::remove_all(root);
   }
