@@ -35,6 +35,10 @@
 // for the 256 tiles) take the same kernels with every operand read from global
 // memory instead of shared memory and the accumulated dims processed in windows
 // of 256 (each window recomputes the dot products): slower, same math.
+//
+// The forward first offers the op to the stream's library attention (cuDNN's
+// fused SDPA, lib/backend/cuda/cudnn_sdpa.cu), which writes the same lse, so
+// this backward serves either forward.
 
 #include <algorithm>
 
@@ -542,7 +546,11 @@ void attention_bwd(const Args &c) {
   else backward_as<T, 256, false>(c, d);
 }
 
-void k_attention(const Args &c) { CTR_CUDA_DISPATCH(c, attention); }
+// cuDNN's fused attention where the stream has it and takes the shape.
+void k_attention(const Args &c) {
+  if (c.s->attn && c.s->attn->forward(c.s->attn, c)) return;
+  CTR_CUDA_DISPATCH(c, attention);
+}
 void k_attention_bwd(const Args &c) { CTR_CUDA_DISPATCH(c, attention_bwd); }
 
 }  // namespace
