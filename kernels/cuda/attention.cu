@@ -36,9 +36,9 @@
 // memory instead of shared memory and the accumulated dims processed in windows
 // of 256 (each window recomputes the dot products): slower, same math.
 //
-// The forward first offers the op to the stream's library attention (cuDNN's
-// fused SDPA, lib/backend/cuda/cudnn_sdpa.cu), which writes the same lse, so
-// this backward serves either forward.
+// Both directions are first offered to the stream's library attention
+// (cuDNN's fused SDPA, lib/backend/cuda/cudnn_sdpa.cu), which keeps the same
+// lse, so either backward serves either forward.
 
 #include <algorithm>
 
@@ -534,7 +534,7 @@ void attention(const Args &c) {
   else forward_as<T, 256, false>(c, d);
 }
 
-// attention_bwd(dout, q, k, v, probs) -> dq, dk, dv
+// attention_bwd(dout, q, k, v, probs, out) -> dq, dk, dv (out is not read here)
 template <typename T>
 void attention_bwd(const Args &c) {
   const Dims d = make_dims(c, 1);
@@ -551,7 +551,10 @@ void k_attention(const Args &c) {
   if (c.s->attn && c.s->attn->forward(c.s->attn, c)) return;
   CTR_CUDA_DISPATCH(c, attention);
 }
-void k_attention_bwd(const Args &c) { CTR_CUDA_DISPATCH(c, attention_bwd); }
+void k_attention_bwd(const Args &c) {
+  if (c.s->attn && c.s->attn->backward(c.s->attn, c)) return;
+  CTR_CUDA_DISPATCH(c, attention_bwd);
+}
 
 }  // namespace
 

@@ -27,11 +27,14 @@ struct Args;
 
 // Attention through a library, optional (cuDNN's fused SDPA:
 // lib/backend/cuda/cudnn_sdpa.cu; absent in a build without cuDNN's headers
-// and on the emulated device). forward queues the attention op of the launch
-// on its stream and returns true, or returns false having queued nothing: the
-// op then takes the own kernels (attention.cu).
+// and on the emulated device). forward and backward each queue the attention
+// or attention_bwd op of the launch on its stream and return true, or return
+// false having queued nothing: the op then takes the own kernels
+// (attention.cu). Either direction may run on either side of the other: both
+// keep the same lse.
 struct AttentionLib {
   bool (*forward)(AttentionLib *self, const Args &c) = nullptr;
+  bool (*backward)(AttentionLib *self, const Args &c) = nullptr;
 };
 
 // What a kernel's stream handle points to: the stream and the per-stream

@@ -305,16 +305,17 @@ INSTANTIATE_TEST_SUITE_P(Wide, GpuOpBf16, ::testing::ValuesIn(wide_cases()),
 
 // Attention through cuDNN's fused SDPA (lib/backend/cuda/cudnn_sdpa.cu)
 // against the own kernels (CTR_CUDNN=0) and the CPU's fp32 reference, in
-// bf16, causal and not, with GQA, head dims 64 and 128, up to T = 1024. The
-// backward runs on the own kernels either way, reading the lse the forward
-// left (cuDNN's Stats or the own one). Bounds (ref_rows.md's attention rows
-// carried to the loss and the parameter gradients): loss within 2e-2
-// relative, each gradient element within 1e-3 + 5e-2 * max|reference
-// gradient|, for each path against the CPU and for cuDNN against the own
-// kernels. Which path ran is the backend's one stderr line ("ctr: cudnn:
-// ..."), recorded as the test's property attention_path: a build without
-// cuDNN, or a machine where libcudnn.so.9 does not load, skips the cuDNN half
-// saying so; cuDNN refusing the graph fails, with cuDNN's words.
+// bf16, causal and not, with GQA and without, head dims 64 and 128, up to
+// T = 1024. The forward runs on cuDNN for every shape, the backward for those
+// without grouped-query heads (the others' backward reads cuDNN's Stats on
+// the own kernels). Bounds (ref_rows.md's attention rows carried to the loss
+// and the parameter gradients): loss within 2e-2 relative, each gradient
+// element within 1e-3 + 5e-2 * max|reference gradient|, for each path against
+// the CPU and for cuDNN against the own kernels. Which path ran is the
+// backend's stderr line per direction ("ctr: cudnn: ..."), printed and
+// recorded as the test's property attention_path: a build without cuDNN, or a
+// machine where libcudnn.so.9 does not load, skips the cuDNN half saying so;
+// cuDNN refusing a graph fails, with cuDNN's words.
 struct AttentionShape {
   const char *label;
   int64_t batch, seq, heads, kv_heads, head_dim;
@@ -326,8 +327,10 @@ std::vector<AttentionShape> attention_shapes() {
       {"gqa_d64_causal", 2, 128, 8, 2, 64, 1},
       {"gqa_d128_causal", 1, 96, 4, 1, 128, 1},
       {"mha_d64_full", 2, 64, 4, 4, 64, 0},
+      {"mha_d128_causal", 2, 96, 4, 4, 128, 1},
       {"gqa_d64_causal_t1024", 1, 1024, 12, 4, 64, 1},
       {"gqa_d128_causal_t1024", 1, 1024, 8, 2, 128, 1},
+      {"mha_d64_causal_t1024", 1, 1024, 12, 12, 64, 1},
   };
 }
 
@@ -400,16 +403,28 @@ TEST_P(GpuCudnnAttention, MatchesOwnKernelsAndCpu) {
   }
   const Outcome lib = run_attention(g, ids, "1", &lib_lines);
   ctr_graph_free(g);
-  const std::string path = lib_lines.substr(0, lib_lines.find('\n'));
-  RecordProperty("attention_path", path);
-  std::printf("[ attention path ] %s: %s\n", a.label, path.c_str());
+  // One line per direction: "runs on cuDNN ..." or "takes the own kernels: why".
+  auto line_of = [&](const char *dir) {
+    const size_t at = lib_lines.find(std::string("attention ") + dir);
+    const size_t any = lib_lines.find("attention takes the own kernels");  // cuDNN off for both
+    const size_t from = at != std::string::npos ? at : any;
+    return from == std::string::npos ? std::string("(no line)")
+                                     : lib_lines.substr(from, lib_lines.find('\n', from) - from);
+  };
+  const std::string fwd = line_of("forward"), bwd = line_of("backward");
+  RecordProperty("attention_path", fwd + " | " + bwd);
+  std::printf("[ attention path ] %s: %s | %s\n", a.label, fwd.c_str(), bwd.c_str());
   if (own_lines.find("attention takes the own kernels: CTR_CUDNN=0") == std::string::npos)
     ADD_FAILURE() << "CTR_CUDNN=0 did not say it keeps the own kernels: " << own_lines;
-  if (lib_lines.find("attention forward runs on cuDNN") == std::string::npos) {
-    if (lib_lines.find("cannot be loaded") != std::string::npos)
-      GTEST_SKIP() << "cuDNN is not on this machine: " << lib_lines;
-    FAIL() << "attention did not run on cuDNN: " << lib_lines;
+  if (fwd.find("attention forward runs on cuDNN") == std::string::npos) {
+    if (fwd.find("cannot be loaded") != std::string::npos) GTEST_SKIP() << "cuDNN is not on this machine: " << fwd;
+    FAIL() << "attention forward did not run on cuDNN: " << lib_lines;
   }
+  // The backward takes cuDNN without grouped-query heads, and says why not with them.
+  if (a.heads == a.kv_heads)
+    EXPECT_NE(bwd.find("attention backward runs on cuDNN"), std::string::npos) << lib_lines;
+  else
+    EXPECT_NE(bwd.find("grouped-query heads"), std::string::npos) << lib_lines;
   {
     SCOPED_TRACE("cuDNN against the CPU");
     compare_outcomes(cpu, lib, tol);

@@ -186,10 +186,12 @@ const CudnnApi *planning_cudnn(std::string *why, bool *stub) {
   return error.empty() ? &api : nullptr;
 }
 
-// The plan of `s` for `device`: "" when cuDNN built it or got as far as
-// loading its kernel (with the stub), else cuDNN's reason.
-std::string plan_for(const CudnnApi &api, const Device &device, const ctr::cuda::SdpaShape &s, bool stub,
-                     std::string *engine) {
+// The plan of `s` for `device` (backward: the backward graph): "" when cuDNN
+// built it or, with the stub, some engine got as far as loading its compiled
+// kernel; else cuDNN's reason. *engine: the configuration taken or that got
+// there.
+std::string plan_for(const CudnnApi &api, const Device &device, const ctr::cuda::SdpaShape &s, bool backward,
+                     bool stub, std::string *engine) {
   cudnnBackendDescriptor_t prop = nullptr;
   if (api.create_descriptor(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR, &prop) != CUDNN_STATUS_SUCCESS)
     return "cannot create a DEVICEPROP descriptor";
@@ -201,14 +203,20 @@ std::string plan_for(const CudnnApi &api, const Device &device, const ctr::cuda:
     api.destroy_descriptor(prop);
     return why;
   }
-  auto plan = ctr::cuda::sdpa_forward_plan(api, nullptr, prop, s);
+  auto plan = backward ? ctr::cuda::sdpa_backward_plan(api, nullptr, prop, s)
+                       : ctr::cuda::sdpa_forward_plan(api, nullptr, prop, s);
   api.destroy_descriptor(prop);
-  *engine = plan->why.empty() ? plan->engine : "";
+  *engine = plan->engine;
   if (plan->why.empty()) return "";
-  // Every engine tried got to loading its compiled kernel: the stub's error.
-  if (stub && plan->why.find("cuLibraryLoadData") != std::string::npos &&
-      plan->why.find("CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER") != std::string::npos) {
-    *engine = plan->why.substr(plan->why.find('(') + 1, plan->why.find(':') - plan->why.find('(') - 1);
+  // The answers are "...; <list>, choice <i> (engine <n>): <status>...": the
+  // first that is the stub's refusal to load a compiled kernel.
+  const std::string stub_error = "CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER";
+  const size_t at = plan->why.find(stub_error);
+  if (stub && at != std::string::npos) {
+    const size_t colon = plan->why.rfind(':', at);
+    size_t start = plan->why.rfind("; ", colon);
+    start = start == std::string::npos ? plan->why.find('(') + 1 : start + 2;
+    *engine = plan->why.substr(start, colon - start) + ", compiled";
     return "";
   }
   return plan->why;
@@ -219,9 +227,9 @@ struct PlanCase {
   ctr::cuda::SdpaShape shape;
 };
 
-// The shapes of the GPU suite's GpuCudnnAttention and of GPT-2 small and a
-// Llama-style 1B model (B 8, T 1024; 12 heads of 64; 32 query heads of 64 over
-// 8 kv heads; 16 of 128 over 8).
+// The shapes of the GPU suite's GpuCudnnAttention and of GPT-2 small and
+// Llama-style models (B 8, T 1024; 12 heads of 64; 32 query heads of 64 over
+// 8 kv heads; 16 of 128 over 8; 16 of 128).
 const PlanCase kPlanCases[] = {
     {"gqa_d64_causal", {2, 128, 8, 2, 64, true, 0.125f}},
     {"gqa_d128_causal", {1, 96, 4, 1, 128, true, 0.08838835f}},
@@ -229,9 +237,10 @@ const PlanCase kPlanCases[] = {
     {"gpt2_small", {8, 1024, 12, 12, 64, true, 0.125f}},
     {"llama_1b_d64", {8, 1024, 32, 8, 64, true, 0.125f}},
     {"llama_d128", {8, 1024, 16, 8, 128, true, 0.08838835f}},
+    {"mha_d128", {8, 1024, 16, 16, 128, true, 0.08838835f}},
 };
 
-TEST(CudnnSdpaPlan, FusedEnginesTakeTheGraph) {
+TEST(CudnnSdpaPlan, FusedEnginesTakeTheForwardGraph) {
   std::string why;
   bool stub = false;
   const CudnnApi *api = planning_cudnn(&why, &stub);
@@ -239,22 +248,45 @@ TEST(CudnnSdpaPlan, FusedEnginesTakeTheGraph) {
   for (const Device &d : kDevices)
     for (const PlanCase &c : kPlanCases) {
       std::string engine;
-      const std::string refused = plan_for(*api, d, c.shape, stub, &engine);
+      const std::string refused = plan_for(*api, d, c.shape, false, stub, &engine);
       EXPECT_EQ(refused, "") << d.name << " " << c.label;
-      if (refused.empty()) std::printf("%s %s: %s\n", d.name, c.label, engine.c_str());
+      if (refused.empty()) std::printf("forward %s %s: %s\n", d.name, c.label, engine.c_str());
     }
 }
 
-// The check above can fail: a head dim that is not a multiple of 8 (which the
-// backend never offers to cuDNN) is refused before any kernel is compiled.
+// The backward graph: taken for every shape without grouped-query heads, and
+// refused for those, saying why, before cuDNN is asked.
+TEST(CudnnSdpaPlan, FusedEnginesTakeTheBackwardGraph) {
+  std::string why;
+  bool stub = false;
+  const CudnnApi *api = planning_cudnn(&why, &stub);
+  if (!api) GTEST_SKIP() << why;
+  for (const Device &d : kDevices)
+    for (const PlanCase &c : kPlanCases) {
+      std::string engine;
+      const std::string refused = plan_for(*api, d, c.shape, true, stub, &engine);
+      if (c.shape.Hq != c.shape.Hkv) {
+        EXPECT_NE(refused.find("grouped-query heads"), std::string::npos) << d.name << " " << c.label << ": " << refused;
+        continue;
+      }
+      EXPECT_EQ(refused, "") << d.name << " " << c.label;
+      if (refused.empty()) std::printf("backward %s %s: %s\n", d.name, c.label, engine.c_str());
+    }
+}
+
+// The checks above can fail: a head dim that is not a multiple of 8 (which
+// the backend never offers to cuDNN) is refused before any kernel is compiled.
 TEST(CudnnSdpaPlan, UnalignedHeadDimIsRefused) {
   std::string why;
   bool stub = false;
   const CudnnApi *api = planning_cudnn(&why, &stub);
   if (!api) GTEST_SKIP() << why;
   std::string engine;
-  const std::string refused = plan_for(*api, kDevices[0], {1, 128, 4, 4, 60, true, 0.125f}, stub, &engine);
-  EXPECT_NE(refused.find("no engine"), std::string::npos) << refused;
+  for (bool backward : {false, true}) {
+    const std::string refused = plan_for(*api, kDevices[0], {1, 128, 4, 4, 60, true, 0.125f}, backward, stub, &engine);
+    EXPECT_NE(refused.find("no engine"), std::string::npos) << refused;
+    EXPECT_EQ(refused.find("CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER"), std::string::npos) << refused;
+  }
 }
 
 }  // namespace

@@ -218,21 +218,23 @@ stage_gpu_suite() {
 }
 
 # Which attention path the suite's cuDNN cases took (GpuCudnnAttention prints
-# "[ attention path ] SHAPE: LINE" per shape): how many ran on cuDNN, and the
-# first other line (why not).
+# "[ attention path ] SHAPE: FORWARD LINE | BACKWARD LINE" per shape): how many
+# ran each direction on cuDNN, and the first other line (why not).
 suite_attention_paths() {
-  local all on other
+  local all fwd bwd other
   all=$(grep -c '^\[ attention path \]' "$1")
-  on=$(grep -c '^\[ attention path \].*runs on cuDNN' "$1")
-  other=$(grep '^\[ attention path \]' "$1" | grep -v 'runs on cuDNN' | head -n 1 | sed 's/^\[ attention path \] //' |
-    cut -c1-200)
-  printf 'attention on cuDNN in %s of %s shapes%s' "$on" "$all" "${other:+ (else: $other)}"
+  fwd=$(grep -c '^\[ attention path \].*attention forward runs on cuDNN' "$1")
+  bwd=$(grep -c '^\[ attention path \].*attention backward runs on cuDNN' "$1")
+  other=$(grep '^\[ attention path \]' "$1" | grep -v 'forward runs on cuDNN.*backward runs on cuDNN' | head -n 1 |
+    sed 's/^\[ attention path \] //' | cut -c1-240)
+  printf 'attention on cuDNN in %s (forward) and %s (backward) of %s shapes%s' "$fwd" "$bwd" "$all" \
+    "${other:+ (else: $other)}"
 }
 
-# The attention path a ctr run took: the CUDA backend's first "ctr: cudnn:" line.
+# The attention path a ctr run took: the CUDA backend's "ctr: cudnn:" lines.
 run_attention_path() {
   local l
-  l=$(grep -h '^ctr: cudnn: ' "$@" 2>/dev/null | head -n 1 | sed 's/^ctr: cudnn: //' | cut -c1-200)
+  l=$(grep -h '^ctr: cudnn: ' "$@" 2>/dev/null | head -n 2 | sed 's/^ctr: cudnn: //' | cut -c1-160 | paste -sd'|' -)
   printf 'attention: %s' "${l:-own kernels (no cuDNN line: a build without cuDNN)}"
 }
 

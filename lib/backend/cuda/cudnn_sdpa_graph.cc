@@ -1,6 +1,6 @@
-// cuDNN's fused scaled-dot-product attention forward as a graph of the
-// backend API (cudnn_graph.h; no frontend library), in the form cuDNN's fused
-// flash-attention engines recognise:
+// cuDNN's fused scaled-dot-product attention, forward and backward, as graphs
+// of the backend API (cudnn_graph.h; no frontend library), in the form cuDNN's
+// fused flash-attention engines recognise. The forward:
 //
 //   S = Q K^T                    matmul, f32 [B, Hq, T, T] (K has Hkv heads)
 //   S = S * scale                pointwise, scale by value
@@ -15,7 +15,8 @@
 // Q, O are [B, T, Hq*D] and K, V [B, T, Hkv*D] in memory: [B, H, T, D] views
 // with strides [T*H*D, D, H*D, 1] (BSHD); K^T is the same memory with the last
 // two strides swapped. Stats is the natural-log log-sum-exp of each scaled,
-// masked score row, [B, Hq, T] contiguous.
+// masked score row, [B, Hq, T] contiguous. The backward (sdpa_backward_plan)
+// recomputes P from Stats; its form is described there.
 
 #include "backend/cuda/cudnn_sdpa_graph.h"
 
@@ -120,6 +121,15 @@ struct Builder {
     return op;
   }
 
+  // y = x seen with y's dims and strides (a transpose of the last two dims).
+  cudnnBackendDescriptor_t reshape(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
+    cudnnBackendDescriptor_t op = make(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, "reshape operation");
+    set(op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x, "reshape x");
+    set(op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y, "reshape y");
+    finalize(op, "reshape operation");
+    return op;
+  }
+
   // y = reduction of x over the dims where y has size 1, in f32.
   cudnnBackendDescriptor_t reduction(cudnnReduceTensorOp_t mode, cudnnBackendDescriptor_t x,
                                      cudnnBackendDescriptor_t y) {
@@ -150,6 +160,67 @@ int64_t engine_index(const CudnnApi &api, cudnnBackendDescriptor_t cfg) {
     index = -1;
   api.destroy_descriptor(engine);
   return index;
+}
+
+// The first engine configuration of heuristic mode A, then of the fallback
+// list, that cuDNN finalizes into an execution plan for `graph`, into *plan;
+// else plan->why says what each list's first choice answered.
+void find_plan(const CudnnApi &api, cudnnHandle_t handle, cudnnBackendDescriptor_t device_prop,
+               cudnnBackendDescriptor_t graph, SdpaPlan *plan) {
+  // Engine configurations, best first, by heuristic A and then the fallback
+  // list; the first one cuDNN finalizes into a plan is taken.
+  std::string refusals;
+  for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
+    Builder h(api);
+    cudnnBackendDescriptor_t heur = h.make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, "engine heuristics");
+    h.set(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &graph, "heuristics graph");
+    h.set(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode, "heuristics mode");
+    if (device_prop)
+      h.set(heur, CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &device_prop, "heuristics device");
+    h.finalize(heur, "engine heuristics");
+    int64_t count = 0;
+    if (h.ok()) h.check(api.get_attribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
+                                          nullptr), "engine heuristics results (count)");
+    std::vector<cudnnBackendDescriptor_t> cfgs;
+    for (int64_t i = 0; i < count && h.ok(); ++i) cfgs.push_back(h.make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, "engine configuration"));
+    int64_t got = 0;
+    if (h.ok() && count > 0)
+      h.check(api.get_attribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got,
+                                cfgs.data()), "engine heuristics results");
+    if (!h.ok()) {
+      refusals += (refusals.empty() ? "" : "; ") + h.why;
+      continue;
+    }
+    const char *mode_name = mode == CUDNN_HEUR_MODE_A ? "heuristic A" : "fallback list";
+    if (got == 0) refusals += (refusals.empty() ? "" : "; ") + std::string(mode_name) + ": no engine";
+    for (int64_t i = 0; i < got; ++i) {
+      cudnnBackendDescriptor_t ep = nullptr;
+      if (api.create_descriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &ep) != CUDNN_STATUS_SUCCESS) continue;
+      cudnnStatus_t st =
+          handle ? api.set_attribute(ep, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle)
+                 : api.set_attribute(ep, CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+                                     &device_prop);
+      if (st == CUDNN_STATUS_SUCCESS)
+        st = api.set_attribute(ep, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &cfgs[i]);
+      if (st == CUDNN_STATUS_SUCCESS) st = api.finalize(ep);
+      int64_t ws = 0, n = 0;
+      if (st == CUDNN_STATUS_SUCCESS)
+        st = api.get_attribute(ep, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n, &ws);
+      const std::string which = std::string(mode_name) + ", choice " + std::to_string(i) + " (engine " +
+                                std::to_string(engine_index(api, cfgs[i])) + ")";
+      if (st == CUDNN_STATUS_SUCCESS) {
+        plan->plan = ep;
+        plan->workspace = ws;
+        plan->engine = which;
+        return;
+      }
+      // The first choice's answer in full, the others' status names.
+      refusals += (refusals.empty() ? "" : "; ") + which + ": " +
+                  (i == 0 ? cudnn_words(api, st) : std::string(api.error_string(st)));
+      api.destroy_descriptor(ep);
+    }
+  }
+  plan->why = "no engine runs the graph (" + refusals + ")";
 }
 
 }  // namespace
@@ -226,60 +297,122 @@ std::unique_ptr<SdpaPlan> sdpa_forward_plan(const CudnnApi &api, cudnnHandle_t h
     return plan;
   }
 
-  // Engine configurations, best first, by heuristic A and then the fallback
-  // list; the first one cuDNN finalizes into a plan is taken.
-  std::string refusals;
-  for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
-    Builder h(api);
-    cudnnBackendDescriptor_t heur = h.make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, "engine heuristics");
-    h.set(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &graph, "heuristics graph");
-    h.set(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode, "heuristics mode");
-    if (device_prop)
-      h.set(heur, CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &device_prop, "heuristics device");
-    h.finalize(heur, "engine heuristics");
-    int64_t count = 0;
-    if (h.ok()) h.check(api.get_attribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
-                                          nullptr), "engine heuristics results (count)");
-    std::vector<cudnnBackendDescriptor_t> cfgs;
-    for (int64_t i = 0; i < count && h.ok(); ++i) cfgs.push_back(h.make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, "engine configuration"));
-    int64_t got = 0;
-    if (h.ok() && count > 0)
-      h.check(api.get_attribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got,
-                                cfgs.data()), "engine heuristics results");
-    if (!h.ok()) {
-      refusals += (refusals.empty() ? "" : "; ") + h.why;
-      continue;
-    }
-    const char *mode_name = mode == CUDNN_HEUR_MODE_A ? "heuristic A" : "fallback list";
-    if (got == 0) refusals += (refusals.empty() ? "" : "; ") + std::string(mode_name) + ": no engine";
-    for (int64_t i = 0; i < got; ++i) {
-      cudnnBackendDescriptor_t ep = nullptr;
-      if (api.create_descriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &ep) != CUDNN_STATUS_SUCCESS) continue;
-      cudnnStatus_t st =
-          handle ? api.set_attribute(ep, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle)
-                 : api.set_attribute(ep, CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
-                                     &device_prop);
-      if (st == CUDNN_STATUS_SUCCESS)
-        st = api.set_attribute(ep, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &cfgs[i]);
-      if (st == CUDNN_STATUS_SUCCESS) st = api.finalize(ep);
-      int64_t ws = 0, n = 0;
-      if (st == CUDNN_STATUS_SUCCESS)
-        st = api.get_attribute(ep, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n, &ws);
-      const std::string which = std::string(mode_name) + ", choice " + std::to_string(i) + " (engine " +
-                                std::to_string(engine_index(api, cfgs[i])) + ")";
-      if (st == CUDNN_STATUS_SUCCESS) {
-        plan->plan = ep;
-        plan->workspace = ws;
-        plan->engine = which;
-        return plan;
-      }
-      if (i == 0) refusals += (refusals.empty() ? "" : "; ") + which + ": " + cudnn_words(api, st);
-      api.destroy_descriptor(ep);
-    }
-  }
-  plan->why = "no engine runs the graph (" + refusals + ")";
+  find_plan(api, handle, device_prop, graph, plan.get());
   return plan;
 }
 
+
+// The backward, for Hq == Hkv:
+//
+//   delta = sum_d dO * O           per query row, into the workspace (f32)
+//   P = exp(select(Q K^T * scale) - Stats)
+//   dV = P^T dO                    P^T: a reshape of P, bf16
+//   dS = P * (dO V^T - delta) * scale, bf16
+//   dQacc = dS K                   f32 accumulator in the workspace, zeroed first
+//   dQ = dQacc
+//   dK = dS^T Q
+//
+// cuDNN's fused backward engine wants Q K^T and dO V^T as matmuls without
+// producers, so K^T and V^T are inputs (transposed views) and K is an input
+// once more, untransposed, for dQ.
+std::unique_ptr<SdpaPlan> sdpa_backward_plan(const CudnnApi &api, cudnnHandle_t handle,
+                                             cudnnBackendDescriptor_t device_prop, const SdpaShape &s) {
+  auto plan = std::make_unique<SdpaPlan>();
+  plan->api = &api;
+  plan->scale = s.scale;
+  plan->lowest = -FLT_MAX;
+  if (s.Hq != s.Hkv) {
+    // dK and dV would sum over each kv head's group of query heads, which a
+    // matmul of this graph cannot express.
+    plan->why = "grouped-query heads (" + std::to_string(s.Hq) + " over " + std::to_string(s.Hkv) +
+                "): the backward graph takes Hq == Hkv only";
+    return plan;
+  }
+  Builder g(api);
+  const int64_t B = s.B, T = s.T, H = s.Hq, D = s.D;
+  const cudnnDataType_t bf16 = CUDNN_DATA_BFLOAT16, f32 = CUDNN_DATA_FLOAT;
+  int64_t vid = 100;  // virtual tensors
+  const int64_t x_dims[4] = {B, H, T, D}, x_str[4] = {T * H * D, D, H * D, 1};
+  const int64_t xt_dims[4] = {B, H, D, T}, xt_str[4] = {T * H * D, D, 1, H * D};
+  const int64_t s_dims[4] = {B, H, T, T}, s_str[4] = {H * T * T, T * T, T, 1};
+  const int64_t st_str[4] = {H * T * T, T * T, 1, T};  // the transpose of an [.., T, T] score tensor
+  const int64_t r_dims[4] = {B, H, T, 1}, r_str[4] = {H * T, T, 1, 1};
+  const int64_t one[4] = {1, 1, 1, 1};
+
+  auto q = g.tensor(kSdpaQ, bf16, x_dims, x_str, false);
+  auto kt = g.tensor(kSdpaK, bf16, xt_dims, xt_str, false);
+  auto k = g.tensor(kSdpaKRows, bf16, x_dims, x_str, false);  // K's memory again, untransposed
+  auto vt = g.tensor(kSdpaV, bf16, xt_dims, xt_str, false);
+  auto o = g.tensor(kSdpaO, bf16, x_dims, x_str, false);
+  auto dout = g.tensor(kSdpaDO, bf16, x_dims, x_str, false);
+  auto stats = g.tensor(kSdpaStats, f32, r_dims, r_str, false);
+  auto scale_t = g.tensor(kSdpaScale, f32, one, one, false, true);
+  auto dq = g.tensor(kSdpaDQ, bf16, x_dims, x_str, false);
+  auto dk = g.tensor(kSdpaDK, bf16, x_dims, x_str, false);
+  auto dv = g.tensor(kSdpaDV, bf16, x_dims, x_str, false);
+  // In the workspace: the row sums of dO * O, and dQ accumulated in f32.
+  auto delta = g.tensor(kSdpaDelta, f32, r_dims, r_str, false);
+  auto dq_acc = g.tensor(kSdpaDQAcc, f32, x_dims, x_str, false);
+  auto sv = [&](cudnnDataType_t t = CUDNN_DATA_FLOAT) { return g.tensor(vid++, t, s_dims, s_str, true); };
+  auto svt = [&](cudnnDataType_t t) { return g.tensor(vid++, t, s_dims, st_str, true); };
+
+  std::vector<cudnnBackendDescriptor_t> ops;
+  // delta_i = sum_d dO * O.
+  auto do_o = g.tensor(vid++, f32, x_dims, x_str, true);
+  ops.push_back(g.pointwise(CUDNN_POINTWISE_MUL, f32, dout, o, nullptr, do_o));
+  ops.push_back(g.reduction(CUDNN_REDUCE_TENSOR_ADD, do_o, delta));
+  // P, recomputed from the scores and the forward's Stats.
+  auto scores = sv();
+  ops.push_back(g.matmul(q, kt, scores));
+  auto scaled = sv();
+  ops.push_back(g.pointwise(CUDNN_POINTWISE_MUL, f32, scores, scale_t, nullptr, scaled));
+  auto masked = scaled;
+  if (s.causal) {
+    auto lowest = g.tensor(kSdpaLowest, f32, one, one, false, true);
+    auto row = sv(CUDNN_DATA_INT32), col = sv(CUDNN_DATA_INT32), keep = sv(CUDNN_DATA_BOOLEAN);
+    ops.push_back(g.pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, scaled, nullptr, nullptr, row, 2));
+    ops.push_back(g.pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, scaled, nullptr, nullptr, col, 3));
+    ops.push_back(g.pointwise(CUDNN_POINTWISE_CMP_GE, CUDNN_DATA_BOOLEAN, row, col, nullptr, keep));
+    masked = sv();
+    ops.push_back(g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, f32, scaled, lowest, keep, masked));
+  }
+  auto shifted = sv();
+  ops.push_back(g.pointwise(CUDNN_POINTWISE_SUB, f32, masked, stats, nullptr, shifted));
+  auto p = sv();
+  ops.push_back(g.pointwise(CUDNN_POINTWISE_EXP, f32, shifted, nullptr, nullptr, p));
+  // dV = P^T dO.
+  auto pt = svt(bf16);
+  ops.push_back(g.reshape(p, pt));
+  ops.push_back(g.matmul(pt, dout, dv));
+  // dS = P * (dO V^T - delta) * scale.
+  auto dp = sv();
+  ops.push_back(g.matmul(dout, vt, dp));
+  auto dp_centered = sv();
+  ops.push_back(g.pointwise(CUDNN_POINTWISE_SUB, f32, dp, delta, nullptr, dp_centered));
+  auto ds_unscaled = sv();
+  ops.push_back(g.pointwise(CUDNN_POINTWISE_MUL, f32, p, dp_centered, nullptr, ds_unscaled));
+  auto ds = sv();
+  ops.push_back(g.pointwise(CUDNN_POINTWISE_MUL, f32, ds_unscaled, scale_t, nullptr, ds));
+  auto ds16 = sv(bf16);
+  ops.push_back(g.pointwise(CUDNN_POINTWISE_IDENTITY, f32, ds, nullptr, nullptr, ds16));
+  // dQ = dS K (through the f32 accumulator), dK = dS^T Q.
+  ops.push_back(g.matmul(ds16, k, dq_acc));
+  ops.push_back(g.pointwise(CUDNN_POINTWISE_IDENTITY, f32, dq_acc, nullptr, nullptr, dq));
+  auto dst = svt(bf16);
+  ops.push_back(g.reshape(ds16, dst));
+  ops.push_back(g.matmul(dst, q, dk));
+
+  cudnnBackendDescriptor_t graph = g.make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "operation graph");
+  g.set(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<int64_t>(ops.size()),
+        ops.data(), "operation graph ops");
+  if (handle) g.set(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle, "operation graph handle");
+  g.finalize(graph, "operation graph");
+  if (!g.ok()) {
+    plan->why = g.why;
+    return plan;
+  }
+  find_plan(api, handle, device_prop, graph, plan.get());
+  return plan;
+}
 
 }  // namespace ctr::cuda

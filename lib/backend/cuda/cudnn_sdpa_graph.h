@@ -30,8 +30,14 @@ struct SdpaShape {
   bool operator<(const SdpaShape &o) const { return key() < o.key(); }
 };
 
-// Tensor ids of the variant pack.
-enum : int64_t { kSdpaQ = 1, kSdpaK, kSdpaV, kSdpaO, kSdpaStats, kSdpaScale, kSdpaLowest };
+// Tensor ids of the variant pack. Backward only: dO, dQ, dK, dV, K again
+// (untransposed, same address), and two workspace tensors: the row sums of
+// dO * O (f32 [B, H, T]) and dQ's f32 accumulator ([B, T, H*D], zeroed before
+// each run).
+enum : int64_t {
+  kSdpaQ = 1, kSdpaK, kSdpaV, kSdpaO, kSdpaStats, kSdpaScale, kSdpaLowest,
+  kSdpaDO, kSdpaDQ, kSdpaDK, kSdpaDV, kSdpaKRows, kSdpaDelta, kSdpaDQAcc
+};
 
 // A built forward plan, or the reason there is none.
 struct SdpaPlan {
@@ -53,5 +59,10 @@ struct SdpaPlan {
 // 9.8 or later). Never null; check why.
 std::unique_ptr<SdpaPlan> sdpa_forward_plan(const CudnnApi &api, cudnnHandle_t handle,
                                             cudnnBackendDescriptor_t device_prop, const SdpaShape &s);
+
+// The same for the backward: dQ, dK, dV from Q, K, V, O, dO and the
+// forward's Stats, for Hq == Hkv (else refused, saying why).
+std::unique_ptr<SdpaPlan> sdpa_backward_plan(const CudnnApi &api, cudnnHandle_t handle,
+                                             cudnnBackendDescriptor_t device_prop, const SdpaShape &s);
 
 }  // namespace ctr::cuda
