@@ -7,8 +7,7 @@
 // The graphs (cudnn_sdpa_graph.cc) keep the natural-log log-sum-exp of each
 // scaled, masked score row, f32 [B, Hq, T], exactly what the own forward
 // writes into the op's saved output and the own backward reads
-// (CTR_BACKEND_ATTENTION_LSE), so either backward serves either forward
-// (grouped-query heads: cuDNN's forward, the own backward).
+// (CTR_BACKEND_ATTENTION_LSE), so either backward serves either forward.
 //
 // A plan (operation graph, engine configuration, execution plan) is built the
 // first time a shape is seen in a direction, outside any capture (the
@@ -20,6 +19,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 #include <cstdio>
@@ -75,6 +75,22 @@ struct CudnnAttention : AttentionLib {
 };
 
 bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// out[r, j, :] = sum over g < G of full[r, j * G + g, :] for the rows r and
+// kv heads j (rj = r * Hkv + j < rows), D values each: dK and dV of a kv head
+// from those of its query heads (cuDNN's backward with grouped-query heads).
+// In f32, in a fixed order; a block per (r, j), its threads over d.
+__global__ void group_sum_kernel(const __nv_bfloat16 *full, __nv_bfloat16 *out, int64_t rows, int64_t G,
+                                 int64_t D) {
+  for (int64_t rj = blockIdx.x; rj < rows; rj += gridDim.x) {
+    const __nv_bfloat16 *src = full + rj * G * D;
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+      float acc = 0.0f;
+      for (int64_t g = 0; g < G; ++g) acc += __bfloat162float(src[g * D + d]);
+      out[rj * D + d] = __float2bfloat16_rn(acc);
+    }
+  }
+}
 
 // Rounds up to 256 bytes: where the workspace tensors start.
 int64_t round256(int64_t n) { return (n + 255) / 256 * 256; }
@@ -200,7 +216,9 @@ bool cudnn_forward(AttentionLib *self, const Args &c) {
 }
 
 // attention_bwd(dout, q, k, v, probs, out) -> dq, dk, dv. The lse in probs is
-// the forward's, whichever forward wrote it (the same definition).
+// the forward's, whichever forward wrote it (the same definition). With
+// grouped-query heads cuDNN writes dK and dV per query head into the
+// workspace, and group_sum_kernel sums each kv head's group into dk and dv.
 bool cudnn_backward(AttentionLib *self, const Args &c) {
   auto &a = *static_cast<CudnnAttention *>(self);
   std::lock_guard<std::mutex> lock(a.mu);
@@ -212,19 +230,32 @@ bool cudnn_backward(AttentionLib *self, const Args &c) {
   if (c.num_inputs() < 6 || !shape_of(c, 1, &s) || c.in_ref(5).dtype != CTR_DTYPE_BF16 ||
       c.in_ref(0).dtype != CTR_DTYPE_BF16)
     return false;
-  // Workspace after the plan's own: the row sums, then dQ's accumulator.
-  const int64_t delta_bytes = round256(s.B * s.Hq * s.T * 4), acc_bytes = round256(s.B * s.T * s.Hq * s.D * 4);
-  SdpaPlan *plan = plan_of(a, 1, s, delta_bytes + acc_bytes, c.stream());
+  // Workspace after the plan's own: the row sums, dQ's accumulator and, with
+  // grouped-query heads, dK and dV per query head.
+  const bool grouped = s.Hq != s.Hkv;
+  const int64_t delta_bytes = round256(s.B * s.Hq * s.T * 4), acc_bytes = round256(s.B * s.T * s.Hq * s.D * 4),
+                full_bytes = grouped ? round256(s.B * s.T * s.Hq * s.D * 2) : 0;
+  SdpaPlan *plan = plan_of(a, 1, s, delta_bytes + acc_bytes + 2 * full_bytes, c.stream());
   if (!plan) return false;
   char *base = static_cast<char *>(a.workspace) + round256(plan->workspace);
   void *delta = base, *acc = base + delta_bytes;
+  void *dk = grouped ? base + delta_bytes + acc_bytes : c.out<void>(1);
+  void *dv = grouped ? base + delta_bytes + acc_bytes + full_bytes : c.out<void>(2);
   if (!CTR_CUDA_CHECK(cudaMemsetAsync(acc, 0, static_cast<size_t>(acc_bytes), c.stream()))) return true;
   int64_t uids[] = {kSdpaQ,     kSdpaK,      kSdpaKRows, kSdpaV,     kSdpaO,      kSdpaDO,    kSdpaStats,
                     kSdpaDelta, kSdpaDQAcc,  kSdpaDQ,    kSdpaDK,    kSdpaDV,     kSdpaScale, kSdpaLowest};
   void *ptrs[] = {c.in<void>(1), c.in<void>(2), c.in<void>(2), c.in<void>(3),  c.in<void>(5),
                   c.in<void>(0), c.in<void>(4), delta,         acc,            c.out<void>(0),
-                  c.out<void>(1), c.out<void>(2), &plan->scale, &plan->lowest};
+                  dk,            dv,            &plan->scale, &plan->lowest};
   run_plan(a, *plan, "backward", s.causal ? 14 : 13, uids, ptrs);
+  if (grouped) {
+    const int64_t rows = s.B * s.T * s.Hkv, G = s.Hq / s.Hkv;
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, int64_t{1} << 20));
+    CTR_LAUNCH(group_sum_kernel, grid, 128, 0, c.stream())(static_cast<const __nv_bfloat16 *>(dk),
+                                                           c.out<__nv_bfloat16>(1), rows, G, s.D);
+    CTR_LAUNCH(group_sum_kernel, grid, 128, 0, c.stream())(static_cast<const __nv_bfloat16 *>(dv),
+                                                           c.out<__nv_bfloat16>(2), rows, G, s.D);
+  }
   return true;
 }
 

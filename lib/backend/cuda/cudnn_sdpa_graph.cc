@@ -302,7 +302,7 @@ std::unique_ptr<SdpaPlan> sdpa_forward_plan(const CudnnApi &api, cudnnHandle_t h
 }
 
 
-// The backward, for Hq == Hkv:
+// The backward:
 //
 //   delta = sum_d dO * O           per query row, into the workspace (f32)
 //   P = exp(select(Q K^T * scale) - Stats)
@@ -314,40 +314,38 @@ std::unique_ptr<SdpaPlan> sdpa_forward_plan(const CudnnApi &api, cudnnHandle_t h
 //
 // cuDNN's fused backward engine wants Q K^T and dO V^T as matmuls without
 // producers, so K^T and V^T are inputs (transposed views) and K is an input
-// once more, untransposed, for dQ.
+// once more, untransposed, for dQ. With grouped-query heads K and V have Hkv
+// heads (query head h reads kv head h / (Hq / Hkv), as in the forward) while
+// dK and dV come out per query head, Hq of them: the caller sums each group.
 std::unique_ptr<SdpaPlan> sdpa_backward_plan(const CudnnApi &api, cudnnHandle_t handle,
                                              cudnnBackendDescriptor_t device_prop, const SdpaShape &s) {
   auto plan = std::make_unique<SdpaPlan>();
   plan->api = &api;
   plan->scale = s.scale;
   plan->lowest = -FLT_MAX;
-  if (s.Hq != s.Hkv) {
-    // dK and dV would sum over each kv head's group of query heads, which a
-    // matmul of this graph cannot express.
-    plan->why = "grouped-query heads (" + std::to_string(s.Hq) + " over " + std::to_string(s.Hkv) +
-                "): the backward graph takes Hq == Hkv only";
-    return plan;
-  }
   Builder g(api);
-  const int64_t B = s.B, T = s.T, H = s.Hq, D = s.D;
+  const int64_t B = s.B, T = s.T, H = s.Hq, Hk = s.Hkv, D = s.D;
   const cudnnDataType_t bf16 = CUDNN_DATA_BFLOAT16, f32 = CUDNN_DATA_FLOAT;
   int64_t vid = 100;  // virtual tensors
   const int64_t x_dims[4] = {B, H, T, D}, x_str[4] = {T * H * D, D, H * D, 1};
-  const int64_t xt_dims[4] = {B, H, D, T}, xt_str[4] = {T * H * D, D, 1, H * D};
+  const int64_t kv_dims[4] = {B, Hk, T, D}, kv_str[4] = {T * Hk * D, D, Hk * D, 1};
+  const int64_t kt_dims[4] = {B, Hk, D, T}, kt_str[4] = {T * Hk * D, D, 1, Hk * D};
   const int64_t s_dims[4] = {B, H, T, T}, s_str[4] = {H * T * T, T * T, T, 1};
   const int64_t st_str[4] = {H * T * T, T * T, 1, T};  // the transpose of an [.., T, T] score tensor
   const int64_t r_dims[4] = {B, H, T, 1}, r_str[4] = {H * T, T, 1, 1};
   const int64_t one[4] = {1, 1, 1, 1};
 
   auto q = g.tensor(kSdpaQ, bf16, x_dims, x_str, false);
-  auto kt = g.tensor(kSdpaK, bf16, xt_dims, xt_str, false);
-  auto k = g.tensor(kSdpaKRows, bf16, x_dims, x_str, false);  // K's memory again, untransposed
-  auto vt = g.tensor(kSdpaV, bf16, xt_dims, xt_str, false);
+  auto kt = g.tensor(kSdpaK, bf16, kt_dims, kt_str, false);
+  auto k = g.tensor(kSdpaKRows, bf16, kv_dims, kv_str, false);  // K's memory again, untransposed
+  auto vt = g.tensor(kSdpaV, bf16, kt_dims, kt_str, false);
   auto o = g.tensor(kSdpaO, bf16, x_dims, x_str, false);
   auto dout = g.tensor(kSdpaDO, bf16, x_dims, x_str, false);
   auto stats = g.tensor(kSdpaStats, f32, r_dims, r_str, false);
   auto scale_t = g.tensor(kSdpaScale, f32, one, one, false, true);
   auto dq = g.tensor(kSdpaDQ, bf16, x_dims, x_str, false);
+  // With grouped-query heads, dK and dV per query head ([B, T, Hq*D], in the
+  // workspace): the caller sums each kv head's group.
   auto dk = g.tensor(kSdpaDK, bf16, x_dims, x_str, false);
   auto dv = g.tensor(kSdpaDV, bf16, x_dims, x_str, false);
   // In the workspace: the row sums of dO * O, and dQ accumulated in f32.

@@ -61,7 +61,8 @@ std::unique_ptr<SdpaPlan> sdpa_forward_plan(const CudnnApi &api, cudnnHandle_t h
                                             cudnnBackendDescriptor_t device_prop, const SdpaShape &s);
 
 // The same for the backward: dQ, dK, dV from Q, K, V, O, dO and the
-// forward's Stats, for Hq == Hkv (else refused, saying why).
+// forward's Stats. dK and dV come out per query head ([B, T, Hq*D]); with
+// grouped-query heads the caller sums each kv head's group of them.
 std::unique_ptr<SdpaPlan> sdpa_backward_plan(const CudnnApi &api, cudnnHandle_t handle,
                                              cudnnBackendDescriptor_t device_prop, const SdpaShape &s);
 
