@@ -131,12 +131,16 @@ struct Builder {
   }
 
   // y = reduction of x over the dims where y has size 1, in f32.
+  // deterministic: asked of the engine (the backward's dQ is then summed in
+  // a fixed order).
   cudnnBackendDescriptor_t reduction(cudnnReduceTensorOp_t mode, cudnnBackendDescriptor_t x,
-                                     cudnnBackendDescriptor_t y) {
+                                     cudnnBackendDescriptor_t y, bool deterministic = false) {
     cudnnBackendDescriptor_t r = make(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, "reduction descriptor");
     const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
     set(r, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &mode, "reduction operator");
     set(r, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f32, "reduction compute type");
+    if (deterministic)
+      set(r, CUDNN_ATTR_REDUCTION_IS_DETERMINISTIC, CUDNN_TYPE_BOOLEAN, 1, &deterministic, "reduction determinism");
     finalize(r, "reduction descriptor");
     cudnnBackendDescriptor_t op = make(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, "reduction operation");
     set(op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x, "reduction x");
@@ -304,7 +308,8 @@ std::unique_ptr<SdpaPlan> sdpa_forward_plan(const CudnnApi &api, cudnnHandle_t h
 
 // The backward:
 //
-//   delta = sum_d dO * O           per query row, into the workspace (f32)
+//   delta = sum_d dO * O           per query row, into the workspace (f32);
+//                                  asked deterministic
 //   P = exp(select(Q K^T * scale) - Stats)
 //   dV = P^T dO                    P^T: a reshape of P, bf16
 //   dS = P * (dO V^T - delta) * scale, bf16
@@ -358,7 +363,9 @@ std::unique_ptr<SdpaPlan> sdpa_backward_plan(const CudnnApi &api, cudnnHandle_t 
   // delta_i = sum_d dO * O.
   auto do_o = g.tensor(vid++, f32, x_dims, x_str, true);
   ops.push_back(g.pointwise(CUDNN_POINTWISE_MUL, f32, dout, o, nullptr, do_o));
-  ops.push_back(g.reduction(CUDNN_REDUCE_TENSOR_ADD, do_o, delta));
+  // Deterministic: cuDNN then sums dQ in a fixed order (a replayed graph and
+  // a launched step agree bitwise, as on the own kernels).
+  ops.push_back(g.reduction(CUDNN_REDUCE_TENSOR_ADD, do_o, delta, true));
   // P, recomputed from the scores and the forward's Stats.
   auto scores = sv();
   ops.push_back(g.matmul(q, kt, scores));
