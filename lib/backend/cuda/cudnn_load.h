@@ -1,8 +1,8 @@
 // cuDNN for the CUDA backend, loaded with dlopen, never linked: libctr-cuda.so
 // loads on machines without cuDNN and attention then takes the own kernels
-// (kernels/cuda/attention.cu). Only the backend (graph) API is used, so the
-// one library needed is cuDNN 9's graph library and the engine libraries it
-// opens by name; cudnn_graph.h supplies the types.
+// (kernels/cuda/attention.cu). Only the backend (graph) API is used: the
+// library loaded is libcudnn.so.9, which opens cuDNN's graph, heuristic and
+// engine libraries by name; cudnn_graph.h supplies the types.
 //
 // Where it is looked for: CTR_CUDNN_PATH alone when set (a directory such as a
 // Python wheel's nvidia/cudnn/lib, or the library file; a path that does not
@@ -10,7 +10,7 @@
 // search path, $CUDA_HOME/lib64 and lib, /usr/local/cuda/lib64 and lib.
 // CTR_CUDNN=0 turns it off (the own kernels everywhere); 1, or unset, uses it
 // where it loads. This file is plain host C++ so that the unit suite can test
-// the loader on a machine without a GPU (tests/unit/test_cudnn_load.cc).
+// the loader on a machine without a GPU (tests/unit/test_cudnn.cc).
 #pragma once
 
 #include <cudnn_graph.h>
