@@ -35,6 +35,10 @@
 // for the 256 tiles) take the same kernels with every operand read from global
 // memory instead of shared memory and the accumulated dims processed in windows
 // of 256 (each window recomputes the dot products): slower, same math.
+//
+// Both directions are first offered to the stream's library attention
+// (cuDNN's fused SDPA, lib/backend/cuda/cudnn_sdpa.cu), which keeps the same
+// lse, so either backward serves either forward.
 
 #include <algorithm>
 
@@ -530,7 +534,7 @@ void attention(const Args &c) {
   else forward_as<T, 256, false>(c, d);
 }
 
-// attention_bwd(dout, q, k, v, probs) -> dq, dk, dv
+// attention_bwd(dout, q, k, v, probs, out) -> dq, dk, dv (out is not read here)
 template <typename T>
 void attention_bwd(const Args &c) {
   const Dims d = make_dims(c, 1);
@@ -542,8 +546,15 @@ void attention_bwd(const Args &c) {
   else backward_as<T, 256, false>(c, d);
 }
 
-void k_attention(const Args &c) { CTR_CUDA_DISPATCH(c, attention); }
-void k_attention_bwd(const Args &c) { CTR_CUDA_DISPATCH(c, attention_bwd); }
+// cuDNN's fused attention where the stream has it and takes the shape.
+void k_attention(const Args &c) {
+  if (c.s->attn && c.s->attn->forward(c.s->attn, c)) return;
+  CTR_CUDA_DISPATCH(c, attention);
+}
+void k_attention_bwd(const Args &c) {
+  if (c.s->attn && c.s->attn->backward(c.s->attn, c)) return;
+  CTR_CUDA_DISPATCH(c, attention_bwd);
+}
 
 }  // namespace
 

@@ -23,6 +23,19 @@
 namespace ctr::cuda {
 
 struct GemmCache;
+struct Args;
+
+// Attention through a library, optional (cuDNN's fused SDPA:
+// lib/backend/cuda/cudnn_sdpa.cu; absent in a build without cuDNN's headers
+// and on the emulated device). forward and backward each queue the attention
+// or attention_bwd op of the launch on its stream and return true, or return
+// false having queued nothing: the op then takes the own kernels
+// (attention.cu). Either direction may run on either side of the other: both
+// keep the same lse.
+struct AttentionLib {
+  bool (*forward)(AttentionLib *self, const Args &c) = nullptr;
+  bool (*backward)(AttentionLib *self, const Args &c) = nullptr;
+};
 
 // What a kernel's stream handle points to: the stream and the per-stream
 // resources kernels may use (cuBLASLt and its workspace).
@@ -34,6 +47,7 @@ struct StreamCtx {
   GemmCache *gemm = nullptr;  // shared by the backend's streams
   int sm_count = 0;
   bool tf32 = true;  // f32 GEMMs on TF32 tensor cores (CTR_CUDA_TF32=0: off)
+  AttentionLib *attn = nullptr;  // stream 0's only; null: the own kernels
 };
 
 // A binding's view of one launch.

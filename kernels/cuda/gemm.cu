@@ -153,26 +153,39 @@ GemmPlan &plan_for(StreamCtx &s, const GemmKey &k) {
   return cache.plans.emplace(k, p).first->second;
 }
 
-// C[M,N] = op(A) op(B) for each of `batch` products, then the epilogue e.
-// Returns false, having launched nothing, when e is not the default and the
-// heuristic found no algorithm for it: the caller then runs the product plain
-// and the epilogue's work itself.
-bool rm_gemm(StreamCtx &s, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const ctr_tensor_ref &A, int64_t lda,
-             const ctr_tensor_ref &B, int64_t ldb, const ctr_tensor_ref &C, int64_t ldc, int64_t batch = 1,
-             int64_t sa = 0, int64_t sb = 0, int64_t sc = 0, const Epi &e = Epi{}) {
+// One row-major product C[M,N] = op(A)[M,K] op(B)[K,N], `batch` times at the
+// given element strides (0: one product).
+struct Product {
+  bool ta, tb;
+  int64_t M, N, K;
+  const ctr_tensor_ref *A;
+  int64_t lda;
+  const ctr_tensor_ref *B;
+  int64_t ldb;
+  const ctr_tensor_ref *C;
+  int64_t ldc;
+  int64_t batch = 1, sa = 0, sb = 0, sc = 0;
+};
+
+// The product, then the epilogue e. Returns false, having launched nothing,
+// when e is not the default and the heuristic found no algorithm for it: the
+// caller then runs the product plain and the epilogue's work itself
+// (fused_or_split).
+bool rm_gemm(StreamCtx &s, const Product &g, const Epi &e = Epi{}) {
+  const ctr_tensor_ref &A = *g.A, &B = *g.B, &C = *g.C;
   GemmKey k = make_key();
-  k.ta = ta;
-  k.tb = tb;
-  k.M = M;
-  k.N = N;
-  k.K = K;
-  k.lda = lda;
-  k.ldb = ldb;
-  k.ldc = ldc;
-  k.batch = batch;
-  k.sa = sa;
-  k.sb = sb;
-  k.sc = sc;
+  k.ta = g.ta;
+  k.tb = g.tb;
+  k.M = g.M;
+  k.N = g.N;
+  k.K = g.K;
+  k.lda = g.lda;
+  k.ldb = g.ldb;
+  k.ldc = g.ldc;
+  k.batch = g.batch;
+  k.sa = g.sa;
+  k.sb = g.sb;
+  k.sc = g.sc;
   k.a_type = A.dtype;
   k.b_type = B.dtype;
   k.c_type = C.dtype;
@@ -195,6 +208,19 @@ bool rm_gemm(StreamCtx &s, bool ta, bool tb, int64_t M, int64_t N, int64_t K, co
   return true;
 }
 
+// The fused ops' one shape: `fused` with epilogue e where the operands allow
+// it (`fusable`) and cuBLASLt has an algorithm for it; otherwise `plain` with
+// the epilogue plain_e (the bias, which every algorithm takes), then `rest`,
+// the remaining element-wise work on the own kernels.
+template <typename Rest>
+void fused_or_split(StreamCtx &s, bool fusable, const Product &fused, const Epi &e, const Product &plain,
+                    const Epi &plain_e, Rest rest) {
+  if (fusable && rm_gemm(s, fused, e)) return;
+  rm_gemm(s, plain, plain_e);
+  rest();
+}
+
+// Epilogues. bias: BIAS adding b[N] (none without one).
 Epi bias_epi(const ctr_tensor_ref *bias) {
   Epi e;
   if (bias) {
@@ -204,66 +230,72 @@ Epi bias_epi(const ctr_tensor_ref *bias) {
   }
   return e;
 }
+// An auxiliary matrix `aux` (GELU_AUX writes it, DGELU reads it) beside the
+// output d, ld elements apart.
+Epi aux_epi(cublasLtEpilogue_t kind, const ctr_tensor_ref &aux, int64_t ld, const ctr_tensor_ref *bias = nullptr) {
+  Epi e = bias_epi(bias);
+  e.kind = kind;
+  e.aux = aux.data;
+  e.aux_ld = ld;
+  return e;
+}
+// cuBLASLt's auxiliary matrix has D's type and a leading dimension of a
+// multiple of 8.
+bool aux_fusable(const ctr_tensor_ref &aux, const ctr_tensor_ref &d, int64_t ld) {
+  return aux.dtype == d.dtype && ld % 8 == 0;
+}
+
+// The products of linear(x[M,K], w[N,K]) and its gradients, into out.
+// forward: out[M,N] = x w^T; bwd_x: out[M,K] = dy[M,N] w; bwd_w: out[N,K] = dy^T x.
+Product linear_fwd(const Args &c, const ctr_tensor_ref &out) {
+  const int64_t N = c.in_dim(1, 0), K = c.in_dim(1, 1), M = c.in_numel(0) / K;
+  return Product{false, true, M, N, K, &c.in_ref(0), K, &c.in_ref(1), K, &out, N};
+}
+Product linear_bwd_x(const Args &c, const ctr_tensor_ref &out) {
+  const int64_t N = c.in_dim(1, 0), K = c.in_dim(1, 1), M = c.in_numel(0) / N;
+  return Product{false, false, M, K, N, &c.in_ref(0), N, &c.in_ref(1), K, &out, K};
+}
+Product linear_bwd_w(const Args &c, const ctr_tensor_ref &out) {
+  const int64_t N = out.shape[0], K = out.shape[1], M = c.in_numel(1) / K;
+  return Product{true, false, N, K, M, &c.in_ref(0), N, &c.in_ref(1), K, &out, K};
+}
 
 // linear: y[M,N] = x[M,K] w[N,K]^T (+ b[N])
 void k_linear(const Args &c) {
-  const int64_t N = c.in_dim(1, 0), K = c.in_dim(1, 1), M = c.in_numel(0) / K;
-  rm_gemm(*c.s, false, true, M, N, K, c.in_ref(0), K, c.in_ref(1), K, c.out_ref(0), N, 1, 0, 0, 0,
-          bias_epi(c.num_inputs() > 2 ? &c.in_ref(2) : nullptr));
+  rm_gemm(*c.s, linear_fwd(c, c.out_ref(0)), bias_epi(c.num_inputs() > 2 ? &c.in_ref(2) : nullptr));
 }
 // linear_gelu(x, w [, b]) -> (y, h): h = x w^T (+ b), y = gelu(h) (tanh form),
 // one GEMM with GELU_AUX[_BIAS] storing h as the auxiliary matrix.
 void k_linear_gelu(const Args &c) {
-  const int64_t N = c.in_dim(1, 0), K = c.in_dim(1, 1), M = c.in_numel(0) / K;
   const ctr_tensor_ref *bias = c.num_inputs() > 2 ? &c.in_ref(2) : nullptr;
   const ctr_tensor_ref &y = c.out_ref(0), &h = c.out_ref(1);
-  Epi e = bias_epi(bias);
-  e.kind = bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
-  e.aux = h.data;
-  e.aux_ld = N;
-  // cuBLASLt's auxiliary matrix: D's type, a leading dimension of a multiple of 8.
-  if (h.dtype == y.dtype && N % 8 == 0 && rm_gemm(*c.s, false, true, M, N, K, c.in_ref(0), K, c.in_ref(1), K, y, N, 1, 0, 0, 0, e))
-    return;
-  rm_gemm(*c.s, false, true, M, N, K, c.in_ref(0), K, c.in_ref(1), K, h, N, 1, 0, 0, 0, bias_epi(bias));
-  launch_gelu_tanh(h, y, c.stream());
+  const Product fused = linear_fwd(c, y);
+  fused_or_split(*c.s, aux_fusable(h, y, fused.N), fused,
+                 aux_epi(bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX, h, fused.N, bias),
+                 linear_fwd(c, h), bias_epi(bias), [&] { launch_gelu_tanh(h, y, c.stream()); });
 }
 // linear_bwd_x_dgelu(g, w, h): dh[M,K] = (g[M,N] w[N,K]) * gelu'(h), one GEMM
 // with DGELU reading h as the auxiliary matrix.
 void k_linear_bwd_x_dgelu(const Args &c) {
-  const int64_t N = c.in_dim(1, 0), K = c.in_dim(1, 1), M = c.in_numel(0) / N;
   const ctr_tensor_ref &h = c.in_ref(2), &dh = c.out_ref(0);
-  Epi e;
-  e.kind = CUBLASLT_EPILOGUE_DGELU;
-  e.aux = h.data;
-  e.aux_ld = K;
-  if (h.dtype == dh.dtype && K % 8 == 0 && rm_gemm(*c.s, false, false, M, K, N, c.in_ref(0), N, c.in_ref(1), K, dh, K, 1, 0, 0, 0, e))
-    return;
-  rm_gemm(*c.s, false, false, M, K, N, c.in_ref(0), N, c.in_ref(1), K, dh, K);
-  launch_gelu_tanh_bwd(dh, h, dh, c.stream());
+  const Product g = linear_bwd_x(c, dh);
+  fused_or_split(*c.s, aux_fusable(h, dh, g.N), g, aux_epi(CUBLASLT_EPILOGUE_DGELU, h, g.N), g, Epi{},
+                 [&] { launch_gelu_tanh_bwd(dh, h, dh, c.stream()); });
 }
 // linear_bwd_x(dy, w): dx[M,K] = dy[M,N] w[N,K]
-void k_linear_bwd_x(const Args &c) {
-  const int64_t N = c.in_dim(1, 0), K = c.in_dim(1, 1), M = c.in_numel(0) / N;
-  rm_gemm(*c.s, false, false, M, K, N, c.in_ref(0), N, c.in_ref(1), K, c.out_ref(0), K);
-}
+void k_linear_bwd_x(const Args &c) { rm_gemm(*c.s, linear_bwd_x(c, c.out_ref(0))); }
 // linear_bwd_w(dy, x): dw[N,K] = dy[M,N]^T x[M,K]
-void k_linear_bwd_w(const Args &c) {
-  const int64_t N = c.out_dim(0, 0), K = c.out_dim(0, 1), M = c.in_numel(1) / K;
-  rm_gemm(*c.s, true, false, N, K, M, c.in_ref(0), N, c.in_ref(1), K, c.out_ref(0), K);
-}
+void k_linear_bwd_w(const Args &c) { rm_gemm(*c.s, linear_bwd_w(c, c.out_ref(0))); }
 // linear_bwd_wb(dy, x) -> (dw, db): dw as linear_bwd_w, db[N] = column sums of
 // dy, from the same GEMM (BGRADB: dy is cuBLASLt's B, summed over k = M).
 void k_linear_bwd_wb(const Args &c) {
-  const int64_t N = c.out_dim(0, 0), K = c.out_dim(0, 1), M = c.in_numel(1) / K;
   const ctr_tensor_ref &dw = c.out_ref(0), &db = c.out_ref(1);
   Epi e;
   e.kind = CUBLASLT_EPILOGUE_BGRADB;
   e.bias = db.data;
   e.bias_type = db.dtype;
-  if (db.dtype == dw.dtype && rm_gemm(*c.s, true, false, N, K, M, c.in_ref(0), N, c.in_ref(1), K, dw, K, 1, 0, 0, 0, e))
-    return;
-  rm_gemm(*c.s, true, false, N, K, M, c.in_ref(0), N, c.in_ref(1), K, dw, K);
-  launch_column_sums(c.in_ref(0), db, *c.s);
+  const Product g = linear_bwd_w(c, dw);
+  fused_or_split(*c.s, db.dtype == dw.dtype, g, e, g, Epi{}, [&] { launch_column_sums(c.in_ref(0), db, *c.s); });
 }
 
 struct MatmulDims {
@@ -284,29 +316,32 @@ MatmulDims matmul_dims(const ctr_tensor_ref &a, const ctr_tensor_ref &b) {
 // one product of batch*M rows.
 void k_matmul(const Args &c) {
   const MatmulDims d = matmul_dims(c.in_ref(0), c.in_ref(1));
+  const ctr_tensor_ref *a = &c.in_ref(0), *b = &c.in_ref(1), *out = &c.out_ref(0);
   if (d.shared)
-    rm_gemm(*c.s, false, false, d.batch * d.M, d.N, d.K, c.in_ref(0), d.K, c.in_ref(1), d.N, c.out_ref(0), d.N);
+    rm_gemm(*c.s, Product{false, false, d.batch * d.M, d.N, d.K, a, d.K, b, d.N, out, d.N});
   else
-    rm_gemm(*c.s, false, false, d.M, d.N, d.K, c.in_ref(0), d.K, c.in_ref(1), d.N, c.out_ref(0), d.N, d.batch,
-            d.M * d.K, d.K * d.N, d.M * d.N);
+    rm_gemm(*c.s, Product{false, false, d.M, d.N, d.K, a, d.K, b, d.N, out, d.N, d.batch, d.M * d.K, d.K * d.N,
+                          d.M * d.N});
 }
 // matmul_bwd(g, a, b): da = g b^T ; db = a^T g (summed over batch when b is shared).
 void k_matmul_bwd(const Args &c) {
   const MatmulDims d = matmul_dims(c.in_ref(1), c.in_ref(2));
-  const ctr_tensor_ref &g = c.in_ref(0), &a = c.in_ref(1), &b = c.in_ref(2);
+  const ctr_tensor_ref *g = &c.in_ref(0), *a = &c.in_ref(1), *b = &c.in_ref(2);
   if (c.out_ref(0).data) {
+    const ctr_tensor_ref *da = &c.out_ref(0);
     if (d.shared)
-      rm_gemm(*c.s, false, true, d.batch * d.M, d.K, d.N, g, d.N, b, d.N, c.out_ref(0), d.K);
+      rm_gemm(*c.s, Product{false, true, d.batch * d.M, d.K, d.N, g, d.N, b, d.N, da, d.K});
     else
-      rm_gemm(*c.s, false, true, d.M, d.K, d.N, g, d.N, b, d.N, c.out_ref(0), d.K, d.batch, d.M * d.N, d.K * d.N,
-              d.M * d.K);
+      rm_gemm(*c.s, Product{false, true, d.M, d.K, d.N, g, d.N, b, d.N, da, d.K, d.batch, d.M * d.N, d.K * d.N,
+                            d.M * d.K});
   }
   if (c.num_outputs() > 1 && c.out_ref(1).data) {
+    const ctr_tensor_ref *db = &c.out_ref(1);
     if (d.shared)
-      rm_gemm(*c.s, true, false, d.K, d.N, d.batch * d.M, a, d.K, g, d.N, c.out_ref(1), d.N);
+      rm_gemm(*c.s, Product{true, false, d.K, d.N, d.batch * d.M, a, d.K, g, d.N, db, d.N});
     else
-      rm_gemm(*c.s, true, false, d.K, d.N, d.M, a, d.K, g, d.N, c.out_ref(1), d.N, d.batch, d.M * d.K, d.M * d.N,
-              d.K * d.N);
+      rm_gemm(*c.s, Product{true, false, d.K, d.N, d.M, a, d.K, g, d.N, db, d.N, d.batch, d.M * d.K, d.M * d.N,
+                            d.K * d.N});
   }
 }
 

@@ -689,8 +689,12 @@ std::vector<OpDef> library_ops() {
       with_bwd(fwd("pow", 1, 1, pow_infer, elementwise_flops), "pow_bwd", {G(0), In(0)}), pow_decode));
   v.push_back(with_params<ctr_rope_params>(
       with_bwd(fwd("rope", 1, 1, rope_infer, elementwise_flops), "rope_bwd", {G(0)}), rope_decode));
+  // attention_bwd also reads the output: a backend whose backward needs it
+  // (cuDNN's fused SDPA sums dout * out per row) reads it there; the others
+  // ignore it. It is alive then anyway (the output projection's weight
+  // gradient reads it).
   OpDef at = with_bwd(fwd("attention", 3, 3, attention_infer, attention_flops), "attention_bwd",
-                      {G(0), In(0), In(1), In(2), Out(1)});
+                      {G(0), In(0), In(1), In(2), Out(1), Out(0)});
   at.saved = {"probs"};
   v.push_back(with_params<ctr_attention_params>(at, attention_decode<0>));
   OpDef xe = with_bwd(fwd("cross_entropy", 2, 2, xent_infer, xent_flops), "cross_entropy_bwd",
@@ -786,7 +790,7 @@ std::vector<OpDef> library_ops() {
   v.push_back(internal("neg_bwd", 1, 1));
   v.push_back(with_params<ctr_pow_params>(internal("pow_bwd", 2, 1), pow_decode));
   v.push_back(with_params<ctr_rope_params>(internal("rope_bwd", 1, 1), rope_decode));
-  v.push_back(with_params<ctr_attention_params>(internal("attention_bwd", 5, 3), attention_decode<1>));
+  v.push_back(with_params<ctr_attention_params>(internal("attention_bwd", 6, 3), attention_decode<1>));
   v.push_back(internal("cross_entropy_bwd", 5, 1));
   v.push_back(internal("add_same", 2, 1));
   v.push_back(internal("take_rows_bwd", 1, 1));

@@ -21,6 +21,8 @@
 //   and the next steps' losses agree within 2e-3 relative;
 // - a step replayed as a CUDA graph gives bitwise the losses of launching
 //   every kernel, in fp32 and bf16.
+// Attention in bf16 through cuDNN's fused SDPA against the own kernels and the
+// CPU (GpuCudnnAttention, bounds stated there), and CTR_CUDNN's values.
 // With precision bf16 (the CUDA default) the same presets' 20 losses stay
 // within 3e-2 relative of the CPU's f32 run (bf16 keeps 8 bits of mantissa;
 // parameters, gradients of parameters and statistics stay f32).
@@ -300,6 +302,155 @@ INSTANTIATE_TEST_SUITE_P(Ops, GpuOpBf16, ::testing::ValuesIn(op_cases()),
                          [](const ::testing::TestParamInfo<OpCase> &i) { return i.param.label; });
 INSTANTIATE_TEST_SUITE_P(Wide, GpuOpBf16, ::testing::ValuesIn(wide_cases()),
                          [](const ::testing::TestParamInfo<OpCase> &i) { return i.param.label; });
+
+// Attention through cuDNN's fused SDPA (lib/backend/cuda/cudnn_sdpa.cu)
+// against the own kernels (CTR_CUDNN=0) and the CPU's fp32 reference, in
+// bf16, causal and not, with GQA and without, head dims 64 and 128, up to
+// T = 1024: both directions run on cuDNN for every shape (with grouped-query
+// heads the backward's per-query-head dK and dV are summed per group by a
+// kernel of the backend). Bounds (ref_rows.md's attention rows carried to the loss
+// and the parameter gradients): loss within 2e-2 relative, each gradient
+// element within 1e-3 + 5e-2 * max|reference gradient|, for each path against
+// the CPU and for cuDNN against the own kernels. Which path ran is the
+// backend's stderr line per direction ("ctr: cudnn: ..."), printed and
+// recorded as the test's property attention_path: a build without cuDNN, or a
+// machine where libcudnn.so.9 does not load, skips the cuDNN half saying so;
+// cuDNN refusing a graph fails, with cuDNN's words.
+struct AttentionShape {
+  const char *label;
+  int64_t batch, seq, heads, kv_heads, head_dim;
+  int causal;
+};
+
+std::vector<AttentionShape> attention_shapes() {
+  return {
+      {"gqa_d64_causal", 2, 128, 8, 2, 64, 1},
+      {"gqa_d128_causal", 1, 96, 4, 1, 128, 1},
+      {"mha_d64_full", 2, 64, 4, 4, 64, 0},
+      {"mha_d128_causal", 2, 96, 4, 4, 128, 1},
+      {"gqa_d64_causal_t1024", 1, 1024, 12, 4, 64, 1},
+      {"gqa_d128_causal_t1024", 1, 1024, 8, 2, 128, 1},
+      {"mha_d64_causal_t1024", 1, 1024, 12, 12, 64, 1},
+  };
+}
+
+ctr_graph *attention_graph(const AttentionShape &a, std::map<std::string, int> *ids) {
+  OpGraph b;
+  const int64_t dq = a.heads * a.head_dim, dkv = a.kv_heads * a.head_dim;
+  int q = b.add_param("q", {a.batch, a.seq, dq}, 0.7f, 0.0f);
+  int k = b.add_param("k", {a.batch, a.seq, dkv}, 0.7f, 0.0f);
+  int v = b.add_param("v", {a.batch, a.seq, dkv}, 0.7f, 0.0f);
+  b.finish(b.add_op("attention", {q, k, v},
+                    {{"heads", ai(a.heads)}, {"kv_heads", ai(a.kv_heads)}, {"causal", ai(a.causal)}}),
+           {a.batch, a.seq, dq});
+  (*ids)["targets"] = static_cast<int>(b.classes);
+  ctr_graph *g = nullptr;
+  EXPECT_EQ(load_ir(b.g, &g), CTR_STATUS_OK) << ctr_last_error();
+  return g;
+}
+
+// The device's bf16 run with CTR_CUDNN set as given, and the backend's
+// "ctr: cudnn:" lines from it.
+Outcome run_attention(ctr_graph *g, const std::map<std::string, int> &ids, const char *cudnn, std::string *lines) {
+  setenv("CTR_CUDNN", cudnn, 1);
+  ::testing::internal::CaptureStderr();
+  Outcome r = run_case(device_under_test(), g, ids, 1, 0, DeviceRun{"bf16", true, 1});
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  unsetenv("CTR_CUDNN");
+  std::fprintf(stderr, "%s", err.c_str());  // shown as it would have been
+  lines->clear();
+  size_t at = 0;
+  while ((at = err.find("ctr: cudnn: ", at)) != std::string::npos) {
+    const size_t end = err.find('\n', at);
+    *lines += err.substr(at, end - at) + "\n";
+    at = end == std::string::npos ? err.size() : end;
+  }
+  return r;
+}
+
+// Whether the device's backend has the cuDNN slot: a small attention with
+// CTR_CUDNN=0 says so with its line (a build without cuDNN's headers, and the
+// emulated device, say nothing). Asked once.
+bool device_has_cudnn_slot() {
+  static const bool has = [] {
+    std::map<std::string, int> ids;
+    ctr_graph *g = attention_graph({"probe", 1, 16, 2, 2, 64, 1}, &ids);
+    std::string lines;
+    if (g) run_attention(g, ids, "0", &lines);
+    ctr_graph_free(g);
+    return !lines.empty();
+  }();
+  return has;
+}
+
+class GpuCudnnAttention : public ::testing::TestWithParam<AttentionShape> {};
+
+TEST_P(GpuCudnnAttention, MatchesOwnKernelsAndCpu) {
+  if (testing_cpu()) GTEST_SKIP() << "the CPU refuses bf16 and has no cuDNN";
+  if (!device_has_cudnn_slot()) GTEST_SKIP() << "the device's backend has no cuDNN (not built with its headers)";
+  const AttentionShape &a = GetParam();
+  std::map<std::string, int> ids;
+  ctr_graph *g = attention_graph(a, &ids);
+  ASSERT_NE(g, nullptr);
+  const Tolerance tol{"bf16", 2e-2, 1e-3, 5e-2};
+  const Outcome cpu = run_case("cpu", g, ids, 1, 0);
+  ASSERT_TRUE(cpu.error.empty()) << cpu.error;
+  std::string own_lines, lib_lines;
+  const Outcome own = run_attention(g, ids, "0", &own_lines);
+  {
+    SCOPED_TRACE("own kernels against the CPU");
+    compare_outcomes(cpu, own, tol);
+  }
+  const Outcome lib = run_attention(g, ids, "1", &lib_lines);
+  ctr_graph_free(g);
+  // One line per direction: "runs on cuDNN ..." or "takes the own kernels: why".
+  auto line_of = [&](const char *dir) {
+    const size_t at = lib_lines.find(std::string("attention ") + dir);
+    const size_t any = lib_lines.find("attention takes the own kernels");  // cuDNN off for both
+    const size_t from = at != std::string::npos ? at : any;
+    return from == std::string::npos ? std::string("(no line)")
+                                     : lib_lines.substr(from, lib_lines.find('\n', from) - from);
+  };
+  const std::string fwd = line_of("forward"), bwd = line_of("backward");
+  RecordProperty("attention_path", fwd + " | " + bwd);
+  std::printf("[ attention path ] %s: %s | %s\n", a.label, fwd.c_str(), bwd.c_str());
+  if (own_lines.find("attention takes the own kernels: CTR_CUDNN=0") == std::string::npos)
+    ADD_FAILURE() << "CTR_CUDNN=0 did not say it keeps the own kernels: " << own_lines;
+  if (fwd.find("attention forward runs on cuDNN") == std::string::npos) {
+    if (fwd.find("cannot be loaded") != std::string::npos) GTEST_SKIP() << "cuDNN is not on this machine: " << fwd;
+    FAIL() << "attention forward did not run on cuDNN: " << lib_lines;
+  }
+  EXPECT_NE(bwd.find("attention backward runs on cuDNN"), std::string::npos) << lib_lines;
+  {
+    SCOPED_TRACE("cuDNN against the CPU");
+    compare_outcomes(cpu, lib, tol);
+  }
+  {
+    SCOPED_TRACE("cuDNN against the own kernels");
+    compare_outcomes(own, lib, tol);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GpuCudnnAttention, ::testing::ValuesIn(attention_shapes()),
+                         [](const ::testing::TestParamInfo<AttentionShape> &i) { return i.param.label; });
+
+// CTR_CUDNN takes 0 or 1 only: anything else is refused when the backend is
+// created, naming the variable (in a build with cuDNN, which says so with
+// its line for CTR_CUDNN=0).
+TEST(GpuCudnn, KnobOtherThanZeroOrOneIsRefused) {
+  if (testing_cpu()) GTEST_SKIP() << "the CPU backend has no cuDNN";
+  if (!device_has_cudnn_slot()) GTEST_SKIP() << "the device's backend has no cuDNN (not built with its headers)";
+  setenv("CTR_CUDNN", "yes", 1);
+  Opts o;
+  o.s("device", device_under_test());
+  ctr_mesh *m = nullptr;
+  const ctr_status st = ctr_mesh_create(o.o, &m);
+  const std::string err = st == CTR_STATUS_OK ? "" : ctr_last_error();
+  unsetenv("CTR_CUDNN");
+  ctr_mesh_free(m);
+  EXPECT_NE(st, CTR_STATUS_OK);
+  EXPECT_NE(err.find("CTR_CUDNN must be 0"), std::string::npos) << err;
+}
 
 // A small preset trained on fixed synthetic batches.
 struct Trainer {

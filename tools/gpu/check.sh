@@ -19,10 +19,12 @@
 #   plugin       the backend plugin loader (test_plugin)
 #   smoke        a small model on device cuda with and without CUDA graphs; the
 #                two loss curves must be identical
-#   gpu_suite    test_gpu (GoogleTest JSON in the logs)
+#   gpu_suite    test_gpu (GoogleTest JSON in the logs), with how many of its
+#                attention shapes ran on cuDNN's fused SDPA, or why not
 #   rerun        the suite's failing tests again with CUDA_LAUNCH_BLOCKING=1
 #   memcheck     the same under `compute-sanitizer --tool memcheck`
-#   gpt2_small   GPT-2 small at real size (12 x 768, T 1024, batch 8), 10 steps
+#   gpt2_small   GPT-2 small at real size (12 x 768, T 1024, batch 8), 10 steps,
+#                and its attention path (the backend's "ctr: cudnn:" line)
 #   kernels      one step of it under `ncu --clock-control none`, kernel
 #                durations only: calls, total and share per kernel
 #   ranks        two ranks on one GPU against one rank (test_gpu_ranks.py)
@@ -211,8 +213,29 @@ stage_gpu_suite() {
   local failed
   failed=$(wc -l < "$CTR_CHECK_WORK/failing")
   note "$(grep -c '^\[       OK \]' "$LOGS/gpu_suite.log") passed, $failed failed$([ "$failed" -gt 0 ] &&
-    printf ': %s' "$(head -n 5 "$CTR_CHECK_WORK/failing" | tr '\n' ' ')")"
+    printf ': %s' "$(head -n 5 "$CTR_CHECK_WORK/failing" | tr '\n' ' ')"); $(suite_attention_paths "$LOGS/gpu_suite.log")"
   return $rc
+}
+
+# Which attention path the suite's cuDNN cases took (GpuCudnnAttention prints
+# "[ attention path ] SHAPE: FORWARD LINE | BACKWARD LINE" per shape): how many
+# ran each direction on cuDNN, and the first other line (why not).
+suite_attention_paths() {
+  local all fwd bwd other
+  all=$(grep -c '^\[ attention path \]' "$1")
+  fwd=$(grep -c '^\[ attention path \].*attention forward runs on cuDNN' "$1")
+  bwd=$(grep -c '^\[ attention path \].*attention backward runs on cuDNN' "$1")
+  other=$(grep '^\[ attention path \]' "$1" | grep -v 'forward runs on cuDNN.*backward runs on cuDNN' | head -n 1 |
+    sed 's/^\[ attention path \] //' | cut -c1-240)
+  printf 'attention on cuDNN in %s (forward) and %s (backward) of %s shapes%s' "$fwd" "$bwd" "$all" \
+    "${other:+ (else: $other)}"
+}
+
+# The attention path a ctr run took: the CUDA backend's "ctr: cudnn:" lines.
+run_attention_path() {
+  local l
+  l=$(grep -h '^ctr: cudnn: ' "$@" 2>/dev/null | head -n 2 | sed 's/^ctr: cudnn: //' | cut -c1-160 | paste -sd'|' -)
+  printf 'attention: %s' "${l:-own kernels (no cuDNN line: a build without cuDNN)}"
 }
 
 # The tests a GoogleTest log names as failed, then the one it started and never
@@ -264,7 +287,8 @@ stage_gpt2_small() {
   local rc=$?
   if [ $rc -ne 0 ]; then note "$(log_tail "$log" 1)"; return $rc; fi
   if py; then
-    python3 - "$LOGS/gpt2_small.jsonl" "$GPT2_BATCH" "${GPT2[11]}" > "$CTR_CHECK_WORK/note.$STAGE" <<'EOF'
+    local steps
+    steps=$(python3 - "$LOGS/gpt2_small.jsonl" "$GPT2_BATCH" "${GPT2[11]}" <<'EOF'
 import json, math, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
 rows = [r for r in rows if "loss" in r]
@@ -274,7 +298,11 @@ print(f"batch {sys.argv[2]} x {sys.argv[3]}, {len(rows)} steps, loss {rows[0]['l
       + (f", median {statistics.median(tps):.0f} tokens/s after 3 steps" if tps else "")
       + ("" if finite else ", NON-FINITE LOSS"))
 EOF
-    grep -q "NON-FINITE" "$CTR_CHECK_WORK/note.$STAGE" && return 1
+)
+    note "$steps; $(run_attention_path "$log")"
+    case $steps in *NON-FINITE*) return 1 ;; esac
+  else
+    note "$(run_attention_path "$log")"
   fi
   return 0
 }

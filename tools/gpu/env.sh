@@ -3,8 +3,9 @@
 #
 # The bundle carries every library its programs need except the system's own
 # (glibc, libstdc++, libgcc_s, the loader) and the CUDA ones, which belong to
-# the target's driver and CUDA installation: cuBLASLt (libctr-cuda.so links it)
-# and NCCL (the plugin loads it for transport "nccl"). They are looked for, in
+# the target's driver and CUDA installation: cuBLASLt (libctr-cuda.so links it),
+# NCCL (the plugin loads it for transport "nccl") and cuDNN (the plugin loads
+# it for attention, else attention takes the own kernels). They are looked for, in
 # order, in $CUDA_HOME/lib64, /usr/local/cuda/lib64, the system's library cache,
 # then PyTorch's CUDA wheels in python3's site directories: nvidia/cu13/lib
 # (CUDA 13 wheels), then nvidia/*/lib (older ones: nvidia/cublas/lib,
@@ -46,12 +47,12 @@ ctr_gpu_find() {
 }
 
 # ctr_gpu_env LIBDIR: exports LD_LIBRARY_PATH (LIBDIR, then the directories of
-# cuBLASLt and NCCL, then the caller's path), UCX_MODULE_DIR and
+# cuBLASLt, NCCL and cuDNN, then the caller's path), UCX_MODULE_DIR and
 # CTR_PLUGIN_PATH (LIBDIR/ucx and LIBDIR) for one program. An empty LIBDIR
 # (check.sh --from-build) adds the CUDA directories only.
 ctr_gpu_env() {
   ctr_gpu_path=${1:-}
-  for f in libcublasLt.so.13 libnccl.so.2; do
+  for f in libcublasLt.so.13 libnccl.so.2 libcudnn.so.9; do
     d=$(ctr_gpu_find "$f" | cut -f1)
     case ":$ctr_gpu_path:" in
       *":$d:"*) ;;

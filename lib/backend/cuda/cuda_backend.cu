@@ -32,6 +32,10 @@
 // checked (kernels/cuda/check.cuh); the first failure is the backend's sticky
 // error, which the status slot reports and after which sum_squares returns
 // NaN, never a stale value.
+//
+// Attention. Stream 0 offers the attention forward to cuDNN's fused SDPA
+// (cudnn_sdpa.cu, in builds with cuDNN's headers) unless CTR_CUDNN=0; any
+// other value than 0 or 1 is refused at creation.
 
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -56,6 +60,10 @@
 #include "backend/plugin.h"
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#if defined(CTR_HAVE_CUDNN)
+#include "backend/cuda/cudnn_load.h"
+#include "backend/cuda/cudnn_sdpa.h"
+#endif
 
 namespace ctr::cuda {
 namespace {
@@ -163,6 +171,9 @@ bool init_stream(StreamCtx &s) {
 
 void free_stream(StreamCtx &s) {
   if (s.stream) CTR_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+#if defined(CTR_HAVE_CUDNN)
+  cudnn_attention_destroy(s.attn);
+#endif
   gemm_cache_destroy(s.gemm);
   if (s.workspace) CTR_CUDA_CHECK(cudaFree(s.workspace));
   if (s.lt) CTR_CUBLAS_CHECK(cublasLtDestroy(s.lt));
@@ -582,6 +593,15 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
     say(err, err_size, "CTR_CUDA_TF32 must be 0 (exact f32 GEMMs) or 1 (TF32 tensor cores, the default)");
     return nullptr;
   }
+#if defined(CTR_HAVE_CUDNN)
+  // Attention through cuDNN where it loads unless CTR_CUDNN=0.
+  const int cudnn = cudnn_knob();
+  if (cudnn < 0) {
+    say(err, err_size, "CTR_CUDNN must be 0 (attention on the own kernels) or 1 (cuDNN's fused attention where it "
+                       "loads, the default)");
+    return nullptr;
+  }
+#endif
   const int dev = explicit_dev >= 0 ? explicit_dev : local % count;
   if (dev >= count) {
     say(err, err_size, "CTR_CUDA_DEVICE=" + std::to_string(dev) + " but only " + std::to_string(count) +
@@ -610,6 +630,9 @@ extern "C" __attribute__((visibility("default"))) const ctr_backend_iface *ctr_b
     free_stream(c->s0);
     return nullptr;
   }
+#if defined(CTR_HAVE_CUDNN)
+  c->s0.attn = cudnn_attention_create(c->s0.stream, cudnn);
+#endif
   auto add = [&](const KernelEntry *t, size_t n) {
     for (size_t i = 0; i < n; ++i) c->kernels[t[i].name] = t[i].fn;
   };
