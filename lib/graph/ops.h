@@ -97,8 +97,20 @@ std::string axis_state_string(const AxisState &s);  // "R", "S(2)", "P"
 // returns why the op cannot run on those placements; the placement pass then
 // leaves the inputs whole, or refuses naming the reason. An op without a rule
 // runs on replicated inputs only.
-using ShardRule = std::string (*)(const Graph &g, Node *n, const std::vector<AxisState> &in, int64_t ranks,
-                                  std::vector<AxisState> &out);
+// The refusal says why; `misfit` marks a size the axis does not divide (a head
+// count), which the placement pass reports as the mesh not fitting the model
+// rather than as a reason to leave the tensors whole.
+struct ShardRefusal {
+  std::string why;
+  bool misfit = false;
+  ShardRefusal() = default;
+  ShardRefusal(std::string w, bool m = false) : why(std::move(w)), misfit(m) {}  // NOLINT: implicit
+  ShardRefusal(const char *w) : why(w) {}                                         // NOLINT: implicit
+  bool empty() const { return why.empty(); }
+  operator std::string() const { return why; }  // NOLINT: implicit
+};
+using ShardRule = ShardRefusal (*)(const Graph &g, Node *n, const std::vector<AxisState> &in, int64_t ranks,
+                                   std::vector<AxisState> &out);
 
 struct OpDef {
   std::string name;

@@ -47,7 +47,7 @@ std::string describe(const std::vector<AxisState> &in) {
 // Element-wise: every input the same shape and the same placement (a shard or
 // a replica); the outputs take it. Partial sums pass through ops linear in
 // their single input only (neg), which no rule here needs.
-std::string pointwise_rule(const Graph &g, Node *n, const std::vector<AxisState> &in, int64_t,
+ShardRefusal pointwise_rule(const Graph &g, Node *n, const std::vector<AxisState> &in, int64_t,
                            std::vector<AxisState> &out) {
   for (size_t i = 1; i < in.size(); ++i) {
     if (g.tensors[n->inputs[i]].shape != g.tensors[n->inputs[0]].shape)
@@ -62,23 +62,24 @@ std::string pointwise_rule(const Graph &g, Node *n, const std::vector<AxisState>
 int last_dim(const Graph &g, int t) { return static_cast<int>(g.tensors[t].shape.size()) - 1; }
 
 // Divides the head-count attribute `attr` by ranks, or says why it cannot.
-std::string split_heads(Node *n, const char *attr, int64_t heads, int64_t ranks) {
+ShardRefusal split_heads(Node *n, const char *attr, int64_t heads, int64_t ranks) {
   if (heads % ranks != 0)
-    return strformat("%s=%lld is not divisible by %lld ranks", attr, static_cast<long long>(heads),
-                     static_cast<long long>(ranks));
+    return {strformat("%s=%lld is not divisible by %lld ranks", attr, static_cast<long long>(heads),
+                      static_cast<long long>(ranks)),
+            true};
   n->attrs[attr] = Attr::of_int(heads / ranks);
   return "";
 }
 
 // rope(x [B, T, heads*D]): by whole heads of the last dim.
-std::string rope_rule(const Graph &g, Node *n, const std::vector<AxisState> &in, int64_t ranks,
+ShardRefusal rope_rule(const Graph &g, Node *n, const std::vector<AxisState> &in, int64_t ranks,
                       std::vector<AxisState> &out) {
   if (all_replicated(in)) {
     out.assign(n->outputs.size(), AxisState::replicate());
     return "";
   }
   if (in[0] != AxisState::shard(last_dim(g, n->inputs[0]))) return "input placed " + describe(in);
-  std::string why = split_heads(n, "heads", n->attr_int("heads", 0), ranks);
+  ShardRefusal why = split_heads(n, "heads", n->attr_int("heads", 0), ranks);
   if (!why.empty()) return why;
   out.assign(n->outputs.size(), in[0]);
   return "";
@@ -87,7 +88,7 @@ std::string rope_rule(const Graph &g, Node *n, const std::vector<AxisState> &in,
 // attention(q, k, v [B, T, heads*D]) -> out [B, T, heads*D], probs [B, heads, T, T]:
 // q, k and v split by whole heads (kv heads too, so that each rank's query
 // heads find their key/value heads locally).
-std::string attention_rule(const Graph &, Node *n, const std::vector<AxisState> &in, int64_t ranks,
+ShardRefusal attention_rule(const Graph &, Node *n, const std::vector<AxisState> &in, int64_t ranks,
                            std::vector<AxisState> &out) {
   if (all_replicated(in)) {
     out.assign(n->outputs.size(), AxisState::replicate());
@@ -96,7 +97,7 @@ std::string attention_rule(const Graph &, Node *n, const std::vector<AxisState> 
   for (int i = 0; i < 3; ++i)
     if (in[static_cast<size_t>(i)] != AxisState::shard(2)) return "q, k and v placed " + describe(in);
   const int64_t H = n->attr_int("heads", 0), Hkv = n->attr_int("kv_heads", H);
-  std::string why = split_heads(n, "heads", H, ranks);
+  ShardRefusal why = split_heads(n, "heads", H, ranks);
   if (why.empty()) why = split_heads(n, "kv_heads", Hkv, ranks);
   if (!why.empty()) return why;
   out.assign(n->outputs.size(), AxisState::shard(1));
@@ -107,7 +108,7 @@ std::string attention_rule(const Graph &, Node *n, const std::vector<AxisState> 
 // linear(x [..., in], w [out, in], b [out]): column-parallel (w and b split on
 // out, x whole: y split on its last dim) or row-parallel (w split on in, x
 // split on its last dim, no bias: y a partial sum).
-std::string linear_rule(const Graph &g, Node *n, const std::vector<AxisState> &in, int64_t,
+ShardRefusal linear_rule(const Graph &g, Node *n, const std::vector<AxisState> &in, int64_t,
                         std::vector<AxisState> &out) {
   const int xl = last_dim(g, n->inputs[0]);
   const bool bias = in.size() == 3;
@@ -127,14 +128,14 @@ std::string linear_rule(const Graph &g, Node *n, const std::vector<AxisState> &i
 }
 
 // fanout / all_reduce: the forward identity or reduction.
-std::string fanout_rule(const Graph &, Node *n, const std::vector<AxisState> &in, int64_t,
+ShardRefusal fanout_rule(const Graph &, Node *n, const std::vector<AxisState> &in, int64_t,
                         std::vector<AxisState> &out) {
   if (in[0].kind != AxisState::Replicate) return "input placed " + describe(in);
   out.assign(n->outputs.size(), AxisState::replicate());
   return "";
 }
 
-std::string all_reduce_rule(const Graph &, Node *n, const std::vector<AxisState> &in, int64_t,
+ShardRefusal all_reduce_rule(const Graph &, Node *n, const std::vector<AxisState> &in, int64_t,
                             std::vector<AxisState> &out) {
   if (in[0].kind != AxisState::Partial) return "input placed " + describe(in);
   out.assign(n->outputs.size(), AxisState::replicate());

@@ -173,13 +173,13 @@ class Placer {
       for (int i : n.inputs) in.push_back(at(r, i));
       Node trial = n;
       std::vector<AxisState> out;
-      std::string why = d->shard_rule(g_, &trial, in, ranks_, out);
-      if (why.find("is not divisible by") != std::string::npos) {
+      ShardRefusal why = d->shard_rule(g_, &trial, in, ranks_, out);
+      if (why.misfit) {
         // A head count the axis does not divide: the region's misfit; it grows
         // on as if the heads fitted, to learn whether it is otherwise valid.
         if (r.misfit.empty())
           r.misfit = strformat("place: node '%s' (%s) cannot be split over tp=%lld: %s", n.name.c_str(),
-                               n.op.c_str(), static_cast<long long>(ranks_), why.c_str());
+                               n.op.c_str(), static_cast<long long>(ranks_), why.why.c_str());
         trial = n;
         out.clear();
         why = d->shard_rule(g_, &trial, in, 1, out);
@@ -196,7 +196,7 @@ class Placer {
         }
         return "";
       }
-      if (attempt == 1) return n.op + " '" + n.name + "': " + why;
+      if (attempt == 1) return n.op + " '" + n.name + "': " + why.why;
       // Pull the replicated float inputs in as split tensors, then retry.
       for (int i : n.inputs) {
         if (at(r, i).kind != AxisState::Replicate || g_.tensors[i].role != Role::Activation) continue;

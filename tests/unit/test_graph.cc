@@ -1848,11 +1848,15 @@ TEST(ShardRuleRefusals, NameTheReason) {
   b.g.tensors[static_cast<size_t>(add)].shape = {2, 3, 8};
   std::vector<S> out;
   ctr::Node n = b.g.nodes[0];
-  const std::string gqa = ctr::find_op("attention")->shard_rule(b.g, &n, {S::shard(2), S::shard(2), S::shard(2)}, 4, out);
-  EXPECT_NE(gqa.find("kv_heads=2 is not divisible by 4 ranks"), std::string::npos) << gqa;
+  const ctr::ShardRefusal gqa =
+      ctr::find_op("attention")->shard_rule(b.g, &n, {S::shard(2), S::shard(2), S::shard(2)}, 4, out);
+  EXPECT_NE(gqa.why.find("kv_heads=2 is not divisible by 4 ranks"), std::string::npos) << gqa.why;
+  EXPECT_TRUE(gqa.misfit);  // the mesh does not fit the model: refused, not left whole
   n = b.g.nodes[0];
-  const std::string mixed = ctr::find_op("attention")->shard_rule(b.g, &n, {S::shard(2), S::replicate(), S::shard(2)}, 2, out);
-  EXPECT_NE(mixed.find("placed"), std::string::npos) << mixed;
+  const ctr::ShardRefusal mixed =
+      ctr::find_op("attention")->shard_rule(b.g, &n, {S::shard(2), S::replicate(), S::shard(2)}, 2, out);
+  EXPECT_NE(mixed.why.find("placed"), std::string::npos) << mixed.why;
+  EXPECT_FALSE(mixed.misfit);
   n = b.g.nodes[1];
   const std::string bcast = ctr::find_op("add")->shard_rule(b.g, &n, {S::shard(2), S::shard(0)}, 2, out);
   EXPECT_NE(bcast.find("broadcast"), std::string::npos) << bcast;
