@@ -1,0 +1,166 @@
+"""Model classes people bring, exported unchanged and trained against PyTorch (pytest).
+
+    .venv/bin/python3 -m pytest tests/bindings/test_zoo_hf.py [-k llama]
+
+The causal language models of the transformers library, each instantiated from its own
+config class at a tiny size with random weights (nothing is downloaded), called the way its
+documentation shows, `model(input_ids=tokens, labels=tokens)`, with its own shifted loss;
+and two GPTs built from torch.nn's transformer layers (tests/zoo/torch_nn.py). Each is
+exported by ctr_export before training; PyTorch and libctr then take 20 AdamW steps from the
+same weights on the same batches with the protocol and tolerances of test_parity.py:
+per-step losses within 1e-4 relative, every final weight within 1e-4 absolute (the padding
+row of the embedding, which the pad token's lookups must not move, included). libctr trains
+each graph a second time with the fuse pass off: the per-step losses agree within 1e-5
+relative. Where the ctr tool is at hand (CTR_TOOL), the fused ops the compiled graph holds
+are checked, and every attention-like pattern the fuse pass leaves must come with a reason.
+
+One process covers every class, so transformers is imported once; the sizes are the
+smallest that keep each class's structure (2 layers, grouped-query heads where the class
+has them, partial rotary dims, a sliding window shorter than the sequence).
+"""
+import importlib
+import os
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import ctr
+import ctr_export
+from test_parity import BATCH, LOSS_RTOL, OPT, STEPS, WEIGHT_ATOL, batches, schedule, train_ctr, \
+    train_torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, DIM, HEADS, LAYERS = 64, 16, 32, 4, 2
+PAD = 5  # the pad token: its embedding row gets no gradient (padding_idx)
+FUSE_RTOL = 1e-5
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+              num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=SEQ,
+              pad_token_id=PAD, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+
+# case: (model class, config class, config beyond COMMON)
+HF = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=2)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(num_key_value_heads=2,
+                                                            sliding_window=6)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_key_value_heads=2)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(num_key_value_heads=2, head_dim=8)),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(num_key_value_heads=1, head_dim=8)),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(num_key_value_heads=2, head_dim=8,
+                                                         sliding_window=6)),
+    "phi": ("PhiForCausalLM", "PhiConfig", dict()),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict()),
+    "olmo": ("OlmoForCausalLM", "OlmoConfig", dict()),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict()),
+    "stablelm": ("StableLmForCausalLM", "StableLmConfig", dict(num_key_value_heads=2)),
+    # The same classes with attention written out (attn_implementation="eager"): the mask is
+    # a constant built for the batch and added to the scores.
+    "llama-eager": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=2,
+                                                            attn_implementation="eager")),
+    "gpt_neox-eager": ("GPTNeoXForCausalLM", "GPTNeoXConfig",
+                       dict(attn_implementation="eager")),
+}
+TORCH_NN = {"nn-encoder": "encoder", "nn-mha": "mha"}
+CASES = sorted(HF) + sorted(TORCH_NN)
+
+
+class HFCausalLM(nn.Module):
+    """model(tokens, targets) -> (logits, loss) around a transformers causal LM and its own
+    loss from labels = the tokens (the model shifts them)."""
+
+    def __init__(self, case):
+        super().__init__()
+        cls, cfg_cls, extra = HF[case]
+        cfg = getattr(transformers, cfg_cls)(**COMMON, **extra)
+        torch.manual_seed(1)
+        self.model = getattr(transformers, cls)(cfg)
+
+    def forward(self, tokens, targets):
+        out = self.model(input_ids=tokens, labels=tokens)
+        return out.logits, out.loss
+
+
+class WithLoss(nn.Module):
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, tokens, targets):
+        out = self.model(tokens)
+        return out, self.loss_fn(out, targets)
+
+
+def build(case):
+    if case in HF:
+        return HFCausalLM(case)
+    mod = importlib.import_module("zoo.torch_nn")
+    return WithLoss(*mod.build(VOCAB, SEQ, DIM, HEADS, LAYERS, seed=1, kind=TORCH_NN[case]))
+
+
+def data():
+    """Counting rows (learnable), with the pad token in every batch."""
+    out = batches(VOCAB, SEQ)
+    for tokens, _ in out:
+        tokens[0, 3] = PAD
+    return out
+
+
+def ctr_tool():
+    tool = os.environ.get("CTR_TOOL")
+    return tool if tool and os.path.exists(tool) else None
+
+
+def fuse_report(path):
+    out = subprocess.run([ctr_tool(), "graph", "inspect", path, "--after", "fuse", "--batch",
+                          str(BATCH), "--seq", str(SEQ)], check=True, capture_output=True,
+                         text=True).stdout
+    ops = re.findall(r"^  \[\d+\] .* = (\w+)\(", out, re.M)
+    report = out[:out.index("\ngraph ")] if "\ngraph " in out else out
+    return ops, report
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_trains_as_pytorch(tmp_path, case):
+    model = build(case)
+    batches_ = data()
+    path = os.fspath(tmp_path / f"{case}.ctrg")
+    ctr_export.export(model, batches_[0], None, path)
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}
+    torch_losses = train_torch(model, batches_)
+    opts = dict(batch=BATCH, seq=SEQ, **OPT)
+    with ctr.Mesh(threads=2) as mesh, ctr.Graph.load(path) as graph:
+        with ctr.Step(mesh, graph, **opts) as step:
+            for name in graph.params:  # the model's own weights, bit for bit
+                assert np.array_equal(step.get_param(name), state[name].numpy()), name
+            losses = train_ctr(step, batches_)
+            weights = {name: step.get_param(name) for name in graph.params}
+        with ctr.Step(mesh, graph, fuse=0, **opts) as plain:
+            unfused = train_ctr(plain, batches_)
+    for i, (a, b) in enumerate(zip(torch_losses, losses)):
+        assert abs(a - b) <= LOSS_RTOL * abs(a), f"step {i}: torch {a:.7f} libctr {b:.7f}"
+    final = dict(model.named_parameters())
+    assert set(weights) == set(final)
+    for name, got in weights.items():
+        want = final[name].detach().numpy()
+        if name.endswith("in_proj_bias"):
+            # nn.MultiheadAttention's packed q, k, v bias: the key third has no gradient in
+            # exact arithmetic (a constant added to every key shifts each softmax row by a
+            # constant), so both sides step it by AdamW-normalised rounding noise; it is held
+            # to the bound of AdamW's total displacement, the sum of the learning rates.
+            third = want.shape[0] // 3
+            d = float(np.abs(got[third:2 * third] - want[third:2 * third]).max())
+            assert d <= sum(schedule(s) for s in range(STEPS)), f"{name}: keys differ by {d:.3g}"
+            got, want = np.delete(got, np.s_[third:2 * third]), np.delete(want, np.s_[third:2 * third])
+        d = float(np.abs(got - want).max())
+        assert d <= WEIGHT_ATOL, f"{name}: libctr's final weights differ by {d:.3g}"
+    for i, (a, b) in enumerate(zip(losses, unfused)):
+        assert abs(a - b) <= FUSE_RTOL * abs(b), f"step {i}: fused {a:.7f} unfused {b:.7f}"
+    assert torch_losses[-1] < torch_losses[0] - 0.1, "the loss did not fall"
+    if ctr_tool():
+        ops, report = fuse_report(path)
+        print(case, {op: ops.count(op) for op in set(ops)}, report)
