@@ -164,3 +164,32 @@ def test_trains_as_pytorch(tmp_path, case):
     if ctr_tool():
         ops, report = fuse_report(path)
         print(case, {op: ops.count(op) for op in set(ops)}, report)
+
+
+def test_weights_from_safetensors(tmp_path):
+    """A model whose weights come from a local safetensors file, as from_pretrained loads it
+    (the file written here by save_pretrained, nothing downloaded), exports with exactly the
+    file's weights, under the file's names behind the wrapper's prefix."""
+    from safetensors.torch import load_file
+    saved = HFCausalLM("llama").model
+    with torch.no_grad():  # weights no fresh init would give
+        for p in saved.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    saved.save_pretrained(os.fspath(tmp_path / "ckpt"))
+    stored = load_file(os.fspath(tmp_path / "ckpt" / "model.safetensors"))
+
+    model = HFCausalLM("llama")
+    cls = type(model.model)
+    model.model = cls.from_pretrained(os.fspath(tmp_path / "ckpt"), local_files_only=True)
+    path = os.fspath(tmp_path / "loaded.ctrg")
+    ctr_export.export(model, data()[0], None, path)
+    with ctr.Mesh(threads=2) as mesh, ctr.Graph.load(path) as graph, \
+            ctr.Step(mesh, graph, batch=BATCH, seq=SEQ, **OPT) as step:
+        names = list(graph.params)
+        assert sorted(n[len("model."):] for n in names) == sorted(stored), names
+        for name in names:
+            assert np.array_equal(step.get_param(name), stored[name[len("model."):]].numpy()), name
+        # and they are not the fresh model's
+        fresh = HFCausalLM("llama").model.state_dict()
+        assert not np.array_equal(step.get_param("model.model.embed_tokens.weight"),
+                                  fresh["model.embed_tokens.weight"].numpy())
