@@ -722,8 +722,22 @@ void fuse_attention(Fuser &f, Report &rep) {
   const size_t nn = f.g().nodes.size();
   for (size_t ni = 0; ni < nn; ++ni) {
     const Node &sm = f.g().nodes[ni];
-    if (sm.op != "softmax" || f.S(sm.outputs[0]).size() != 4 || !is_last(sm.attr_int("dim", -1), 4)) continue;
+    if (sm.op != "softmax" || !is_last(sm.attr_int("dim", -1), f.S(sm.outputs[0]).size())) continue;
     const Shape &ps = f.S(sm.outputs[0]);
+    // Attention-like: probabilities over the last dim multiplied by something. Each of
+    // these the pass leaves gets a reason in the report.
+    const Node *reader = f.sole_reader(sm.outputs[0]);
+    const bool like = reader && reader->op == "matmul" && reader->inputs[0] == sm.outputs[0];
+    if (ps.size() != 4) {
+      if (like && ps.size() == 3)
+        rep.skip("attention", sm,
+                 strformat("the scores are %s, heads folded into the batch dim ([B*H, T, T], as torch.nn's "
+                           "multi_head_attention_forward computes them); the fused attention takes [B, H, T, T]",
+                           shape_string(ps).c_str()));
+      else if (like)
+        rep.skip("attention", sm, strformat("the scores are %s, not [B, H, T, T]", shape_string(ps).c_str()));
+      continue;
+    }
     const int64_t B = ps[0], H = ps[1], Tn = ps[2];
     // Walk back from the softmax: mask, scale, scores.
     std::vector<const Node *> nodes = {&sm};
@@ -746,7 +760,14 @@ void fuse_attention(Fuser &f, Report &rep) {
         return true;
       });
     }
-    if (scores < 0) continue;  // no mask: not a causal attention
+    if (scores < 0) {
+      if (like)
+        rep.skip("attention", sm,
+                 mask ? strformat("the scores reach the softmax through %s, not a mask (masked_fill or the add of "
+                                  "a constant)", mask->op.c_str())
+                      : std::string("the scores are not masked: the fused attention is causal"));
+      continue;
+    }
     nodes.push_back(mask);
     double scale = 1.0;
     const Node *sc = f.prod(scores);
@@ -763,7 +784,22 @@ void fuse_attention(Fuser &f, Report &rep) {
     }
     const Node *qk = f.prod(scores, "matmul");
     const Node *pv = f.sole_reader(sm.outputs[0]);
-    if (!qk || f.S(qk->inputs[0]).size() != 4 || f.S(qk->outputs[0]) != ps) continue;
+    if (!qk || f.S(qk->inputs[0]).size() != 4 || f.S(qk->outputs[0]) != ps) {
+      if (!like) continue;
+      const Node *p = f.prod(scores);
+      const Node *p2 = p && p->op == "mul" ? f.prod(p->inputs[0]) : p;
+      if (p2 && p2->op == "tanh")
+        rep.skip("attention", sm,
+                 strformat("the scores are soft-capped (cap*tanh(s/cap), node '%s') before the mask; the fused "
+                           "attention does not cap logits",
+                           p2->name.c_str()));
+      else
+        rep.skip("attention", sm,
+                 strformat("the masked scores come from %s, not from the product of queries and keys "
+                           "(optionally scaled by a constant)",
+                           p ? ("'" + p->name + "' (" + p->op + ")").c_str() : "a graph input"));
+      continue;
+    }
     if (!pv || pv->op != "matmul" || pv->inputs[0] != sm.outputs[0] || f.S(pv->inputs[1]).size() != 4) {
       rep.skip("attention", sm, "the probabilities are not multiplied by the values alone");
       continue;

@@ -66,6 +66,24 @@ HF = {
                        dict(attn_implementation="eager")),
 }
 TORCH_NN = {"nn-encoder": "encoder", "nn-mha": "mha"}
+
+# case: the fused ops the compiled graph holds (2 layers). Each attention the fuse pass
+# leaves has a reason in its report (checked for every case).
+_LLAMA = dict(attention=2, rmsnorm=5, rope=4, swiglu=2)
+FUSED = {
+    "llama": _LLAMA, "qwen2": _LLAMA, "llama-eager": _LLAMA,
+    "qwen3": dict(_LLAMA, rmsnorm=9), "olmo2": dict(_LLAMA, rmsnorm=9),
+    "olmo": dict(attention=2, rope=4, swiglu=2), "stablelm": dict(attention=2, rope=4, swiglu=2),
+    "gemma": dict(attention=2, gelu=2, rmsnorm=5, rope=4),
+    "phi": dict(attention=2, gelu=2, rope=4),
+    "gpt_neox": dict(attention=2, gelu=2, rope=4), "gpt_neox-eager": dict(attention=2, gelu=2, rope=4),
+    "nn-encoder": dict(attention=2, gelu=2),
+    # Left, with reasons: the sliding window, logit soft-capping, heads in the batch dim.
+    "mistral": dict(rmsnorm=5, rope=4, swiglu=2),
+    "gemma2": dict(gelu=2, rmsnorm=9, rope=4),
+    "nn-mha": dict(gelu=2),
+}
+FUSED_OPS = ("attention", "rmsnorm", "swiglu", "gelu", "rope")
 CASES = sorted(HF) + sorted(TORCH_NN)
 
 
@@ -163,7 +181,10 @@ def test_trains_as_pytorch(tmp_path, case):
     assert torch_losses[-1] < torch_losses[0] - 0.1, "the loss did not fall"
     if ctr_tool():
         ops, report = fuse_report(path)
-        print(case, {op: ops.count(op) for op in set(ops)}, report)
+        counts = {op: ops.count(op) for op in FUSED_OPS if op in ops}
+        assert counts == FUSED[case], f"fused ops {counts}, expected {FUSED[case]}\n{report}"
+        left = re.findall(r"^  attention in block \d+ not fused: .+", report, re.M)
+        assert counts.get("attention", 0) + len(left) == LAYERS, report
 
 
 def test_weights_from_safetensors(tmp_path):
