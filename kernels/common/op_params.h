@@ -39,6 +39,8 @@ typedef struct ctr_attention_params {
   int64_t kv_heads;       /* "kv_heads", default heads */
   float scale;            /* "scale", default 1/sqrt(head_dim) */
   int32_t causal;         /* "causal", default 1 */
+  int64_t window;         /* "window", default 0 (none); with causal, query t sees the
+                             keys j with t - window < j <= t (a sliding window) */
 } ctr_attention_params;
 
 /* transpose */

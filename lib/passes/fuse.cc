@@ -679,8 +679,11 @@ Heads token_major(const Fuser &f, int y) {
 
 // M (through prefix slices of a Const) is causal for T: checked over the
 // whole stored constant. additive: 0 on and below the diagonal, -inf (or
-// <= -1e30) above; else nonzero exactly above the diagonal.
-bool causal_mask(const Fuser &f, int m, int64_t Tn, bool additive, std::string &why) {
+// <= -1e30) above; else nonzero exactly above the diagonal. Or a causal sliding
+// window: row i sees keys i - W < j <= i only (masked left of them as above it);
+// W, read off the last stored row, is set in *window (0: plain causal, also when
+// the window covers every stored row).
+bool causal_mask(const Fuser &f, int m, int64_t Tn, bool additive, int64_t *window, std::string &why) {
   const Shape &ms = f.S(m);
   if (ms.size() < 2 || ms[ms.size() - 1] != Tn || ms[ms.size() - 2] != Tn) {
     why = strformat("the mask has shape %s, not [..., T, T]", shape_string(ms).c_str());
@@ -704,17 +707,32 @@ bool causal_mask(const Fuser &f, int m, int64_t Tn, bool additive, std::string &
     return false;
   }
   const std::vector<float> v = f.values(c);
+  auto masked = [&](int64_t i, int64_t j, bool &ok) {
+    const float x = v[static_cast<size_t>(i * C + j)];
+    ok = additive ? (x == 0.0f || x <= -1e30f) : true;
+    return additive ? x <= -1e30f : x != 0.0f;
+  };
+  int64_t W = 0;
+  if (R > 0 && R <= C) {
+    bool ok = true;
+    int64_t j0 = 0;
+    while (j0 < R - 1 && masked(R - 1, j0, ok)) ++j0;
+    if (j0 > 0) W = R - j0;
+  }
   for (int64_t i = 0; i < R; ++i)
     for (int64_t j = 0; j < C; ++j) {
-      const float x = v[static_cast<size_t>(i * C + j)];
-      const bool above = j > i;
-      const bool ok = additive ? (above ? x <= -1e30f : x == 0.0f) : ((x != 0.0f) == above);
-      if (!ok) {
-        why = strformat("the mask is not causal (%s[%lld, %lld] = %g)", f.T(c).name.c_str(),
-                        static_cast<long long>(i), static_cast<long long>(j), static_cast<double>(x));
+      bool ok = true;
+      const bool hidden = j > i || (W > 0 && i - j >= W);
+      if (masked(i, j, ok) != hidden || !ok) {
+        const float x = v[static_cast<size_t>(i * C + j)];
+        why = strformat("the mask is not causal%s (%s[%lld, %lld] = %g)",
+                        W > 0 ? strformat(" with a sliding window of %lld", static_cast<long long>(W)).c_str() : "",
+                        f.T(c).name.c_str(), static_cast<long long>(i), static_cast<long long>(j),
+                        static_cast<double>(x));
         return false;
       }
     }
+  *window = W;
   return true;
 }
 
@@ -834,7 +852,8 @@ void fuse_attention(Fuser &f, Report &rep) {
                       static_cast<long long>(k.heads), static_cast<long long>(v.heads));
     if (why.empty() && (f.S(pv->inputs[1]) != Shape{B, H, Tn, D} || f.S(qk->inputs[0]) != Shape{B, H, Tn, D}))
       why = "queries, keys and values differ in batch, length or head size";
-    if (why.empty()) causal_mask(f, m, Tn, additive, why);
+    int64_t window = 0;
+    if (why.empty()) causal_mask(f, m, Tn, additive, &window, why);
     if (why.empty()) f.self_contained(nodes, out->outputs[0], why);
     if (!why.empty()) {
       rep.skip("attention", sm, why);
@@ -851,11 +870,12 @@ void fuse_attention(Fuser &f, Report &rep) {
       return f.flat(x, at, block, h.heads * D);
     };
     const int qi = operand(q, "q"), ki = operand(k, "k"), vi = operand(v, "v");
-    f.emit(at, "attention", base, {qi, ki, vi}, {out->outputs[0]}, block,
-           {{"heads", Attr::of_int(H)},
-            {"kv_heads", Attr::of_int(k.heads)},
-            {"causal", Attr::of_int(1)},
-            {"scale", Attr::of_float(scale)}});
+    std::map<std::string, Attr> attrs = {{"heads", Attr::of_int(H)},
+                                         {"kv_heads", Attr::of_int(k.heads)},
+                                         {"causal", Attr::of_int(1)},
+                                         {"scale", Attr::of_float(scale)}};
+    if (window > 0) attrs["window"] = Attr::of_int(window);
+    f.emit(at, "attention", base, {qi, ki, vi}, {out->outputs[0]}, block, std::move(attrs));
     rep.done("attention", base, block, nodes);
     f.replace(nodes);
   }

@@ -78,8 +78,9 @@ FUSED = {
     "phi": dict(attention=2, gelu=2, rope=4),
     "gpt_neox": dict(attention=2, gelu=2, rope=4), "gpt_neox-eager": dict(attention=2, gelu=2, rope=4),
     "nn-encoder": dict(attention=2, gelu=2),
-    # Left, with reasons: the sliding window, logit soft-capping, heads in the batch dim.
-    "mistral": dict(rmsnorm=5, rope=4, swiglu=2),
+    # The sliding window becomes the fused op's window attribute.
+    "mistral": _LLAMA,
+    # Left, with reasons: logit soft-capping, heads folded into the batch dim.
     "gemma2": dict(gelu=2, rmsnorm=9, rope=4),
     "nn-mha": dict(gelu=2),
 }

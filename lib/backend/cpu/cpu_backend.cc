@@ -342,7 +342,7 @@ void k_rope_bwd(const Args &c) {
   auto d = rope_dims(c);
   cpu::rope_bwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta, d.interleaved);
 }
-struct AttnDims { int64_t B, T, Hq, Hkv, D; float scale; bool causal; };
+struct AttnDims { int64_t B, T, Hq, Hkv, D; float scale; bool causal; int64_t window; };
 AttnDims attn_dims(const Args &c, int q_input) {
   const auto &q = c.in_shape(q_input);
   AttnDims d;
@@ -354,18 +354,19 @@ AttnDims attn_dims(const Args &c, int q_input) {
   d.D = q[2] / d.Hq;
   d.scale = p.scale;
   d.causal = p.causal != 0;
+  d.window = p.causal != 0 ? p.window : 0;
   return d;
 }
 void k_attention(const Args &c) {
   auto d = attn_dims(c, 0);
   cpu::attention_fwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
-                     d.B, d.T, d.Hq, d.Hkv, d.D, d.scale, d.causal);
+                     d.B, d.T, d.Hq, d.Hkv, d.D, d.scale, d.causal, d.window);
 }
 void k_attention_bwd(const Args &c) {
   auto d = attn_dims(c, 1);
   cpu::attention_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.in<float>(4),
                      c.out<float>(0), c.out<float>(1), c.out<float>(2), d.B, d.T, d.Hq, d.Hkv, d.D,
-                     d.scale, d.causal);
+                     d.scale, d.causal, d.window);
 }
 void k_cross_entropy(const Args &c) {
   const auto &l = c.in_shape(0);
