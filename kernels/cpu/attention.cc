@@ -18,8 +18,14 @@
 // t - W < j <= t) a row block also skips the key blocks left of its first row's
 // window, so the work grows as T * W rather than T^2. The parallel loop's captures
 // fit std::function's inline storage, so a call does not allocate.
+//
+// Logit soft-capping (softcap c > 0, Gemma-2's) replaces each scaled score s by
+// c * tanh(s / c) before the softmax; the backward multiplies the score gradient by
+// 1 - tanh^2, recomputing the row block's scores (one more product) since the saved
+// probabilities do not give them back.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -52,8 +58,14 @@ void softmax_range(float *p, int64_t lo, int64_t hi, int64_t end) {
   for (int64_t j = hi; j < end; ++j) p[j] = 0.0f;
 }
 
-// Backward needs a T x T buffer per thread for dP; it grows once and is reused.
+// Backward needs a T x T buffer per thread for dP (and, with soft-capping, one of
+// a row block's scores); each grows once and is reused.
 float *scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+float *scores_scratch(int64_t n) {
   thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
   return buf.data();
@@ -65,6 +77,7 @@ struct Dims {
   float scale;
   bool causal;
   int64_t window;  // 0: none
+  float softcap;   // 0: none
 
   // The keys row t sees: [first(t), last(t)).
   int64_t first(int64_t t) const { return window > 0 ? std::max<int64_t>(0, t - window + 1) : 0; }
@@ -81,7 +94,12 @@ void forward_head(const Dims &d, const float *q, const float *k, const float *v,
     const int64_t c0 = d.first(r0), cols = d.causal ? r1 : T;  // keys this row block can see
     gemm(false, true, r1 - r0, cols - c0, D, d.scale, q + r0 * d.ldq, d.ldq, k + c0 * d.ldkv, d.ldkv,
          0.0f, P + r0 * T + c0, T);
-    for (int64_t t = r0; t < r1; ++t) softmax_range(P + t * T, d.first(t), d.last(t), T);
+    for (int64_t t = r0; t < r1; ++t) {
+      float *p = P + t * T;
+      if (d.softcap > 0.0f)
+        for (int64_t j = d.first(t); j < d.last(t); ++j) p[j] = d.softcap * std::tanh(p[j] / d.softcap);
+      softmax_range(p, d.first(t), d.last(t), T);
+    }
     gemm(false, false, r1 - r0, D, cols - c0, 1.0f, P + r0 * T + c0, T, v + c0 * d.ldkv, d.ldkv, 0.0f,
          out + r0 * d.ldq, d.ldq);
   }
@@ -99,6 +117,12 @@ void backward_head(const Dims &d, const float *dout, const float *q, const float
     // dP = dout v^T, then dS = P * (dP - rowsum(P * dP)) in place.
     gemm(false, true, r1 - r0, cols - c0, D, 1.0f, dout + r0 * d.ldq, d.ldq, v + c0 * d.ldkv, d.ldkv,
          0.0f, dS + r0 * T + c0, T);
+    float *raw = nullptr;  // the block's scaled scores before capping, [r1 - r0, T]
+    if (d.softcap > 0.0f) {
+      raw = scores_scratch((r1 - r0) * T);
+      gemm(false, true, r1 - r0, cols - c0, D, d.scale, q + r0 * d.ldq, d.ldq, k + c0 * d.ldkv, d.ldkv, 0.0f,
+           raw + c0, T);
+    }
     for (int64_t t = r0; t < r1; ++t) {
       const int64_t lo = d.first(t), hi = d.last(t);
       const float *p = P + t * T;
@@ -108,6 +132,11 @@ void backward_head(const Dims &d, const float *dout, const float *q, const float
       // dv gathers below read whole columns of dS.
       for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
       for (int64_t j = lo; j < hi; ++j) s[j] = p[j] * (s[j] - dot);
+      if (raw)
+        for (int64_t j = lo; j < hi; ++j) {
+          const float th = std::tanh(raw[(t - r0) * T + j] / d.softcap);
+          s[j] *= 1.0f - th * th;
+        }
       for (int64_t j = hi; j < cols; ++j) s[j] = 0.0f;
     }
     // dq rows of this block only see keys c0 .. cols.
@@ -129,8 +158,9 @@ void backward_head(const Dims &d, const float *dout, const float *q, const float
 }
 
 Dims make_dims(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
-               int64_t window) {
-  return Dims{B, T, Hq, Hkv, D, Hq / Hkv, Hq * D, Hkv * D, scale, causal, causal && window > 0 ? window : 0};
+               int64_t window, float softcap) {
+  return Dims{B,     T,      Hq, Hkv, D, Hq / Hkv, Hq * D, Hkv * D, scale, causal, causal && window > 0 ? window : 0,
+              softcap > 0.0f ? softcap : 0.0f};
 }
 
 // One (batch, kv head) task costs about 4 T^2 D flops per query head; below a few
@@ -144,8 +174,8 @@ int64_t pair_grain(const Dims &d) {
 
 void attention_fwd(const float *q, const float *k, const float *v, float *out, float *probs,
                    int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float scale,
-                   bool causal, int64_t window) {
-  const Dims d = make_dims(B, T, Hq, Hkv, D, scale, causal, window);
+                   bool causal, int64_t window, float softcap) {
+  const Dims d = make_dims(B, T, Hq, Hkv, D, scale, causal, window, softcap);
   struct Args {
     const float *q, *k, *v;
     float *out, *probs;
@@ -166,8 +196,8 @@ void attention_fwd(const float *q, const float *k, const float *v, float *out, f
 void attention_bwd(const float *dout, const float *q, const float *k, const float *v,
                    const float *probs, float *dq, float *dk, float *dv, int64_t B, int64_t T,
                    int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
-                   int64_t window) {
-  const Dims d = make_dims(B, T, Hq, Hkv, D, scale, causal, window);
+                   int64_t window, float softcap) {
+  const Dims d = make_dims(B, T, Hq, Hkv, D, scale, causal, window, softcap);
   struct Args {
     const float *dout, *q, *k, *v, *probs;
     float *dq, *dk, *dv;

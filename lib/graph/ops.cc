@@ -247,6 +247,9 @@ void attention_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   if (window < 0 || (window > 0 && n.attr_int("causal", 1) == 0))
     bad_node(g, n, strformat("attribute window=%lld must be 0 (none) or positive on a causal attention",
                              static_cast<long long>(window)));
+  const double softcap = n.attr_float("softcap", 0.0);
+  if (!(softcap >= 0.0) || std::isinf(softcap))
+    bad_node(g, n, strformat("attribute softcap=%g must be 0 (none) or a positive number", softcap));
   int64_t D = q[2] / H;
   std::vector<int64_t> kv = {q[0], q[1], Hkv * D};
   if (k != kv) shape_mismatch(g, n, 1, shape_string(kv));
@@ -630,6 +633,7 @@ void attention_decode(const Graph &g, const Node &n, void *out) {
   p->scale = static_cast<float>(n.attr_float("scale", 1.0 / std::sqrt(static_cast<double>(D))));
   p->causal = n.attr_int("causal", 1) != 0;
   p->window = n.attr_int("window", 0);
+  p->softcap = static_cast<float>(n.attr_float("softcap", 0.0));
 }
 
 void transpose_decode(const Graph &, const Node &n, void *out) {

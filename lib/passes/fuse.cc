@@ -787,6 +787,27 @@ void fuse_attention(Fuser &f, Report &rep) {
       continue;
     }
     nodes.push_back(mask);
+    // Logit soft-capping (Gemma-2's): mul(tanh(s / c), c), the division by c also as a
+    // product with 1/c (within 1e-6 relative), becomes the fused op's softcap = c.
+    double softcap = 0.0;
+    if (const Node *cm = f.prod(scores); cm && cm->op == "mul") {
+      double c = 0, inv = 0;
+      int th = -1, x = -1;
+      either(cm, [&](int a, int b) { return f.scalar(b, c) && (th = a, true); });
+      const Node *tn = th >= 0 ? f.prod(th, "tanh") : nullptr;
+      const Node *dv = tn ? f.prod(tn->inputs[0]) : nullptr;
+      if (dv && dv->op == "div" && f.scalar(dv->inputs[1], inv) && inv != 0) {
+        inv = 1.0 / inv;
+        x = dv->inputs[0];
+      } else if (dv && dv->op == "mul") {
+        either(dv, [&](int a, int b) { return f.scalar(b, inv) && (x = a, true); });
+      }
+      if (x >= 0 && c > 0 && near(inv * c, 1.0, 1e-6)) {
+        softcap = c;
+        nodes.insert(nodes.end(), {cm, tn, dv});
+        scores = x;
+      }
+    }
     double scale = 1.0;
     const Node *sc = f.prod(scores);
     if (sc && (sc->op == "mul" || sc->op == "div")) {
@@ -808,8 +829,8 @@ void fuse_attention(Fuser &f, Report &rep) {
       const Node *p2 = p && p->op == "mul" ? f.prod(p->inputs[0]) : p;
       if (p2 && p2->op == "tanh")
         rep.skip("attention", sm,
-                 strformat("the scores are soft-capped (cap*tanh(s/cap), node '%s') before the mask; the fused "
-                           "attention does not cap logits",
+                 strformat("the scores pass through tanh (node '%s') otherwise than as logit soft-capping "
+                           "c*tanh(s/c) with one constant c",
                            p2->name.c_str()));
       else
         rep.skip("attention", sm,
@@ -875,6 +896,7 @@ void fuse_attention(Fuser &f, Report &rep) {
                                          {"causal", Attr::of_int(1)},
                                          {"scale", Attr::of_float(scale)}};
     if (window > 0) attrs["window"] = Attr::of_int(window);
+    if (softcap > 0) attrs["softcap"] = Attr::of_float(softcap);
     f.emit(at, "attention", base, {qi, ki, vi}, {out->outputs[0]}, block, std::move(attrs));
     rep.done("attention", base, block, nodes);
     f.replace(nodes);

@@ -217,6 +217,8 @@ struct AttnCase {
   bool fused = true;
   const char *why = "";     // expected in the report when not fused
   int64_t window = 0;       // a sliding window in the mask (the fused op's attribute)
+  float softcap = 0;        // logits capped to c * tanh(s / c) before the mask
+  float softcap_mul = 0;    // the division by c written as a product with this
 };
 
 constexpr int64_t kH = 4, kD = 4;
@@ -254,6 +256,10 @@ void build_attention(Builder &b, const AttnCase &c) {
   int s = b.op("matmul", {q4, kt});
   if (c.scale == 1) s = b.op("mul", {s, b.scalar(0.5f)});
   if (c.scale == 2) s = b.op("div", {s, b.scalar(2.0f)});
+  if (c.softcap > 0) {
+    const int d = c.softcap_mul != 0 ? b.op("mul", {s, b.scalar(c.softcap_mul)}) : b.op("div", {s, b.scalar(c.softcap)});
+    s = b.op("mul", {b.op("tanh", {d}), b.scalar(c.softcap)});
+  }
   std::vector<float> m = causal(c.additive, c.window);
   if (c.mask_broken_past_seq) m[7 * kMax + 6] = c.additive ? -INFINITY : 1.0f;
   int mask = b.constant("mask", {1, 1, kMax, kMax}, m);
@@ -292,6 +298,7 @@ TEST_P(FuseAttention, FusedWhenExactAndTrainsAlike) {
     EXPECT_NE(report.find("attention in block 0 fused"), std::string::npos) << report;
     const std::string attr = "window=" + std::to_string(c.window);
     EXPECT_EQ(report.find(attr) != std::string::npos, c.window > 0) << report;
+    EXPECT_EQ(report.find("softcap=") != std::string::npos, c.softcap > 0) << report;
   } else {
     EXPECT_EQ(count(fused, "attention"), 0) << report;
     EXPECT_NE(report.find("attention in block 0 not fused: " + std::string(c.why)), std::string::npos) << report;
@@ -320,7 +327,13 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{"window_fill", false, 4, false, false, 1, -INFINITY, false, false, true, "", 3},
                       AttnCase{"window_additive_gqa", true, 2, false, false, 2, -INFINITY, false, false, true, "", 3},
                       AttnCase{"window_broken_past_seq", false, 4, false, false, 1, -INFINITY, true, false, false,
-                               "the mask is not causal with a sliding window of 3", 3}),
+                               "the mask is not causal with a sliding window of 3", 3},
+                      // Logit soft-capping (a cap the scores reach, so tanh bends them), by div or mul.
+                      AttnCase{"softcap_window", true, 2, false, false, 1, -INFINITY, false, false, true, "", 3, 0.3f},
+                      AttnCase{"softcap_mul", false, 4, false, false, 2, -INFINITY, false, false, true, "", 0, 0.3f,
+                               1.0f / 0.3f},
+                      AttnCase{"softcap_two_constants", false, 4, false, false, 1, -INFINITY, false, false, false,
+                               "the scores pass through tanh", 0, 0.3f, 2.0f}),
     [](const ::testing::TestParamInfo<AttnCase> &i) { return i.param.label; });
 
 TEST(Fuse, AttentionIntermediateReadElsewhereIsLeft) {

@@ -1391,6 +1391,15 @@ std::vector<OpCase> op_cases() {
                  b.finish(b.add_op("attention", {q, k, v}, {{"heads", ai(2)}, {"kv_heads", ai(1)}, {"window", ai(2)}}),
                           {2, 5, 8});
                }, {}});
+  // Soft-capped logits (Gemma-2's cap * tanh(s / cap)), with a window.
+  c.push_back({"attention_softcap", [](OpGraph &b) {
+                 int q = b.add_param("q", {2, 5, 8});
+                 int k = b.add_param("k", {2, 5, 8});
+                 int v = b.add_param("v", {2, 5, 8});
+                 b.finish(b.add_op("attention", {q, k, v},
+                                   {{"heads", ai(2)}, {"window", ai(3)}, {"softcap", ctr::Attr::of_float(0.7)}}),
+                          {2, 5, 8});
+               }, {}});
   c.push_back({"attention_gqa", [](OpGraph &b) {
                  int q = b.add_param("q", {2, 5, 12});
                  int k = b.add_param("k", {2, 5, 3});
@@ -2142,6 +2151,8 @@ TEST(AttentionOp, BadWindowNamesTheNode) {
       {{{"heads", ai(2)}, {"window", ai(-1)}}, "attribute window=-1 must be 0 (none) or positive on a causal attention"},
       {{{"heads", ai(2)}, {"causal", ai(0)}, {"window", ai(3)}},
        "attribute window=3 must be 0 (none) or positive on a causal attention"},
+      {{{"heads", ai(2)}, {"softcap", ctr::Attr::of_float(-30.0)}},
+       "attribute softcap=-30 must be 0 (none) or a positive number"},
   };
   for (const auto &[attrs, what] : cases) {
     OpGraph b;

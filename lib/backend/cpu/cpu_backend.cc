@@ -342,7 +342,7 @@ void k_rope_bwd(const Args &c) {
   auto d = rope_dims(c);
   cpu::rope_bwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta, d.interleaved);
 }
-struct AttnDims { int64_t B, T, Hq, Hkv, D; float scale; bool causal; int64_t window; };
+struct AttnDims { int64_t B, T, Hq, Hkv, D; float scale; bool causal; int64_t window; float softcap; };
 AttnDims attn_dims(const Args &c, int q_input) {
   const auto &q = c.in_shape(q_input);
   AttnDims d;
@@ -355,18 +355,19 @@ AttnDims attn_dims(const Args &c, int q_input) {
   d.scale = p.scale;
   d.causal = p.causal != 0;
   d.window = p.causal != 0 ? p.window : 0;
+  d.softcap = p.softcap;
   return d;
 }
 void k_attention(const Args &c) {
   auto d = attn_dims(c, 0);
   cpu::attention_fwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
-                     d.B, d.T, d.Hq, d.Hkv, d.D, d.scale, d.causal, d.window);
+                     d.B, d.T, d.Hq, d.Hkv, d.D, d.scale, d.causal, d.window, d.softcap);
 }
 void k_attention_bwd(const Args &c) {
   auto d = attn_dims(c, 1);
   cpu::attention_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.in<float>(4),
                      c.out<float>(0), c.out<float>(1), c.out<float>(2), d.B, d.T, d.Hq, d.Hkv, d.D,
-                     d.scale, d.causal, d.window);
+                     d.scale, d.causal, d.window, d.softcap);
 }
 void k_cross_entropy(const Args &c) {
   const auto &l = c.in_shape(0);
