@@ -158,6 +158,11 @@ void gelu_exact_bwd(const float *dy, const float *x, float *dx, int64_t n);
 // SiLU: x * sigmoid(x)
 void silu_fwd(const float *x, float *y, int64_t n);
 void silu_bwd(const float *dy, const float *x, float *dx, int64_t n);
+// GeGLU: y = gelu(gate) * up, the tanh approximation or exact; backward overwrites dgate
+// and dup.
+void geglu_fwd(const float *gate, const float *up, float *y, int64_t n, bool exact);
+void geglu_bwd(const float *dy, const float *gate, const float *up, float *dgate, float *dup,
+               int64_t n, bool exact);
 // SwiGLU: y = silu(gate) * up
 void swiglu_fwd(const float *gate, const float *up, float *y, int64_t n);
 void swiglu_bwd(const float *dy, const float *gate, const float *up, float *dgate, float *dup,

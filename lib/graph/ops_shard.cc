@@ -168,7 +168,7 @@ void append_placement_ops(std::vector<OpDef> &v) {
   f.shard_rule = fanout_rule;
   v.push_back(f);
   const char *pointwise[] = {"silu", "swiglu", "exp",  "log", "tanh", "erf", "rsqrt", "sqrt", "neg",
-                             "reciprocal", "sigmoid", "pow", "gelu", "relu", "clamp", "add", "sub", "mul", "div"};
+                             "reciprocal", "sigmoid", "pow", "gelu", "geglu", "relu", "clamp", "add", "sub", "mul", "div"};
   for (OpDef &d : v) {
     for (const char *name : pointwise)
       if (d.name == name) d.shard_rule = pointwise_rule;

@@ -963,11 +963,14 @@ void fuse_rmsnorm(Fuser &f, Report &rep) {
 // ---------------------------------------------------------------------------
 // SwiGLU: mul(silu(a), b) -> swiglu(a, b) = silu(a) * b
 
-void fuse_swiglu(Fuser &f, Report &rep) {
+// Gated units: act(a) * b with a and b of one shape, act silu (SwiGLU -> swiglu) or
+// gelu (GeGLU -> geglu, keeping the gelu's approximate attribute). GeGLU runs after
+// fuse_gelu, so a GELU written out by hand is one op by then.
+void fuse_gated(Fuser &f, Report &rep, const char *act, const char *fused) {
   const size_t nn = f.g().nodes.size();
   for (size_t ni = 0; ni < nn; ++ni) {
     const Node &si = f.g().nodes[ni];
-    if (si.op != "silu") continue;
+    if (si.op != act) continue;
     // The product (the silu may be read elsewhere too: then reported).
     const Node *mul = nullptr;
     for (const Node *r : f.readers(si.outputs[0]))
@@ -977,19 +980,21 @@ void fuse_swiglu(Fuser &f, Report &rep) {
     const int b = mul->inputs[0] == si.outputs[0] ? mul->inputs[1] : mul->inputs[0];
     std::string why;
     if (b == si.outputs[0])
-      why = "silu(a) is multiplied by itself";
+      why = strformat("%s(a) is multiplied by itself", act);
     else if (f.S(b) != f.S(a))
       why = strformat("the operands' shapes %s and %s differ", shape_string(f.S(a)).c_str(),
                       shape_string(f.S(b)).c_str());
     std::vector<const Node *> nodes = {&si, mul};
     if (why.empty()) f.self_contained(nodes, mul->outputs[0], why);
     if (!why.empty()) {
-      rep.skip("swiglu", si, why);
+      rep.skip(fused, si, why);
       continue;
     }
-    const std::string name = f.node_name(scope(mul->name) + ".swiglu");
-    f.emit(f.index_of(mul), "swiglu", name, {a, b}, {mul->outputs[0]}, mul->block);
-    rep.done("swiglu", name, mul->block, nodes);
+    const std::string name = f.node_name(scope(mul->name) + "." + fused);
+    std::map<std::string, Attr> attrs;
+    if (auto it = si.attrs.find("approximate"); it != si.attrs.end()) attrs["approximate"] = it->second;
+    f.emit(f.index_of(mul), fused, name, {a, b}, {mul->outputs[0]}, mul->block, std::move(attrs));
+    rep.done(fused, name, mul->block, nodes);
     f.replace(nodes);
   }
   f.commit();
@@ -1112,8 +1117,9 @@ std::string pass_fuse(Graph &g, const CompileOptions &opt) {
   fuse_rope(f, rep);
   fuse_attention(f, rep);
   fuse_rmsnorm(f, rep);
-  fuse_swiglu(f, rep);
+  fuse_gated(f, rep, "silu", "swiglu");
   fuse_gelu(f, rep);
+  fuse_gated(f, rep, "gelu", "geglu");
   // The fused ops' saved outputs (attention's probabilities, rmsnorm's rstd)
   // are appended here, and every rewrite is checked by the shape rules.
   pass_infer_shapes(g, opt);

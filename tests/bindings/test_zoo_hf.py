@@ -76,18 +76,19 @@ FUSED = {
     "llama": _LLAMA, "qwen2": _LLAMA, "llama-eager": _LLAMA,
     "qwen3": dict(_LLAMA, rmsnorm=9), "olmo2": dict(_LLAMA, rmsnorm=9),
     "olmo": dict(attention=2, rope=4, swiglu=2), "stablelm": dict(attention=2, rope=4, swiglu=2),
-    "gemma": dict(attention=2, gelu=2, rmsnorm=5, rope=4),
+    # Gemma's MLP is GeGLU: gelu(gate) * up.
+    "gemma": dict(attention=2, geglu=2, rmsnorm=5, rope=4),
     "phi": dict(attention=2, gelu=2, rope=4),
     "gpt_neox": dict(attention=2, gelu=2, rope=4), "gpt_neox-eager": dict(attention=2, gelu=2, rope=4),
     "nn-encoder": dict(attention=2, gelu=2),
     # The sliding window becomes the fused op's window attribute, logit soft-capping its
     # softcap (both in Gemma-2's first layer).
     "mistral": _LLAMA,
-    "gemma2": dict(attention=2, gelu=2, rmsnorm=9, rope=4),
+    "gemma2": dict(attention=2, geglu=2, rmsnorm=9, rope=4),
     # Left, with its reason: heads folded into the batch dim.
     "nn-mha": dict(gelu=2),
 }
-FUSED_OPS = ("attention", "rmsnorm", "swiglu", "gelu", "rope")
+FUSED_OPS = ("attention", "rmsnorm", "swiglu", "gelu", "geglu", "rope")
 CASES = sorted(HF) + sorted(TORCH_NN)
 
 

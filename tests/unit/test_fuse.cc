@@ -458,6 +458,42 @@ TEST(Fuse, HandWrittenGelu) {
   }
 }
 
+// GeGLU (Gemma's MLP): gelu(gate) * up, the gelu an op (tanh or exact) or written out by
+// hand (fused to gelu first, then to geglu).
+TEST(Fuse, GeGlu) {
+  for (int v = 0; v < 3; ++v) {
+    SCOPED_TRACE("variant " + std::to_string(v));
+    Builder b(8);
+    const int a = b.linear(b.x, 8, 12, "w1"), u = b.linear(b.x, 8, 12, "w3");
+    const int ge = v == 2 ? hand_gelu(b, a, 0.044715f, 0, false)
+                          : b.op("gelu", {a}, {{"approximate", astr(v == 0 ? "tanh" : "none")}});
+    b.finish(b.linear(b.op("mul", {u, ge}), 12, 8, "w2"), 8);
+    ctr_graph *g = b.load();
+    const StepOut fused = run_step(g, 1), plain = run_step(g, 0);
+    const std::string report = inspect(g);
+    EXPECT_EQ(count(fused, "geglu"), 1) << report;
+    EXPECT_EQ(count(fused, "gelu"), 0) << report;
+    EXPECT_EQ(count(fused, "mul"), 0) << report;
+    EXPECT_EQ(report.find("approximate=\"none\"") != std::string::npos, v == 1) << report;
+    expect_same_training(fused, plain);
+    ctr_graph_free(g);
+  }
+}
+
+TEST(Fuse, GeGluOfDifferentShapesIsLeft) {
+  Builder b(8);
+  const int a = b.linear(b.x, 8, 12, "w1");
+  const int ge = b.op("gelu", {a});
+  b.finish(b.linear(b.op("mul", {ge, b.param("gain", {12})}), 12, 8, "w2"), 8);
+  ctr_graph *g = b.load();
+  const std::string report = inspect(g);
+  EXPECT_NE(report.find("geglu in block 0 not fused: the operands' shapes"), std::string::npos) << report;
+  const StepOut fused = run_step(g, 1), plain = run_step(g, 0);
+  EXPECT_EQ(count(fused, "geglu"), 0);
+  expect_same_training(fused, plain);
+  ctr_graph_free(g);
+}
+
 TEST(Fuse, GeluWithWrongConstantIsLeft) {
   Builder b(8);
   const int y = hand_gelu(b, b.linear(b.x, 8, 12, "fc"), 0.0447f, 0, false);

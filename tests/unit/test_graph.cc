@@ -1359,6 +1359,12 @@ std::vector<OpCase> op_cases() {
                  y = b.add_op("neg", {y});
                  b.finish(b.add_op("exp", {y}), {4, 6});
                }, {}});
+  for (const char *approximate : {"tanh", "none"})
+    c.push_back({std::string("geglu_") + approximate, [approximate](OpGraph &b) {
+                   int x = b.add_param("x", {4, 6});
+                   int y = b.add_param("y", {4, 6});
+                   b.finish(b.add_op("geglu", {x, y}, {{"approximate", astr(approximate)}}), {4, 6});
+                 }, {}});
   c.push_back({"swiglu", [](OpGraph &b) {
                  int x = b.add_param("x", {4, 6});
                  int y = b.add_param("y", {4, 6});
@@ -1807,7 +1813,7 @@ std::vector<RuleCase> rule_cases() {
   c.push_back({"clamp_split_last", "clamp", {x}, {S::shard(2)},
                {{"min", ctr::Attr::of_float(0.8)}, {"max", ctr::Attr::of_float(1.2)}}});
   c.push_back({"gelu_split_rows", "gelu", {x}, {S::shard(1)}, {}, {3}});
-  for (const char *op : {"add", "sub", "mul", "div", "swiglu"})
+  for (const char *op : {"add", "sub", "mul", "div", "swiglu", "geglu"})
     c.push_back({std::string(op) + "_split_last", op, {x, x}, {S::shard(2), S::shard(2)}, {}});
   c.push_back({"rope_by_heads", "rope", {{2, 4, 16}}, {S::shard(2)}, {{"heads", ai(4)}}});
   c.push_back({"attention_by_heads", "attention", {{2, 5, 16}, {2, 5, 16}, {2, 5, 16}},

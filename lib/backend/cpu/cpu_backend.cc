@@ -261,6 +261,14 @@ void k_silu(const Args &c) { cpu::silu_fwd(c.in<float>(0), c.out<float>(0), nume
 void k_silu_bwd(const Args &c) {
   cpu::silu_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)));
 }
+void k_geglu(const Args &c) {
+  cpu::geglu_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)),
+                 c.params<ctr_gelu_params>().exact != 0);
+}
+void k_geglu_bwd(const Args &c) {
+  cpu::geglu_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
+                 numel(c.in_shape(0)), c.params<ctr_gelu_params>().exact != 0);
+}
 void k_swiglu(const Args &c) {
   cpu::swiglu_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)));
 }
@@ -556,6 +564,7 @@ void register_library_kernels() {
         {"rmsnorm_bwd", bind<k_rmsnorm_bwd>},     {"gelu", bind<k_gelu>},
         {"gelu_bwd", bind<k_gelu_bwd>},           {"silu", bind<k_silu>},
         {"silu_bwd", bind<k_silu_bwd>},           {"swiglu", bind<k_swiglu>},
+        {"geglu", bind<k_geglu>},                 {"geglu_bwd", bind<k_geglu_bwd>},
         {"swiglu_bwd", bind<k_swiglu_bwd>},       {"softmax", bind<k_softmax>},
         {"softmax_bwd", bind<k_softmax_bwd>},     {"rope", bind<k_rope>},
         {"exp", bind<k_unary<cpu::Unary::Exp>>},  {"exp_bwd", bind<k_unary_bwd<cpu::Unary::Exp>>},
