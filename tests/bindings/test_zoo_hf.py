@@ -34,39 +34,12 @@ from test_parity import BATCH, LOSS_RTOL, OPT, STEPS, WEIGHT_ATOL, batches, sche
     train_torch
 
 transformers = pytest.importorskip("transformers")
+from zoo import hf_causal_lm  # noqa: E402
 
 VOCAB, SEQ, DIM, HEADS, LAYERS = 64, 16, 32, 4, 2
-PAD = 5  # the pad token: its embedding row gets no gradient (padding_idx)
+PAD = hf_causal_lm.PAD  # the pad token: its embedding row gets no gradient (padding_idx)
 FUSE_RTOL = 1e-5
-
-COMMON = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
-              num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=SEQ,
-              pad_token_id=PAD, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
-
-# case: (model class, config class, config beyond COMMON)
-HF = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=2)),
-    "mistral": ("MistralForCausalLM", "MistralConfig", dict(num_key_value_heads=2,
-                                                            sliding_window=6)),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_key_value_heads=2)),
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(num_key_value_heads=2, head_dim=8)),
-    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(num_key_value_heads=1, head_dim=8)),
-    # Logits capped low enough that tanh bends this tiny model's scores (s / cap up to
-    # about 0.25: 2% below the uncapped score).
-    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(num_key_value_heads=2, head_dim=8,
-                                                         sliding_window=6, attn_logit_softcapping=0.05)),
-    "phi": ("PhiForCausalLM", "PhiConfig", dict()),
-    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict()),
-    "olmo": ("OlmoForCausalLM", "OlmoConfig", dict()),
-    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict()),
-    "stablelm": ("StableLmForCausalLM", "StableLmConfig", dict(num_key_value_heads=2)),
-    # The same classes with attention written out (attn_implementation="eager"): the mask is
-    # a constant built for the batch and added to the scores.
-    "llama-eager": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=2,
-                                                            attn_implementation="eager")),
-    "gpt_neox-eager": ("GPTNeoXForCausalLM", "GPTNeoXConfig",
-                       dict(attn_implementation="eager")),
-}
+HF = hf_causal_lm.CASES
 TORCH_NN = {"nn-encoder": "encoder", "nn-mha": "mha"}
 
 # case: the fused ops the compiled graph holds (2 layers). Each attention the fuse pass
@@ -92,22 +65,6 @@ FUSED_OPS = ("attention", "rmsnorm", "swiglu", "gelu", "geglu", "rope")
 CASES = sorted(HF) + sorted(TORCH_NN)
 
 
-class HFCausalLM(nn.Module):
-    """model(tokens, targets) -> (logits, loss) around a transformers causal LM and its own
-    loss from labels = the tokens (the model shifts them)."""
-
-    def __init__(self, case):
-        super().__init__()
-        cls, cfg_cls, extra = HF[case]
-        cfg = getattr(transformers, cfg_cls)(**COMMON, **extra)
-        torch.manual_seed(1)
-        self.model = getattr(transformers, cls)(cfg)
-
-    def forward(self, tokens, targets):
-        out = self.model(input_ids=tokens, labels=tokens)
-        return out.logits, out.loss
-
-
 class WithLoss(nn.Module):
     def __init__(self, model, loss_fn):
         super().__init__()
@@ -120,7 +77,7 @@ class WithLoss(nn.Module):
 
 def build(case):
     if case in HF:
-        return HFCausalLM(case)
+        return hf_causal_lm.build(VOCAB, SEQ, DIM, HEADS, LAYERS, seed=1, case=case)[0]
     mod = importlib.import_module("zoo.torch_nn")
     return WithLoss(*mod.build(VOCAB, SEQ, DIM, HEADS, LAYERS, seed=1, kind=TORCH_NN[case]))
 
@@ -197,14 +154,14 @@ def test_weights_from_safetensors(tmp_path):
     (the file written here by save_pretrained, nothing downloaded), exports with exactly the
     file's weights, under the file's names behind the wrapper's prefix."""
     from safetensors.torch import load_file
-    saved = HFCausalLM("llama").model
+    saved = build("llama").model
     with torch.no_grad():  # weights no fresh init would give
         for p in saved.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     saved.save_pretrained(os.fspath(tmp_path / "ckpt"))
     stored = load_file(os.fspath(tmp_path / "ckpt" / "model.safetensors"))
 
-    model = HFCausalLM("llama")
+    model = build("llama")
     cls = type(model.model)
     model.model = cls.from_pretrained(os.fspath(tmp_path / "ckpt"), local_files_only=True)
     path = os.fspath(tmp_path / "loaded.ctrg")
@@ -216,6 +173,6 @@ def test_weights_from_safetensors(tmp_path):
         for name in names:
             assert np.array_equal(step.get_param(name), stored[name[len("model."):]].numpy()), name
         # and they are not the fresh model's
-        fresh = HFCausalLM("llama").model.state_dict()
+        fresh = build("llama").model.state_dict()
         assert not np.array_equal(step.get_param("model.model.embed_tokens.weight"),
                                   fresh["model.embed_tokens.weight"].numpy())
