@@ -39,6 +39,10 @@ typedef struct ctr_attention_params {
   int64_t kv_heads;       /* "kv_heads", default heads */
   float scale;            /* "scale", default 1/sqrt(head_dim) */
   int32_t causal;         /* "causal", default 1 */
+  int64_t window;         /* "window", default 0 (none); with causal, query t sees the
+                             keys j with t - window < j <= t (a sliding window) */
+  float softcap;          /* "softcap", default 0 (none); > 0: each scaled score s is
+                             capped to softcap * tanh(s / softcap) before the mask */
 } ctr_attention_params;
 
 /* transpose */

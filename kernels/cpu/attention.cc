@@ -14,10 +14,18 @@
 // With a causal mask, rows are processed in blocks of kBlock: block i only needs
 // keys 0 .. end of block i, so the products skip the blocks above the diagonal
 // (forward and backward), which cuts the GEMM work nearly in half for long
-// sequences. The parallel loop's captures fit std::function's inline storage, so
-// a call does not allocate.
+// sequences. With a sliding window (window W > 0, causal only: row t sees keys
+// t - W < j <= t) a row block also skips the key blocks left of its first row's
+// window, so the work grows as T * W rather than T^2. The parallel loop's captures
+// fit std::function's inline storage, so a call does not allocate.
+//
+// Logit soft-capping (softcap c > 0, Gemma-2's) replaces each scaled score s by
+// c * tanh(s / c) before the softmax; the backward multiplies the score gradient by
+// 1 - tanh^2, recomputing the row block's scores (one more product) since the saved
+// probabilities do not give them back.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -41,15 +49,23 @@ constexpr int64_t kBlock = 64;
 
 
 
-// In-place softmax of the first n entries of a row; entries n .. end are zeroed.
-void softmax_prefix(float *p, int64_t n, int64_t end) {
-  const float inv = 1.0f / exp_sum(p, p, row_max(p, n), n);
-  for (int64_t j = 0; j < n; ++j) p[j] *= inv;
-  for (int64_t j = n; j < end; ++j) p[j] = 0.0f;
+// In-place softmax of entries lo .. hi of a row; the other entries up to end are zeroed.
+void softmax_range(float *p, int64_t lo, int64_t hi, int64_t end) {
+  const int64_t n = hi - lo;
+  const float inv = 1.0f / exp_sum(p + lo, p + lo, row_max(p + lo, n), n);
+  for (int64_t j = 0; j < lo; ++j) p[j] = 0.0f;
+  for (int64_t j = lo; j < hi; ++j) p[j] *= inv;
+  for (int64_t j = hi; j < end; ++j) p[j] = 0.0f;
 }
 
-// Backward needs a T x T buffer per thread for dP; it grows once and is reused.
+// Backward needs a T x T buffer per thread for dP (and, with soft-capping, one of
+// a row block's scores); each grows once and is reused.
 float *scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+float *scores_scratch(int64_t n) {
   thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
   return buf.data();
@@ -60,6 +76,12 @@ struct Dims {
   int64_t ldq, ldkv;  // row strides of q/out/dout and of k/v
   float scale;
   bool causal;
+  int64_t window;  // 0: none
+  float softcap;   // 0: none
+
+  // The keys row t sees: [first(t), last(t)).
+  int64_t first(int64_t t) const { return window > 0 ? std::max<int64_t>(0, t - window + 1) : 0; }
+  int64_t last(int64_t t) const { return causal ? t + 1 : T; }
 };
 
 // One query head: probs and out for (b, h) reading kv head g.
@@ -69,12 +91,17 @@ void forward_head(const Dims &d, const float *q, const float *k, const float *v,
   const int64_t blk = d.causal ? kBlock : T;
   for (int64_t r0 = 0; r0 < T; r0 += blk) {
     const int64_t r1 = std::min(T, r0 + blk);
-    const int64_t cols = d.causal ? r1 : T;  // keys this row block can see
-    gemm(false, true, r1 - r0, cols, D, d.scale, q + r0 * d.ldq, d.ldq, k, d.ldkv, 0.0f, P + r0 * T,
-         T);
-    for (int64_t t = r0; t < r1; ++t) softmax_prefix(P + t * T, d.causal ? t + 1 : T, T);
-    gemm(false, false, r1 - r0, D, cols, 1.0f, P + r0 * T, T, v, d.ldkv, 0.0f, out + r0 * d.ldq,
-         d.ldq);
+    const int64_t c0 = d.first(r0), cols = d.causal ? r1 : T;  // keys this row block can see
+    gemm(false, true, r1 - r0, cols - c0, D, d.scale, q + r0 * d.ldq, d.ldq, k + c0 * d.ldkv, d.ldkv,
+         0.0f, P + r0 * T + c0, T);
+    for (int64_t t = r0; t < r1; ++t) {
+      float *p = P + t * T;
+      if (d.softcap > 0.0f)
+        for (int64_t j = d.first(t); j < d.last(t); ++j) p[j] = d.softcap * std::tanh(p[j] / d.softcap);
+      softmax_range(p, d.first(t), d.last(t), T);
+    }
+    gemm(false, false, r1 - r0, D, cols - c0, 1.0f, P + r0 * T + c0, T, v + c0 * d.ldkv, d.ldkv, 0.0f,
+         out + r0 * d.ldq, d.ldq);
   }
 }
 
@@ -86,36 +113,54 @@ void backward_head(const Dims &d, const float *dout, const float *q, const float
   const int64_t blk = d.causal ? kBlock : T;
   for (int64_t r0 = 0; r0 < T; r0 += blk) {
     const int64_t r1 = std::min(T, r0 + blk);
-    const int64_t cols = d.causal ? r1 : T;
+    const int64_t c0 = d.first(r0), cols = d.causal ? r1 : T;
     // dP = dout v^T, then dS = P * (dP - rowsum(P * dP)) in place.
-    gemm(false, true, r1 - r0, cols, D, 1.0f, dout + r0 * d.ldq, d.ldq, v, d.ldkv, 0.0f,
-         dS + r0 * T, T);
+    gemm(false, true, r1 - r0, cols - c0, D, 1.0f, dout + r0 * d.ldq, d.ldq, v + c0 * d.ldkv, d.ldkv,
+         0.0f, dS + r0 * T + c0, T);
+    float *raw = nullptr;  // the block's scaled scores before capping, [r1 - r0, T]
+    if (d.softcap > 0.0f) {
+      raw = scores_scratch((r1 - r0) * T);
+      gemm(false, true, r1 - r0, cols - c0, D, d.scale, q + r0 * d.ldq, d.ldq, k + c0 * d.ldkv, d.ldkv, 0.0f,
+           raw + c0, T);
+    }
     for (int64_t t = r0; t < r1; ++t) {
-      const int64_t n = d.causal ? t + 1 : T;
+      const int64_t lo = d.first(t), hi = d.last(t);
       const float *p = P + t * T;
       float *s = dS + t * T;
-      const float dot = row_dot(p, s, n);
-      for (int64_t j = 0; j < n; ++j) s[j] = p[j] * (s[j] - dot);
-      for (int64_t j = n; j < cols; ++j) s[j] = 0.0f;
+      const float dot = row_dot(p + lo, s + lo, hi - lo);
+      // Zero outside the row's keys, also left of the block's first key: the dk and
+      // dv gathers below read whole columns of dS.
+      for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
+      for (int64_t j = lo; j < hi; ++j) s[j] = p[j] * (s[j] - dot);
+      if (raw)
+        for (int64_t j = lo; j < hi; ++j) {
+          const float th = std::tanh(raw[(t - r0) * T + j] / d.softcap);
+          s[j] *= 1.0f - th * th;
+        }
+      for (int64_t j = hi; j < cols; ++j) s[j] = 0.0f;
     }
-    // dq rows of this block only see keys 0 .. cols.
-    gemm(false, false, r1 - r0, D, cols, d.scale, dS + r0 * T, T, k, d.ldkv, 0.0f, dq + r0 * d.ldq,
-         d.ldq);
+    // dq rows of this block only see keys c0 .. cols.
+    gemm(false, false, r1 - r0, D, cols - c0, d.scale, dS + r0 * T + c0, T, k + c0 * d.ldkv, d.ldkv,
+         0.0f, dq + r0 * d.ldq, d.ldq);
   }
   // dk[c0:c1] and dv[c0:c1] gather from query rows t >= c0 only when causal, since
-  // dS and P are zero above the diagonal. This runs after every row block of dS is done.
+  // dS and P are zero above the diagonal, and with a window from rows t < c1 + W - 1
+  // only. This runs after every row block of dS is done.
   for (int64_t c0 = 0; c0 < T; c0 += blk) {
     const int64_t c1 = std::min(T, c0 + blk);
     const int64_t t0 = d.causal ? c0 : 0;
-    gemm(true, false, c1 - c0, D, T - t0, d.scale, dS + t0 * T + c0, T, q + t0 * d.ldq, d.ldq, beta,
+    const int64_t t1 = d.window > 0 ? std::min(T, c1 + d.window - 1) : T;
+    gemm(true, false, c1 - c0, D, t1 - t0, d.scale, dS + t0 * T + c0, T, q + t0 * d.ldq, d.ldq, beta,
          dk + c0 * d.ldkv, d.ldkv);
-    gemm(true, false, c1 - c0, D, T - t0, 1.0f, P + t0 * T + c0, T, dout + t0 * d.ldq, d.ldq, beta,
+    gemm(true, false, c1 - c0, D, t1 - t0, 1.0f, P + t0 * T + c0, T, dout + t0 * d.ldq, d.ldq, beta,
          dv + c0 * d.ldkv, d.ldkv);
   }
 }
 
-Dims make_dims(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal) {
-  return Dims{B, T, Hq, Hkv, D, Hq / Hkv, Hq * D, Hkv * D, scale, causal};
+Dims make_dims(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
+               int64_t window, float softcap) {
+  return Dims{B,     T,      Hq, Hkv, D, Hq / Hkv, Hq * D, Hkv * D, scale, causal, causal && window > 0 ? window : 0,
+              softcap > 0.0f ? softcap : 0.0f};
 }
 
 // One (batch, kv head) task costs about 4 T^2 D flops per query head; below a few
@@ -129,8 +174,8 @@ int64_t pair_grain(const Dims &d) {
 
 void attention_fwd(const float *q, const float *k, const float *v, float *out, float *probs,
                    int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float scale,
-                   bool causal) {
-  const Dims d = make_dims(B, T, Hq, Hkv, D, scale, causal);
+                   bool causal, int64_t window, float softcap) {
+  const Dims d = make_dims(B, T, Hq, Hkv, D, scale, causal, window, softcap);
   struct Args {
     const float *q, *k, *v;
     float *out, *probs;
@@ -150,8 +195,9 @@ void attention_fwd(const float *q, const float *k, const float *v, float *out, f
 
 void attention_bwd(const float *dout, const float *q, const float *k, const float *v,
                    const float *probs, float *dq, float *dk, float *dv, int64_t B, int64_t T,
-                   int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal) {
-  const Dims d = make_dims(B, T, Hq, Hkv, D, scale, causal);
+                   int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
+                   int64_t window, float softcap) {
+  const Dims d = make_dims(B, T, Hq, Hkv, D, scale, causal, window, softcap);
   struct Args {
     const float *dout, *q, *k, *v, *probs;
     float *dq, *dk, *dv;

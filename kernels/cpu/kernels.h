@@ -166,6 +166,11 @@ void gelu_exact_bwd(const float *dy, const float *x, float *dx, int64_t n);
 // SiLU: x * sigmoid(x)
 void silu_fwd(const float *x, float *y, int64_t n);
 void silu_bwd(const float *dy, const float *x, float *dx, int64_t n);
+// GeGLU: y = gelu(gate) * up, the tanh approximation or exact; backward overwrites dgate
+// and dup.
+void geglu_fwd(const float *gate, const float *up, float *y, int64_t n, bool exact);
+void geglu_bwd(const float *dy, const float *gate, const float *up, float *dgate, float *dup,
+               int64_t n, bool exact);
 // SwiGLU: y = silu(gate) * up
 void swiglu_fwd(const float *gate, const float *up, float *y, int64_t n);
 void swiglu_bwd(const float *dy, const float *gate, const float *up, float *dgate, float *dup,
@@ -200,14 +205,17 @@ void rope_bwd(const float *dy, float *dx, int64_t B, int64_t T, int64_t H, int64
 // Multi-head attention with grouped-query heads.
 // q[B,T,Hq*D], k and v [B,T,Hkv*D], Hq % Hkv == 0; query head h reads kv head
 // h / (Hq/Hkv). out[B,T,Hq*D]. probs[B,Hq,T,T] keeps the softmax for backward
-// (row t is zero past column t when causal). scale is usually 1/sqrt(D).
+// (row t is zero past column t when causal). scale is usually 1/sqrt(D). window > 0
+// (causal only): row t sees columns t - window < j <= t, the rest of the row is zero.
+// softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
 void attention_fwd(const float *q, const float *k, const float *v, float *out, float *probs,
                    int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float scale,
-                   bool causal);
+                   bool causal, int64_t window = 0, float softcap = 0.0f);
 // dq, dk, dv overwritten.
 void attention_bwd(const float *dout, const float *q, const float *k, const float *v,
                    const float *probs, float *dq, float *dk, float *dv, int64_t B, int64_t T,
-                   int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal);
+                   int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
+                   int64_t window = 0, float softcap = 0.0f);
 
 // ---------------------------------------------------------------------------
 // Softmax over the last dim C of R rows.

@@ -31,6 +31,11 @@
 //  3. dq per query row: it reads its D_i back from its own segment, then
 //     dq_i = scale * sum_j dS_ij k_j overwrites the segment.
 // Each output row has one owner that adds in a fixed order.
+// A sliding window (attribute window) masks the keys before it in every kernel,
+// as the causal mask masks those after the query; the tiles it leaves empty are
+// still walked (the CPU kernels skip them). Logit soft-capping (attribute
+// softcap) caps each scaled score where it is computed, and the score gradients
+// take the cap's slope 1 - tanh^2.
 // Head dims above 256 (or a device whose shared memory per block is too small
 // for the 256 tiles) take the same kernels with every operand read from global
 // memory instead of shared memory and the accumulated dims processed in windows
@@ -59,6 +64,8 @@ struct Dims {
   int64_t ldq, ldkv;  // row strides of q/out/dout and of k/v
   float scale;
   bool causal;
+  int64_t window;  // > 0 (causal only): query i sees keys i - window < j <= i
+  float softcap;   // > 0: scaled scores capped to softcap * tanh(s / softcap)
   bool have_lse;  // T > 1: the lse was written (see the file comment)
 };
 
@@ -75,6 +82,8 @@ Dims make_dims(const Args &c, int q_input) {
   d.ldkv = d.Hkv * d.D;
   d.scale = p.scale;
   d.causal = p.causal != 0;
+  d.window = d.causal ? p.window : 0;
+  d.softcap = p.softcap > 0.0f ? p.softcap : 0.0f;
   d.have_lse = d.T > 1;
   return d;
 }
@@ -131,10 +140,31 @@ __device__ __forceinline__ float get_delta(const __nv_bfloat16 *seg, int64_t D) 
   return __bfloat162float(seg[0]);
 }
 
+// Whether query i sees key j: inside the sequence, not after i when causal, and
+// within the sliding window when there is one. Every kernel masks through this, so
+// the window is honoured throughout (the key tiles left of a window are still
+// visited, their scores masked).
+__device__ __forceinline__ bool visible(int64_t i, int64_t j, const Dims &d) {
+  return j < d.T && (!d.causal || (j <= i && (d.window <= 0 || i - j < d.window)));
+}
+
+// The logit of an unscaled dot: scaled, and soft-capped when the op caps.
+__device__ __forceinline__ float logit(float dot, const Dims &d) {
+  const float s = dot * d.scale;
+  return d.softcap > 0.0f ? d.softcap * tanhf(s / d.softcap) : s;
+}
+
+// The derivative of the cap at an unscaled dot (1 without one): 1 - tanh^2.
+__device__ __forceinline__ float cap_slope(float dot, const Dims &d) {
+  if (d.softcap <= 0.0f) return 1.0f;
+  const float th = tanhf(dot * d.scale / d.softcap);
+  return 1.0f - th * th;
+}
+
 // Softmax weight of one (query, key) score s (unscaled dot) given the row's lse.
 __device__ __forceinline__ float prob(float dot, float lse, bool ok, const Dims &d) {
   if (!ok) return 0.0f;
-  return d.have_lse ? math::exp_fast(dot * d.scale - lse) : 1.0f;
+  return d.have_lse ? math::exp_fast(logit(dot, d) - lse) : 1.0f;
 }
 
 // Work items: (batch, head, 32-row tile), tiles fastest. With a causal mask
@@ -195,8 +225,8 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const T *q, const T 
       }
       const int64_t j = j0 + lane;
       for (int r = 0; r < kRowsPerWarp; ++r) {
-        const bool ok = j < d.T && (!d.causal || j <= rbase + r);
-        const float sv = ok ? s[r] * d.scale : -INFINITY;
+        const bool ok = visible(rbase + r, j, d);
+        const float sv = ok ? logit(s[r], d) : -INFINITY;
         const float mn = fmaxf(m[r], warp_max(sv));
         const float p = ok ? math::exp_fast(sv - mn) : 0.0f;
         const float corr = m[r] == -INFINITY ? 0.0f : math::exp_fast(m[r] - mn);
@@ -278,7 +308,7 @@ __global__ void __launch_bounds__(kThreads) attn_delta_kernel(const T *dout, con
       }
       const int64_t j = j0 + lane;
       for (int r = 0; r < kRowsPerWarp; ++r)
-        acc[r] += prob(s[r], L[r], j < d.T && (!d.causal || j <= rbase + r), d) * dp[r];
+        acc[r] += prob(s[r], L[r], visible(rbase + r, j, d), d) * dp[r];
     }
     for (int r = 0; r < kRowsPerWarp; ++r) {
       const float delta = warp_sum(acc[r]);
@@ -343,8 +373,8 @@ __global__ void __launch_bounds__(kThreads) attn_dkv_kernel(const T *dout, const
         float p[kRowsPerWarp], ds[kRowsPerWarp];
         for (int r = 0; r < kRowsPerWarp; ++r) {
           const int64_t j = rbase + r;
-          p[r] = prob(s[r], L, i < d.T && j < d.T && (!d.causal || j <= i), d);
-          ds[r] = p[r] * (dp[r] - delta);
+          p[r] = prob(s[r], L, i < d.T && visible(i, j, d), d);
+          ds[r] = p[r] * (dp[r] - delta) * cap_slope(s[r], d);
         }
         for (int ii = 0; ii < kTile; ++ii) {
           float pi[kRowsPerWarp], si[kRowsPerWarp];
@@ -437,7 +467,7 @@ __global__ void __launch_bounds__(kThreads) attn_dq_kernel(const T *dout, const 
         const int64_t j = j0 + lane;
         float ds[kRowsPerWarp];
         for (int r = 0; r < kRowsPerWarp; ++r)
-          ds[r] = prob(s[r], L[r], j < d.T && (!d.causal || j <= rbase + r), d) * (dp[r] - delta[r]);
+          ds[r] = prob(s[r], L[r], visible(rbase + r, j, d), d) * (dp[r] - delta[r]) * cap_slope(s[r], d);
         for (int jj = 0; jj < kTile; ++jj) {
           float sj[kRowsPerWarp];
           for (int r = 0; r < kRowsPerWarp; ++r) sj[r] = __shfl_sync(kFull, ds[r], jj);

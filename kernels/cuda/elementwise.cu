@@ -117,6 +117,35 @@ void add_same(const Args &c) {
 }
 
 template <typename T>
+__global__ void geglu_fwd_kernel(const T *gate, const T *up, T *y, int64_t n, bool exact) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const float g = load(gate, i);
+    store(y, i, (exact ? math::gelu_exact_fast(g) : math::gelu_fast(g)) * load(up, i));
+  }
+}
+template <typename T>
+__global__ void geglu_bwd_kernel(const T *dy, const T *gate, const T *up, T *dgate, T *dup, int64_t n, bool exact) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const float g = load(gate, i), d = load(dy, i);
+    store(dup, i, d * (exact ? math::gelu_exact_fast(g) : math::gelu_fast(g)));
+    store(dgate, i, d * load(up, i) * (exact ? math::gelu_exact_grad_fast(g) : math::gelu_grad_fast(g)));
+  }
+}
+template <typename T>
+void geglu(const Args &c) {
+  const int64_t n = c.in_numel(0);
+  const bool exact = c.params<ctr_gelu_params>().exact != 0;
+  CTR_LAUNCH(geglu_fwd_kernel, grid_for(n), 256, 0, c.stream())(c.in<const T>(0), c.in<const T>(1), c.out<T>(0), n,
+                                                         exact);
+}
+template <typename T>
+void geglu_bwd(const Args &c) {
+  const int64_t n = c.in_numel(0);
+  const bool exact = c.params<ctr_gelu_params>().exact != 0;
+  CTR_LAUNCH(geglu_bwd_kernel, grid_for(n), 256, 0, c.stream())(c.in<const T>(0), c.in<const T>(1), c.in<const T>(2),
+                                                         c.out<T>(0), c.out<T>(1), n, exact);
+}
+template <typename T>
 __global__ void swiglu_fwd_kernel(const T *gate, const T *up, T *y, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     store(y, i, math::silu_fast(load(gate, i)) * load(up, i));
@@ -357,6 +386,8 @@ void k_gelu_bwd(const Args &c) { CTR_CUDA_DISPATCH(c, gelu_bwd); }
 void k_silu(const Args &c) { CTR_CUDA_DISPATCH(c, silu); }
 void k_silu_bwd(const Args &c) { CTR_CUDA_DISPATCH(c, silu_bwd); }
 void k_swiglu(const Args &c) { CTR_CUDA_DISPATCH(c, swiglu); }
+void k_geglu(const Args &c) { CTR_CUDA_DISPATCH(c, geglu); }
+void k_geglu_bwd(const Args &c) { CTR_CUDA_DISPATCH(c, geglu_bwd); }
 void k_swiglu_bwd(const Args &c) { CTR_CUDA_DISPATCH(c, swiglu_bwd); }
 void k_add_same(const Args &c) { CTR_CUDA_DISPATCH(c, add_same); }
 void k_mul_bwd(const Args &c) { c.in_ref(0).dtype == CTR_DTYPE_BF16 ? mul_bwd<__nv_bfloat16>(c) : mul_bwd<float>(c); }
@@ -399,6 +430,8 @@ const KernelEntry kElementwiseKernels[] = {
     {"silu", bind<k_silu>},
     {"silu_bwd", bind<k_silu_bwd>},
     {"swiglu", bind<k_swiglu>},
+    {"geglu", bind<k_geglu>},
+    {"geglu_bwd", bind<k_geglu_bwd>},
     {"swiglu_bwd", bind<k_swiglu_bwd>},
     {"add_same", bind<k_add_same>},
     {"add", bind<binary_any<BinOp::Add>>},

@@ -35,8 +35,9 @@ extern "C" {
 #endif
 
 /* Bumped whenever ctr_backend_iface or ctr_kernel_args change layout or meaning
- * (3: the status, host_alloc and host_free slots). */
-#define CTR_BACKEND_ABI 3
+ * (3: the status, host_alloc and host_free slots; 4: attention's parameters window
+ * and softcap, which a kernel must honour, and the op geglu). */
+#define CTR_BACKEND_ABI 4
 
 /* The stream argument of a copy or fill that runs at once on the calling
  * thread and returns when done, ordered after nothing queued on any stream (the

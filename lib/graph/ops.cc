@@ -243,6 +243,13 @@ void attention_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   if (Hkv <= 0 || H % Hkv != 0)
     bad_node(g, n, strformat("attribute kv_heads=%lld must divide heads=%lld",
                              static_cast<long long>(Hkv), static_cast<long long>(H)));
+  const int64_t window = n.attr_int("window", 0);
+  if (window < 0 || (window > 0 && n.attr_int("causal", 1) == 0))
+    bad_node(g, n, strformat("attribute window=%lld must be 0 (none) or positive on a causal attention",
+                             static_cast<long long>(window)));
+  const double softcap = n.attr_float("softcap", 0.0);
+  if (!(softcap >= 0.0) || std::isinf(softcap))
+    bad_node(g, n, strformat("attribute softcap=%g must be 0 (none) or a positive number", softcap));
   int64_t D = q[2] / H;
   std::vector<int64_t> kv = {q[0], q[1], Hkv * D};
   if (k != kv) shape_mismatch(g, n, 1, shape_string(kv));
@@ -625,6 +632,8 @@ void attention_decode(const Graph &g, const Node &n, void *out) {
   const int64_t D = S(g, n, Q)[2] / p->heads;
   p->scale = static_cast<float>(n.attr_float("scale", 1.0 / std::sqrt(static_cast<double>(D))));
   p->causal = n.attr_int("causal", 1) != 0;
+  p->window = n.attr_int("window", 0);
+  p->softcap = static_cast<float>(n.attr_float("softcap", 0.0));
 }
 
 void transpose_decode(const Graph &, const Node &n, void *out) {

@@ -7,6 +7,7 @@
 //   sum, mean, amax, var (x)       dims, keepdim; var also correction
 //   softmax, log_softmax (x) dim   default -1
 //   gelu(x) approximate            "tanh" (default) or "none" (exact, erf)
+//   geglu(gate, up) approximate    gelu(gate) * up, same-shaped operands (GeGLU)
 //
 // Gradients of broadcast operands are reduced over the broadcast dims by the
 // internal op reduce_to (sum down to the shape of the forward tensor the
@@ -335,6 +336,8 @@ void append_math_ops(std::vector<OpDef> &v) {
       softmax_decode));
   f.push_back(with_params<ctr_gelu_params>(
       with_bwd(fwd("gelu", 1, 1, gelu_infer, elementwise_flops), "gelu_bwd", {G(0), In(0)}), gelu_decode));
+  f.push_back(with_params<ctr_gelu_params>(
+      with_bwd(fwd("geglu", 2, 2, gelu_infer, elementwise_flops), "geglu_bwd", {G(0), In(0), In(1)}), gelu_decode));
   for (OpDef &d : f) {
     d.cheap_to_recompute = true;
     v.push_back(std::move(d));
@@ -353,6 +356,7 @@ void append_math_ops(std::vector<OpDef> &v) {
   v.push_back(with_params<ctr_softmax_params>(internal("softmax_bwd", 2, 1), softmax_decode));
   v.push_back(with_params<ctr_softmax_params>(internal("log_softmax_bwd", 2, 1), softmax_decode));
   v.push_back(with_params<ctr_gelu_params>(internal("gelu_bwd", 2, 1), gelu_decode));
+  v.push_back(with_params<ctr_gelu_params>(internal("geglu_bwd", 3, 2), gelu_decode));
 }
 
 }  // namespace ctr

@@ -329,7 +329,7 @@ void append_placement_ops(std::vector<OpDef> &v) {
   emb_bwd.id_range = vocab_embedding_ids;
   v.push_back(with_params<ctr_vocab_embedding_params>(emb_bwd, vocab_embedding_decode));
   const char *pointwise[] = {"silu", "swiglu", "exp",  "log", "tanh", "erf", "rsqrt", "sqrt", "neg",
-                             "reciprocal", "sigmoid", "pow", "gelu", "relu", "clamp", "add", "sub", "mul", "div"};
+                             "reciprocal", "sigmoid", "pow", "gelu", "geglu", "relu", "clamp", "add", "sub", "mul", "div"};
   for (OpDef &d : v) {
     for (const char *name : pointwise)
       if (d.name == name) d.shard_rule = pointwise_rule;

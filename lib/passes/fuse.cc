@@ -679,8 +679,11 @@ Heads token_major(const Fuser &f, int y) {
 
 // M (through prefix slices of a Const) is causal for T: checked over the
 // whole stored constant. additive: 0 on and below the diagonal, -inf (or
-// <= -1e30) above; else nonzero exactly above the diagonal.
-bool causal_mask(const Fuser &f, int m, int64_t Tn, bool additive, std::string &why) {
+// <= -1e30) above; else nonzero exactly above the diagonal. Or a causal sliding
+// window: row i sees keys i - W < j <= i only (masked left of them as above it);
+// W, read off the last stored row, is set in *window (0: plain causal, also when
+// the window covers every stored row).
+bool causal_mask(const Fuser &f, int m, int64_t Tn, bool additive, int64_t *window, std::string &why) {
   const Shape &ms = f.S(m);
   if (ms.size() < 2 || ms[ms.size() - 1] != Tn || ms[ms.size() - 2] != Tn) {
     why = strformat("the mask has shape %s, not [..., T, T]", shape_string(ms).c_str());
@@ -704,17 +707,32 @@ bool causal_mask(const Fuser &f, int m, int64_t Tn, bool additive, std::string &
     return false;
   }
   const std::vector<float> v = f.values(c);
+  auto masked = [&](int64_t i, int64_t j, bool &ok) {
+    const float x = v[static_cast<size_t>(i * C + j)];
+    ok = additive ? (x == 0.0f || x <= -1e30f) : true;
+    return additive ? x <= -1e30f : x != 0.0f;
+  };
+  int64_t W = 0;
+  if (R > 0 && R <= C) {
+    bool ok = true;
+    int64_t j0 = 0;
+    while (j0 < R - 1 && masked(R - 1, j0, ok)) ++j0;
+    if (j0 > 0) W = R - j0;
+  }
   for (int64_t i = 0; i < R; ++i)
     for (int64_t j = 0; j < C; ++j) {
-      const float x = v[static_cast<size_t>(i * C + j)];
-      const bool above = j > i;
-      const bool ok = additive ? (above ? x <= -1e30f : x == 0.0f) : ((x != 0.0f) == above);
-      if (!ok) {
-        why = strformat("the mask is not causal (%s[%lld, %lld] = %g)", f.T(c).name.c_str(),
-                        static_cast<long long>(i), static_cast<long long>(j), static_cast<double>(x));
+      bool ok = true;
+      const bool hidden = j > i || (W > 0 && i - j >= W);
+      if (masked(i, j, ok) != hidden || !ok) {
+        const float x = v[static_cast<size_t>(i * C + j)];
+        why = strformat("the mask is not causal%s (%s[%lld, %lld] = %g)",
+                        W > 0 ? strformat(" with a sliding window of %lld", static_cast<long long>(W)).c_str() : "",
+                        f.T(c).name.c_str(), static_cast<long long>(i), static_cast<long long>(j),
+                        static_cast<double>(x));
         return false;
       }
     }
+  *window = W;
   return true;
 }
 
@@ -722,8 +740,22 @@ void fuse_attention(Fuser &f, Report &rep) {
   const size_t nn = f.g().nodes.size();
   for (size_t ni = 0; ni < nn; ++ni) {
     const Node &sm = f.g().nodes[ni];
-    if (sm.op != "softmax" || f.S(sm.outputs[0]).size() != 4 || !is_last(sm.attr_int("dim", -1), 4)) continue;
+    if (sm.op != "softmax" || !is_last(sm.attr_int("dim", -1), f.S(sm.outputs[0]).size())) continue;
     const Shape &ps = f.S(sm.outputs[0]);
+    // Attention-like: probabilities over the last dim multiplied by something. Each of
+    // these the pass leaves gets a reason in the report.
+    const Node *reader = f.sole_reader(sm.outputs[0]);
+    const bool like = reader && reader->op == "matmul" && reader->inputs[0] == sm.outputs[0];
+    if (ps.size() != 4) {
+      if (like && ps.size() == 3)
+        rep.skip("attention", sm,
+                 strformat("the scores are %s, heads folded into the batch dim ([B*H, T, T], as torch.nn's "
+                           "multi_head_attention_forward computes them); the fused attention takes [B, H, T, T]",
+                           shape_string(ps).c_str()));
+      else if (like)
+        rep.skip("attention", sm, strformat("the scores are %s, not [B, H, T, T]", shape_string(ps).c_str()));
+      continue;
+    }
     const int64_t B = ps[0], H = ps[1], Tn = ps[2];
     // Walk back from the softmax: mask, scale, scores.
     std::vector<const Node *> nodes = {&sm};
@@ -746,8 +778,36 @@ void fuse_attention(Fuser &f, Report &rep) {
         return true;
       });
     }
-    if (scores < 0) continue;  // no mask: not a causal attention
+    if (scores < 0) {
+      if (like)
+        rep.skip("attention", sm,
+                 mask ? strformat("the scores reach the softmax through %s, not a mask (masked_fill or the add of "
+                                  "a constant)", mask->op.c_str())
+                      : std::string("the scores are not masked: the fused attention is causal"));
+      continue;
+    }
     nodes.push_back(mask);
+    // Logit soft-capping (Gemma-2's): mul(tanh(s / c), c), the division by c also as a
+    // product with 1/c (within 1e-6 relative), becomes the fused op's softcap = c.
+    double softcap = 0.0;
+    if (const Node *cm = f.prod(scores); cm && cm->op == "mul") {
+      double c = 0, inv = 0;
+      int th = -1, x = -1;
+      either(cm, [&](int a, int b) { return f.scalar(b, c) && (th = a, true); });
+      const Node *tn = th >= 0 ? f.prod(th, "tanh") : nullptr;
+      const Node *dv = tn ? f.prod(tn->inputs[0]) : nullptr;
+      if (dv && dv->op == "div" && f.scalar(dv->inputs[1], inv) && inv != 0) {
+        inv = 1.0 / inv;
+        x = dv->inputs[0];
+      } else if (dv && dv->op == "mul") {
+        either(dv, [&](int a, int b) { return f.scalar(b, inv) && (x = a, true); });
+      }
+      if (x >= 0 && c > 0 && near(inv * c, 1.0, 1e-6)) {
+        softcap = c;
+        nodes.insert(nodes.end(), {cm, tn, dv});
+        scores = x;
+      }
+    }
     double scale = 1.0;
     const Node *sc = f.prod(scores);
     if (sc && (sc->op == "mul" || sc->op == "div")) {
@@ -763,7 +823,22 @@ void fuse_attention(Fuser &f, Report &rep) {
     }
     const Node *qk = f.prod(scores, "matmul");
     const Node *pv = f.sole_reader(sm.outputs[0]);
-    if (!qk || f.S(qk->inputs[0]).size() != 4 || f.S(qk->outputs[0]) != ps) continue;
+    if (!qk || f.S(qk->inputs[0]).size() != 4 || f.S(qk->outputs[0]) != ps) {
+      if (!like) continue;
+      const Node *p = f.prod(scores);
+      const Node *p2 = p && p->op == "mul" ? f.prod(p->inputs[0]) : p;
+      if (p2 && p2->op == "tanh")
+        rep.skip("attention", sm,
+                 strformat("the scores pass through tanh (node '%s') otherwise than as logit soft-capping "
+                           "c*tanh(s/c) with one constant c",
+                           p2->name.c_str()));
+      else
+        rep.skip("attention", sm,
+                 strformat("the masked scores come from %s, not from the product of queries and keys "
+                           "(optionally scaled by a constant)",
+                           p ? ("'" + p->name + "' (" + p->op + ")").c_str() : "a graph input"));
+      continue;
+    }
     if (!pv || pv->op != "matmul" || pv->inputs[0] != sm.outputs[0] || f.S(pv->inputs[1]).size() != 4) {
       rep.skip("attention", sm, "the probabilities are not multiplied by the values alone");
       continue;
@@ -798,7 +873,8 @@ void fuse_attention(Fuser &f, Report &rep) {
                       static_cast<long long>(k.heads), static_cast<long long>(v.heads));
     if (why.empty() && (f.S(pv->inputs[1]) != Shape{B, H, Tn, D} || f.S(qk->inputs[0]) != Shape{B, H, Tn, D}))
       why = "queries, keys and values differ in batch, length or head size";
-    if (why.empty()) causal_mask(f, m, Tn, additive, why);
+    int64_t window = 0;
+    if (why.empty()) causal_mask(f, m, Tn, additive, &window, why);
     if (why.empty()) f.self_contained(nodes, out->outputs[0], why);
     if (!why.empty()) {
       rep.skip("attention", sm, why);
@@ -815,11 +891,13 @@ void fuse_attention(Fuser &f, Report &rep) {
       return f.flat(x, at, block, h.heads * D);
     };
     const int qi = operand(q, "q"), ki = operand(k, "k"), vi = operand(v, "v");
-    f.emit(at, "attention", base, {qi, ki, vi}, {out->outputs[0]}, block,
-           {{"heads", Attr::of_int(H)},
-            {"kv_heads", Attr::of_int(k.heads)},
-            {"causal", Attr::of_int(1)},
-            {"scale", Attr::of_float(scale)}});
+    std::map<std::string, Attr> attrs = {{"heads", Attr::of_int(H)},
+                                         {"kv_heads", Attr::of_int(k.heads)},
+                                         {"causal", Attr::of_int(1)},
+                                         {"scale", Attr::of_float(scale)}};
+    if (window > 0) attrs["window"] = Attr::of_int(window);
+    if (softcap > 0) attrs["softcap"] = Attr::of_float(softcap);
+    f.emit(at, "attention", base, {qi, ki, vi}, {out->outputs[0]}, block, std::move(attrs));
     rep.done("attention", base, block, nodes);
     f.replace(nodes);
   }
@@ -885,11 +963,14 @@ void fuse_rmsnorm(Fuser &f, Report &rep) {
 // ---------------------------------------------------------------------------
 // SwiGLU: mul(silu(a), b) -> swiglu(a, b) = silu(a) * b
 
-void fuse_swiglu(Fuser &f, Report &rep) {
+// Gated units: act(a) * b with a and b of one shape, act silu (SwiGLU -> swiglu) or
+// gelu (GeGLU -> geglu, keeping the gelu's approximate attribute). GeGLU runs after
+// fuse_gelu, so a GELU written out by hand is one op by then.
+void fuse_gated(Fuser &f, Report &rep, const char *act, const char *fused) {
   const size_t nn = f.g().nodes.size();
   for (size_t ni = 0; ni < nn; ++ni) {
     const Node &si = f.g().nodes[ni];
-    if (si.op != "silu") continue;
+    if (si.op != act) continue;
     // The product (the silu may be read elsewhere too: then reported).
     const Node *mul = nullptr;
     for (const Node *r : f.readers(si.outputs[0]))
@@ -899,19 +980,21 @@ void fuse_swiglu(Fuser &f, Report &rep) {
     const int b = mul->inputs[0] == si.outputs[0] ? mul->inputs[1] : mul->inputs[0];
     std::string why;
     if (b == si.outputs[0])
-      why = "silu(a) is multiplied by itself";
+      why = strformat("%s(a) is multiplied by itself", act);
     else if (f.S(b) != f.S(a))
       why = strformat("the operands' shapes %s and %s differ", shape_string(f.S(a)).c_str(),
                       shape_string(f.S(b)).c_str());
     std::vector<const Node *> nodes = {&si, mul};
     if (why.empty()) f.self_contained(nodes, mul->outputs[0], why);
     if (!why.empty()) {
-      rep.skip("swiglu", si, why);
+      rep.skip(fused, si, why);
       continue;
     }
-    const std::string name = f.node_name(scope(mul->name) + ".swiglu");
-    f.emit(f.index_of(mul), "swiglu", name, {a, b}, {mul->outputs[0]}, mul->block);
-    rep.done("swiglu", name, mul->block, nodes);
+    const std::string name = f.node_name(scope(mul->name) + "." + fused);
+    std::map<std::string, Attr> attrs;
+    if (auto it = si.attrs.find("approximate"); it != si.attrs.end()) attrs["approximate"] = it->second;
+    f.emit(f.index_of(mul), fused, name, {a, b}, {mul->outputs[0]}, mul->block, std::move(attrs));
+    rep.done(fused, name, mul->block, nodes);
     f.replace(nodes);
   }
   f.commit();
@@ -1034,8 +1117,9 @@ std::string pass_fuse(Graph &g, const CompileOptions &opt) {
   fuse_rope(f, rep);
   fuse_attention(f, rep);
   fuse_rmsnorm(f, rep);
-  fuse_swiglu(f, rep);
+  fuse_gated(f, rep, "silu", "swiglu");
   fuse_gelu(f, rep);
+  fuse_gated(f, rep, "gelu", "geglu");
   // The fused ops' saved outputs (attention's probabilities, rmsnorm's rstd)
   // are appended here, and every rewrite is checked by the shape rules.
   pass_infer_shapes(g, opt);

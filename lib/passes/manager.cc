@@ -86,7 +86,7 @@ const std::vector<PassDef> &pass_list() {
       {"load", "the graph file as read", true, nullptr, run_nothing, nullptr},
       {"verify", "semantic checks and a topological order", true, nullptr, run_verify, nullptr},
       {"infer_shapes", "symbolic dims bound, every shape known", false, read_shapes, run_infer_shapes, nullptr},
-      {"fuse", "exported primitive patterns rewritten to fused ops (attention, rmsnorm, swiglu, gelu, rope)", false,
+      {"fuse", "exported primitive patterns rewritten to fused ops (attention, rmsnorm, swiglu, gelu, geglu, rope)", false,
        read_fuse_options, run_fuse, dump_fuse},
       {"expert", "experts split over ep, token exchanges and global load balance inserted", false, nullptr,
        run_expert, nullptr},

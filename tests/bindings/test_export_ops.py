@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import ctr
 import ctr_export
+from ctr_export.graphfile import ROLE
 from test_parity import BATCH, LOSS_RTOL, OPT, STEPS, WEIGHT_ATOL, schedule, train_ctr, \
     train_torch
 
@@ -360,3 +361,95 @@ def test_transformers_gpt2(tmp_path):
     model = HFCausalLM()
     torch_losses, ctr_losses, weights = train_both(model, data, tmp_path)
     assert_same_training(model, torch_losses, ctr_losses, weights)
+
+
+# ------------------------------------------------------------------------------------------
+# Masks built for the batch, and scaled_dot_product_attention with a mask
+
+
+class BatchMask(Body):
+    """Scores masked by a constant built for the batch (`.expand(batch, ...)`, as the masks
+    of transformers are), added as 0 / -inf."""
+
+    def body(self, x):
+        B, T, _ = x.shape
+        i = torch.arange(T)
+        allowed = (i[None, :] <= i[:, None])[None].expand(B, -1, -1)
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+        att = self.lin(x) @ x.transpose(1, 2) + mask
+        return F.softmax(att, dim=-1) @ x
+
+
+class PerRowMask(Body):
+    def body(self, x):
+        B, T, _ = x.shape
+        rows = torch.arange(B).float()  # MARK per row
+        bias = rows[:, None, None].expand(B, T, T) * 0.1
+        return F.softmax(self.lin(x) @ x.transpose(1, 2) + bias, dim=-1) @ x
+
+
+class SdpaMask(Body):
+    """scaled_dot_product_attention on [B, H, T, D] with a constant mask: a boolean causal
+    one, a boolean sliding window (3 positions), or a float window."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def body(self, x):
+        B, T, C = x.shape
+        q = self.lin(x).view(B, T, 2, C // 2).transpose(1, 2)
+        k = x.view(B, T, 2, C // 2).transpose(1, 2)
+        i = torch.arange(T)
+        allowed = i[None, :] <= i[:, None]
+        if self.kind != "causal":
+            allowed = allowed & (i[:, None] - i[None, :] < 3)
+        mask = allowed if self.kind != "float" else torch.where(allowed, 0.0, float("-inf"))
+        o = F.scaled_dot_product_attention(q, k, k, attn_mask=mask[None, None])
+        return o.transpose(1, 2).reshape(B, T, C)
+
+
+class SdpaActivationMask(Body):
+    def body(self, x):
+        B, T, C = x.shape
+        q = x.view(B, T, 1, C).transpose(1, 2)
+        mask = self.lin(x)[..., :T].unsqueeze(1) > 0  # MARK activation mask
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask).transpose(1, 2).reshape(B, T, C)
+        return o.transpose(1, 2).reshape(B, T, C)
+
+
+# On the CPU, PyTorch turns a boolean attn_mask into a float one (0 / -inf) before its kernel;
+# the exporter folds that into the constant, so every mask is added to the scores.
+MASKED = {
+    "batch-mask": (BatchMask, {"add": 1, "softmax": 1}),
+    "sdpa-causal-mask": (lambda: SdpaMask("causal"), {"add": 1, "softmax": 1}),
+    "sdpa-window-mask": (lambda: SdpaMask("window"), {"add": 1, "softmax": 1}),
+    "sdpa-float-mask": (lambda: SdpaMask("float"), {"add": 1, "softmax": 1}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MASKED))
+def test_masks(tmp_path, case):
+    make, ops = MASKED[case]
+    model = make()
+    data = random_batches()
+    graph = ctr_export.to_graph(model, data[0], None)
+    counts = {op: sum(n.op == op for n in graph.nodes) for op in ops}
+    assert counts == ops, counts
+    if case == "batch-mask":  # stored once, one row broadcast over the batch
+        consts = [t.dims for t in graph.tensors if t.role == ROLE["Const"] and t.dims
+                  and len(t.dims) == 3]
+        assert consts == [[1, SEQ, SEQ]], consts
+    torch_losses, ctr_losses, weights = train_both(model, data, tmp_path)
+    assert_same_training(model, torch_losses, ctr_losses, weights)
+    assert torch_losses[-1] < torch_losses[0], "the loss did not fall"
+
+
+def test_mask_refusals():
+    data = random_batches()
+    with pytest.raises(ctr_export.ExportError, match="holds different values per batch row") as e:
+        ctr_export.to_graph(PerRowMask(), data[0], None)
+    assert e.value.line == line_of("per row") and os.path.samefile(e.value.file, __file__)
+    with pytest.raises(ctr_export.ExportError, match="mask computed from the model's activations") as e:
+        ctr_export.to_graph(SdpaActivationMask(), data[0], None)
+    assert e.value.line == line_of("activation mask") and os.path.samefile(e.value.file, __file__)

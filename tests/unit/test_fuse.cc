@@ -117,11 +117,13 @@ struct Builder {
   }
 };
 
-// A [kMax, kMax] mask: fill (nonzero above the diagonal) or additive (-inf above, 0 below).
-std::vector<float> causal(bool additive) {
+// A [kMax, kMax] mask: fill (nonzero above the diagonal) or additive (-inf above, 0 below);
+// with window > 0 also masked left of the window (row i sees i - window < j <= i).
+std::vector<float> causal(bool additive, int64_t window = 0) {
   std::vector<float> m(kMax * kMax, 0.0f);
   for (int64_t i = 0; i < kMax; ++i)
-    for (int64_t j = i + 1; j < kMax; ++j) m[i * kMax + j] = additive ? -INFINITY : 1.0f;
+    for (int64_t j = 0; j < kMax; ++j)
+      if (j > i || (window > 0 && i - j >= window)) m[i * kMax + j] = additive ? -INFINITY : 1.0f;
   return m;
 }
 
@@ -214,6 +216,9 @@ struct AttnCase {
   bool probs_read_elsewhere = false;
   bool fused = true;
   const char *why = "";     // expected in the report when not fused
+  int64_t window = 0;       // a sliding window in the mask (the fused op's attribute)
+  float softcap = 0;        // logits capped to c * tanh(s / c) before the mask
+  float softcap_mul = 0;    // the division by c written as a product with this
 };
 
 constexpr int64_t kH = 4, kD = 4;
@@ -251,7 +256,11 @@ void build_attention(Builder &b, const AttnCase &c) {
   int s = b.op("matmul", {q4, kt});
   if (c.scale == 1) s = b.op("mul", {s, b.scalar(0.5f)});
   if (c.scale == 2) s = b.op("div", {s, b.scalar(2.0f)});
-  std::vector<float> m = causal(c.additive);
+  if (c.softcap > 0) {
+    const int d = c.softcap_mul != 0 ? b.op("mul", {s, b.scalar(c.softcap_mul)}) : b.op("div", {s, b.scalar(c.softcap)});
+    s = b.op("mul", {b.op("tanh", {d}), b.scalar(c.softcap)});
+  }
+  std::vector<float> m = causal(c.additive, c.window);
   if (c.mask_broken_past_seq) m[7 * kMax + 6] = c.additive ? -INFINITY : 1.0f;
   int mask = b.constant("mask", {1, 1, kMax, kMax}, m);
   mask = b.op("slice", {mask}, {{"dim", ai(2)}, {"end", astr("seq")}});
@@ -287,6 +296,9 @@ TEST_P(FuseAttention, FusedWhenExactAndTrainsAlike) {
     for (const char *op : {"softmax", "matmul", "transpose", "slice", "expand", "masked_fill", "mul", "div"})
       EXPECT_EQ(count(fused, op), 0) << op << "\n" << report;
     EXPECT_NE(report.find("attention in block 0 fused"), std::string::npos) << report;
+    const std::string attr = "window=" + std::to_string(c.window);
+    EXPECT_EQ(report.find(attr) != std::string::npos, c.window > 0) << report;
+    EXPECT_EQ(report.find("softcap=") != std::string::npos, c.softcap > 0) << report;
   } else {
     EXPECT_EQ(count(fused, "attention"), 0) << report;
     EXPECT_NE(report.find("attention in block 0 not fused: " + std::string(c.why)), std::string::npos) << report;
@@ -310,7 +322,18 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{"fill_value_too_small", false, 4, false, false, 1, -1e4f, false, false, false,
                                "the masked value is -10000"},
                       AttnCase{"probs_read_elsewhere", false, 4, false, false, 1, -INFINITY, false, true, false,
-                               "the probabilities are not multiplied by the values alone"}),
+                               "the probabilities are not multiplied by the values alone"},
+                      // Sliding windows of 3 positions (shorter than seq = 5): the window attribute.
+                      AttnCase{"window_fill", false, 4, false, false, 1, -INFINITY, false, false, true, "", 3},
+                      AttnCase{"window_additive_gqa", true, 2, false, false, 2, -INFINITY, false, false, true, "", 3},
+                      AttnCase{"window_broken_past_seq", false, 4, false, false, 1, -INFINITY, true, false, false,
+                               "the mask is not causal with a sliding window of 3", 3},
+                      // Logit soft-capping (a cap the scores reach, so tanh bends them), by div or mul.
+                      AttnCase{"softcap_window", true, 2, false, false, 1, -INFINITY, false, false, true, "", 3, 0.3f},
+                      AttnCase{"softcap_mul", false, 4, false, false, 2, -INFINITY, false, false, true, "", 0, 0.3f,
+                               1.0f / 0.3f},
+                      AttnCase{"softcap_two_constants", false, 4, false, false, 1, -INFINITY, false, false, false,
+                               "the scores pass through tanh", 0, 0.3f, 2.0f}),
     [](const ::testing::TestParamInfo<AttnCase> &i) { return i.param.label; });
 
 TEST(Fuse, AttentionIntermediateReadElsewhereIsLeft) {
@@ -433,6 +456,42 @@ TEST(Fuse, HandWrittenGelu) {
     expect_same_training(fused, plain);
     ctr_graph_free(g);
   }
+}
+
+// GeGLU (Gemma's MLP): gelu(gate) * up, the gelu an op (tanh or exact) or written out by
+// hand (fused to gelu first, then to geglu).
+TEST(Fuse, GeGlu) {
+  for (int v = 0; v < 3; ++v) {
+    SCOPED_TRACE("variant " + std::to_string(v));
+    Builder b(8);
+    const int a = b.linear(b.x, 8, 12, "w1"), u = b.linear(b.x, 8, 12, "w3");
+    const int ge = v == 2 ? hand_gelu(b, a, 0.044715f, 0, false)
+                          : b.op("gelu", {a}, {{"approximate", astr(v == 0 ? "tanh" : "none")}});
+    b.finish(b.linear(b.op("mul", {u, ge}), 12, 8, "w2"), 8);
+    ctr_graph *g = b.load();
+    const StepOut fused = run_step(g, 1), plain = run_step(g, 0);
+    const std::string report = inspect(g);
+    EXPECT_EQ(count(fused, "geglu"), 1) << report;
+    EXPECT_EQ(count(fused, "gelu"), 0) << report;
+    EXPECT_EQ(count(fused, "mul"), 0) << report;
+    EXPECT_EQ(report.find("approximate=\"none\"") != std::string::npos, v == 1) << report;
+    expect_same_training(fused, plain);
+    ctr_graph_free(g);
+  }
+}
+
+TEST(Fuse, GeGluOfDifferentShapesIsLeft) {
+  Builder b(8);
+  const int a = b.linear(b.x, 8, 12, "w1");
+  const int ge = b.op("gelu", {a});
+  b.finish(b.linear(b.op("mul", {ge, b.param("gain", {12})}), 12, 8, "w2"), 8);
+  ctr_graph *g = b.load();
+  const std::string report = inspect(g);
+  EXPECT_NE(report.find("geglu in block 0 not fused: the operands' shapes"), std::string::npos) << report;
+  const StepOut fused = run_step(g, 1), plain = run_step(g, 0);
+  EXPECT_EQ(count(fused, "geglu"), 0);
+  expect_same_training(fused, plain);
+  ctr_graph_free(g);
 }
 
 TEST(Fuse, GeluWithWrongConstantIsLeft) {

@@ -1371,6 +1371,12 @@ std::vector<OpCase> op_cases() {
                  y = b.add_op("neg", {y});
                  b.finish(b.add_op("exp", {y}), {4, 6});
                }, {}});
+  for (const char *approximate : {"tanh", "none"})
+    c.push_back({std::string("geglu_") + approximate, [approximate](OpGraph &b) {
+                   int x = b.add_param("x", {4, 6});
+                   int y = b.add_param("y", {4, 6});
+                   b.finish(b.add_op("geglu", {x, y}, {{"approximate", astr(approximate)}}), {4, 6});
+                 }, {}});
   c.push_back({"swiglu", [](OpGraph &b) {
                  int x = b.add_param("x", {4, 6});
                  int y = b.add_param("y", {4, 6});
@@ -1395,6 +1401,23 @@ std::vector<OpCase> op_cases() {
                                      {{"heads", ai(2)}, {"causal", ai(causal)}}),
                             {2, 5, 8});
                  }, {}});
+  // A sliding window of 2 keys (each query sees itself and the key before).
+  c.push_back({"attention_window", [](OpGraph &b) {
+                 int q = b.add_param("q", {2, 5, 8});
+                 int k = b.add_param("k", {2, 5, 4});
+                 int v = b.add_param("v", {2, 5, 4});
+                 b.finish(b.add_op("attention", {q, k, v}, {{"heads", ai(2)}, {"kv_heads", ai(1)}, {"window", ai(2)}}),
+                          {2, 5, 8});
+               }, {}});
+  // Soft-capped logits (Gemma-2's cap * tanh(s / cap)), with a window.
+  c.push_back({"attention_softcap", [](OpGraph &b) {
+                 int q = b.add_param("q", {2, 5, 8});
+                 int k = b.add_param("k", {2, 5, 8});
+                 int v = b.add_param("v", {2, 5, 8});
+                 b.finish(b.add_op("attention", {q, k, v},
+                                   {{"heads", ai(2)}, {"window", ai(3)}, {"softcap", ctr::Attr::of_float(0.7)}}),
+                          {2, 5, 8});
+               }, {}});
   c.push_back({"attention_gqa", [](OpGraph &b) {
                  int q = b.add_param("q", {2, 5, 12});
                  int k = b.add_param("k", {2, 5, 3});
@@ -1802,7 +1825,7 @@ std::vector<RuleCase> rule_cases() {
   c.push_back({"clamp_split_last", "clamp", {x}, {S::shard(2)},
                {{"min", ctr::Attr::of_float(0.8)}, {"max", ctr::Attr::of_float(1.2)}}});
   c.push_back({"gelu_split_rows", "gelu", {x}, {S::shard(1)}, {}, {3}});
-  for (const char *op : {"add", "sub", "mul", "div", "swiglu"})
+  for (const char *op : {"add", "sub", "mul", "div", "swiglu", "geglu"})
     c.push_back({std::string(op) + "_split_last", op, {x, x}, {S::shard(2), S::shard(2)}, {}});
   c.push_back({"rope_by_heads", "rope", {{2, 4, 16}}, {S::shard(2)}, {{"heads", ai(4)}}});
   c.push_back({"attention_by_heads", "attention", {{2, 5, 16}, {2, 5, 16}, {2, 5, 16}},
@@ -1810,6 +1833,8 @@ std::vector<RuleCase> rule_cases() {
   c.push_back({"attention_gqa_by_heads", "attention", {{2, 5, 16}, {2, 5, 8}, {2, 5, 8}},
                {S::shard(2), S::shard(2), S::shard(2)}, {{"heads", ai(4)}, {"kv_heads", ai(2)}, {"causal", ai(1)}},
                {2}});
+  c.push_back({"attention_window_by_heads", "attention", {{2, 5, 16}, {2, 5, 16}, {2, 5, 16}},
+               {S::shard(2), S::shard(2), S::shard(2)}, {{"heads", ai(4)}, {"kv_heads", ai(4)}, {"window", ai(2)}}});
   c.push_back({"linear_column", "linear", {x, {12, 8}, {12}}, {S::replicate(), S::shard(0), S::shard(0)}, {}});
   c.push_back({"linear_column_no_bias", "linear", {x, {12, 8}}, {S::replicate(), S::shard(0)}, {}});
   c.push_back({"linear_row", "linear", {x, {6, 8}}, {S::shard(2), S::shard(1)}, {}});
@@ -2139,6 +2164,25 @@ TEST(RopeOp, BadAttributesNameTheNode) {
     int x = b.add_param("x", {2, 5, 8});
     b.finish(b.add_op("rope", {x}, attrs), {2, 5, 8});
     expect_refused(b, "'" + b.g.nodes[0].name + "' (rope)", what);
+  }
+}
+
+TEST(AttentionOp, BadWindowNamesTheNode) {
+  using Attrs = std::map<std::string, ctr::Attr>;
+  const std::pair<Attrs, std::string> cases[] = {
+      {{{"heads", ai(2)}, {"window", ai(-1)}}, "attribute window=-1 must be 0 (none) or positive on a causal attention"},
+      {{{"heads", ai(2)}, {"causal", ai(0)}, {"window", ai(3)}},
+       "attribute window=3 must be 0 (none) or positive on a causal attention"},
+      {{{"heads", ai(2)}, {"softcap", ctr::Attr::of_float(-30.0)}},
+       "attribute softcap=-30 must be 0 (none) or a positive number"},
+  };
+  for (const auto &[attrs, what] : cases) {
+    OpGraph b;
+    int q = b.add_param("q", {2, 5, 8});
+    int k = b.add_param("k", {2, 5, 8});
+    int v = b.add_param("v", {2, 5, 8});
+    b.finish(b.add_op("attention", {q, k, v}, attrs), {2, 5, 8});
+    expect_refused(b, "'" + b.g.nodes[0].name + "' (attention)", what);
   }
 }
 

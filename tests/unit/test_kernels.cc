@@ -250,7 +250,8 @@ struct AttnOut {
 };
 
 AttnOut ref_attention(const Dv &q, const Dv &k, const Dv &v, int64_t B, int64_t T, int64_t Hq,
-                      int64_t Hkv, int64_t D, double scale, bool causal) {
+                      int64_t Hkv, int64_t D, double scale, bool causal, int64_t window = 0,
+                      double softcap = 0.0) {
   AttnOut o{Dv(B * T * Hq * D, 0.0), Dv(B * Hq * T * T, 0.0)};
   const int64_t group = Hq / Hkv;
   for (int64_t b = 0; b < B; ++b)
@@ -258,18 +259,19 @@ AttnOut ref_attention(const Dv &q, const Dv &k, const Dv &v, int64_t B, int64_t 
       const int64_t g = h / group;
       for (int64_t t = 0; t < T; ++t) {
         const int64_t n = causal ? t + 1 : T;
-        Dv s(n);
+        const int64_t j0 = window > 0 ? std::max<int64_t>(0, t - window + 1) : 0;  // sliding window
+        Dv s(n, -INFINITY);
         double m = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = j0; j < n; ++j) {
           double acc = 0.0;
           for (int64_t d = 0; d < D; ++d)
             acc += q[((b * T + t) * Hq + h) * D + d] * k[((b * T + j) * Hkv + g) * D + d];
-          s[j] = scale * acc;
+          s[j] = softcap > 0.0 ? softcap * std::tanh(scale * acc / softcap) : scale * acc;
           m = std::max(m, s[j]);
         }
         double sum = 0.0;
         for (auto &e : s) sum += (e = std::exp(e - m));
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = j0; j < n; ++j) {
           const double p = s[j] / sum;
           o.probs[((b * Hq + h) * T + t) * T + j] = p;
           for (int64_t d = 0; d < D; ++d)
@@ -973,20 +975,28 @@ TEST(Rope, InterleavedBackwardMatchesFiniteDifferences) {
 struct AttnCase {
   int64_t B, T, Hq, Hkv, D;
   bool causal;
+  int64_t window = 0;
+  float softcap = 0.0f;
 };
 
 std::string attn_tag(const AttnCase &c) {
   return " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) + " Hq=" + std::to_string(c.Hq) +
          " Hkv=" + std::to_string(c.Hkv) + " D=" + std::to_string(c.D) +
-         (c.causal ? " causal" : "");
+         (c.causal ? " causal" : "") + (c.window ? " window=" + std::to_string(c.window) : "") +
+         (c.softcap > 0.0f ? " softcap=" + std::to_string(c.softcap) : "");
 }
 
 // Small odd shapes, GQA and MHA, causal and not; T=150 spans three causal blocks
-// with a ragged last one.
+// with a ragged last one. Sliding windows: shorter than a block (the later row blocks
+// skip whole key blocks), longer than one, and one past the sequence (plain causal).
 const AttnCase kAttnCases[] = {
     {2, 5, 4, 2, 4, true},    {2, 5, 4, 2, 4, false}, {1, 7, 3, 3, 6, true},
     {1, 7, 3, 3, 6, false},   {1, 5, 4, 1, 4, true},  {1, 150, 2, 1, 8, true},
-    {1, 150, 2, 2, 8, false},
+    {1, 150, 2, 2, 8, false}, {2, 7, 4, 2, 4, true, 3}, {1, 150, 2, 1, 8, true, 20},
+    {1, 150, 2, 2, 8, true, 90}, {1, 6, 2, 2, 4, true, 6},
+    // Soft-capped logits (a cap near the scores' size, so tanh bends them), alone, with a
+    // window over several blocks, and without the causal mask.
+    {2, 7, 4, 2, 4, true, 0, 0.5f}, {1, 150, 2, 1, 8, true, 20, 0.8f}, {1, 7, 3, 3, 6, false, 0, 0.5f},
 };
 
 TEST(Attention, ForwardMatchesReference) {
@@ -998,9 +1008,9 @@ TEST(Attention, ForwardMatchesReference) {
     F out(nq, NAN), probs(c.B * c.Hq * c.T * c.T, NAN);
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
     ctr::cpu::attention_fwd(q.data(), k.data(), v.data(), out.data(), probs.data(), c.B, c.T, c.Hq,
-                            c.Hkv, c.D, scale, c.causal);
+                            c.Hkv, c.D, scale, c.causal, c.window, c.softcap);
     AttnOut r =
-        ref_attention(to_d(q), to_d(k), to_d(v), c.B, c.T, c.Hq, c.Hkv, c.D, scale, c.causal);
+        ref_attention(to_d(q), to_d(k), to_d(v), c.B, c.T, c.Hq, c.Hkv, c.D, scale, c.causal, c.window, c.softcap);
     expect_close(out, r.out, 2e-6, 1e-5, "attention out" + attn_tag(c));
     expect_close(probs, r.probs, 2e-6, 1e-5, "attention probs" + attn_tag(c));
   }
@@ -1016,14 +1026,14 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
     F out(nq), probs(c.B * c.Hq * c.T * c.T);
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
     ctr::cpu::attention_fwd(q.data(), k.data(), v.data(), out.data(), probs.data(), c.B, c.T, c.Hq,
-                            c.Hkv, c.D, scale, c.causal);
+                            c.Hkv, c.D, scale, c.causal, c.window, c.softcap);
     F dq(nq, NAN), dk(nkv, NAN), dv(nkv, NAN);
     ctr::cpu::attention_bwd(dout.data(), q.data(), k.data(), v.data(), probs.data(), dq.data(),
-                            dk.data(), dv.data(), c.B, c.T, c.Hq, c.Hkv, c.D, scale, c.causal);
+                            dk.data(), dv.data(), c.B, c.T, c.Hq, c.Hkv, c.D, scale, c.causal, c.window, c.softcap);
     const Dv qd = to_d(q), kd = to_d(k), vd = to_d(v);
     const size_t samples = c.T > 64 ? 300 : 0;
     auto run = [&](const Dv &qq, const Dv &kk, const Dv &vv) {
-      return ref_attention(qq, kk, vv, c.B, c.T, c.Hq, c.Hkv, c.D, scale, c.causal).out;
+      return ref_attention(qq, kk, vv, c.B, c.T, c.Hq, c.Hkv, c.D, scale, c.causal, c.window, c.softcap).out;
     };
     expect_grad(
         dq, [&](const Dv &x) { return run(x, kd, vd); }, q, dout, 2e-5, 1e-4,

@@ -6,4 +6,4 @@ Nothing here is written for the exporter: shape unpacking, tuple-unpacked splits
 mask buffers, complex rotary embeddings and weight tying by assignment are the point.
 """
 
-MODELS = ["nanogpt", "gpt2_hf", "llama_meta", "llama_hf"]
+MODELS = ["nanogpt", "gpt2_hf", "llama_meta", "llama_hf", "torch_nn", "hf_causal_lm"]

@@ -309,7 +309,7 @@ struct ScheduleArgs {
         ->check(CLI::IsMember({"auto", "fp32", "bf16"}));
     cmd->add_flag("--no-fuse", no_fuse,
                   "Keep exported primitive patterns as they are instead of rewriting them to fused ops "
-                  "(attention, rmsnorm, swiglu, gelu, rope)");
+                  "(attention, rmsnorm, swiglu, gelu, geglu, rope)");
     cmd->add_flag("--no-epilogues", no_epilogues,
                   "Keep bias gradients and GELU apart from their GEMMs instead of fusing them into "
                   "cuBLASLt's epilogues (cuda)");

@@ -261,6 +261,14 @@ void k_silu(const Args &c) { cpu::silu_fwd(c.in<float>(0), c.out<float>(0), nume
 void k_silu_bwd(const Args &c) {
   cpu::silu_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)));
 }
+void k_geglu(const Args &c) {
+  cpu::geglu_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)),
+                 c.params<ctr_gelu_params>().exact != 0);
+}
+void k_geglu_bwd(const Args &c) {
+  cpu::geglu_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
+                 numel(c.in_shape(0)), c.params<ctr_gelu_params>().exact != 0);
+}
 void k_swiglu(const Args &c) {
   cpu::swiglu_fwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), numel(c.in_shape(0)));
 }
@@ -342,7 +350,7 @@ void k_rope_bwd(const Args &c) {
   auto d = rope_dims(c);
   cpu::rope_bwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta, d.interleaved);
 }
-struct AttnDims { int64_t B, T, Hq, Hkv, D; float scale; bool causal; };
+struct AttnDims { int64_t B, T, Hq, Hkv, D; float scale; bool causal; int64_t window; float softcap; };
 AttnDims attn_dims(const Args &c, int q_input) {
   const auto &q = c.in_shape(q_input);
   AttnDims d;
@@ -354,18 +362,20 @@ AttnDims attn_dims(const Args &c, int q_input) {
   d.D = q[2] / d.Hq;
   d.scale = p.scale;
   d.causal = p.causal != 0;
+  d.window = p.causal != 0 ? p.window : 0;
+  d.softcap = p.softcap;
   return d;
 }
 void k_attention(const Args &c) {
   auto d = attn_dims(c, 0);
   cpu::attention_fwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
-                     d.B, d.T, d.Hq, d.Hkv, d.D, d.scale, d.causal);
+                     d.B, d.T, d.Hq, d.Hkv, d.D, d.scale, d.causal, d.window, d.softcap);
 }
 void k_attention_bwd(const Args &c) {
   auto d = attn_dims(c, 1);
   cpu::attention_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.in<float>(4),
                      c.out<float>(0), c.out<float>(1), c.out<float>(2), d.B, d.T, d.Hq, d.Hkv, d.D,
-                     d.scale, d.causal);
+                     d.scale, d.causal, d.window, d.softcap);
 }
 void k_cross_entropy(const Args &c) {
   const auto &l = c.in_shape(0);
@@ -583,6 +593,7 @@ void register_library_kernels() {
         {"rmsnorm_bwd", bind<k_rmsnorm_bwd>},     {"gelu", bind<k_gelu>},
         {"gelu_bwd", bind<k_gelu_bwd>},           {"silu", bind<k_silu>},
         {"silu_bwd", bind<k_silu_bwd>},           {"swiglu", bind<k_swiglu>},
+        {"geglu", bind<k_geglu>},                 {"geglu_bwd", bind<k_geglu_bwd>},
         {"swiglu_bwd", bind<k_swiglu_bwd>},       {"softmax", bind<k_softmax>},
         {"softmax_bwd", bind<k_softmax_bwd>},     {"rope", bind<k_rope>},
         {"exp", bind<k_unary<cpu::Unary::Exp>>},  {"exp_bwd", bind<k_unary_bwd<cpu::Unary::Exp>>},

@@ -465,6 +465,7 @@ class _AtenConverter(_Converter):
             self.fail(f"a constant of dtype {v.dtype}", node=node)
         v1, dt = prep(v1)
         v2, _ = prep(v2)
+        v1, v2, batch_axes = self.batch_broadcast(node, v1, v2)
         if v1.shape == v2.shape:
             if not torch.equal(v1, v2):
                 self.fail("a value computed from constants differs between two traces of "
@@ -477,6 +478,8 @@ class _AtenConverter(_Converter):
                     self.fail(f"a constant whose dim {i} follows the batch size (only the "
                               f"sequence length may change a constant's shape)", node=node)
             v3, _ = prep(self.const_value(node, 3))
+            for i in batch_axes:
+                v3 = v3.narrow(i, 0, 1)
             for v in (v1, v2):
                 cut = v3
                 for i in axes:
@@ -494,6 +497,46 @@ class _AtenConverter(_Converter):
                               dtype=dt, node=node, suffix=".cut")
         self.const_cache[key] = t
         return t
+
+    def batch_broadcast(self, node, v1, v2):
+        """A constant with a dim of the batch size in both traces (a mask built for the batch,
+        `.expand(batch, 1, -1, -1)`) whose rows along that dim are all equal is stored with
+        one row there, which the ops reading it broadcast; (v1, v2, those dims). Rows that
+        differ are refused, naming the op that brought the batch dim in."""
+        axes = [i for i, (a, b) in enumerate(zip(v1.shape, v2.shape))
+                if (a, b) == (self.B1, self.B2) and a != b]
+        for i in axes:
+            for v in (v1, v2):
+                first = v.narrow(i, 0, 1)
+                if not torch.equal(v, first.expand_as(v)):
+                    origin = self.batch_origin(node, i)
+                    self.fail(f"a constant whose dim {i} follows the batch size holds different "
+                              f"values per batch row; libctr stores constants once for every "
+                              f"batch: build it without the batch dim (size 1 there, broadcast "
+                              f"by the ops that read it)", node=origin)
+            v1, v2 = v1.narrow(i, 0, 1), v2.narrow(i, 0, 1)
+        return v1, v2, axes
+
+    def batch_origin(self, node, axis):
+        """The first constant node on the way to node whose output has the batch size where
+        none of its inputs has (the expand or arange that introduced it), for messages."""
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            if n in seen or n not in self.const_nodes or n.op != "call_function":
+                continue
+            seen.add(n)
+            todo.extend(a for a in n.all_input_nodes)
+
+        def has_batch(n):
+            s1 = getattr(self.t1.values.get(n), "shape", None)
+            s2 = getattr(self.t2.values.get(self.other[n]), "shape", None)
+            return s1 is not None and s2 is not None and any(
+                (a, b) == (self.B1, self.B2) for a, b in zip(s1, s2))
+        for n in self.t1.nodes:
+            if n in seen and has_batch(n) and not any(has_batch(a) for a in n.all_input_nodes if a in seen):
+                return n
+        return node
 
     def add_const(self, node, v: torch.Tensor, dt, part):
         """A Const tensor holding v (a buffer keeps its name; computed values get one)."""
@@ -1311,11 +1354,10 @@ def a_compare(c, node):
 
 def _sdpa(c, node, q_arg, k_arg, v_arg, mask, dropout, causal, scale):
     """Fused causal attention on [B, H, T, D] tensors -> libctr's attention on [B, T, H*D]."""
-    if mask is not None:
-        c.fail("scaled_dot_product_attention with attn_mask: libctr's attention is causal "
-               "(use is_causal=True and no mask)")
     if dropout:
         c.fail(f"scaled_dot_product_attention with dropout_p={dropout} (libctr has no dropout)")
+    if mask is not None:
+        return _sdpa_masked(c, node, q_arg, k_arg, v_arg, mask, causal, scale)
     if not causal:
         c.fail("scaled_dot_product_attention without is_causal=True (libctr's attention is "
                "causal)")
@@ -1336,6 +1378,41 @@ def _sdpa(c, node, q_arg, k_arg, v_arg, mask, dropout, causal, scale):
     out = c.emit("attention", [qf, kf, vf], qf.s1, qf.s2, attrs, node=node)
     o4 = c.reshape(out, q.s1[:1] + (q.s1[2], H, D), q.s2[:1] + (q.s2[2], H, D))
     return _transpose(c, node, o4, [0, 2, 1, 3])
+
+
+def _sdpa_masked(c, node, q_arg, k_arg, v_arg, mask, causal, scale):
+    """scaled_dot_product_attention with a constant attn_mask (the masks Hugging Face's code
+    builds for sliding windows, or any mask passed to nn.MultiheadAttention), written out as
+    the primitives it computes: softmax(q·kᵀ·scale + mask)·v on [B, H, T, D], a boolean mask
+    as masked_fill with -inf where it is False. The fuse pass folds this back into libctr's
+    attention where the mask is one the fused op honours, and says why where it is not."""
+    if causal:
+        c.fail("scaled_dot_product_attention with both attn_mask and is_causal=True")
+    if not c.is_const(mask):
+        c.fail("scaled_dot_product_attention with an attn_mask computed from the model's "
+               "activations: libctr masks with constants (a causal or windowed mask built from "
+               "arange, or a registered buffer)")
+    q, k, v = (_f32(c, c.val(a)) for a in (q_arg, k_arg, v_arg))
+    if q.rank != 4 or k.rank != 4 or v.rank != 4 or k.s1[1] != q.s1[1] or v.s1[1] != q.s1[1] \
+            or k.s1[3] != q.s1[3] or k.s1[2] != v.s1[2]:
+        c.fail(f"scaled_dot_product_attention with attn_mask of q {c.shape_str(q.s1, q.s2)}, "
+               f"k {c.shape_str(k.s1, k.s2)}, v {c.shape_str(v.s1, v.s2)} (libctr writes it "
+               f"out for [batch, heads, seq, dim] with as many key as query heads)")
+    D = q.s1[3]
+    kt = _transpose(c, node, k, [0, 1, 3, 2])
+    s1, s2 = q.s1[:3] + (k.s1[2],), q.s2[:3] + (k.s2[2],)
+    scores = c.emit("matmul", [q, kt], s1, s2, node=node, suffix=".scores")
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    scores = c.emit("mul", [scores, c.scalar(scale)], s1, s2, node=node, suffix=".scaled")
+    if c.const_value(mask, 1).dtype == torch.bool:
+        scores = c.emit("masked_fill", [scores, c.const_tensor(mask, "not")], s1, s2,
+                        {"value": float("-inf")}, node=node, suffix=".masked")
+    else:
+        scores = c.emit("add", [scores, c.const_tensor(mask)], s1, s2, node=node,
+                        suffix=".masked")
+    probs = c.emit("softmax", [scores], s1, s2, node=node, suffix=".probs")
+    o1, o2 = q.s1[:3] + (v.s1[3],), q.s2[:3] + (v.s2[3],)
+    return c.emit("matmul", [probs, v], o1, o2, node=node)
 
 
 def a_sdpa(c, node):
