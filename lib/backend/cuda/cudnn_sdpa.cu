@@ -177,9 +177,12 @@ void run_plan(CudnnAttention &a, SdpaPlan &plan, const char *name, int64_t n, in
 // takes it: bf16 storage, head dims that are multiples of 8 up to 128 (cuDNN's
 // bf16 range on every supported GPU), more than one key (with one the saved
 // output is too small for the stats), 16-byte aligned operands. Anything else
-// is the own kernels' without a word: not a fault.
+// is the own kernels' without a word: not a fault. A sliding window or a
+// logit soft-cap (Mistral, Gemma-2) is not in the graphs built here, so such
+// attention stays on the own kernels, which honour both.
 bool shape_of(const Args &c, int qi, SdpaShape *s) {
   const auto &p = c.params<ctr_attention_params>();
+  if ((p.causal != 0 && p.window > 0) || p.softcap > 0.0f) return false;
   s->B = c.in_dim(qi, 0);
   s->T = c.in_dim(qi, 1);
   s->Hq = p.heads;
