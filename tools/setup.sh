@@ -26,7 +26,7 @@ esac
 if [ "$mode" = --sanitize ]; then BUILD_DIR=${BUILD_DIR:-build-san}; else BUILD_DIR=${BUILD_DIR:-build}; fi
 
 pkgs="meson ninja-build pkg-config g++ flatbuffers-compiler libflatbuffers-dev
-libopenblas-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libssl-dev libucx-dev python3"
+libopenblas-dev libdnnl-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libssl-dev libucx-dev python3"
 if [ -n "$mode" ]; then
   pkgs="$pkgs libgtest-dev python3-numpy python3-setuptools python3-venv
 ucx-utils binutils golang-go valgrind"

@@ -1,6 +1,8 @@
 // The CPU backend's kernels: forward and backward of every op in the graph op set.
 //
-// Every kernel works on fp32 row-major contiguous buffers (token ids are int32),
+// Every kernel works on fp32 row-major contiguous buffers (token ids are int32);
+// bf16 storage is widened around them by the backend, except for the GEMMs
+// with bf16 code of their own (gemm_bf16), and the conversions themselves.
 // takes plain pointers and sizes, and never allocates on the heap in its hot loop.
 // Loops are split over the process thread pool (core/thread_pool.h); GEMMs go to
 // OpenBLAS. Kernels trust their arguments: the graph verifier and the step check
@@ -12,14 +14,50 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace ctr::cpu {
+
+// ---------------------------------------------------------------------------
+// CPU features (features.cc): what the running CPU offers, read by cpuid once
+// per process, less what CTR_CPU_FEATURES turns off.
+struct CpuFeatures {
+  bool avx512f = false;
+  bool avx512_bf16 = false;  // vdpbf16ps, vcvtneps2bf16
+  bool amx_bf16 = false;     // AMX tiles with bf16 dot products
+  bool masked = false;       // CTR_CPU_FEATURES was set
+};
+const CpuFeatures &cpu_features();
+// Empty, or what is wrong with CTR_CPU_FEATURES (the CPU backend refuses to start).
+const std::string &cpu_features_error();
+// Empty when bf16 precision can run on this CPU, else why not.
+std::string bf16_unavailable();
+// Whether the library was built with oneDNN (the bf16 GEMMs, gemm_bf16.cc).
+bool have_dnnl();
+
+// ---------------------------------------------------------------------------
+// bf16 storage (bf16.cc): the upper 16 bits of an f32. Widening is exact;
+// narrowing rounds to nearest even (a NaN stays a quiet NaN). Both split large
+// arrays over the thread pool.
+void bf16_to_f32(const uint16_t *x, float *y, int64_t n);
+void f32_to_bf16(const float *x, uint16_t *y, int64_t n);
+
+// bf16 products with f32 accumulation (gemm_bf16.cc), on oneDNN's matmul (AMX
+// or AVX512_BF16 code chosen by oneDNN at run time). Only when have_dnnl().
+// C[M,N] = op(A) op(B) (+ bias[N]), A and B bf16 (bias in C's dtype), C f32 or
+// bf16 (c_bf16), row-major with row strides lda/ldb/ldc; overwrites C.
+void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t *A,
+               int64_t lda, const uint16_t *B, int64_t ldb, void *C, int64_t ldc, bool c_bf16,
+               const void *bias);
 
 // ---------------------------------------------------------------------------
 // The machine's fp32 FMA peak (FLOP/s) over the process thread pool, measured
 // once per process by a register-only loop in the widest vectors the CPU has
 // (peak.cc): what MFU is reported against.
 double fma_peak_flops();
+// The bf16 peak in the same way: vdpbf16ps chains, or AMX tile products where
+// the bf16 GEMMs use AMX; 0 where bf16 is unavailable.
+double bf16_peak_flops();
 
 // ---------------------------------------------------------------------------
 // GEMM

@@ -53,6 +53,10 @@ extern "C" {
  * [B, H, T], as the op's saved output instead of the probabilities
  * [B, H, T, T] (flash-style attention): the memory plan sizes it so. */
 #define CTR_BACKEND_ATTENTION_LSE 2u
+/* The backend has bf16 kernels (a `cast` kernel) but computes in fp32 unless
+ * precision bf16 is asked for: precision "auto" means fp32 on it (the CPU
+ * backend, the reference every test compares against). */
+#define CTR_BACKEND_BF16_OPT_IN 4u
 #define CTR_MAX_DIMS 8
 
 typedef struct ctr_tensor_ref {

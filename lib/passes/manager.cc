@@ -46,7 +46,7 @@ void run_autodiff(PassContext &c) {
 }
 void run_recompute(PassContext &c) { pass_recompute(c.graph, c.opt); }
 void run_precision(PassContext &c) {
-  c.opt.precision = resolve_precision(c.graph, c.opt.precision, c.has_kernel);
+  c.opt.precision = resolve_precision(c.graph, c.opt.precision, c.has_kernel, c.backend_flags);
   c.precision = pass_precision(c.graph, c.opt.precision);
 }
 void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }

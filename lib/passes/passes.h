@@ -176,13 +176,14 @@ void read_recompute_options(OptionReader &r, CompileOptions &opt);
 // precision.cc: with "bf16", activations stored as bf16 (statistics, the loss and
 // parameter gradients stay f32) and bf16 copies of the f32 parameters and
 // constants that bf16 nodes read (`cast` nodes). resolve_precision turns
-// "auto" into "bf16" where the backend has bf16 kernels and the graph has no
-// mixture-of-experts ops, else "fp32".
+// "auto" into "bf16" where the backend has bf16 kernels and does not ask for
+// them to be opted into (CTR_BACKEND_BF16_OPT_IN: the CPU backend) and the
+// graph has no mixture-of-experts ops, else "fp32".
 // Returns a one-line summary of what it did.
 std::string pass_precision(Graph &g, const std::string &precision);
 void read_precision_options(OptionReader &r, CompileOptions &opt);
 std::string resolve_precision(const Graph &g, const std::string &option,
-                              const std::function<bool(OpId)> &has_kernel);
+                              const std::function<bool(OpId)> &has_kernel, uint32_t backend_flags);
 
 // shard.cc: places parameters on the mesh: each param is cut on dim 0 into `fsdp`
 // shards of equal (padded) row count and this rank keeps its shard. An

@@ -15,16 +15,19 @@
 // for statistics and parameter gradients.
 //
 // "auto" (the default) means bf16 where the backend has bf16 kernels (it has a
-// kernel for `cast`) and f32 otherwise (the CPU backend computes in f32 only),
-// and f32 for graphs with mixture-of-experts layers or tensor-parallel regions.
+// kernel for `cast`) and f32 otherwise,
+// and f32 for graphs with mixture-of-experts layers or tensor-parallel regions;
+// a backend flagged CTR_BACKEND_BF16_OPT_IN (the CPU) gets f32 under "auto".
 // Collectives move f32 parameters and gradients only, so the pass runs before
 // shard: the gathers shard inserts feed the casts. Mixture-of-experts layers
-// (their token exchanges move f32 rows) stay f32 as a whole: the pass refuses
-// bf16 for a graph that has them.
+// whose token exchanges or statistics cross ranks (ep, or the global
+// load-balancing loss of a multi-rank mesh) move f32 rows: the pass refuses
+// bf16 for a graph that has those; on one rank the experts run in bf16.
 
 #include <functional>
 #include <map>
 
+#include "backend/plugin.h"
 #include "core/options.h"
 #include "core/status.h"
 #include "graph/ops.h"
@@ -64,8 +67,9 @@ int bf16_like(Graph &g, int t, const Node &at, bool widen, Node *cast) {
 }  // namespace
 
 std::string resolve_precision(const Graph &g, const std::string &option,
-                              const std::function<bool(OpId)> &has_kernel) {
+                              const std::function<bool(OpId)> &has_kernel, uint32_t backend_flags) {
   if (option != "auto") return option;
+  if (backend_flags & CTR_BACKEND_BF16_OPT_IN) return "fp32";
   for (const Node &n : g.nodes)
     if (n.op.rfind("moe_", 0) == 0 || n.op == "fanout") return "fp32";
   const OpDef *cast = find_op("cast");
@@ -77,9 +81,11 @@ std::string pass_precision(Graph &g, const std::string &precision) {
   if (precision != "bf16") return "precision: fp32 (every activation f32)";
   const size_t nt = g.tensors.size();
   for (const Node &n : g.nodes) {
-    CTR_REQUIRE(n.op.rfind("moe_", 0) != 0, CTR_STATUS_UNSUPPORTED,
-                "precision bf16: node '%s' (%s) is a mixture-of-experts op, which runs in f32 only; use precision "
-                "fp32 for this graph",
+    const bool exchange = n.op == "moe_dispatch" || n.op == "moe_combine" || n.op == "moe_dispatch_rows" ||
+                          n.op == "moe_aux_stats" || n.op == "moe_aux_loss_global";
+    CTR_REQUIRE(!exchange, CTR_STATUS_UNSUPPORTED,
+                "precision bf16: node '%s' (%s) moves mixture-of-experts rows or statistics between ranks, which "
+                "runs in f32 only; use precision fp32 for this mesh (one rank runs experts in bf16)",
                 n.name.c_str(), n.op.c_str());
     CTR_REQUIRE(n.op != "fanout", CTR_STATUS_UNSUPPORTED,
                 "precision bf16: node '%s' enters a tensor-parallel region, whose all-reduces move f32 activations "

@@ -29,6 +29,7 @@
 #include "core/rng.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
+#include "cpu/kernels.h"
 #include "graph/ops.h"
 #include "runtime/executor.h"
 #include "runtime/mesh.h"
@@ -160,10 +161,15 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   device_comms_ = mesh.device_comms(be_);
   {
     const OpDef *cast = find_op("cast");
-    CTR_REQUIRE(copt_.precision != "bf16" || (cast && backend_has_kernel(be_, cast->id)), CTR_STATUS_UNSUPPORTED,
-                "ctr_step_create: option 'precision' bf16: the %s backend computes in fp32 only (use precision "
-                "fp32 or auto, or a device with bf16 kernels such as cuda)",
-                be_.iface->name);
+    if (copt_.precision == "bf16" && !(cast && backend_has_kernel(be_, cast->id))) {
+      // The CPU backend says why (the CPU's features); any other lacks bf16 kernels.
+      const std::string why = std::strcmp(be_.iface->name, "cpu") == 0
+                                  ? cpu::bf16_unavailable()
+                                  : strformat("the %s backend computes in fp32 only", be_.iface->name);
+      fail(CTR_STATUS_UNSUPPORTED, strformat("ctr_step_create: option 'precision' bf16: %s (use precision fp32 or "
+                                             "auto)",
+                                             why.c_str()));
+    }
     PassContext ctx(g_, copt_, [this](OpId op) { return backend_has_kernel(be_, op); });
     ctx.backend_flags = be_.iface->flags;
     run_passes(ctx);

@@ -75,10 +75,75 @@ struct Args {
   const P &params() const { return *static_cast<const P *>(a->params); }
 };
 
+// ---------------------------------------------------------------------------
+// bf16 storage (precision bf16). The kernels compute in f32; a kernel without
+// bf16 code of its own runs on f32 copies of its bf16 tensors: inputs and
+// outputs widened exactly into per-thread scratch, the f32 kernel run on them,
+// and the bf16 outputs rounded back to nearest even. f32 tensors (statistics,
+// parameter gradients) are used in place. The GEMMs have bf16 code (oneDNN).
+
+bool any_bf16(const ctr_kernel_args *a) {
+  for (int i = 0; i < a->num_inputs; ++i)
+    if (a->inputs[i].dtype == CTR_DTYPE_BF16) return true;
+  for (int i = 0; i < a->num_outputs; ++i)
+    if (a->outputs[i].dtype == CTR_DTYPE_BF16) return true;
+  return false;
+}
+
+struct Scratch {
+  std::vector<std::vector<float>> bufs;
+  std::vector<ctr_tensor_ref> refs;
+};
+
+template <void (*F)(const Args &)>
+void widened(const ctr_kernel_args *a) {
+  thread_local Scratch s;
+  const int n = a->num_inputs + a->num_outputs;
+  if (s.bufs.size() < static_cast<size_t>(n)) s.bufs.resize(static_cast<size_t>(n));
+  s.refs.assign(a->inputs, a->inputs + a->num_inputs);
+  s.refs.insert(s.refs.end(), a->outputs, a->outputs + a->num_outputs);
+  for (int i = 0; i < n; ++i) {
+    ctr_tensor_ref &r = s.refs[static_cast<size_t>(i)];
+    if (r.dtype != CTR_DTYPE_BF16 || !r.data) continue;
+    std::vector<float> &b = s.bufs[static_cast<size_t>(i)];
+    if (b.size() < static_cast<size_t>(r.numel)) b.resize(static_cast<size_t>(r.numel));
+    // Outputs too: a kernel may read what it writes (accumulating outputs).
+    cpu::bf16_to_f32(static_cast<const uint16_t *>(r.data), b.data(), r.numel);
+    r.data = b.data();
+    r.dtype = CTR_DTYPE_F32;
+    r.bytes = r.numel * 4;
+  }
+  ctr_kernel_args w = *a;
+  w.inputs = s.refs.data();
+  w.outputs = s.refs.data() + a->num_inputs;
+  F(Args{&w});
+  for (int i = 0; i < a->num_outputs; ++i) {
+    const ctr_tensor_ref &r = a->outputs[i];
+    if (r.dtype == CTR_DTYPE_BF16 && r.data)
+      cpu::f32_to_bf16(s.bufs[static_cast<size_t>(a->num_inputs + i)].data(), static_cast<uint16_t *>(r.data),
+                       r.numel);
+  }
+}
+
 template <void (*F)(const Args &)>
 void bind(const ctr_kernel_args *a, void *) {
-  F(Args{a});
+  if (any_bf16(a))
+    widened<F>(a);
+  else
+    F(Args{a});
 }
+
+// A kernel with bf16 code of its own: F16 returns false for a mix of dtypes it
+// does not take, which then goes the widened way.
+template <bool (*F16)(const Args &), void (*F)(const Args &)>
+void bind16(const ctr_kernel_args *a, void *) {
+  if (!any_bf16(a))
+    F(Args{a});
+  else if (!cpu::have_dnnl() || !F16(Args{a}))
+    widened<F>(a);
+}
+
+bool is16(const ctr_tensor_ref &r) { return r.dtype == CTR_DTYPE_BF16; }
 
 // ---------------------------------------------------------------------------
 // Kernel bindings
@@ -111,6 +176,42 @@ void k_linear_bwd_w(const Args &c) {
 void k_linear_bwd_b(const Args &c) {
   int64_t N = c.out_shape(0)[0];
   cpu::linear_bwd_b(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0)) / N, N, false);
+}
+// bf16 GEMMs: bf16 operands, f32 accumulation, the output in its own dtype.
+bool k16_linear(const Args &c) {
+  const auto &r = c.a->inputs;
+  if (!is16(r[0]) || !is16(r[1]) || (c.num_inputs() > 2 && r[2].dtype != c.a->outputs[0].dtype)) return false;
+  const auto &w = c.in_shape(1);
+  const int64_t M = numel(c.in_shape(0)) / w[1];
+  cpu::gemm_bf16(false, true, M, w[0], w[1], c.in<uint16_t>(0), w[1], c.in<uint16_t>(1), w[1], c.out<void>(0), w[0],
+                 is16(c.a->outputs[0]), c.num_inputs() > 2 ? c.in<void>(2) : nullptr);
+  return true;
+}
+bool k16_linear_bwd_x(const Args &c) {
+  if (!is16(c.a->inputs[0]) || !is16(c.a->inputs[1])) return false;
+  const auto &w = c.in_shape(1);  // [N, K]
+  const int64_t M = numel(c.in_shape(0)) / w[0];
+  cpu::gemm_bf16(false, false, M, w[1], w[0], c.in<uint16_t>(0), w[0], c.in<uint16_t>(1), w[1], c.out<void>(0), w[1],
+                 is16(c.a->outputs[0]), nullptr);
+  return true;
+}
+bool k16_linear_bwd_w(const Args &c) {
+  if (!is16(c.a->inputs[0]) || !is16(c.a->inputs[1])) return false;
+  const auto &w = c.out_shape(0);  // [N, K]
+  const int64_t M = numel(c.in_shape(1)) / w[1];
+  cpu::gemm_bf16(true, false, w[0], w[1], M, c.in<uint16_t>(0), w[0], c.in<uint16_t>(1), w[1], c.out<void>(0), w[1],
+                 is16(c.a->outputs[0]), nullptr);
+  return true;
+}
+// The cast of the precision pass: f32 <-> bf16, or a copy.
+void k_cast(const ctr_kernel_args *a, void *) {
+  const ctr_tensor_ref &x = a->inputs[0], &y = a->outputs[0];
+  if (x.dtype == y.dtype)
+    cpu::copy(x.data, y.data, x.bytes);
+  else if (is16(y))
+    cpu::f32_to_bf16(static_cast<const float *>(x.data), static_cast<uint16_t *>(y.data), x.numel);
+  else
+    cpu::bf16_to_f32(static_cast<const uint16_t *>(x.data), static_cast<float *>(y.data), x.numel);
 }
 struct MatmulDims { int64_t batch, M, K, N; bool shared; };
 MatmulDims matmul_dims(Shape a, Shape b) {
@@ -575,8 +676,9 @@ void register_library_kernels() {
   std::call_once(once, [] {
     const std::pair<const char *, KernelFn> k[] = {
         {"embedding", bind<k_embedding>},         {"embedding_bwd", bind<k_embedding_bwd>},
-        {"linear", bind<k_linear>},               {"linear_bwd_x", bind<k_linear_bwd_x>},
-        {"linear_bwd_w", bind<k_linear_bwd_w>},   {"linear_bwd_b", bind<k_linear_bwd_b>},
+        {"linear", bind16<k16_linear, k_linear>}, {"linear_bwd_x", bind16<k16_linear_bwd_x, k_linear_bwd_x>},
+        {"linear_bwd_w", bind16<k16_linear_bwd_w, k_linear_bwd_w>}, {"linear_bwd_b", bind<k_linear_bwd_b>},
+        {"cast", k_cast},
         {"matmul", bind<k_matmul>},               {"matmul_bwd", bind<k_matmul_bwd>},
         {"add", bind<k_binary<cpu::Binary::Add>>}, {"reduce_rows", bind<k_reduce_rows>},
         {"sub", bind<k_binary<cpu::Binary::Sub>>}, {"div", bind<k_binary<cpu::Binary::Div>>},
@@ -820,6 +922,9 @@ void cpu_synchronize(void *ctx, int stream) {
   if (stream > 0) c.workers[static_cast<size_t>(stream - 1)]->drain();
 }
 KernelFn cpu_kernel(void *, int32_t op, const char *) {
+  // Without bf16 on this CPU there is no cast: the step refuses precision bf16.
+  static const OpDef *cast = find_op("cast");
+  if (cast && op == cast->id && !cpu::bf16_unavailable().empty()) return nullptr;
   KernelTable &t = kernel_table();
   std::lock_guard<std::mutex> lock(t.mu);
   return op >= 0 && static_cast<size_t>(op) < t.by_id.size() ? t.by_id[static_cast<size_t>(op)] : nullptr;
@@ -893,8 +998,8 @@ constexpr ctr_backend_iface cpu_iface(uint32_t flags) {
       nullptr,
   };
 }
-const ctr_backend_iface kCpuIface = cpu_iface(0);
-const ctr_backend_iface kFencedIface = cpu_iface(CTR_BACKEND_DEVICE_MEMORY);
+const ctr_backend_iface kCpuIface = cpu_iface(CTR_BACKEND_BF16_OPT_IN);
+const ctr_backend_iface kFencedIface = cpu_iface(CTR_BACKEND_DEVICE_MEMORY | CTR_BACKEND_BF16_OPT_IN);
 
 }  // namespace
 
@@ -904,6 +1009,8 @@ void register_cpu_kernel(const std::string &op, KernelFn fn) {
 }
 
 Backend cpu_backend_create(bool fenced) {
+  CTR_REQUIRE(cpu::cpu_features_error().empty(), CTR_STATUS_INVALID_ARGUMENT, "device 'cpu': %s",
+              cpu::cpu_features_error().c_str());
   register_library_kernels();
   auto *c = new Cpu;
   c->fenced = fenced;
