@@ -835,6 +835,7 @@ std::string inspect_graph(const ctr_graph *graph, const ctr_options *options, co
     delete b;
   });
   PassContext ctx(g, o, [&](OpId op) { return backend_has_kernel(be, op); });
+  ctx.backend_flags = be.iface->flags;  // as a step on this backend sees them (precision auto, layouts)
   run_passes(ctx, after);
   return until.dump ? until.dump(ctx) : dump_graph(g);
 }
