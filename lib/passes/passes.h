@@ -180,7 +180,9 @@ void read_recompute_options(OptionReader &r, CompileOptions &opt);
 // them to be opted into (CTR_BACKEND_BF16_OPT_IN: the CPU backend) and the
 // graph has no mixture-of-experts ops, else "fp32".
 // Returns a one-line summary of what it did.
-std::string pass_precision(Graph &g, const std::string &precision);
+// bf16_moe: the backend's mixture-of-experts kernels take bf16 data (else a
+// graph with experts is refused in bf16).
+std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe = false);
 void read_precision_options(OptionReader &r, CompileOptions &opt);
 std::string resolve_precision(const Graph &g, const std::string &option,
                               const std::function<bool(OpId)> &has_kernel, uint32_t backend_flags);

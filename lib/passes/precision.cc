@@ -22,7 +22,9 @@
 // shard: the gathers shard inserts feed the casts. Mixture-of-experts layers
 // whose token exchanges or statistics cross ranks (ep, or the global
 // load-balancing loss of a multi-rank mesh) move f32 rows: the pass refuses
-// bf16 for a graph that has those; on one rank the experts run in bf16.
+// bf16 for a graph that has those; on one rank the experts run in bf16 where
+// the backend's expert kernels take it (the CPU's, which widen every bf16
+// operand; the CUDA backend's expert kernels are f32 only, so it refuses).
 
 #include <functional>
 #include <map>
@@ -76,11 +78,15 @@ std::string resolve_precision(const Graph &g, const std::string &option,
   return cast && has_kernel && has_kernel(cast->id) ? "bf16" : "fp32";
 }
 
-std::string pass_precision(Graph &g, const std::string &precision) {
+std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe) {
   CTR_CHECK(g.num_forward >= 0);
   if (precision != "bf16") return "precision: fp32 (every activation f32)";
   const size_t nt = g.tensors.size();
   for (const Node &n : g.nodes) {
+    CTR_REQUIRE(bf16_moe || n.op.rfind("moe_", 0) != 0, CTR_STATUS_UNSUPPORTED,
+                "precision bf16: node '%s' (%s) is a mixture-of-experts op, which runs in f32 only on this "
+                "backend; use precision fp32 for this graph",
+                n.name.c_str(), n.op.c_str());
     const bool exchange = n.op == "moe_dispatch" || n.op == "moe_combine" || n.op == "moe_dispatch_rows" ||
                           n.op == "moe_aux_stats" || n.op == "moe_aux_loss_global";
     CTR_REQUIRE(!exchange, CTR_STATUS_UNSUPPORTED,
