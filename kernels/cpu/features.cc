@@ -8,6 +8,8 @@
 // can run this machine as one without them. Anything else in it is an error,
 // reported by the first step that needs the features.
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -29,12 +31,25 @@ struct State {
   std::string error;  // a malformed CTR_CPU_FEATURES
 };
 
+// AMX with bf16 tiles, read from cpuid (leaf 7: EDX bit 22 AMX-BF16, bit 24
+// AMX-TILE) and from XCR0 (bits 17 and 18: the OS saves tile state); not every
+// compiler's __builtin_cpu_supports knows the AMX names.
+bool amx_bf16_supported() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & (3u << 17)) == (3u << 17);
+}
+
 State detect() {
   State s;
   __builtin_cpu_init();
   s.f.avx512f = __builtin_cpu_supports("avx512f");
   s.f.avx512_bf16 = s.f.avx512f && __builtin_cpu_supports("avx512bf16");
-  s.f.amx_bf16 = s.f.avx512_bf16 && __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile");
+  s.f.amx_bf16 = s.f.avx512_bf16 && amx_bf16_supported();
   if (const char *env = std::getenv("CTR_CPU_FEATURES"); env && *env) {
     std::string list = env;
     size_t at = 0;
