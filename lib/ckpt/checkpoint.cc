@@ -446,25 +446,32 @@ void Checkpointer::load(CheckpointState &s, const CheckpointInfo &info, const st
             const json &e = *ep;
             // The entry's box: "box" (version 3) or "rows" of dim 0, whole in the others.
             std::vector<int64_t> lo(nd, 0), hi(full);
+            // A number that sizes or places a read: an integer, never a float cast.
+            auto integer = [&](const json &v, const char *what) -> int64_t {
+              if (!v.is_number_integer())
+                ckpt_fail(strformat("%s: corrupt metadata for tensor '%s' (%s): %s is not an integer", dir.c_str(),
+                                    name.c_str(), kKinds[k], what));
+              return v.get<int64_t>();
+            };
             if (e.contains("box")) {
               const json &box = e.at("box");
               if (!box.is_array() || box.size() != nd)
                 ckpt_fail(strformat("%s: corrupt metadata for tensor '%s' (%s): a box of %zu dims for a tensor of %zu",
                                     dir.c_str(), name.c_str(), kKinds[k], box.is_array() ? box.size() : size_t{0}, nd));
               for (size_t d = 0; d < nd; ++d) {
-                lo[d] = box.at(d).at(0).get<int64_t>();
-                hi[d] = box.at(d).at(1).get<int64_t>();
+                lo[d] = integer(box.at(d).at(0), "a box bound");
+                hi[d] = integer(box.at(d).at(1), "a box bound");
               }
             } else {
-              lo[0] = e.at("rows")[0].get<int64_t>();
-              hi[0] = e.at("rows")[1].get<int64_t>();
+              lo[0] = integer(e.at("rows").at(0), "rows");
+              hi[0] = integer(e.at("rows").at(1), "rows");
             }
             const std::string file = e.at("file").get<std::string>();
             if (file.find('/') != std::string::npos || file.empty())
               ckpt_fail(strformat("%s: corrupt metadata: bad shard file name '%s'", dir.c_str(), file.c_str()));
-            const int64_t block_rows = e.at("block_rows").get<int64_t>();
+            const int64_t block_rows = integer(e.at("block_rows"), "block_rows");
             const auto &hashes = e.at("xxh3");
-            const int64_t offset = e.at("offset").get<int64_t>();
+            const int64_t offset = integer(e.at("offset"), "offset");
             // Every number is checked before it sizes or places a read.
             bool bad = block_rows < 1 || offset < 0 || !hashes.is_array();
             for (size_t d = 0; d < nd; ++d) bad |= lo[d] < 0 || hi[d] <= lo[d] || hi[d] > full[d];
