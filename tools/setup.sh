@@ -32,7 +32,7 @@ if [ -n "$mode" ]; then
 ucx-utils binutils golang-go valgrind"
 fi
 if [ "$mode" = --sanitize ]; then
-  pkgs="$pkgs clang libclang-rt-dev llvm"
+  pkgs="$pkgs clang libclang-rt-dev llvm libomp-dev"  # libomp: clang's OpenMP, which oneDNN's bf16 GEMMs use
 fi
 
 missing=""
