@@ -75,6 +75,16 @@ void infer_same_f32(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   out = {f32(S(g, n, 0))};
 }
 
+std::vector<int64_t> check_logits_targets(const Graph &g, const Node &n) {
+  need_dtype(g, n, 0, CTR_DTYPE_F32);
+  need_dtype(g, n, 1, CTR_DTYPE_I32);
+  need_rank_at_least(g, n, 0, 1);
+  const auto &l = S(g, n, 0);
+  std::vector<int64_t> rows(l.begin(), l.end() - 1);
+  if (S(g, n, 1) != rows) shape_mismatch(g, n, 1, shape_string(rows));
+  return rows;
+}
+
 }  // namespace opdef
 
 namespace {
@@ -267,12 +277,7 @@ double attention_flops(const Graph &g, const Node &n) {
 // cross_entropy(logits[..., V], targets[...]) -> loss (scalar), saved lse[R], count
 
 void xent_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
-  need_dtype(g, n, 0, CTR_DTYPE_F32);
-  need_dtype(g, n, 1, CTR_DTYPE_I32);
-  need_rank_at_least(g, n, 0, 1);
-  const auto &l = S(g, n, 0);
-  std::vector<int64_t> rows(l.begin(), l.end() - 1);
-  if (S(g, n, 1) != rows) shape_mismatch(g, n, 1, shape_string(rows));
+  const std::vector<int64_t> rows = check_logits_targets(g, n);
   if (n.has_attr("ignore_index") && (n.attrs.at("ignore_index").type != Attr::Int || n.attr_int("ignore_index", -1) >= 0))
     bad_node(g, n, "attribute ignore_index must be a negative integer (targets at or above it and below 0 are ignored)");
   out = {f32({}), f32({numel(rows)}), OutInfo{CTR_DTYPE_I64, {1}}};

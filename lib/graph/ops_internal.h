@@ -34,6 +34,9 @@ OutInfo f32(std::vector<int64_t> s);
 double zero_flops(const Graph &, const Node &);
 double elementwise_flops(const Graph &g, const Node &n);  // input 0's element count
 void infer_same_f32(const Graph &g, const Node &n, std::vector<OutInfo> &out);
+// logits[..., V] (f32) and targets[...] (i32) with the logits' leading dims:
+// the shape of the targets, or a refusal naming the input.
+std::vector<int64_t> check_logits_targets(const Graph &g, const Node &n);
 
 constexpr BwdSlot G(int i) { return {BwdSlot::Grad, i}; }
 constexpr BwdSlot In(int i) { return {BwdSlot::Input, i}; }

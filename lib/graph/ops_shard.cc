@@ -238,12 +238,8 @@ void vocab_ce_decode(const Graph &, const Node &n, void *out) {
 }
 
 void vocab_ce_check(const Graph &g, const Node &n) {
-  need_dtype(g, n, 0, CTR_DTYPE_F32);
-  need_dtype(g, n, 1, CTR_DTYPE_I32);
-  need_rank_at_least(g, n, 0, 1);
+  check_logits_targets(g, n);
   const auto &l = S(g, n, 0);
-  std::vector<int64_t> rows(l.begin(), l.end() - 1);
-  if (S(g, n, 1) != rows) shape_mismatch(g, n, 1, shape_string(rows));
   const int64_t offset = n.attr_int("offset", -1), valid = n.attr_int("valid", -1);
   if (offset < 0 || valid < 0 || valid > l.back() || offset + valid > n.attr_int("vocab", 0))
     bad_node(g, n, "attributes offset, valid and vocab do not describe this rank's columns");
