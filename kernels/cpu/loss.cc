@@ -26,10 +26,9 @@ using rows::row_max;
 constexpr int64_t kGrain = 1 << 12;
 
 
-// log(sum(exp(x))) of one row, shifted by its maximum; sixteen independent
-// partial sums vectorise without reassociating.
-float row_logsumexp(const float *x, int64_t n) {
-  const float m = row_max(x, n);
+// sum(exp(x - m)) of one row; sixteen independent partial sums vectorise
+// without reassociating.
+float row_sum_exp(const float *x, int64_t n, float m) {
   float acc[16] = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
@@ -37,7 +36,13 @@ float row_logsumexp(const float *x, int64_t n) {
   float s = 0.0f;
   for (; i < n; ++i) s += math::exp_fast(x[i] - m);
   for (int k = 0; k < 16; ++k) s += acc[k];
-  return m + std::log(s);
+  return s;
+}
+
+// log(sum(exp(x))) of one row, shifted by its maximum.
+float row_logsumexp(const float *x, int64_t n) {
+  const float m = row_max(x, n);
+  return m + std::log(row_sum_exp(x, n, m));
 }
 
 }  // namespace
@@ -90,16 +95,8 @@ void vocab_ce_stats(const float *logits, const int32_t *targets, float *stats, i
         o[0] = -INFINITY;
         o[1] = 0.0f;
       } else {
-        const float m = row_max(x, valid);
-        float acc[16] = {};
-        int64_t j = 0;
-        for (; j + 16 <= valid; j += 16)
-          for (int k = 0; k < 16; ++k) acc[k] += math::exp_fast(x[j + k] - m);
-        float sum = 0.0f;
-        for (; j < valid; ++j) sum += math::exp_fast(x[j] - m);
-        for (int k = 0; k < 16; ++k) sum += acc[k];
-        o[0] = m;
-        o[1] = sum;
+        o[0] = row_max(x, valid);
+        o[1] = row_sum_exp(x, valid, o[0]);
       }
       const int64_t t = static_cast<int64_t>(targets[r]) - offset;
       o[2] = targets[r] >= 0 && t >= 0 && t < valid ? x[t] : 0.0f;
