@@ -207,6 +207,15 @@ CTR_API const char *ctr_mesh_device(const ctr_mesh *mesh);
  * with CTR_STATUS_INVALID_ARGUMENT on NULL, *flops untouched. Thread-safe.
  * (since 0.6) */
 CTR_API ctr_status ctr_mesh_peak_flops(const ctr_mesh *mesh, double *flops);
+/* The peak rate of one rank's device for a precision (in, "fp32" or "bf16";
+ * borrowed for the call), as ctr_mesh_peak_flops measures it (*flops, out):
+ * "fp32" is that figure; "bf16" on device "cpu" is a register-only loop of the
+ * instructions the bf16 GEMMs run on (AMX tile products where the CPU has AMX
+ * and libctr was built with oneDNN, else vdpbf16ps), measured once per process.
+ * CTR_STATUS_UNSUPPORTED where the device cannot run the precision (naming
+ * why) or its peak is not measured; CTR_STATUS_INVALID_ARGUMENT on NULL or
+ * another precision; *flops untouched on failure. Thread-safe. (since 0.6) */
+CTR_API ctr_status ctr_mesh_peak_flops_v2(const ctr_mesh *mesh, const char *precision, double *flops);
 
 /* Since 0.3. The job's failure as far as this rank knows it, learnt in the
  * background while a call on this mesh's steps may be blocked (the manner of

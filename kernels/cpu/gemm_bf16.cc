@@ -2,10 +2,7 @@
 //
 // oneDNN picks its code at run time from cpuid (features.cc caps it where
 // CTR_CPU_FEATURES turns features off): AMX tile products where the CPU has
-// them, AVX512_BF16 dot products otherwise. Measured on this project's machine
-// (BENCHMARKS.md) oneDNN's AMX matmul runs a 1024x3072x768 bf16 product on one
-// core at several times the register-only peak of vdpbf16ps code, so no
-// own micro-kernel is kept: it could not come close.
+// them, AVX512_BF16 dot products otherwise.
 //
 // Threads as in gemm.cc: the process pool cuts C into row or column blocks and
 // each thread runs oneDNN single-threaded on its block (oneDNN's OpenMP team

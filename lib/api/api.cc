@@ -300,6 +300,27 @@ extern "C" ctr_status ctr_mesh_peak_flops(const ctr_mesh *mesh, double *flops) {
   CTR_API_END
 }
 
+extern "C" ctr_status ctr_mesh_peak_flops_v2(const ctr_mesh *mesh, const char *precision, double *flops) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(mesh != nullptr && precision != nullptr && flops != nullptr,
+              "ctr_mesh_peak_flops_v2: mesh, precision and flops must not be NULL");
+  const std::string p = precision;
+  REQUIRE_ARG(p == "fp32" || p == "bf16", "ctr_mesh_peak_flops_v2: precision '%s' is not fp32 or bf16", precision);
+  CTR_REQUIRE(mesh->device == "cpu", CTR_STATUS_UNSUPPORTED,
+              "ctr_mesh_peak_flops_v2: the peak of device '%s' is not measured; give the data-sheet figure "
+              "(ctr run --peak-flops)",
+              mesh->device.c_str());
+  if (p == "fp32") {
+    *flops = ctr::cpu::fma_peak_flops();
+    return CTR_STATUS_OK;
+  }
+  const std::string why = ctr::cpu::bf16_unavailable();
+  CTR_REQUIRE(why.empty(), CTR_STATUS_UNSUPPORTED, "ctr_mesh_peak_flops_v2: bf16: %s", why.c_str());
+  *flops = ctr::cpu::bf16_peak_flops();
+  return CTR_STATUS_OK;
+  CTR_API_END
+}
+
 extern "C" ctr_status ctr_mesh_async_error(const ctr_mesh *mesh, const char **message) {
   CTR_API_BEGIN
   REQUIRE_ARG(mesh != nullptr, "ctr_mesh_async_error: mesh is NULL");

@@ -752,10 +752,12 @@ int cmd_run(const RunArgs &a) {
     check(ctr_step_memory(step.get(), &arena, &param_bytes, &opt_bytes));
     const int64_t params = param_count(graph.get());
     const double flops = flops_per_token(graph.get(), seq);
-    // The peak MFU is reported against: given, or the device's FMA peak as the
-    // library measures it (0: unknown, no MFU).
+    // The peak MFU is reported against: given, or the device's peak for the
+    // step's precision as the library measures it (0: unknown, no MFU). Only an
+    // explicit bf16 computes in bf16 on the CPU; "auto" there is fp32.
+    const bool bf16 = a.collectives.precision == "bf16";
     double peak = a.peak_flops;
-    if (peak <= 0 && ctr_mesh_peak_flops(mesh.get(), &peak) != CTR_STATUS_OK) peak = 0;
+    if (peak <= 0 && ctr_mesh_peak_flops_v2(mesh.get(), bf16 ? "bf16" : "fp32", &peak) != CTR_STATUS_OK) peak = 0;
     // Model FLOPs per second of one rank over its peak.
     auto mfu = [&](const ctr_step_metrics &m) {
       return m.step_ms > 0 && peak > 0
@@ -780,7 +782,9 @@ int cmd_run(const RunArgs &a) {
                   mib(arena), recompute.c_str(), mib(param_bytes), mib(param_bytes), mib(opt_bytes));
       if (peak > 0)
         std::printf("MFU against %s FLOP/s per rank (%s)\n", human(peak).c_str(),
-                    a.peak_flops > 0 ? "--peak-flops" : "the measured fp32 FMA peak of this process's threads");
+                    a.peak_flops > 0 ? "--peak-flops"
+                    : bf16           ? "the measured bf16 peak of this process's threads"
+                                     : "the measured fp32 FMA peak of this process's threads");
       else
         std::printf("MFU not shown: the peak of device '%s' is not measured (give --peak-flops)\n",
                     ctr_mesh_device(mesh.get()));
