@@ -5,7 +5,7 @@
 // with bf16 code of their own (gemm_bf16), and the conversions themselves.
 // takes plain pointers and sizes, and never allocates on the heap in its hot loop.
 // Loops are split over the process thread pool (core/thread_pool.h); GEMMs go to
-// OpenBLAS. Kernels trust their arguments: the graph verifier and the step check
+// oneDNN's matmul (OpenBLAS without it; gemm.cc). Kernels trust their arguments: the graph verifier and the step check
 // shapes, ranges and token ids before anything runs, so no kernel validates input.
 //
 // Backward kernels that produce a parameter gradient take `accumulate`: false
@@ -32,7 +32,7 @@ const CpuFeatures &cpu_features();
 const std::string &cpu_features_error();
 // Empty when bf16 precision can run on this CPU, else why not.
 std::string bf16_unavailable();
-// Whether the library was built with oneDNN (the bf16 GEMMs, gemm_bf16.cc).
+// Whether the library was built with oneDNN (the GEMMs, gemm.cc and dnnl_matmul.cc).
 bool have_dnnl();
 
 // ---------------------------------------------------------------------------
@@ -42,7 +42,7 @@ bool have_dnnl();
 void bf16_to_f32(const uint16_t *x, float *y, int64_t n);
 void f32_to_bf16(const float *x, uint16_t *y, int64_t n);
 
-// bf16 products with f32 accumulation (gemm_bf16.cc), on oneDNN's matmul (AMX
+// bf16 products with f32 accumulation (gemm.cc), on oneDNN's matmul (AMX
 // or AVX512_BF16 code chosen by oneDNN at run time). Only when have_dnnl().
 // C[M,N] = op(A) op(B) (+ bias[N]), A and B bf16 (bias in C's dtype), C f32 or
 // bf16 (c_bf16), row-major with row strides lda/ldb/ldc; overwrites C.
@@ -67,8 +67,8 @@ double bf16_peak_flops();
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
           const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
           int64_t ldc);
-// The same as one OpenBLAS call on the calling thread, however large. gemm cuts
-// a large product by the thread count, and OpenBLAS's bits depend on the cut;
+// The same as one product call on the calling thread, however large. gemm cuts
+// a large product by the thread count, and a block's bits depend on the cut;
 // kernels that cut their work into pieces themselves use this so that each
 // piece's bits depend on the piece alone.
 void gemm_serial(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,

@@ -286,10 +286,10 @@ void moe_unpermute_bwd(const float *dy, const float *yp, const int32_t *slots, c
 // wake-up and join once per product and left a thread idle behind the slower
 // half of each. A piece is a block of rows or columns of one product's output,
 // cut along its larger dimension at multiples of 16, so no sum is ever split,
-// and it is one OpenBLAS call (gemm_serial). A product gets pieces in
+// and it is one product call (gemm_serial). A product gets pieces in
 // proportion to its FLOPs, about kPieces over the whole call, so that a skewed
 // routing (one expert with a third of the rows) still spreads evenly. The cut
-// depends on the sizes only, never on the thread count, and OpenBLAS's bits
+// depends on the sizes only, never on the thread count, and a product's bits
 // depend on the cut: the results are the same with any number of threads.
 
 namespace {

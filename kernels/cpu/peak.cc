@@ -10,7 +10,7 @@
 //
 // The bf16 peak is measured the same way on the instructions the bf16 GEMMs
 // run on: AMX tile products (tdpbf16ps) where the CPU has AMX and oneDNN is
-// built in (gemm_bf16.cc then uses them), else vdpbf16ps chains.
+// built in (gemm.cc then uses them), else vdpbf16ps chains.
 
 #include <immintrin.h>
 #include <sys/syscall.h>
