@@ -3,20 +3,27 @@
 
     .venv/bin/python3 tools/bench/bench_gpt.py                        # gpt, V=256 T=256 L=4 H=4 C=256 B=8
     .venv/bin/python3 tools/bench/bench_gpt.py --preset llama         # same sizes, --kv-heads 2
+    .venv/bin/python3 tools/bench/bench_gpt.py --size small --precision bf16   # V=50257 T=128 L=6 H=6 C=384 B=4
+    .venv/bin/python3 tools/bench/bench_gpt.py --torch-compile           # PyTorch under torch.compile
     .venv/bin/python3 tools/bench/bench_gpt.py --ctr build/tools/ctr --steps 20 --json out.json
 
 One script measures both sides on the same configuration and prints one table:
-  1. the OpenBLAS sgemm peak on this machine (tools/bench/sgemm_peak.c, compiled with cc into a
-     temporary directory unless --sgemm-bin is given), with the same thread count;
+  1. the OpenBLAS sgemm rate on this machine (tools/bench/sgemm_peak.c, compiled with cc into a
+     temporary directory unless --sgemm-bin is given), with the same thread count, for reference;
   2. PyTorch: torch_models.py's model, forward + backward + AdamW step, --warmup steps untimed,
-     then the median of --steps timed steps;
-  3. libctr: `ctr graph build` then `ctr run --metrics`, the first --warmup steps of the metrics
-     file skipped and the median step_ms taken. Skipped, with a note, if the ctr binary is absent.
+     then the median of --steps timed steps; with --precision bf16 the forward and backward run
+     under torch.autocast("cpu", torch.bfloat16), PyTorch's own mixed precision; with
+     --torch-compile the model is torch.compile'd first (its compile time is in the warm-up);
+  3. libctr: `ctr graph build` then `ctr run --metrics` (with --precision), the first --warmup
+     steps of the metrics file skipped and the median step_ms taken. Skipped, with a note, if the
+     ctr binary is absent.
 
 Both sides are charged the same model FLOPs per token, 6 * N + 12 * L * T * C, where N excludes
 embedding tables used only as lookups (wpe, and wte/tok_embeddings when untied). Achieved
-GFLOP/s is that times tokens/s, and the last row divides it by the sgemm peak: the share of
-the machine's matrix-multiply rate each runtime turns into training.
+GFLOP/s is that times tokens/s, and the last row divides it by the peak of the precision in use
+as libctr measures it once per process with a register-only loop (the fp32 FMA peak, or the bf16
+dot-product/AMX peak; the `peak_flops` of ctr's metrics), the same denominator for both sides:
+the MFU of each runtime. No step can beat that loop, so no figure passes 100%.
 """
 
 import argparse
@@ -44,6 +51,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Training-step speed of libctr against PyTorch on the CPU.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--preset", choices=("gpt", "llama"), default="gpt")
+    ap.add_argument("--size", choices=("default", "small"), default="default",
+                    help="small: V=50257 T=128 L=6 H=6 C=384 B=4 (GPT-2's vocabulary), "
+                         "overriding --vocab/--seq/--layers/--heads/--dim/--batch")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: libctr --precision bf16, PyTorch under bf16 autocast")
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="run PyTorch's model under torch.compile")
     ap.add_argument("--vocab", type=int, default=256, help="V")
     ap.add_argument("--seq", type=int, default=256, help="T")
     ap.add_argument("--layers", type=int, default=4, help="L")
@@ -70,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", metavar="PATH", default=None,
                     help="also write the figures as one JSON object ('-' for stdout)")
     args = ap.parse_args(argv)
+    if args.size == "small":
+        args.vocab, args.seq, args.layers, args.heads, args.dim, args.batch = 50257, 128, 6, 6, 384, 4
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
     return args
@@ -83,7 +99,7 @@ def config_string(a: argparse.Namespace) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# sgemm peak
+# sgemm rate (reference)
 
 
 def sgemm_peak(args: argparse.Namespace) -> dict:
@@ -128,9 +144,15 @@ def run_torch(args: argparse.Namespace, model_flops: int) -> dict:
     data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     tokens, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
+    run_model = torch.compile(model) if args.torch_compile else model
+
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        _, loss = model(tokens, targets)
+        if args.precision == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = run_model(tokens, targets)
+        else:
+            _, loss = run_model(tokens, targets)
         loss.backward()
         opt.step()
         return loss.item()
@@ -171,9 +193,9 @@ def run_ctr(args: argparse.Namespace, ctr: Path, model_flops: int) -> dict:
         build += ["--vocab", str(args.vocab), "--seq", str(args.seq), "-o", graph]
         run = [str(ctr), "run", graph, "--steps", str(args.warmup + args.steps),
                "--batch", str(args.batch), "--seq", str(args.seq), "--lr", repr(args.lr),
-               "--warmup", "0", "--metrics", metrics]
+               "--warmup", "0", "--metrics", metrics, "--precision", args.precision]
         env = dict(os.environ, OPENBLAS_NUM_THREADS=str(args.threads),
-                   OMP_NUM_THREADS=str(args.threads))
+                   OMP_NUM_THREADS=str(args.threads), CTR_NUM_THREADS=str(args.threads))
         for cmd in (build, run):
             try:
                 r = subprocess.run(cmd, capture_output=True, text=True, env=env,
@@ -197,6 +219,7 @@ def run_ctr(args: argparse.Namespace, ctr: Path, model_flops: int) -> dict:
     extra = {"first_loss": rows[0].get("loss"), "last_loss": rows[-1].get("loss"),
              "reported_flops_per_token": timed[-1].get("flops_per_token"),
              "peak_bytes": max((r.get("peak_bytes") or 0) for r in rows) or None,
+             "peak_flops": timed[-1].get("peak_flops") or None,
              "steps_in_metrics": len(rows)}
     return summarize([float(r["step_ms"]) for r in timed], args, model_flops, **extra)
 
@@ -233,22 +256,31 @@ def fmt(x, spec: str) -> str:
 
 
 def print_table(args, fig, peak, torch_r, ctr_r, ctr_note) -> None:
-    peak_g = peak.get("sgemm_gflops")
-    print(f"preset {args.preset}  {config_string(args)}  threads={args.threads}  "
-          f"warm-up {args.warmup}, median of {args.steps} steps")
+    sgemm_g = peak.get("sgemm_gflops")
+    compiled = ", PyTorch under torch.compile" if args.torch_compile else ""
+    print(f"preset {args.preset}  {config_string(args)}  {args.precision}  threads={args.threads}  "
+          f"warm-up {args.warmup}, median of {args.steps} steps{compiled}")
     print(f"parameters {fig['params']:,}; counted for FLOPs N = {fig['counted_params']:,} "
           f"(excluding lookup-only {', '.join(fig['excluded']) or 'nothing'})")
     print(f"FLOPs/token = 6*N + 12*L*T*C = 6*{fig['counted_params']:,} + "
           f"12*{args.layers}*{args.seq}*{args.dim} = {fig['flops_per_token']:,}")
-    if peak_g is not None:
-        print(f"OpenBLAS sgemm peak: {peak_g:.1f} GFLOP/s ({peak.get('threads')} threads, "
+    if sgemm_g is not None:
+        print(f"OpenBLAS sgemm (reference): {sgemm_g:.1f} GFLOP/s ({peak.get('threads')} threads, "
               f"best of {len(peak.get('shapes', []))} shapes)")
     else:
-        print(f"OpenBLAS sgemm peak: not measured ({peak.get('error')})")
-    print()
+        print(f"OpenBLAS sgemm (reference): not measured ({peak.get('error')})")
 
     t = torch_r or {}
     c = ctr_r if ctr_r and "error" not in ctr_r else {}
+    peak_f = c.get("peak_flops")
+    peak_g = peak_f / 1e9 if peak_f else None
+    kind = "bf16 (dot products / AMX tiles)" if args.precision == "bf16" else "fp32 FMA"
+    if peak_g:
+        print(f"{kind} peak: {peak_g:.1f} GFLOP/s ({args.threads} threads, register-only loop, "
+              f"measured by libctr in its run)")
+    else:
+        print(f"{kind} peak: not known (libctr did not run or reported none); no MFU row")
+    print()
 
     def ratio(key):
         a, b = t.get(key), c.get(key)
@@ -263,7 +295,7 @@ def print_table(args, fig, peak, torch_r, ctr_r, ctr_note) -> None:
         ("model FLOPs/token", fig["flops_per_token"] if t else None,
          fig["flops_per_token"] if c else None, None, ",d"),
         ("achieved GFLOP/s", t.get("gflops"), c.get("gflops"), ratio("gflops"), ".2f"),
-        ("fraction of sgemm peak", frac(t), frac(c), None, ".1%"),
+        (f"MFU ({args.precision} peak)", frac(t), frac(c), None, ".1%"),
     ]
     print(f"{'':24s}{'pytorch':>14s}{'libctr':>14s}{'libctr/pytorch':>16s}")
     for name, a, b, r, spec in rows:

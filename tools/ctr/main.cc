@@ -997,6 +997,7 @@ int cmd_run(const RunArgs &a) {
             {"peak_bytes", m.peak_bytes},
             {"flops_per_token", flops},
             {"mfu", mfu(m)},
+            {"peak_flops", peak},
             {"stragglers", stragglers},
             {"skipped_steps", m.skipped_steps},
             {"tokens", m.tokens},
