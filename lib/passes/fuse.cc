@@ -736,6 +736,94 @@ bool causal_mask(const Fuser &f, int m, int64_t Tn, bool additive, int64_t *wind
   return true;
 }
 
+// torch.nn's multi_head_attention_forward: the heads folded into the batch dim
+// and the tokens time-major, x* being [T, B, E] (E = H*D):
+//   q = transpose(reshape(xq, [T, B*H, D]), 1,0,2)          (times a constant scale)
+//   s = matmul(q, transpose(reshape(xk, [T, B*H, D]), 1,2,0))
+//   o = matmul(softmax(s + mask), transpose(reshape(xv, [T, B*H, D]), 1,0,2))
+//   out = reshape(transpose(o, 1,0,2), [T*B, E])
+// becomes the fused attention on [B, T, E] views of xq, xk and xv (transposes
+// of the time-major tensors) and its output transposed back to time-major. The
+// mask, soft-capping and score scale were read by fuse_attention already.
+void fold_heads(Fuser &f, Report &rep, const Node &sm, const Node *qk, const Node *pv, int64_t Tn, double scale,
+                double softcap, int m, bool additive, std::string why, std::vector<const Node *> nodes) {
+  const Shape &ps = f.S(sm.outputs[0]);
+  int64_t B = 0, H = 0, D = 0;
+  // t = transpose(reshape(x [T, B, E], [T, B*H, D])): x, or -1.
+  auto unfold = [&](const Node *tr, std::vector<int64_t> perm, const char *what) -> int {
+    if (!why.empty()) return -1;
+    const Node *r = tr && is_perm(tr, std::move(perm)) ? f.prod(tr->inputs[0], "reshape") : nullptr;
+    const Shape *xs = r ? &f.S(r->inputs[0]) : nullptr, *rs = r ? &f.S(r->outputs[0]) : nullptr;
+    if (!r || xs->size() != 3 || rs->size() != 3 || (*xs)[0] != Tn || (*rs)[0] != Tn || (*rs)[2] <= 0 ||
+        (*xs)[2] % (*rs)[2] != 0 || (*xs)[1] * ((*xs)[2] / (*rs)[2]) != (*rs)[1]) {
+      why = strformat("the %s are not the heads of a [T, B, H*D] tensor folded into the batch dim (reshape to "
+                      "[T, B*H, D], then transpose)",
+                      what);
+      return -1;
+    }
+    const int64_t b = (*xs)[1], h = (*xs)[2] / (*rs)[2], d = (*rs)[2];
+    if (B == 0) {
+      B = b, H = h, D = d;
+    } else if (b != B || h != H || d != D) {
+      why = "queries, keys and values differ in batch, heads or head size";
+      return -1;
+    }
+    nodes.insert(nodes.end(), {tr, r});
+    return r->inputs[0];
+  };
+  // A constant scale on the queries (torch.nn scales q before the product).
+  int qt = qk->inputs[0];
+  if (const Node *mq = f.prod(qt, "mul"); mq && scale == 1.0) {
+    double c = 0;
+    int y = -1;
+    either(mq, [&](int a, int b) { return f.scalar(b, c) && (y = a, true); });
+    if (y >= 0 && c != 0) {
+      scale = c;
+      nodes.push_back(mq);
+      qt = y;
+    }
+  }
+  const int xq = unfold(f.prod(qt, "transpose"), {1, 0, 2}, "queries");
+  const int xk = unfold(f.prod(qk->inputs[1], "transpose"), {1, 2, 0}, "keys");
+  const int xv = unfold(f.prod(pv->inputs[1], "transpose"), {1, 0, 2}, "values");
+  const Node *ot = f.sole_reader(pv->outputs[0]);
+  const Node *out = ot && ot->op == "transpose" && is_perm(ot, {1, 0, 2}) ? f.sole_reader(ot->outputs[0]) : nullptr;
+  const int64_t E = H * D;
+  if (why.empty() && ps[0] != B * H) why = "the scores' batch dim is not the batch times the heads";
+  if (why.empty() &&
+      (!out || out->op != "reshape" || f.T(out->outputs[0]).numel() != Tn * B * E || f.S(out->outputs[0]).back() != E ||
+       (f.S(out->outputs[0]).size() != 2 && f.S(out->outputs[0]) != Shape{Tn, B, E})))
+    why = "the output is not put back as [T*B, H*D] or [T, B, H*D] by transpose + reshape";
+  if (why.empty()) nodes.insert(nodes.end(), {ot, out});
+  int64_t window = 0;
+  if (why.empty()) causal_mask(f, m, Tn, additive, &window, why);
+  if (why.empty()) f.self_contained(nodes, out->outputs[0], why);
+  if (!why.empty()) {
+    rep.skip("attention", sm, why);
+    return;
+  }
+  const int at = f.index_of(out), block = sm.block;
+  const std::string base = f.node_name(scope(qk->name) + ".attention");
+  auto swap = [&](int x, const std::string &what, Shape shape) {
+    const int y = f.tensor(base + "." + what, std::move(shape));
+    f.emit(at, "transpose", base + "." + what, {x}, {y}, block, {{"perm", Attr::of_ints({1, 0, 2})}});
+    return y;
+  };
+  const int qi = swap(xq, "q", {B, Tn, E}), ki = swap(xk, "k", {B, Tn, E}), vi = swap(xv, "v", {B, Tn, E});
+  const int o = f.tensor(base + ".out", {B, Tn, E});
+  std::map<std::string, Attr> attrs = {{"heads", Attr::of_int(H)},
+                                       {"kv_heads", Attr::of_int(H)},
+                                       {"causal", Attr::of_int(1)},
+                                       {"scale", Attr::of_float(scale)}};
+  if (window > 0) attrs["window"] = Attr::of_int(window);
+  if (softcap > 0) attrs["softcap"] = Attr::of_float(softcap);
+  f.emit(at, "attention", base, {qi, ki, vi}, {o}, block, std::move(attrs));
+  const int tm = swap(o, "time_major", {Tn, B, E});
+  f.emit(at, "reshape", base + ".rows", {tm}, {out->outputs[0]}, block, out->attrs);
+  rep.done("attention", base, block, nodes);
+  f.replace(nodes);
+}
+
 void fuse_attention(Fuser &f, Report &rep) {
   const size_t nn = f.g().nodes.size();
   for (size_t ni = 0; ni < nn; ++ni) {
@@ -746,17 +834,15 @@ void fuse_attention(Fuser &f, Report &rep) {
     // these the pass leaves gets a reason in the report.
     const Node *reader = f.sole_reader(sm.outputs[0]);
     const bool like = reader && reader->op == "matmul" && reader->inputs[0] == sm.outputs[0];
-    if (ps.size() != 4) {
-      if (like && ps.size() == 3)
-        rep.skip("attention", sm,
-                 strformat("the scores are %s, heads folded into the batch dim ([B*H, T, T], as torch.nn's "
-                           "multi_head_attention_forward computes them); the fused attention takes [B, H, T, T]",
-                           shape_string(ps).c_str()));
-      else if (like)
-        rep.skip("attention", sm, strformat("the scores are %s, not [B, H, T, T]", shape_string(ps).c_str()));
+    // Heads folded into the batch dim, tokens time-major: torch.nn's
+    // multi_head_attention_forward (see fold_heads).
+    const bool folded = ps.size() == 3;
+    if (ps.size() != 4 && !(folded && like)) {
+      if (like) rep.skip("attention", sm, strformat("the scores are %s, not [B, H, T, T]", shape_string(ps).c_str()));
       continue;
     }
-    const int64_t B = ps[0], H = ps[1], Tn = ps[2];
+    const int64_t Tn = ps[ps.size() - 2];
+    int64_t B = folded ? 0 : ps[0], H = folded ? 0 : ps[1];
     // Walk back from the softmax: mask, scale, scores.
     std::vector<const Node *> nodes = {&sm};
     const Node *mask = f.prod(sm.inputs[0]);
@@ -823,7 +909,7 @@ void fuse_attention(Fuser &f, Report &rep) {
     }
     const Node *qk = f.prod(scores, "matmul");
     const Node *pv = f.sole_reader(sm.outputs[0]);
-    if (!qk || f.S(qk->inputs[0]).size() != 4 || f.S(qk->outputs[0]) != ps) {
+    if (!qk || f.S(qk->inputs[0]).size() != ps.size() || f.S(qk->outputs[0]) != ps) {
       if (!like) continue;
       const Node *p = f.prod(scores);
       const Node *p2 = p && p->op == "mul" ? f.prod(p->inputs[0]) : p;
@@ -839,11 +925,15 @@ void fuse_attention(Fuser &f, Report &rep) {
                            p ? ("'" + p->name + "' (" + p->op + ")").c_str() : "a graph input"));
       continue;
     }
-    if (!pv || pv->op != "matmul" || pv->inputs[0] != sm.outputs[0] || f.S(pv->inputs[1]).size() != 4) {
+    if (!pv || pv->op != "matmul" || pv->inputs[0] != sm.outputs[0] || f.S(pv->inputs[1]).size() != ps.size()) {
       rep.skip("attention", sm, "the probabilities are not multiplied by the values alone");
       continue;
     }
     nodes.insert(nodes.end(), {qk, pv});
+    if (folded) {
+      fold_heads(f, rep, sm, qk, pv, Tn, scale, softcap, m, additive, std::move(why), std::move(nodes));
+      continue;
+    }
     const int64_t D = f.S(qk->inputs[0])[3];
     const Node *ot = f.sole_reader(pv->outputs[0]);
     const Node *out = ot && ot->op == "transpose" && is_perm(ot, {0, 2, 1, 3}) ? f.sole_reader(ot->outputs[0]) : nullptr;

@@ -58,8 +58,8 @@ FUSED = {
     # softcap (both in Gemma-2's first layer).
     "mistral": _LLAMA,
     "gemma2": dict(attention=2, geglu=2, rmsnorm=9, rope=4),
-    # Left, with its reason: heads folded into the batch dim.
-    "nn-mha": dict(gelu=2),
+    # Heads folded into the batch dim, tokens time-major (torch.nn's own attention).
+    "nn-mha": dict(attention=2, gelu=2),
 }
 FUSED_OPS = ("attention", "rmsnorm", "swiglu", "gelu", "geglu", "rope")
 CASES = sorted(HF) + sorted(TORCH_NN)
