@@ -161,8 +161,19 @@ Product f32(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, cons
 }
 
 // Column sums of x[R, C] into out[C] (overwrite or add), split over columns so each
-// sum has a single owner and the result does not depend on the thread count.
-void column_sums(const float *x, float *out, int64_t R, int64_t C, bool accumulate) {
+// sum has a single owner and the result does not depend on the thread count. X is
+// float or bf16 (uint16_t, widened exactly as it is read: the same sums as on an
+// f32 copy).
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename X>
+void column_sums(const X *x, float *out, int64_t R, int64_t C, bool accumulate) {
   constexpr int64_t kCols = 256;
   const int64_t grain = std::max<int64_t>(kTile, (1 << 15) / std::max<int64_t>(R, 1));
   ctr::parallel_for(C, grain, [=](int64_t c0, int64_t c1) {
@@ -170,8 +181,8 @@ void column_sums(const float *x, float *out, int64_t R, int64_t C, bool accumula
       const int64_t w = std::min(kCols, c1 - j0);
       float acc[kCols] = {};
       for (int64_t r = 0; r < R; ++r) {
-        const float *row = x + r * C + j0;
-        for (int64_t j = 0; j < w; ++j) acc[j] += row[j];
+        const X *row = x + r * C + j0;
+        for (int64_t j = 0; j < w; ++j) acc[j] += widen(row[j]);
       }
       float *o = out + j0;
       if (accumulate)
@@ -215,6 +226,10 @@ void linear_bwd_w(const float *dy, const float *x, float *dw, int64_t M, int64_t
 }
 
 void linear_bwd_b(const float *dy, float *db, int64_t M, int64_t N, bool accumulate) {
+  column_sums(dy, db, M, N, accumulate);
+}
+
+void linear_bwd_b_bf16(const uint16_t *dy, float *db, int64_t M, int64_t N, bool accumulate) {
   column_sums(dy, db, M, N, accumulate);
 }
 

@@ -85,6 +85,8 @@ void linear_bwd_w(const float *dy, const float *x, float *dw, int64_t M, int64_t
                   bool accumulate);
 // db[N] (+)= sum over rows of dy[M,N]
 void linear_bwd_b(const float *dy, float *db, int64_t M, int64_t N, bool accumulate);
+// The same from bf16 dy (widened exactly as it is read; the same sums).
+void linear_bwd_b_bf16(const uint16_t *dy, float *db, int64_t M, int64_t N, bool accumulate);
 
 // matmul: c[batch,M,N] = a[batch,M,K] * b[batch,K,N]; when b_batch == 1, b is
 // shared by every batch entry.

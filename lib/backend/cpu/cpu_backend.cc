@@ -128,6 +128,77 @@ void widened(const ctr_kernel_args *a) {
   }
 }
 
+// An element-wise kernel on bf16 data (every tensor of one shape, element i of
+// each output depending on element i of each input alone): run over chunks of
+// kChunk elements, each widened into scratch that stays in the core's cache,
+// computed and rounded back, instead of widening whole tensors through memory.
+// The same f32 arithmetic and rounding as `widened`; chunks are cut at fixed
+// multiples of kChunk, so the bits do not depend on the thread count.
+constexpr int64_t kChunk = 4096;
+
+bool same_shapes(const ctr_kernel_args *a) {
+  const ctr_tensor_ref &r0 = a->outputs[0];
+  auto same = [&](const ctr_tensor_ref &r) {
+    return r.data && r.ndim == r0.ndim && std::equal(r.shape, r.shape + r.ndim, r0.shape);
+  };
+  for (int i = 0; i < a->num_inputs; ++i)
+    if (!same(a->inputs[i])) return false;
+  for (int i = 0; i < a->num_outputs; ++i)
+    if (!same(a->outputs[i])) return false;
+  return true;
+}
+
+template <void (*F)(const Args &)>
+void elementwise_chunks(const ctr_kernel_args *a) {
+  const int n = a->num_inputs + a->num_outputs;
+  const int64_t total = a->outputs[0].numel;
+  const int64_t chunks = (total + kChunk - 1) / kChunk;
+  ctr::parallel_for(chunks, 8, [=](int64_t c0, int64_t c1) {
+    thread_local std::vector<float> buf;
+    thread_local std::vector<ctr_tensor_ref> refs;
+    if (buf.size() < static_cast<size_t>(n * kChunk)) buf.resize(static_cast<size_t>(n * kChunk));
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t off = c * kChunk, len = std::min(kChunk, total - off);
+      refs.assign(a->inputs, a->inputs + a->num_inputs);
+      refs.insert(refs.end(), a->outputs, a->outputs + a->num_outputs);
+      for (int i = 0; i < n; ++i) {
+        ctr_tensor_ref &r = refs[static_cast<size_t>(i)];
+        const bool b16 = r.dtype == CTR_DTYPE_BF16;
+        char *base = static_cast<char *>(r.data) + off * (b16 ? 2 : 4);
+        float *scratch = buf.data() + i * kChunk;
+        if (b16 && i < a->num_inputs) cpu::bf16_to_f32(reinterpret_cast<const uint16_t *>(base), scratch, len);
+        r.data = b16 ? scratch : reinterpret_cast<float *>(base);
+        r.dtype = CTR_DTYPE_F32;
+        r.numel = len;
+        r.bytes = len * 4;
+        r.ndim = 1;
+        r.shape[0] = len;
+      }
+      ctr_kernel_args w = *a;
+      w.inputs = refs.data();
+      w.outputs = refs.data() + a->num_inputs;
+      F(Args{&w});  // its own parallel_for runs serially here (nested)
+      for (int i = 0; i < a->num_outputs; ++i) {
+        const ctr_tensor_ref &r = a->outputs[i];
+        if (r.dtype == CTR_DTYPE_BF16)
+          cpu::f32_to_bf16(buf.data() + (a->num_inputs + i) * kChunk, static_cast<uint16_t *>(r.data) + off, len);
+      }
+    }
+  });
+}
+
+// An element-wise kernel: chunked in bf16 where every tensor has one shape,
+// else as bind does.
+template <void (*F)(const Args &)>
+void bind_ew(const ctr_kernel_args *a, void *) {
+  if (!any_bf16(a))
+    F(Args{a});
+  else if (same_shapes(a))
+    elementwise_chunks<F>(a);
+  else
+    widened<F>(a);
+}
+
 template <void (*F)(const Args &)>
 void bind(const ctr_kernel_args *a, void *) {
   if (any_bf16(a))
@@ -204,6 +275,12 @@ bool k16_linear_bwd_w(const Args &c) {
   const int64_t M = numel(c.in_shape(1)) / w[1];
   cpu::gemm_bf16(true, false, w[0], w[1], M, c.in<uint16_t>(0), w[0], c.in<uint16_t>(1), w[1], c.out<void>(0), w[1],
                  is16(c.a->outputs[0]), nullptr);
+  return true;
+}
+bool k16_linear_bwd_b(const Args &c) {
+  if (!is16(c.a->inputs[0]) || c.a->outputs[0].dtype != CTR_DTYPE_F32) return false;
+  const int64_t N = c.out_shape(0)[0];
+  cpu::linear_bwd_b_bf16(c.in<uint16_t>(0), c.out<float>(0), numel(c.in_shape(0)) / N, N, false);
   return true;
 }
 // The cast of the precision pass: f32 <-> bf16, or a copy.
@@ -680,12 +757,12 @@ void register_library_kernels() {
     const std::pair<const char *, KernelFn> k[] = {
         {"embedding", bind<k_embedding>},         {"embedding_bwd", bind<k_embedding_bwd>},
         {"linear", bind16<k16_linear, k_linear>}, {"linear_bwd_x", bind16<k16_linear_bwd_x, k_linear_bwd_x>},
-        {"linear_bwd_w", bind16<k16_linear_bwd_w, k_linear_bwd_w>}, {"linear_bwd_b", bind<k_linear_bwd_b>},
+        {"linear_bwd_w", bind16<k16_linear_bwd_w, k_linear_bwd_w>}, {"linear_bwd_b", bind16<k16_linear_bwd_b, k_linear_bwd_b>},
         {"cast", k_cast},
         {"matmul", bind<k_matmul>},               {"matmul_bwd", bind<k_matmul_bwd>},
-        {"add", bind<k_binary<cpu::Binary::Add>>}, {"reduce_rows", bind<k_reduce_rows>},
-        {"sub", bind<k_binary<cpu::Binary::Sub>>}, {"div", bind<k_binary<cpu::Binary::Div>>},
-        {"mul", bind<k_binary<cpu::Binary::Mul>>}, {"mul_bwd", bind<k_mul_bwd>},
+        {"add", bind_ew<k_binary<cpu::Binary::Add>>}, {"reduce_rows", bind<k_reduce_rows>},
+        {"sub", bind_ew<k_binary<cpu::Binary::Sub>>}, {"div", bind_ew<k_binary<cpu::Binary::Div>>},
+        {"mul", bind_ew<k_binary<cpu::Binary::Mul>>}, {"mul_bwd", bind<k_mul_bwd>},
         {"div_bwd_b", bind<k_div_bwd_b>},         {"reduce_to", bind<k_reduce_to>},
         {"masked_fill", bind<k_masked_fill>},     {"expand", bind<k_expand>},
         {"sum", bind<k_reduce<cpu::Reduction::Sum>>}, {"sum_bwd", bind<k_reduce_bcast_bwd<false>>},
@@ -693,29 +770,29 @@ void register_library_kernels() {
         {"amax", bind<k_reduce<cpu::Reduction::Amax>>}, {"amax_bwd", bind<k_amax_bwd>},
         {"var", bind<k_reduce<cpu::Reduction::Var>>}, {"var_bwd", bind<k_var_bwd>},
         {"log_softmax", bind<k_log_softmax>},     {"log_softmax_bwd", bind<k_log_softmax_bwd>},
-        {"add_same", bind<k_add_same>},           {"layernorm", bind<k_layernorm>},
+        {"add_same", bind_ew<k_add_same>},           {"layernorm", bind<k_layernorm>},
         {"layernorm_bwd", bind<k_layernorm_bwd>}, {"rmsnorm", bind<k_rmsnorm>},
-        {"rmsnorm_bwd", bind<k_rmsnorm_bwd>},     {"gelu", bind<k_gelu>},
-        {"gelu_bwd", bind<k_gelu_bwd>},           {"silu", bind<k_silu>},
-        {"silu_bwd", bind<k_silu_bwd>},           {"swiglu", bind<k_swiglu>},
-        {"geglu", bind<k_geglu>},                 {"geglu_bwd", bind<k_geglu_bwd>},
-        {"swiglu_bwd", bind<k_swiglu_bwd>},       {"softmax", bind<k_softmax>},
+        {"rmsnorm_bwd", bind<k_rmsnorm_bwd>},     {"gelu", bind_ew<k_gelu>},
+        {"gelu_bwd", bind_ew<k_gelu_bwd>},           {"silu", bind_ew<k_silu>},
+        {"silu_bwd", bind_ew<k_silu_bwd>},           {"swiglu", bind_ew<k_swiglu>},
+        {"geglu", bind_ew<k_geglu>},                 {"geglu_bwd", bind_ew<k_geglu_bwd>},
+        {"swiglu_bwd", bind_ew<k_swiglu_bwd>},       {"softmax", bind<k_softmax>},
         {"softmax_bwd", bind<k_softmax_bwd>},     {"rope", bind<k_rope>},
-        {"exp", bind<k_unary<cpu::Unary::Exp>>},  {"exp_bwd", bind<k_unary_bwd<cpu::Unary::Exp>>},
-        {"log", bind<k_unary<cpu::Unary::Log>>},  {"log_bwd", bind<k_unary_bwd<cpu::Unary::Log>>},
-        {"tanh", bind<k_unary<cpu::Unary::Tanh>>}, {"tanh_bwd", bind<k_unary_bwd<cpu::Unary::Tanh>>},
-        {"erf", bind<k_unary<cpu::Unary::Erf>>},  {"erf_bwd", bind<k_unary_bwd<cpu::Unary::Erf>>},
-        {"rsqrt", bind<k_unary<cpu::Unary::Rsqrt>>}, {"rsqrt_bwd", bind<k_unary_bwd<cpu::Unary::Rsqrt>>},
-        {"sqrt", bind<k_unary<cpu::Unary::Sqrt>>}, {"sqrt_bwd", bind<k_unary_bwd<cpu::Unary::Sqrt>>},
-        {"neg", bind<k_unary<cpu::Unary::Neg>>},  {"neg_bwd", bind<k_unary_bwd<cpu::Unary::Neg>>},
-        {"reciprocal", bind<k_unary<cpu::Unary::Reciprocal>>},
-        {"reciprocal_bwd", bind<k_unary_bwd<cpu::Unary::Reciprocal>>},
-        {"sigmoid", bind<k_unary<cpu::Unary::Sigmoid>>},
-        {"sigmoid_bwd", bind<k_unary_bwd<cpu::Unary::Sigmoid>>},
-        {"relu", bind<k_unary<cpu::Unary::Relu>>}, {"relu_bwd", bind<k_unary_bwd<cpu::Unary::Relu>>},
-        {"clamp", bind<k_unary<cpu::Unary::Clamp>>},
-        {"clamp_bwd", bind<k_unary_bwd<cpu::Unary::Clamp>>},
-        {"pow", bind<k_unary<cpu::Unary::Pow>>},  {"pow_bwd", bind<k_unary_bwd<cpu::Unary::Pow>>},
+        {"exp", bind_ew<k_unary<cpu::Unary::Exp>>},  {"exp_bwd", bind_ew<k_unary_bwd<cpu::Unary::Exp>>},
+        {"log", bind_ew<k_unary<cpu::Unary::Log>>},  {"log_bwd", bind_ew<k_unary_bwd<cpu::Unary::Log>>},
+        {"tanh", bind_ew<k_unary<cpu::Unary::Tanh>>}, {"tanh_bwd", bind_ew<k_unary_bwd<cpu::Unary::Tanh>>},
+        {"erf", bind_ew<k_unary<cpu::Unary::Erf>>},  {"erf_bwd", bind_ew<k_unary_bwd<cpu::Unary::Erf>>},
+        {"rsqrt", bind_ew<k_unary<cpu::Unary::Rsqrt>>}, {"rsqrt_bwd", bind_ew<k_unary_bwd<cpu::Unary::Rsqrt>>},
+        {"sqrt", bind_ew<k_unary<cpu::Unary::Sqrt>>}, {"sqrt_bwd", bind_ew<k_unary_bwd<cpu::Unary::Sqrt>>},
+        {"neg", bind_ew<k_unary<cpu::Unary::Neg>>},  {"neg_bwd", bind_ew<k_unary_bwd<cpu::Unary::Neg>>},
+        {"reciprocal", bind_ew<k_unary<cpu::Unary::Reciprocal>>},
+        {"reciprocal_bwd", bind_ew<k_unary_bwd<cpu::Unary::Reciprocal>>},
+        {"sigmoid", bind_ew<k_unary<cpu::Unary::Sigmoid>>},
+        {"sigmoid_bwd", bind_ew<k_unary_bwd<cpu::Unary::Sigmoid>>},
+        {"relu", bind_ew<k_unary<cpu::Unary::Relu>>}, {"relu_bwd", bind_ew<k_unary_bwd<cpu::Unary::Relu>>},
+        {"clamp", bind_ew<k_unary<cpu::Unary::Clamp>>},
+        {"clamp_bwd", bind_ew<k_unary_bwd<cpu::Unary::Clamp>>},
+        {"pow", bind_ew<k_unary<cpu::Unary::Pow>>},  {"pow_bwd", bind_ew<k_unary_bwd<cpu::Unary::Pow>>},
         {"rope_bwd", bind<k_rope_bwd>},           {"attention", bind<k_attention>},
         {"attention_bwd", bind<k_attention_bwd>}, {"cross_entropy", bind<k_cross_entropy>},
         {"vocab_ce_stats", bind<k_vocab_ce_stats>}, {"vocab_ce_loss", bind<k_vocab_ce_loss>},
