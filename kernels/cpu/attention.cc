@@ -2,14 +2,14 @@
 //
 // Each (batch, head) pair is a handful of GEMMs on strided views: query head h of
 // batch b starts at q + b*T*Hq*D + h*D with row stride Hq*D (and likewise k, v,
-// out), so OpenBLAS reads the [B,T,H*D] layout directly and nothing is transposed.
+// out), so the GEMM reads the [B,T,H*D] layout directly and nothing is transposed.
 // The probabilities are materialised in probs[B,Hq,T,T], which backward needs anyway.
 //
 // Work is split over (batch, kv head) pairs rather than (batch, query head): the
 // query heads of one group all add into the same dk/dv block, and giving the whole
 // group to one thread keeps that accumulation free of races and in a fixed order.
 // The products go through gemm(), which runs on the calling thread inside a
-// parallel loop (see gemm.cc on why OpenBLAS itself is kept to one thread).
+// parallel loop (see gemm.cc on why the GEMM engines are kept to one thread).
 //
 // With a causal mask, rows are processed in blocks of kBlock: block i only needs
 // keys 0 .. end of block i, so the products skip the blocks above the diagonal
@@ -43,7 +43,7 @@ using rows::exp_sum;
 using rows::row_dot;
 
 // Rows per causal block: small enough to skip most of the masked triangle, large
-// enough that each sgemm call still runs near full speed.
+// enough that each product still runs near full speed.
 constexpr int64_t kBlock = 64;
 
 

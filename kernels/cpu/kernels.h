@@ -1,12 +1,13 @@
 // The CPU backend's kernels: forward and backward of every op in the graph op set.
 //
 // Every kernel works on fp32 row-major contiguous buffers (token ids are int32);
-// bf16 storage is widened around them by the backend, except for the GEMMs
-// with bf16 code of their own (gemm_bf16), and the conversions themselves.
-// takes plain pointers and sizes, and never allocates on the heap in its hot loop.
-// Loops are split over the process thread pool (core/thread_pool.h); GEMMs go to
-// oneDNN's matmul (OpenBLAS without it; gemm.cc). Kernels trust their arguments: the graph verifier and the step check
-// shapes, ranges and token ids before anything runs, so no kernel validates input.
+// bf16 storage is widened around them by the backend, except for the GEMMs and
+// bias gradients with bf16 code of their own and the conversions themselves.
+// A kernel takes plain pointers and sizes, and never allocates on the heap in its
+// hot loop. Loops are split over the process thread pool (core/thread_pool.h);
+// GEMMs go to oneDNN's matmul (OpenBLAS without it; gemm.cc). Kernels trust their
+// arguments: the graph verifier and the step check shapes, ranges and token ids
+// before anything runs, so no kernel validates input.
 //
 // Backward kernels that produce a parameter gradient take `accumulate`: false
 // overwrites the output, true adds to it (gradient accumulation, shared weights).

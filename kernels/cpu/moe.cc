@@ -322,7 +322,7 @@ struct Piece {
   int64_t task, b0, b1;
 };
 
-constexpr int64_t kPieceTile = 16;   // pieces end at multiples of OpenBLAS's tile
+constexpr int64_t kPieceTile = 16;   // pieces end at multiples of the GEMM micro-kernels' tiles
 constexpr double kPieces = 16;       // per call: 8 per thread on 2 threads
 constexpr double kPieceFlops = 2e6;  // below this a piece is not worth a thread
 
