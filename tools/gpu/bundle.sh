@@ -169,7 +169,7 @@ for f in "$b/lib/$soname" "$b/lib/libctr-cuda.so" "$b"/bin/*; do
     BEGIN { n = split(allowed, a, " "); for (i = 1; i <= n; i++) ok[a[i]] = 1 }
     /^[0-9a-f]+ <.*>:$/ {
       fn = $0; sub(/^[0-9a-f]+ </, "", fn); sub(/>:$/, "", fn)
-      base = fn; sub(/\(.*/, "", base); sub(/.*::/, "", base)
+      base = fn; sub(/\([^()]*\)( const)?$/, "", base); sub(/.*::/, "", base)
       free = (base in ok)
     }
     /%zmm|%k[0-7]/ { if (free) d++; else { c++; if (!(fn in seen)) { seen[fn] = 1; first = first "\n    " fn } } }
