@@ -1,16 +1,20 @@
-"""The launchers users already run start libctr jobs for real: Open MPI's mpirun
-and torchrun each train the same two-rank fsdp=2 job as `ctr launch -n 2`, and
-each must end with the same per-step losses and the same parameters, bit for
-bit. A launcher that is not installed is a skip that names it.
+"""The launchers users already run start libctr jobs for real: Open MPI's mpirun,
+torchrun and Slurm's srun (on a one-node cluster this test starts: munged,
+slurmctld and slurmd, configured in a temporary directory) each train the same
+two-rank fsdp=2 job as `ctr launch -n 2`, and each must end with the same
+per-step losses and the same parameters, bit for bit. A launcher that is not
+installed, or a cluster whose daemons cannot start here, is a skip that says why.
 
 usage: pytest test_launchers.py --ctr CTR   (or CTR=... in the environment)
 """
+import getpass
 import hashlib
 import json
 import os
 import shutil
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -43,7 +47,7 @@ def graph(tmp_path_factory):
     return path
 
 
-def train(prefix, graph, out_dir):
+def train(prefix, graph, out_dir, env=None):
     """Runs PREFIX ctr run GRAPH on fsdp=2 and returns (losses, digest of the final
     parameters)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -52,7 +56,8 @@ def train(prefix, graph, out_dir):
     cmd = prefix + [CTR, "run", graph, "--mesh", "fsdp=2", "--steps", str(STEPS), "--batch", "2",
                     "--seed", "7", "--log-every", "0", "--timeout", "30", "--save-dir",
                     os.path.join(out_dir, "ckpt"), "--metrics", metrics, "--export-safetensors", params]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, env=clean_env(), cwd=out_dir)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S,
+                       env={**clean_env(), **(env or {})}, cwd=out_dir)
     assert p.returncode == 0, f"{' '.join(prefix)} exited {p.returncode}:\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}"
     assert "x 2 ranks" in p.stdout, p.stdout[-1500:]
     losses = [json.loads(line)["loss"] for line in open(metrics)]
@@ -93,3 +98,98 @@ def test_incomplete_environment_names_the_variable(graph):
                        capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode != 0
     assert "torchrun environment is incomplete: WORLD_SIZE is not set" in p.stderr, p.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# Slurm: a one-node cluster of local daemons
+
+SLURM_CONF = """ClusterName=ctrtest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+SlurmUser={user}
+SlurmdUser={user}
+AuthType=auth/munge
+AuthInfo=socket={dir}/munge.sock
+CredType=cred/munge
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SwitchType=switch/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+ReturnToService=2
+InactiveLimit=0
+KillWait=2
+NodeName={host} NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+
+
+def stop_daemon(pid_file):
+    try:
+        pid = int(open(pid_file).read().split()[0])
+        os.kill(pid, 15)
+    except (OSError, ValueError, IndexError):
+        pass
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """Starts munged, slurmctld and slurmd on free ports; yields the environment
+    (SLURM_CONF) under which srun and sbatch reach them."""
+    for prog in ("munged", "slurmctld", "slurmd", "srun"):
+        if not shutil.which(prog) and not os.path.exists(f"/usr/sbin/{prog}"):
+            pytest.skip(f"Slurm's {prog} is not installed (Debian: slurm-wlm, munge)")
+    d = str(tmp_path_factory.mktemp("slurm"))
+    os.chmod(d, 0o755)  # munged checks that its socket's directory is reachable
+    os.makedirs(os.path.join(d, "state"))
+    os.makedirs(os.path.join(d, "spool"))
+    with open(os.path.join(d, "munge.key"), "wb") as f:
+        f.write(os.urandom(128))
+    os.chmod(os.path.join(d, "munge.key"), 0o600)
+    conf = os.path.join(d, "slurm.conf")
+    with open(conf, "w") as f:
+        f.write(SLURM_CONF.format(host=socket.gethostname(), ctld_port=free_port(), d_port=free_port(),
+                                  user=getpass.getuser(), dir=d))
+    env = {**clean_env(), "SLURM_CONF": conf}
+    sbin = lambda p: shutil.which(p) or f"/usr/sbin/{p}"
+    started = []
+    try:
+        for name, cmd in [
+            ("munged", [sbin("munged"), "--force", "-S", f"{d}/munge.sock", f"--key-file={d}/munge.key",
+                        f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed"]),
+            ("slurmctld", [sbin("slurmctld"), "-f", conf, "-i"]),
+            ("slurmd", [sbin("slurmd"), "-f", conf]),
+        ]:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env)
+            if p.returncode != 0:
+                pytest.skip(f"{name} cannot start in this environment: {(p.stderr or p.stdout).strip()[-300:]}")
+            started.append(f"{d}/{name}.pid")
+        deadline = time.monotonic() + 30
+        while True:
+            p = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30, env=env)
+            if p.returncode == 0 and p.stdout.strip() in ("idle", "mixed", "allocated"):
+                break
+            if time.monotonic() > deadline:
+                logs = "".join(open(f"{d}/{n}.log").read()[-400:] for n in ("slurmctld", "slurmd")
+                               if os.path.exists(f"{d}/{n}.log"))
+                pytest.skip(f"the one-node Slurm cluster did not become ready: {p.stdout} {p.stderr} {logs}")
+            time.sleep(0.2)
+        yield env
+    finally:
+        for pid_file in reversed(started):
+            stop_daemon(pid_file)
+
+
+def test_srun_equals_ctr_launch(graph, reference, slurm, tmp_path):
+    assert train(["srun", "-n", "2", "--time", "2"], graph, str(tmp_path), env=slurm) == reference
