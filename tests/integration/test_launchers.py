@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-CTR = os.path.abspath(os.environ.get("CTR", "build/tools/ctr/ctr"))
+CTR = os.path.abspath(os.environ.get("CTR", "build/tools/ctr"))
 VENV_BIN = os.path.join(os.path.dirname(__file__), "..", "..", ".venv", "bin")
 STEPS = 3
 LIMIT_S = 120  # a hung job fails the test instead of blocking CI
@@ -47,23 +47,29 @@ def graph(tmp_path_factory):
     return path
 
 
-def train(prefix, graph, out_dir, env=None):
-    """Runs PREFIX ctr run GRAPH on fsdp=2 and returns (losses, digest of the final
-    parameters)."""
+def run_args(graph, out_dir, steps=STEPS):
+    """`ctr run GRAPH` on fsdp=2, writing its losses and final parameters under out_dir."""
+    return [CTR, "run", graph, "--mesh", "fsdp=2", "--steps", str(steps), "--batch", "2", "--seed", "7",
+            "--log-every", "0", "--timeout", "30", "--save-dir", os.path.join(out_dir, "ckpt"),
+            "--metrics", os.path.join(out_dir, "metrics.jsonl"),
+            "--export-safetensors", os.path.join(out_dir, "params.safetensors")]
+
+
+def result(out_dir, steps=STEPS):
+    """(per-step losses, digest of the final parameters) of the run in out_dir."""
+    losses = [json.loads(line)["loss"] for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    assert len(losses) == steps
+    with open(os.path.join(out_dir, "params.safetensors"), "rb") as f:
+        return losses, hashlib.sha256(f.read()).hexdigest()
+
+
+def train(prefix, graph, out_dir, env=None, steps=STEPS):
     os.makedirs(out_dir, exist_ok=True)
-    metrics = os.path.join(out_dir, "metrics.jsonl")
-    params = os.path.join(out_dir, "params.safetensors")
-    cmd = prefix + [CTR, "run", graph, "--mesh", "fsdp=2", "--steps", str(STEPS), "--batch", "2",
-                    "--seed", "7", "--log-every", "0", "--timeout", "30", "--save-dir",
-                    os.path.join(out_dir, "ckpt"), "--metrics", metrics, "--export-safetensors", params]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S,
-                       env={**clean_env(), **(env or {})}, cwd=out_dir)
+    p = subprocess.run(prefix + run_args(graph, out_dir, steps), capture_output=True, text=True,
+                       timeout=LIMIT_S, env={**clean_env(), **(env or {})}, cwd=out_dir)
     assert p.returncode == 0, f"{' '.join(prefix)} exited {p.returncode}:\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}"
     assert "x 2 ranks" in p.stdout, p.stdout[-1500:]
-    losses = [json.loads(line)["loss"] for line in open(metrics)]
-    assert len(losses) == STEPS
-    with open(params, "rb") as f:
-        return losses, hashlib.sha256(f.read()).hexdigest()
+    return result(out_dir, steps)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +136,7 @@ JobAcctGatherType=jobacct_gather/none
 ReturnToService=2
 InactiveLimit=0
 KillWait=2
-NodeName={host} NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
 
@@ -160,7 +166,7 @@ def slurm(tmp_path_factory):
     conf = os.path.join(d, "slurm.conf")
     with open(conf, "w") as f:
         f.write(SLURM_CONF.format(host=socket.gethostname(), ctld_port=free_port(), d_port=free_port(),
-                                  user=getpass.getuser(), dir=d))
+                                  user=getpass.getuser(), dir=d, cpus=os.cpu_count()))
     env = {**clean_env(), "SLURM_CONF": conf}
     sbin = lambda p: shutil.which(p) or f"/usr/sbin/{p}"
     started = []
@@ -193,3 +199,50 @@ def slurm(tmp_path_factory):
 
 def test_srun_equals_ctr_launch(graph, reference, slurm, tmp_path):
     assert train(["srun", "-n", "2", "--time", "2"], graph, str(tmp_path), env=slurm) == reference
+
+
+def wait_for(what, cond, limit_s, detail=lambda: ""):
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} within {limit_s} s: {detail()}"
+        time.sleep(0.2)
+
+
+def test_sbatch_job_requeued_resumes_from_its_checkpoint(graph, slurm, tmp_path):
+    """A batch job hangs after its checkpoint of step 4 (rank 1 blocks at step 5 on
+    the first attempt only); `scontrol requeue` kills it and Slurm starts it again,
+    and the same script resumes from that checkpoint and ends as an uninterrupted
+    job does."""
+    d = str(tmp_path / "job")
+    os.makedirs(d)
+    steps = 6
+    args = " ".join(run_args(graph, d, steps))
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/sh\n"
+                      "export CTR_RESTART_COUNT=${SLURM_RESTART_COUNT:-0}\n"
+                      f"exec srun -n 2 {args} --save-every 2 --resume latest\n")
+    out = str(tmp_path / "job.out")
+    env = {**slurm, "CTR_FAULT_INJECT": "hang_at_step:5:rank:1"}
+    p = subprocess.run(["sbatch", "--parsable", "--requeue", "-n", "2", "--time", "3", "-o", out,
+                        "--open-mode=append", str(script)], capture_output=True, text=True, timeout=30, env=env)
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip().split(";")[0]
+    text = lambda: open(out).read() if os.path.exists(out) else ""
+
+    def state():
+        q = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30,
+                           env=slurm)
+        return q.stdout.split("JobState=")[1].split()[0] if "JobState=" in q.stdout else q.stderr
+
+    try:
+        wait_for("the first attempt saves step 4", lambda: "ckpt/step_00000004" in text(), 60,
+                 text)
+        subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, timeout=30, env=slurm)
+        wait_for("the requeued job completes", lambda: state() in ("COMPLETED", "FAILED", "CANCELLED"), 120,
+                 lambda: f"{state()}: {text()[-1500:]}")
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30, env=slurm)
+    assert state() == "COMPLETED", text()[-1500:]
+    assert "resum" in text(), text()[-1500:]
+    want = train([CTR, "launch", "-n", "2", "--"], graph, str(tmp_path / "whole"), steps=steps)
+    assert result(d, steps) == want

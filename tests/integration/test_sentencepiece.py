@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-CTR = os.path.abspath(os.environ.get("CTR", "build/tools/ctr/ctr"))
+CTR = os.path.abspath(os.environ.get("CTR", "build/tools/ctr"))
 
 DOCS = [
     "the quick brown fox jumps over the lazy dog",
