@@ -30,6 +30,11 @@ libopenblas-dev libdnnl-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libssl
 if [ -n "$mode" ]; then
   pkgs="$pkgs libgtest-dev python3-numpy python3-setuptools python3-venv
 ucx-utils binutils golang-go valgrind"
+  # The launchers and tokenizers the integration tests start for real: Open MPI's
+  # mpirun, Slurm (the test runs its own one-node cluster: slurmctld, slurmd and
+  # munged), and SentencePiece (the library ctr links when found, spm_train for the
+  # test's own model).
+  pkgs="$pkgs openmpi-bin slurm-wlm munge libsentencepiece-dev sentencepiece"
 fi
 if [ "$mode" = --sanitize ]; then
   pkgs="$pkgs clang libclang-rt-dev llvm libomp-dev"  # libomp: clang's OpenMP, which oneDNN's bf16 GEMMs use

@@ -176,10 +176,23 @@ typedef struct ctr_mesh ctr_mesh;
  * before any rendezvous. */
 CTR_API ctr_status ctr_mesh_create(const ctr_options *options, ctr_mesh **out);
 
-/* As ctr_mesh_create, with rank and world read from the environment (CTR_RANK and
- * CTR_WORLD_SIZE, torchrun's RANK/WORLD_SIZE, Slurm's SLURM_PROCID/SLURM_NTASKS or
- * Open MPI's OMPI_COMM_WORLD_RANK/SIZE, first found wins); keys in options
- * override the environment. */
+/* As ctr_mesh_create, with rank, world and the store's address read from the
+ * environment of the launcher that started the process, the first whose rank
+ * variable is set:
+ *   ctr launch  CTR_RANK, CTR_WORLD_SIZE, CTR_MASTER_ADDR, CTR_MASTER_PORT
+ *   torchrun    RANK, WORLD_SIZE, MASTER_ADDR; the store listens on MASTER_PORT + 1
+ *               (torchrun's own store holds MASTER_PORT)
+ *   Slurm       SLURM_PROCID, SLURM_NTASKS; loopback on one node, else the first
+ *               node of SLURM_STEP_NODELIST; the port 20000 + a number made from
+ *               SLURM_JOB_ID and SLURM_STEP_ID mod 10000
+ *   Open MPI    OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE; loopback on one node
+ *               (across nodes CTR_MASTER_ADDR is required); the port 20000 +
+ *               OMPI_MCA_ess_base_jobid mod 10000
+ * CTR_MASTER_ADDR and CTR_MASTER_PORT override any launcher's address and port
+ * (MASTER_ADDR/MASTER_PORT, where set, those of Slurm and Open MPI). A launcher
+ * whose variables are incomplete or malformed fails with
+ * CTR_STATUS_INVALID_OPTION naming the variable. Keys in options override the
+ * environment. Since 0.1; the launcher table since 0.5. */
 CTR_API ctr_status ctr_mesh_create_from_env(const ctr_options *options, ctr_mesh **out);
 CTR_API void ctr_mesh_free(ctr_mesh *mesh);
 

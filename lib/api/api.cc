@@ -14,6 +14,7 @@
 #include "cpu/kernels.h"
 #include "ckpt/directory.h"
 #include "ckpt/safetensors.h"
+#include "comm/launch_env.h"
 #include "core/options.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
@@ -181,37 +182,16 @@ std::vector<std::pair<std::string, int>> parse_axes(const std::string &spec, int
   return axes;
 }
 
-int env_int(const char *name, int def) {
-  const char *s = std::getenv(name);
-  if (!s || !*s) return def;
-  char *end = nullptr;
-  long v = std::strtol(s, &end, 10);
-  if (*end != '\0' || v < 0 || v > (1 << 24))
-    fail(CTR_STATUS_INVALID_OPTION, strformat("environment variable %s='%s' is not a valid count", name, s));
-  return static_cast<int>(v);
-}
-
 ctr_status mesh_create(const ctr_options *options, ctr_mesh **out, bool from_env) {
   CTR_API_BEGIN
   REQUIRE_ARG(out != nullptr, "ctr_mesh_create: out is NULL");
-  int env_rank = 0, env_world = 1;
-  if (from_env) {
-    const char *pairs[][2] = {{"CTR_RANK", "CTR_WORLD_SIZE"},
-                              {"RANK", "WORLD_SIZE"},
-                              {"SLURM_PROCID", "SLURM_NTASKS"},
-                              {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"}};
-    for (auto &p : pairs) {
-      if (std::getenv(p[0]) && std::getenv(p[1])) {
-        env_rank = env_int(p[0], 0);
-        env_world = env_int(p[1], 1);
-        break;
-      }
-    }
-  }
+  // Without from_env the environment plays no part: the defaults are a
+  // LaunchEnv of no launcher.
+  const ctr::LaunchEnv env = from_env ? ctr::read_launch_env() : ctr::LaunchEnv{};
   ctr::OptionReader r(options, from_env ? "ctr_mesh_create_from_env" : "ctr_mesh_create");
   auto m = std::make_unique<ctr_mesh>();
-  m->world = static_cast<int>(r.get_int("world", env_world, 1, 1 << 20));
-  m->rank = static_cast<int>(r.get_int("rank", env_rank, 0, m->world - 1));
+  m->world = static_cast<int>(r.get_int("world", env.world, 1, 1 << 20));
+  m->rank = static_cast<int>(r.get_int("rank", env.rank, 0, m->world - 1));
   m->axes = parse_axes(r.get_string("mesh", ""), m->world);
   int64_t threads = r.get_int("threads", 0, 0, 4096);
   const bool has_comm_nice = r.has("comm_nice");
@@ -225,14 +205,8 @@ ctr_status mesh_create(const ctr_options *options, ctr_mesh **out, bool from_env
   ctr::RendezvousConfig rc;
   m->device = r.get_string("device", env_str({"CTR_DEVICE"}, "cpu"));
   m->transport = r.get_string("transport", "ucx");
-  rc.addr = r.get_string("master_addr", env_str({"CTR_MASTER_ADDR", "MASTER_ADDR"}, "127.0.0.1"));
-  std::string port_env = env_str({"CTR_MASTER_PORT", "MASTER_PORT"}, "29500");
-  char *end = nullptr;
-  long port_def = std::strtol(port_env.c_str(), &end, 10);
-  if (*end != '\0' || port_def < 1 || port_def > 65535)
-    fail(CTR_STATUS_INVALID_OPTION,
-         strformat("master port '%s' is not a TCP port number", port_env.c_str()));
-  rc.port = static_cast<int>(r.get_int("master_port", port_def, 1, 65535));
+  rc.addr = r.get_string("master_addr", env.addr);
+  rc.port = static_cast<int>(r.get_int("master_port", env.port, 1, 65535));
   rc.token = r.get_string("job_token", env_str({"CTR_JOB_TOKEN"}, ""));
   rc.allow_no_token = r.get_int("allow_no_token", env_str({"CTR_ALLOW_NO_TOKEN"}, "0") == "1", 0, 1) != 0;
   double timeout_s = r.get_float("timeout", 60.0, 0.01, 1e6);

@@ -102,10 +102,18 @@ TEST(Abi, VersionAndStatusStrings) {
 }
 
 TEST(Abi, FreeNullIsNoop) {
+  // Every _free in the header takes NULL, and a free is no call that reports:
+  // the last failure's message survives it.
+  ctr_graph *g = nullptr;
+  ASSERT_EQ(ctr_graph_load_file(nullptr, &g), CTR_STATUS_INVALID_ARGUMENT);
+  const std::string before = ctr_last_error();
+  ASSERT_FALSE(before.empty());
   ctr_options_free(nullptr);
   ctr_mesh_free(nullptr);
   ctr_graph_free(nullptr);
   ctr_step_free(nullptr);
+  ctr_loader_free(nullptr);
+  EXPECT_EQ(std::string(ctr_last_error()), before);
 }
 
 TEST(Abi, NullArgumentsAreErrorsNotCrashes) {

@@ -1,6 +1,8 @@
 // `ctr data`: the token files a training run reads, made, inspected and converted.
 //
 //   ctr data tokenize a.txt b.txt -o corpus.bin --eot 256    bytes of text as tokens
+//   ctr data tokenize a.txt b.txt -o corpus.bin --sentencepiece m.model
+//                                                            a SentencePiece model's ids
 //   ctr data inspect corpus.bin                              format, counts, histogram
 //   ctr data inspect mix.json --seq 256                      each sub-dataset of a manifest
 //   ctr data convert corpus.bin -o corpus.npy --to npy       between formats
@@ -29,6 +31,7 @@
 
 #include "core/status.h"
 #include "data/data.h"
+#include "sentencepiece.h"
 #include "text.h"
 
 namespace ctr_tool {
@@ -236,7 +239,7 @@ struct DataCommand::Args {
   CLI::App *data = nullptr, *tokenize = nullptr, *inspect = nullptr, *convert = nullptr;
 
   std::vector<std::string> tok_inputs;
-  std::string tok_out, tok_format = "llmc";
+  std::string tok_out, tok_format = "llmc", tok_spm;
   int64_t tok_eot = -1;
 
   std::string in_file, in_format = "auto";
@@ -246,6 +249,7 @@ struct DataCommand::Args {
   int cv_width = 0;
 
   int tokenize_run() const;
+  int tokenize_spm_run() const;
   int inspect_run() const;
   int convert_run() const;
 };
@@ -259,14 +263,18 @@ DataCommand::DataCommand(CLI::App &app) : args_(std::make_unique<Args>()) {
   a.data->require_subcommand(1);
 
   a.tokenize = a.data->add_subcommand(
-      "tokenize", "Write the bytes of text files as tokens (ids 0-255), in order");
+      "tokenize", "Write the bytes of text files as tokens (ids 0-255), or a SentencePiece model's ids, in order");
   a.tokenize->add_option("files", a.tok_inputs, "Text files")->required();
   a.tokenize->add_option("-o,--output", a.tok_out, "Token file to write")->required();
   a.tokenize->add_option("--format", a.tok_format, "Output format")
       ->capture_default_str()
       ->check(CLI::IsMember(writable));
-  a.tokenize->add_option("--eot", a.tok_eot, "End-of-text id written between files")
+  a.tokenize->add_option("--eot", a.tok_eot,
+                         "End-of-text id written between files (with --sentencepiece: the model's "
+                         "end-of-sentence id unless given)")
       ->check(CLI::Range(int64_t{0}, int64_t{UINT32_MAX}));
+  a.tokenize->add_option("--sentencepiece", a.tok_spm,
+                         "SentencePiece model (spm_train's .model): each file is one document of its ids");
 
   a.inspect = a.data->add_subcommand(
       "inspect", "Describe a token file, or each sub-dataset of a manifest (.json)");
@@ -299,7 +307,8 @@ DataCommand::~DataCommand() = default;
 bool DataCommand::parsed() const { return args_->data->parsed(); }
 
 int DataCommand::run() const {
-  if (args_->tokenize->parsed()) return args_->tokenize_run();
+  if (args_->tokenize->parsed())
+    return args_->tok_spm.empty() ? args_->tokenize_run() : args_->tokenize_spm_run();
   if (args_->inspect->parsed()) return args_->inspect_run();
   if (args_->convert->parsed()) return args_->convert_run();
   return 2;
@@ -353,6 +362,56 @@ int DataCommand::Args::tokenize_run() const {
               inputs.size() == 1 ? "" : "s");
   if (with_eot && inputs.size() > 1) std::printf(" (end-of-text %u between files)", eot);
   std::printf("\n");
+  return 0;
+}
+
+// Each file is one document, encoded whole: SentencePiece normalizes across
+// the text (whitespace, Unicode forms), so blocks cut at arbitrary bytes would
+// encode differently. The ids are held until the count the header needs is
+// known, so the corpus is bounded by memory here, unlike byte tokenization.
+int DataCommand::Args::tokenize_spm_run() const {
+  const SentencePiece model(tok_spm);
+  const int64_t eot = tok_eot >= 0 ? tok_eot : model.eos_id();
+  if (eot < 0)
+    fail(CTR_STATUS_INVALID_ARGUMENT,
+         strformat("--sentencepiece: the model '%s' has no end-of-sentence piece; give the end-of-text id "
+                   "with --eot",
+                   tok_spm.c_str()));
+  const data::Format format = format_arg(tok_format);
+  const auto max_id = static_cast<uint32_t>(std::max<int64_t>(model.vocab_size() - 1, eot));
+  const int width = width_for(format, max_id, 0);
+  if (max_id > data::TokenWriter::max_id(width))
+    fail(CTR_STATUS_INVALID_ARGUMENT,
+         strformat("--sentencepiece: ids up to %u do not fit in %s tokens (at most %u)", max_id,
+                   tok_format.c_str(), data::TokenWriter::max_id(width)));
+
+  std::vector<std::vector<uint32_t>> docs;
+  int64_t count = 0;
+  for (const auto &p : tok_inputs) {
+    InputFile in(p);
+    std::string text(static_cast<size_t>(in.size()), '\0');
+    int64_t total = 0;
+    for (int64_t got; total < in.size() &&
+                      (got = in.read(reinterpret_cast<uint8_t *>(text.data()) + total, in.size() - total)) > 0;)
+      total += got;
+    if (total != in.size())
+      fail(CTR_STATUS_IO_ERROR, strformat("'%s' shrank while it was being read", p.c_str()));
+    docs.push_back(model.encode(text));
+    count += static_cast<int64_t>(docs.back().size());
+  }
+  count += static_cast<int64_t>(docs.size()) - 1;
+
+  data::TokenWriter out(tok_out, format, width, count);
+  const auto eot_id = static_cast<uint32_t>(eot);
+  for (size_t i = 0; i < docs.size(); ++i) {
+    if (i > 0) out.write(&eot_id, 1);
+    out.write(docs[i].data(), static_cast<int64_t>(docs[i].size()));
+  }
+  out.finish();
+  std::printf("wrote %s: %s, %s tokens from %zu file%s (SentencePiece, %d pieces; end-of-text %u between "
+              "files)\n",
+              tok_out.c_str(), written_kind(format, width).c_str(), grouped(count).c_str(), docs.size(),
+              docs.size() == 1 ? "" : "s", model.vocab_size(), eot_id);
   return 0;
 }
 
