@@ -28,6 +28,10 @@ void read_lower(OptionReader &r, CompileOptions &o) { o.overlap = r.get_int("ove
 
 void read_plan(OptionReader &r, CompileOptions &o) { o.micro_batches = r.get_int("micro_batches", 1, 1, 1 << 16); }
 
+void read_schedule(OptionReader &r, CompileOptions &o) {
+  o.pp_schedule = schedule_kind_from_name(r.get_string("pp_schedule", "1f1b"));
+}
+
 void read_place(OptionReader &r, CompileOptions &o) {
   o.sequence_parallel = r.get_int("sequence_parallel", 0, 0, 1) != 0;
 }
@@ -59,6 +63,7 @@ void run_lower(PassContext &c) {
   c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap);
 }
 void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.program); }
+void run_schedule(PassContext &c) { c.pipeline = pass_schedule(c.opt); }
 
 std::string dump_place(const PassContext &c) { return c.placed + dump_graph(c.graph); }
 std::string dump_lower(const PassContext &c) { return dump_program(c.graph, c.program); }
@@ -70,6 +75,14 @@ std::string dump_precision(const PassContext &c) { return c.precision + "\n" + d
 std::string dump_reorder(const PassContext &c) { return c.schedule + "\n" + dump_graph(c.graph); }
 
 std::string dump_epilogues(const PassContext &c) { return c.epilogues + dump_graph(c.graph); }
+
+std::string dump_schedule(const PassContext &c) {
+  const Schedule &s = c.pipeline;
+  return strformat("pipeline schedule %s: %d stage(s), %lld micro-batch(es); each stage's tasks in order "
+                   "(F forward, B backward, by micro-batch)\n",
+                   schedule_kind_name(s.kind), s.stages, static_cast<long long>(s.micro_batches)) +
+         schedule_text(s) + "\n" + dump_graph(c.graph);
+}
 
 std::string dump_plan(const PassContext &c) {
   const MemoryPlan &p = c.plan;
@@ -88,6 +101,8 @@ const std::vector<PassDef> &pass_list() {
       {"load", "the graph file as read", true, nullptr, run_nothing, nullptr},
       {"verify", "semantic checks and a topological order", true, nullptr, run_verify, nullptr},
       {"infer_shapes", "symbolic dims bound, every shape known", false, read_shapes, run_infer_shapes, nullptr},
+      {"schedule", "the step as pipeline tasks per stage over pp (options pp_schedule: gpipe or 1f1b, micro_batches)",
+       false, read_schedule, run_schedule, dump_schedule},
       {"fuse", "exported primitive patterns rewritten to fused ops (attention, rmsnorm, swiglu, gelu, geglu, rope)", false,
        read_fuse_options, run_fuse, dump_fuse},
       {"expert", "experts split over ep, token exchanges and global load balance inserted", false, nullptr,
