@@ -304,6 +304,8 @@ typedef struct ctr_step ctr_step;
  *                            with pp = 1 only a schedule with one micro-batch in
  *                            flight runs (1f1b, or gpipe with one micro-batch), and
  *                            pp > 1 is refused (graphs are not cut into stages yet)
+ *   "pp_stages" string       blocks per pipeline stage, in stage order ("2,3,3";
+ *                            default: balanced by the blocks' forward FLOPs)
  *   "seed" int               parameter init seed (0)
  *   "lr" float               peak learning rate (3e-4)
  *   "min_lr" float           final learning rate of the decay (0)

@@ -5,6 +5,8 @@
 // which options it reads and how its result is printed; the pass itself lives in
 // its own file.
 
+#include <algorithm>
+#include <cstdlib>
 #include <sstream>
 
 #include "backend/plugin.h"
@@ -30,6 +32,21 @@ void read_plan(OptionReader &r, CompileOptions &o) { o.micro_batches = r.get_int
 
 void read_schedule(OptionReader &r, CompileOptions &o) {
   o.pp_schedule = schedule_kind_from_name(r.get_string("pp_schedule", "1f1b"));
+  // "2,3,3": blocks per stage, in stage order.
+  const std::string list = r.get_string("pp_stages", "");
+  o.pp_stages.clear();
+  size_t pos = 0;
+  while (!list.empty() && pos <= list.size()) {
+    const size_t comma = std::min(list.find(',', pos), list.size());
+    const std::string item = list.substr(pos, comma - pos);
+    char *end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    CTR_REQUIRE(!item.empty() && *end == '\0' && v >= 0 && v <= (1 << 20), CTR_STATUS_INVALID_OPTION,
+                "option 'pp_stages': '%s' is not a count of blocks (expected a list such as \"2,3,3\")",
+                item.c_str());
+    o.pp_stages.push_back(v);
+    pos = comma + 1;
+  }
 }
 
 void read_place(OptionReader &r, CompileOptions &o) {
@@ -63,7 +80,7 @@ void run_lower(PassContext &c) {
   c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap);
 }
 void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.program); }
-void run_schedule(PassContext &c) { c.pipeline = pass_schedule(c.opt); }
+void run_schedule(PassContext &c) { c.pipeline = pass_schedule(c.graph, c.opt); }
 
 std::string dump_place(const PassContext &c) { return c.placed + dump_graph(c.graph); }
 std::string dump_lower(const PassContext &c) { return dump_program(c.graph, c.program); }

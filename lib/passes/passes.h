@@ -41,6 +41,7 @@ struct CompileOptions {
   int64_t bucket_bytes = 0;        // bucket: byte budget per bucket in "bytes" mode (0 = none)
   bool sequence_parallel = false;  // place: activations between tp regions split by tokens over tp
   ScheduleKind pp_schedule = ScheduleKind::OneFOneB;  // schedule: the pipeline schedule
+  std::vector<int64_t> pp_stages;  // schedule: blocks per stage (empty: balanced by FLOPs)
   MeshPlacement mesh;
 };
 
@@ -271,8 +272,9 @@ void apply_backend_layouts(Graph &g, uint32_t backend_flags);
 MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &prog);
 
 // schedule.cc: the step's pipeline schedule over the mesh's pp axis (one stage
-// without one) and option micro_batches; refuses one that cannot run.
-Schedule pass_schedule(const CompileOptions &opt);
+// without one) and option micro_batches, and with several stages (or option
+// pp_stages) the graph's blocks cut into them; refuses what cannot run.
+Schedule pass_schedule(const Graph &g, const CompileOptions &opt);
 
 // Dump of a program's instruction lists.
 std::string dump_program(const Graph &g, const Program &p);

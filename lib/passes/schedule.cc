@@ -4,8 +4,11 @@
 #include "passes/schedule.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "core/status.h"
+#include "graph/ir.h"
+#include "graph/ops.h"
 #include "passes/passes.h"
 
 namespace ctr {
@@ -34,7 +37,95 @@ std::string schedule_text(const Schedule &s) {
       out += strformat(" (%lld in flight)", static_cast<long long>(s.in_flight[st]));
     out += "\n";
   }
+  for (size_t st = 0; st < s.spans.size(); ++st) {
+    const StageSpan &sp = s.spans[st];
+    out += strformat("stage %zu holds blocks %d-%d%s%s, %.4g forward FLOPs per micro-batch\n", st, sp.first_block,
+                     sp.last_block, st == 0 ? " and what comes before them (embedding)" : "",
+                     st + 1 == s.spans.size() ? " and what comes after them (head, loss)" : "", sp.flops);
+  }
   return out;
+}
+
+// ------------------------------------------------------------------------------------------
+// Cutting the graph into stages
+
+std::vector<StageSpan> cut_stages(const Graph &g, int stages, const std::vector<int64_t> &blocks_per_stage) {
+  // Forward FLOPs per block, and of the nodes before the first and after the last.
+  int nblocks = 0;
+  for (const Node &n : g.nodes)
+    if (!n.backward) nblocks = std::max(nblocks, n.block + 1);
+  std::vector<double> block_flops(static_cast<size_t>(nblocks), 0.0);
+  double before = 0, after = 0;
+  bool seen_block = false;
+  for (const Node &n : g.nodes) {
+    if (n.backward) continue;
+    const OpDef *def = find_op(n.op);
+    const double f = def && def->flops ? def->flops(g, n) : 0.0;
+    if (n.block >= 0) {
+      block_flops[static_cast<size_t>(n.block)] += f;
+      seen_block = true;
+    } else {
+      (seen_block ? after : before) += f;
+    }
+  }
+  CTR_REQUIRE(nblocks >= stages, CTR_STATUS_INVALID_OPTION,
+              "pipeline: %d stages need at least one block each, and graph '%s' has %d block(s)", stages,
+              g.name.c_str(), nblocks);
+  std::vector<int64_t> counts = blocks_per_stage;
+  if (!counts.empty()) {
+    CTR_REQUIRE(static_cast<int>(counts.size()) == stages, CTR_STATUS_INVALID_OPTION,
+                "option 'pp_stages': %zu entries for %d stages (one count of blocks per stage)", counts.size(),
+                stages);
+    int64_t sum = 0;
+    for (size_t i = 0; i < counts.size(); ++i) {
+      CTR_REQUIRE(counts[i] >= 1, CTR_STATUS_INVALID_OPTION,
+                  "option 'pp_stages': stage %zu gets %lld blocks (at least 1 is needed)", i,
+                  static_cast<long long>(counts[i]));
+      sum += counts[i];
+    }
+    CTR_REQUIRE(sum == nblocks, CTR_STATUS_INVALID_OPTION,
+                "option 'pp_stages': the stages hold %lld blocks in all, and graph '%s' has %d", static_cast<long long>(sum),
+                g.name.c_str(), nblocks);
+  } else {
+    // Contiguous runs minimising the largest stage's cost: best[s][b] is that
+    // cost for blocks [0, b) on stages [0, s), the embedding on stage 0 and
+    // the head on the last.
+    const size_t B = static_cast<size_t>(nblocks), S = static_cast<size_t>(stages);
+    std::vector<double> prefix(B + 1, 0.0);
+    for (size_t b = 0; b < B; ++b) prefix[b + 1] = prefix[b] + block_flops[b];
+    const double inf = std::numeric_limits<double>::infinity();
+    std::vector<std::vector<double>> best(S + 1, std::vector<double>(B + 1, inf));
+    std::vector<std::vector<size_t>> from(S + 1, std::vector<size_t>(B + 1, 0));
+    best[0][0] = 0;
+    for (size_t s = 1; s <= S; ++s)
+      for (size_t b = s; b <= B; ++b)
+        for (size_t a = s - 1; a < b; ++a) {
+          if (best[s - 1][a] == inf) continue;
+          const double cost = prefix[b] - prefix[a] + (s == 1 ? before : 0) + (s == S && b == B ? after : 0);
+          const double worst = std::max(best[s - 1][a], cost);
+          if (worst < best[s][b]) {  // ties keep the earliest cut: later stages take the rest
+            best[s][b] = worst;
+            from[s][b] = a;
+          }
+        }
+    counts.assign(S, 0);
+    for (size_t s = S, b = B; s > 0; --s) {
+      counts[s - 1] = static_cast<int64_t>(b - from[s][b]);
+      b = from[s][b];
+    }
+  }
+  std::vector<StageSpan> spans(static_cast<size_t>(stages));
+  int next = 0;
+  for (int s = 0; s < stages; ++s) {
+    StageSpan &sp = spans[static_cast<size_t>(s)];
+    sp.first_block = next;
+    sp.last_block = next + static_cast<int>(counts[static_cast<size_t>(s)]) - 1;
+    for (int b = sp.first_block; b <= sp.last_block; ++b) sp.flops += block_flops[static_cast<size_t>(b)];
+    if (s == 0) sp.flops += before;
+    if (s == stages - 1) sp.flops += after;
+    next = sp.last_block + 1;
+  }
+  return spans;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -91,10 +182,12 @@ Schedule build_schedule(ScheduleKind kind, int stages, int64_t micro_batches) {
   return s;
 }
 
-Schedule pass_schedule(const CompileOptions &opt) {
+Schedule pass_schedule(const Graph &g, const CompileOptions &opt) {
   const int64_t stages = opt.mesh.size("pp");
   CTR_REQUIRE(stages <= (1 << 16), CTR_STATUS_INVALID_OPTION, "pipeline: %lld stages", static_cast<long long>(stages));
-  return build_schedule(opt.pp_schedule, static_cast<int>(stages), opt.micro_batches);
+  Schedule s = build_schedule(opt.pp_schedule, static_cast<int>(stages), opt.micro_batches);
+  if (stages > 1 || !opt.pp_stages.empty()) s.spans = cut_stages(g, static_cast<int>(stages), opt.pp_stages);
+  return s;
 }
 
 // ------------------------------------------------------------------------------------------

@@ -5,9 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "core/status.h"
+#include "graph/presets.h"
+#include "passes/passes.h"
 
 namespace {
 
@@ -97,6 +101,76 @@ TEST(Schedule, AnOrderThatWouldHangIsRefused) {
                  {"cannot run to the end", "stage 0 waits in B0 for stage 1", "stage 1 waits in F1 for stage 0"});
   s.order[1][0] = {1, 0, ctr::TaskPhase::Forward};
   expect_refusal([&] { ctr::check_schedule(s); }, CTR_STATUS_INVALID_OPTION, {"lists F0 twice"});
+}
+
+}  // namespace
+
+namespace {
+
+ctr::Graph shaped_gpt(int64_t layers) {
+  ctr::PresetConfig cfg;
+  cfg.layers = layers;
+  cfg.dim = 32;
+  cfg.heads = 2;
+  cfg.vocab = 512;
+  cfg.seq = 16;
+  ctr::Graph g = ctr::build_preset("gpt", cfg);
+  ctr::CompileOptions o;
+  o.batch = 2;
+  ctr::pass_verify(g);
+  ctr::pass_infer_shapes(g, o);
+  return g;
+}
+
+// The largest stage cost of every contiguous cut, by brute force over two or three stages.
+double best_worst(const ctr::Graph &g, int stages, int blocks) {
+  double best = 1e300;
+  auto try_counts = [&](const std::vector<int64_t> &c) {
+    double worst = 0;
+    for (const auto &sp : ctr::cut_stages(g, stages, c)) worst = std::max(worst, sp.flops);
+    best = std::min(best, worst);
+  };
+  for (int a = 1; a < blocks; ++a) {
+    if (stages == 2) try_counts({a, blocks - a});
+    for (int b = 1; stages == 3 && a + b < blocks; ++b) try_counts({a, b, blocks - a - b});
+  }
+  return best;
+}
+
+TEST(StageCut, BalancedByFlopsWithEmbeddingFirstAndHeadLast) {
+  ctr::Graph g = shaped_gpt(6);
+  for (int stages : {2, 3}) {
+    auto spans = ctr::cut_stages(g, stages, {});
+    ASSERT_EQ(static_cast<int>(spans.size()), stages);
+    EXPECT_EQ(spans.front().first_block, 0);
+    EXPECT_EQ(spans.back().last_block, 5);
+    double worst = 0, total = 0;
+    for (size_t s = 0; s < spans.size(); ++s) {
+      EXPECT_LE(spans[s].first_block, spans[s].last_block) << "stage " << s;
+      if (s) EXPECT_EQ(spans[s].first_block, spans[s - 1].last_block + 1);
+      worst = std::max(worst, spans[s].flops);
+      total += spans[s].flops;
+    }
+    EXPECT_EQ(worst, best_worst(g, stages, 6)) << stages << " stages";
+    EXPECT_GT(total, 0);
+  }
+  // The head over 512 words outweighs a block of width 32: the last stage takes fewer blocks.
+  auto two = ctr::cut_stages(g, 2, {});
+  EXPECT_GT(two[0].last_block - two[0].first_block, two[1].last_block - two[1].first_block);
+}
+
+TEST(StageCut, ExplicitListAndRefusals) {
+  ctr::Graph g = shaped_gpt(4);
+  auto spans = ctr::cut_stages(g, 2, {1, 3});
+  EXPECT_EQ(spans[0].last_block, 0);
+  EXPECT_EQ(spans[1].first_block, 1);
+  EXPECT_EQ(spans[1].last_block, 3);
+  expect_refusal([&] { ctr::cut_stages(g, 8, {}); }, CTR_STATUS_INVALID_OPTION,
+                 {"8 stages need at least one block each", "has 4 block(s)"});
+  expect_refusal([&] { ctr::cut_stages(g, 2, {1, 2}); }, CTR_STATUS_INVALID_OPTION,
+                 {"the stages hold 3 blocks in all", "has 4"});
+  expect_refusal([&] { ctr::cut_stages(g, 2, {4}); }, CTR_STATUS_INVALID_OPTION, {"1 entries for 2 stages"});
+  expect_refusal([&] { ctr::cut_stages(g, 2, {0, 4}); }, CTR_STATUS_INVALID_OPTION, {"stage 0 gets 0 blocks"});
 }
 
 }  // namespace

@@ -263,7 +263,7 @@ struct ScheduleArgs {
   int64_t prefetch = 1, memory_budget = 0;
   bool no_defer = false, no_overlap = false, no_fuse = false, no_epilogues = false, sequence_parallel = false;
   std::string recompute = "none", bucket = "block", precision = "auto", reshard = "default";
-  std::string pp_schedule = "1f1b";
+  std::string pp_schedule = "1f1b", pp_stages;
   int64_t bucket_bytes = 0;
 
   void add_flags(CLI::App *cmd) {
@@ -320,6 +320,8 @@ struct ScheduleArgs {
                     "every backward)")
         ->capture_default_str()
         ->check(CLI::IsMember({"1f1b", "gpipe"}));
+    cmd->add_option("--pp-stages", pp_stages,
+                    "Blocks per pipeline stage, in stage order (\"2,3,3\"; default: balanced by forward FLOPs)");
     cmd->add_flag("--sequence-parallel", sequence_parallel,
                   "With a tp axis: split the activations between the tensor-parallel regions (norms, "
                   "residuals) by tokens over tp, with all-gathers and reduce-scatters in place of all-reduces");
@@ -336,6 +338,7 @@ struct ScheduleArgs {
     set_string(o, "bucket", bucket);
     set_string(o, "precision", precision);
     set_string(o, "pp_schedule", pp_schedule);
+    if (!pp_stages.empty()) set_string(o, "pp_stages", pp_stages);
     if (bucket_bytes > 0) set_int(o, "bucket_bytes", bucket_bytes);
     if (sequence_parallel) set_int(o, "sequence_parallel", 1);
   }
