@@ -311,6 +311,14 @@ typedef struct ctr_step ctr_step;
  *   "batch" int (required)   micro-batch size bound to the "batch" symbol
  *   "seq" int                sequence length bound to "seq" (default: graph max)
  *   "micro_batches" int      gradient accumulation steps per ctr_step_run (1)
+ *   "pp_schedule" string     order of the micro-batches' forwards and backwards
+ *                            over the mesh's pp axis: "1f1b" (default; needs at
+ *                            least as many micro-batches as pp stages) or "gpipe";
+ *                            with pp = 1 only a schedule with one micro-batch in
+ *                            flight runs (1f1b, or gpipe with one micro-batch), and
+ *                            pp > 1 is refused (graphs are not cut into stages yet)
+ *   "pp_stages" string       blocks per pipeline stage, in stage order ("2,3,3";
+ *                            default: balanced by the blocks' forward FLOPs)
  *   "seed" int               parameter init seed (0)
  *   "lr" float               peak learning rate (3e-4)
  *   "min_lr" float           final learning rate of the decay (0)

@@ -815,10 +815,12 @@ std::string inspect_graph(const ctr_graph *graph, const ctr_options *options, co
   const int64_t dp = r.get_int("dp", 1, 1, 1 << 20);
   const int64_t ep = r.get_int("ep", 1, 1, 1 << 20);
   const int64_t tp = r.get_int("tp", 1, 1, 1 << 20);
-  const int64_t rank = r.get_int("rank", 0, 0, fsdp * dp * ep * tp - 1);
+  const int64_t pp = r.get_int("pp", 1, 1, 1 << 16);
+  const int64_t rank = r.get_int("rank", 0, 0, pp * fsdp * dp * ep * tp - 1);
   r.finish();
-  // Axes in the order dp, ep, fsdp, tp (tp innermost), as "dp=..,ep=..,fsdp=..,tp=..".
-  o.mesh.axes = {{"dp", dp, rank / (fsdp * ep * tp)},
+  // Axes in the order pp, dp, ep, fsdp, tp (tp innermost), as "pp=..,dp=..,ep=..,fsdp=..,tp=..".
+  o.mesh.axes = {{"pp", pp, rank / (dp * fsdp * ep * tp)},
+                 {"dp", dp, (rank / (fsdp * ep * tp)) % dp},
                  {"ep", ep, (rank / (fsdp * tp)) % ep},
                  {"fsdp", fsdp, (rank / tp) % fsdp},
                  {"tp", tp, rank % tp}};

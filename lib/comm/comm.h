@@ -4,7 +4,8 @@
 // fixed, ordered group of ranks. Every collective returns a work handle at once;
 // the caller keeps its buffers alive and later waits on the handle (the executor
 // treats that as an event on the comm stream), so communication overlaps compute.
-// Every rank of a group must issue the same collectives in the same order.
+// Every rank of a group must issue the same collectives in the same order;
+// point-to-point send/recv only pair the two members they name.
 //
 // Failures never hang: each wait has a deadline, and a timeout or a dead peer is
 // a ctr::Error (CTR_STATUS_TIMEOUT / CTR_STATUS_COMM_ERROR) whose message names
@@ -100,6 +101,17 @@ struct CommIface {
   // "state" ("in flight", "done", "failed")}.
   // Optional (null when the transport keeps none).
   std::string (*flight)(void *ctx);
+
+  // Point to point: bytes from buf go to member `peer`, which posts a recv of
+  // the same size from this rank; recv takes them into buf. Between two
+  // members, the k-th send one issues to the other matches the k-th recv the
+  // other issues from it; members not named take no part, and unlike the
+  // collectives the two sides need no common order with other traffic. The
+  // wait of either side has the communicator's deadline and names the peer on
+  // timeout or failure. A member may not address itself. A transport without
+  // them (the device communicators today) fails with CTR_STATUS_UNSUPPORTED.
+  CommWork *(*send)(void *ctx, const void *buf, size_t bytes, int peer);
+  CommWork *(*recv)(void *ctx, void *buf, size_t bytes, int peer);
 };
 
 struct Comm {

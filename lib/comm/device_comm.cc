@@ -175,10 +175,19 @@ void dc_destroy(void *ctx) {
   delete d;
 }
 
+// The plugin's device communicator ABI has no point-to-point operations yet.
+[[noreturn]] void dc_no_point_to_point(const DeviceComm &d, const char *what) {
+  fail(CTR_STATUS_UNSUPPORTED,
+       strformat("%s: %s between two ranks is not available on device communicators yet", d.di->name, what));
+}
+
+CommWork *dc_send(void *ctx, const void *, size_t, int) { dc_no_point_to_point(D(ctx), "send"); }
+CommWork *dc_recv(void *ctx, void *, size_t, int) { dc_no_point_to_point(D(ctx), "recv"); }
+
 const CommIface kDeviceIface = {
     "nccl",         dc_rank,  dc_size, dc_global_rank, dc_all_gather, dc_reduce_scatter, dc_all_reduce,
     dc_all_to_all_v, dc_broadcast, dc_barrier, dc_batch, dc_wait,        dc_test,           dc_split,
-    dc_destroy,     nullptr,
+    dc_destroy,     nullptr,  dc_send, dc_recv,
 };
 
 }  // namespace

@@ -22,7 +22,8 @@
 //
 // Tags. UCP matches a receive by tag only, so a tag names the communicator (24
 // bits), the collective's sequence number on it (24 bits) and the sender's
-// index (16 bits). Between two endpoints UCP delivers messages with the same tag
+// index (16 bits); point-to-point messages set the sequence's top bit and count
+// per direction and pair of members. Between two endpoints UCP delivers messages with the same tag
 // in order, and the progress thread posts the sends to a peer, and the receives
 // from a peer, in list order, so the k-th message of a collective on a channel
 // always lands in the k-th receive. Communicator ids are agreed by the members
@@ -99,6 +100,12 @@ using TimePoint = Clock::time_point;
 
 constexpr uint32_t kCommIdBits = 24;
 constexpr uint32_t kSeqMask = (1u << 24) - 1;
+// The top bit of the sequence field marks a point-to-point message; its other
+// 23 bits count the messages of one direction between two members, so sends
+// and receives never take a collective's sequence number and need no order
+// shared with the rest of the group. Collectives count in the lower 23 bits.
+constexpr uint32_t kP2pSeqBit = 1u << 23;
+constexpr uint32_t kCollSeqMask = kP2pSeqBit - 1;
 constexpr uint32_t kMaxMembers = 1u << 16;
 // Reserved communicator ids: split agreement and the final barrier of destroy().
 constexpr uint32_t kSplitCommId = (1u << kCommIdBits) - 1;
@@ -243,6 +250,7 @@ struct Coll {
   ShmComm *shm_comm = nullptr;
   size_t shm_bytes = 0;  // what this rank sends through shared memory (flight recorder)
   const char *path = "ucx";  // the flight recorder's "path"
+  int p2p_peer = -1;  // a send or recv: the one member it involves (group index)
 
   // Progress thread only.
   size_t scan_from = 0;     // first operation that may still be waiting
@@ -271,7 +279,15 @@ struct Coll {
   std::string error;
 
   std::string label() const {
+    if (p2p_peer >= 0)
+      return strformat("%s %s rank %d (%s, %d ranks)", what, ops[0].kind == Op::kSend ? "to" : "from",
+                       group->members[p2p_peer], group->name.c_str(), group->size());
     return strformat("%s (%s, %d ranks)", what, group->name.c_str(), group->size());
+  }
+  // Whether a failure of global rank g concerns this collective.
+  bool involves(int g) const {
+    if (p2p_peer >= 0) return group->members[p2p_peer] == g;
+    return std::find(group->members.begin(), group->members.end(), g) != group->members.end();
   }
   ~Coll() {
     if (scratch.p) pool->give(std::move(scratch));
@@ -1237,7 +1253,7 @@ void Transport::watch_peers(int timeout_ms) {
 void Transport::start(Coll *c) {
   active_.push_back(c);
   for (int g : c->group->members)
-    if (peers_[g].failed != UCS_OK) member_lost(c, g);
+    if (peers_[g].failed != UCS_OK && c->involves(g)) member_lost(c, g);
   mark_dirty(c);
 }
 
@@ -1428,8 +1444,7 @@ void Transport::handle_failed_peers() {
     for (int g : failed) {
       close_ep(g, true);
       for (Coll *c : active_) {
-        const auto &m = c->group->members;
-        if (std::find(m.begin(), m.end(), g) != m.end()) member_lost(c, g);
+        if (c->involves(g)) member_lost(c, g);
       }
     }
   }
@@ -1571,6 +1586,9 @@ struct CommCtx {
   std::shared_ptr<Transport> t;
   std::shared_ptr<const Group> g;
   std::atomic<uint32_t> seq{0};
+  // Point-to-point messages sent to, and received from, each member so far.
+  std::mutex p2p_mu;
+  std::vector<uint32_t> sent, received;
   // Set when every member runs on this host: collectives go through a shared
   // segment. Declared last so that it stops before the transport can go.
   std::unique_ptr<ShmComm> shm;
@@ -1578,14 +1596,20 @@ struct CommCtx {
 
 CommCtx *ctx_of(void *ctx) { return static_cast<CommCtx *>(ctx); }
 
-// A new collective on this communicator, with the next sequence number.
-std::unique_ptr<Coll> new_coll(CommCtx *cc, const char *what) {
+// A new operation on this communicator, not yet tagged.
+std::unique_ptr<Coll> new_work(CommCtx *cc, const char *what) {
   auto c = std::make_unique<Coll>();
   c->t = cc->t.get();
   c->pool = cc->t->pool();
   c->what = what;
   c->group = cc->g;
-  uint32_t s = cc->seq.fetch_add(1, std::memory_order_relaxed) & kSeqMask;
+  return c;
+}
+
+// A new collective on this communicator, with the next sequence number.
+std::unique_ptr<Coll> new_coll(CommCtx *cc, const char *what) {
+  auto c = new_work(cc, what);
+  uint32_t s = cc->seq.fetch_add(1, std::memory_order_relaxed) & kCollSeqMask;
   c->tag = (uint64_t{cc->g->id} << 40) | (uint64_t{s} << 16);
   return c;
 }
@@ -1857,6 +1881,45 @@ CommWork *c_barrier(void *ctx) {
   return cc->t->issue(c.release());
 }
 
+// Sends and receives always take the UCP path, also for a communicator with a
+// shared-memory engine: that engine runs whole-group collectives in one issue
+// order, which a pair of members cannot share with the rest. On one host UCP
+// moves them through its own shared-memory transport.
+CommWork *point_to_point(CommCtx *cc, bool is_send, void *buf, size_t bytes, int peer) {
+  const Group &g = *cc->g;
+  const char *what = is_send ? "send" : "recv";
+  CTR_REQUIRE(peer >= 0 && peer < g.size(), CTR_STATUS_INVALID_ARGUMENT,
+              "ucx: %s: peer %d is out of range for %s of %d ranks", what, peer, g.name.c_str(),
+              g.size());
+  CTR_REQUIRE(peer != g.me, CTR_STATUS_INVALID_ARGUMENT, "ucx: %s: rank %d addresses itself in %s",
+              what, g.members[g.me], g.name.c_str());
+  CTR_REQUIRE(bytes == 0 || buf, CTR_STATUS_INVALID_ARGUMENT, "ucx: %s: null buffer", what);
+  uint32_t n = 0;
+  {
+    std::lock_guard<std::mutex> lock(cc->p2p_mu);
+    auto &count = is_send ? cc->sent : cc->received;
+    if (count.empty()) count.assign(static_cast<size_t>(g.size()), 0);
+    n = count[static_cast<size_t>(peer)]++;
+  }
+  auto c = new_work(cc, what);
+  c->tag = (uint64_t{g.id} << 40) | (uint64_t{kP2pSeqBit | (n & kCollSeqMask)} << 16);
+  c->p2p_peer = peer;
+  Builder b(*c);
+  if (is_send)
+    b.send(peer, buf, bytes);
+  else
+    b.recv(peer, buf, bytes);
+  return cc->t->issue(c.release());
+}
+
+CommWork *c_send(void *ctx, const void *buf, size_t bytes, int peer) {
+  return point_to_point(ctx_of(ctx), true, const_cast<void *>(buf), bytes, peer);
+}
+
+CommWork *c_recv(void *ctx, void *buf, size_t bytes, int peer) {
+  return point_to_point(ctx_of(ctx), false, buf, bytes, peer);
+}
+
 void c_wait(void *ctx, CommWork *work, int64_t timeout_ms) {
   CTR_REQUIRE(work, CTR_STATUS_INVALID_ARGUMENT, "ucx: wait on a null work handle");
   ctx_of(ctx)->t->wait(from_handle(work), timeout_ms);
@@ -1889,7 +1952,7 @@ std::string c_flight(void *ctx) { return ctx_of(ctx)->t->flight_json(); }
 const CommIface kIface = {
     "ucx",        c_rank,         c_size,      c_global_rank, c_all_gather, c_reduce_scatter,
     c_all_reduce, c_all_to_all_v, c_broadcast, c_barrier,     c_batch,      c_wait,
-    c_test,       c_split,      c_destroy,    c_flight,
+    c_test,       c_split,      c_destroy,    c_flight,     c_send,        c_recv,
 };
 
 // Gives a communicator whose members all run on this host, in one network

@@ -5,6 +5,8 @@
 // which options it reads and how its result is printed; the pass itself lives in
 // its own file.
 
+#include <algorithm>
+#include <cstdlib>
 #include <sstream>
 
 #include "backend/plugin.h"
@@ -27,6 +29,25 @@ void read_shard(OptionReader &r, CompileOptions &o) {
 void read_lower(OptionReader &r, CompileOptions &o) { o.overlap = r.get_int("overlap", 1, 0, 1) != 0; }
 
 void read_plan(OptionReader &r, CompileOptions &o) { o.micro_batches = r.get_int("micro_batches", 1, 1, 1 << 16); }
+
+void read_schedule(OptionReader &r, CompileOptions &o) {
+  o.pp_schedule = schedule_kind_from_name(r.get_string("pp_schedule", "1f1b"));
+  // "2,3,3": blocks per stage, in stage order.
+  const std::string list = r.get_string("pp_stages", "");
+  o.pp_stages.clear();
+  size_t pos = 0;
+  while (!list.empty() && pos <= list.size()) {
+    const size_t comma = std::min(list.find(',', pos), list.size());
+    const std::string item = list.substr(pos, comma - pos);
+    char *end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    CTR_REQUIRE(!item.empty() && *end == '\0' && v >= 0 && v <= (1 << 20), CTR_STATUS_INVALID_OPTION,
+                "option 'pp_stages': '%s' is not a count of blocks (expected a list such as \"2,3,3\")",
+                item.c_str());
+    o.pp_stages.push_back(v);
+    pos = comma + 1;
+  }
+}
 
 void read_place(OptionReader &r, CompileOptions &o) {
   o.sequence_parallel = r.get_int("sequence_parallel", 0, 0, 1) != 0;
@@ -59,6 +80,7 @@ void run_lower(PassContext &c) {
   c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap);
 }
 void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.program); }
+void run_schedule(PassContext &c) { c.pipeline = pass_schedule(c.graph, c.opt); }
 
 std::string dump_place(const PassContext &c) { return c.placed + dump_graph(c.graph); }
 std::string dump_lower(const PassContext &c) { return dump_program(c.graph, c.program); }
@@ -70,6 +92,14 @@ std::string dump_precision(const PassContext &c) { return c.precision + "\n" + d
 std::string dump_reorder(const PassContext &c) { return c.schedule + "\n" + dump_graph(c.graph); }
 
 std::string dump_epilogues(const PassContext &c) { return c.epilogues + dump_graph(c.graph); }
+
+std::string dump_schedule(const PassContext &c) {
+  const Schedule &s = c.pipeline;
+  return strformat("pipeline schedule %s: %d stage(s), %lld micro-batch(es); each stage's tasks in order "
+                   "(F forward, B backward, by micro-batch)\n",
+                   schedule_kind_name(s.kind), s.stages, static_cast<long long>(s.micro_batches)) +
+         schedule_text(s) + "\n" + dump_graph(c.graph);
+}
 
 std::string dump_plan(const PassContext &c) {
   const MemoryPlan &p = c.plan;
@@ -88,6 +118,8 @@ const std::vector<PassDef> &pass_list() {
       {"load", "the graph file as read", true, nullptr, run_nothing, nullptr},
       {"verify", "semantic checks and a topological order", true, nullptr, run_verify, nullptr},
       {"infer_shapes", "symbolic dims bound, every shape known", false, read_shapes, run_infer_shapes, nullptr},
+      {"schedule", "the step as pipeline tasks per stage over pp (options pp_schedule: gpipe or 1f1b, micro_batches)",
+       false, read_schedule, run_schedule, dump_schedule},
       {"fuse", "exported primitive patterns rewritten to fused ops (attention, rmsnorm, swiglu, gelu, geglu, rope)", false,
        read_fuse_options, run_fuse, dump_fuse},
       {"expert", "experts split over ep, token exchanges and global load balance inserted", false, nullptr,

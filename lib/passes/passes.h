@@ -15,6 +15,7 @@
 
 #include "graph/ir.h"
 #include "graph/ops.h"
+#include "passes/schedule.h"
 
 namespace ctr {
 
@@ -39,6 +40,8 @@ struct CompileOptions {
   std::string bucket = "block";    // bucket: block, bytes or none
   int64_t bucket_bytes = 0;        // bucket: byte budget per bucket in "bytes" mode (0 = none)
   bool sequence_parallel = false;  // place: activations between tp regions split by tokens over tp
+  ScheduleKind pp_schedule = ScheduleKind::OneFOneB;  // schedule: the pipeline schedule
+  std::vector<int64_t> pp_stages;  // schedule: blocks per stage (empty: balanced by FLOPs)
   MeshPlacement mesh;
 };
 
@@ -95,6 +98,7 @@ struct PassContext {
   std::string placed;            // what place split over tp and what it left
   std::string precision;         // what precision chose
   std::string epilogues;         // what epilogues fused
+  Schedule pipeline;             // schedule: per stage, its tasks in run order
   uint32_t backend_flags = 0;    // the step's backend's CTR_BACKEND_* flags
 };
 
@@ -266,6 +270,11 @@ void apply_backend_layouts(Graph &g, uint32_t backend_flags);
 // until stream 0 has waited for it) and a static arena; parameters, gradients,
 // inputs and constants in their own regions.
 MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &prog);
+
+// schedule.cc: the step's pipeline schedule over the mesh's pp axis (one stage
+// without one) and option micro_batches, and with several stages (or option
+// pp_stages) the graph's blocks cut into them; refuses what cannot run.
+Schedule pass_schedule(const Graph &g, const CompileOptions &opt);
 
 // Dump of a program's instruction lists.
 std::string dump_program(const Graph &g, const Program &p);

@@ -31,7 +31,9 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
                 "shard: mesh axis '%s' has size %lld, but graph '%s' has nothing to place on it (%s); "
                 "use dp and fsdp",
                 a.name.c_str(), static_cast<long long>(a.size), g.name.c_str(),
-                a.name == "ep" ? "no expert layers" : "no tensor- or pipeline-parallel layout");
+                a.name == "ep"   ? "no expert layers"
+                : a.name == "pp" ? "its pipeline schedule is built, but graphs are not cut into stages yet"
+                                 : "no tensor-parallel layout");
   const int64_t fsdp = opt.mesh.size("fsdp"), dp = opt.mesh.size("dp"), ep = opt.mesh.size("ep");
   if (fsdp <= 1 && dp <= 1 && ep <= 1) return;
   const int F = static_cast<int>(fsdp);

@@ -175,6 +175,15 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     run_passes(ctx);
     prog_ = std::move(ctx.program);
     plan_ = std::move(ctx.plan);
+    pipeline_ = std::move(ctx.pipeline);
+    stage_ = static_cast<int>(copt_.mesh.index("pp"));
+    // The memory plan holds one micro-batch's activations.
+    const int64_t live = pipeline_.in_flight[static_cast<size_t>(stage_)];
+    CTR_REQUIRE(live == 1, CTR_STATUS_UNSUPPORTED,
+                "ctr_step_create: pipeline schedule %s keeps %lld micro-batches in flight on stage %d (%lld "
+                "micro-batches, %d stage(s)), and the memory plan holds the activations of one; choose 1f1b",
+                schedule_kind_name(pipeline_.kind), static_cast<long long>(live), stage_,
+                static_cast<long long>(pipeline_.micro_batches), pipeline_.stages);
     passes_run_ = std::move(ctx.ran);
   }
 
@@ -557,19 +566,24 @@ void Step::run(ctr_step_metrics *metrics) {
   exec_->take_comm_ms_by_axis();
   exec_->take_exposed_ms();
   const int64_t k = copt_.micro_batches;
-  for (int64_t mb = 0; mb < k; ++mb) {
-    bind_micro_batch(mb);
-    auto tf = Clock::now();
-    if (fault_slow_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(fault_slow_ms_));
-    exec_->run(Executor::Phase::Forward);
-    ran_forward_ = true;
-    fwd_ms += ms_since(tf);
-    loss_sum += read_loss();
-    read_moe(mb);
-    auto tb = Clock::now();
-    exec_->run(Executor::Phase::Backward);
-    opt_->accumulate(mb);
-    bwd_ms += ms_since(tb);
+  // This stage's tasks in schedule order; gradients accumulate in micro-batch order.
+  for (const Task &task : pipeline_.order[static_cast<size_t>(stage_)]) {
+    const int64_t mb = task.micro_batch;
+    if (task.phase == TaskPhase::Forward) {
+      bind_micro_batch(mb);
+      auto tf = Clock::now();
+      if (fault_slow_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(fault_slow_ms_));
+      exec_->run(Executor::Phase::Forward);
+      ran_forward_ = true;
+      fwd_ms += ms_since(tf);
+      loss_sum += read_loss();
+      read_moe(mb);
+    } else {
+      auto tb = Clock::now();
+      exec_->run(Executor::Phase::Backward);
+      opt_->accumulate(mb);
+      bwd_ms += ms_since(tb);
+    }
   }
   double loss = loss_sum / static_cast<double>(k);
   if (fault_nan_ && fault_step_ == step_ + 1) {

@@ -131,6 +131,9 @@ class Step : private CheckpointState {
   OptimizerConfig oc_;
   MemoryPlan plan_;
   Program prog_;
+  // The pipeline schedule; this rank runs the task list of its stage.
+  Schedule pipeline_;
+  int stage_ = 0;
   BackendHandle backend_;
   Backend be_;
   // Transport "nccl": the device communicators of every axis, on be_.

@@ -7,7 +7,7 @@
 // all_reduce on non-integer floats checks that all ranks got the same bits, by
 // all-gathering a hash of the result.
 //
-//   comm_test            every collective, dtype and size; splits; late and
+//   comm_test            every collective, dtype and size; send/recv; splits; late and
 //                        out-of-order waits; many small ones
 //   comm_test shared     only the checks on shared host allocations
 //   comm_test token      the last rank presents a wrong job token: it is refused,
@@ -21,6 +21,8 @@
 //   comm_test dead-mid-shared  the same on shared host allocations (read in place)
 //   comm_test hang       the last rank lives but skips a barrier: the others
 //                        time out naming it; everyone then shuts down promptly
+//   comm_test p2p-hang   rank 0 waits on a recv the last rank never sends: it
+//                        times out naming that rank
 //   comm_test server-dead  rank 0 (the store) exits after the join: the others'
 //                        store requests fail at once instead of waiting
 //
@@ -597,6 +599,66 @@ void check_all(const Comm &c) {
   check_barrier_and_test(c);
 }
 
+// Point to point. Every rank sends a run of messages of several sizes to the
+// next rank and receives the previous rank's, with a world all_reduce in flight
+// between them and the receives waited in reverse order: the k-th send of a
+// pair must land in the k-th recv whatever else is in flight. Then ranks 0 and
+// 1 alone exchange a few more while the others go straight on to a barrier, so
+// that sends and recvs must not take the collectives' sequence numbers.
+void check_point_to_point(const Comm &c) {
+  const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
+  if (n < 2) return;
+  const int to = (me + 1) % n, from = (me + n - 1) % n;
+  const std::vector<size_t> sizes = {0, 1, 4097, size_t{3} << 20, 17};
+  std::vector<Buf<uint8_t>> out(sizes.size()), in(sizes.size());
+  std::vector<CommWork *> sends, recvs;
+  Buf<float> sum(1000), mine(1000);
+  for (size_t i = 0; i < mine.size(); ++i) mine[i] = input<float>(me, i, 77);
+  CommWork *ar = nullptr;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    out[k].resize(sizes[k]);
+    in[k].assign(sizes[k], 0);
+    for (size_t i = 0; i < sizes[k]; ++i) out[k][i] = byte_at(me, i, static_cast<uint32_t>(k));
+    recvs.push_back(c.iface->recv(c.ctx, in[k].data(), sizes[k], from));
+    sends.push_back(c.iface->send(c.ctx, out[k].data(), sizes[k], to));
+    if (k == 1) ar = c.iface->all_reduce(c.ctx, mine.data(), sum.data(), mine.size(), CTR_DTYPE_F32, ReduceOp::Sum);
+  }
+  for (size_t k = sizes.size(); k-- > 0;) ctr::comm_wait(c, recvs[k]);
+  for (CommWork *w : sends) ctr::comm_wait(c, w);
+  ctr::comm_wait(c, ar);
+  for (size_t k = 0; k < sizes.size(); ++k)
+    for (size_t i = 0; i < sizes[k]; ++i)
+      CHECK(in[k][i] == byte_at(from, i, static_cast<uint32_t>(k)),
+            "recv %zu of %zu bytes from rank %d: byte %zu differs", k, sizes[k], from, i);
+  for (size_t i = 0; i < sum.size(); ++i) {
+    float want = 0;
+    for (int r = 0; r < n; ++r) want += input<float>(r, i, 77);
+    CHECK(sum[i] == want, "all_reduce between sends and recvs: element %zu is %g, want %g", i, sum[i], want);
+  }
+  if (me < 2) {
+    const int other = 1 - me;
+    for (uint32_t k = 0; k < 3; ++k) {
+      Buf<uint8_t> a(100 + k), b(100 + k, 0);
+      for (size_t i = 0; i < a.size(); ++i) a[i] = byte_at(me, i, 100 + k);
+      // Rank 0 sends first and rank 1 receives first: either order pairs up.
+      CommWork *s = nullptr, *r = nullptr;
+      if (me == 0) s = c.iface->send(c.ctx, a.data(), a.size(), other);
+      r = c.iface->recv(c.ctx, b.data(), b.size(), other);
+      if (me == 1) s = c.iface->send(c.ctx, a.data(), a.size(), other);
+      ctr::comm_wait(c, r);
+      ctr::comm_wait(c, s);
+      for (size_t i = 0; i < b.size(); ++i)
+        CHECK(b[i] == byte_at(other, i, 100 + k), "pair exchange %u: byte %zu differs", k, i);
+    }
+  }
+  ctr::comm_wait(c, c.iface->barrier(c.ctx));
+  uint8_t byte = 0;
+  expect_error("send to itself", CTR_STATUS_INVALID_ARGUMENT, {"send", "addresses itself"},
+               [&] { c.iface->send(c.ctx, &byte, 1, me); });
+  expect_error("recv from out of range", CTR_STATUS_INVALID_ARGUMENT, {"recv", "peer"},
+               [&] { c.iface->recv(c.ctx, &byte, 1, n); });
+}
+
 // Pairs {0,1}, {2,3}, ... (a lone last rank forms a group of one), with
 // collectives on the pair and on the world in flight at the same time.
 void check_splits(const Comm &world) {
@@ -852,6 +914,7 @@ int run_all(const Env &e) {
   // Two ranks take the one-stage direct all_reduce, three the two-stage one;
   // four add nothing but time (under the sanitizers, minutes).
   if (g_expect_shm && e.world <= 3) check_shared(world);
+  check_point_to_point(world);
   check_splits(world);
   check_concurrent(world);
   check_late_waits(world);
@@ -1033,6 +1096,34 @@ int run_hang(const Env &e) {
   return 0;
 }
 
+// Rank 0 waits for a message the last rank never sends: its recv times out
+// naming that rank, and the ranks not involved are not disturbed.
+int run_p2p_hang(const Env &e) {
+  auto store = ctr::store_join(rendezvous(e));
+  Comm world = ctr::ucx_comm_create(*store, e.rank, e.world, e.timeout_ms);
+  ctr::comm_wait(world, world.iface->barrier(world.ctx));
+  const int hung = e.world - 1;
+  if (e.rank == 0) {
+    auto t0 = std::chrono::steady_clock::now();
+    uint8_t buf[64];
+    std::string msg = expect_error(
+        "recv from a rank that never sends", CTR_STATUS_TIMEOUT,
+        {"recv from rank " + std::to_string(hung) + " (world, " + std::to_string(e.world) + " ranks)",
+         "timed out after 2.0 s waiting for rank " + std::to_string(hung)},
+        [&] { ctr::comm_wait(world, world.iface->recv(world.ctx, buf, sizeof buf, hung), 2000); });
+    double took = elapsed_s(t0);
+    CHECK(took >= 1.9 && took < 2.0 + 3.0, "the timeout took %.1f s", took);
+    std::fprintf(stderr, "comm_test: rank %d: timed out as expected after %.2f s: %s\n", e.rank,
+                 took, msg.c_str());
+    store->set("p2p-hang/release", "1");
+  } else {
+    store->get("p2p-hang/release", 4 * e.timeout_ms);
+  }
+  world.iface->destroy(world.ctx);
+  std::printf("comm_test: rank %d of %d: PASS p2p-hang\n", e.rank, e.world);
+  return 0;
+}
+
 // Rank 0, which serves the store, exits right after the join; the others'
 // next store request fails with CTR_STATUS_COMM_ERROR instead of waiting.
 int run_server_dead(const Env &e) {
@@ -1076,6 +1167,7 @@ int main(int argc, char **argv) {
     if (mode == "dead-mid") return run_dead_mid(e, false);
     if (mode == "dead-mid-shared") return run_dead_mid(e, true);
     if (mode == "hang") return run_hang(e);
+    if (mode == "p2p-hang") return run_p2p_hang(e);
     if (mode == "server-dead") return run_server_dead(e);
   } catch (const ctr::Error &err) {
     die("unexpected error (status %d): %s", err.code(), err.what());

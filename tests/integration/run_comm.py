@@ -1,10 +1,11 @@
 #!/usr/bin/python3
 """Runs comm_test as N local processes: the collectives, then the failure modes.
 
-    run_comm.py BUILD/tests/comm_test [--ucx]
+    run_comm.py BUILD/tests/comm_test [--ucx] [-k SUBSTRING]
 
 Local ranks take the shared-memory path; with --ucx they run with CTR_SHM=0 and
-take the UCX path alone. comm_test checks which one it got.
+take the UCX path alone. comm_test checks which one it got. -k runs only the
+cases whose name contains SUBSTRING.
 
 Each case starts its ranks with the rendezvous on a free loopback port and a
 fresh job token, under a hard time limit (the processes are killed and the case
@@ -106,8 +107,13 @@ def main():
     args = sys.argv[1:]
     ucx_only = "--ucx" in args
     args = [a for a in args if a != "--ucx"]
+    only = None
+    if "-k" in args and args.index("-k") + 1 < len(args):
+        i = args.index("-k")
+        only = args[i + 1]
+        del args[i:i + 2]
     if len(args) != 1:
-        sys.exit("usage: run_comm.py COMM_TEST [--ucx]")
+        sys.exit("usage: run_comm.py COMM_TEST [--ucx] [-k SUBSTRING]")
     exe = args[0]
     cases = [Case(f"collectives, {n} rank{'s' if n > 1 else ''}", n) for n in (1, 2, 3)]
     cases.append(Case("collectives, 4 ranks, rank 0 starts last", 4, late_rank0=True))
@@ -142,9 +148,15 @@ def main():
         cases.append(Case(f"hung rank, {n} ranks", n, "hang", timeout_ms=10000, max_s=25,
                           expect={r: [f"waiting for rank {n - 1}"] for r in range(n - 1)}))
 
+    for n in (2, 3):
+        cases.append(Case(f"recv from a silent rank, {n} ranks", n, "p2p-hang", timeout_ms=10000,
+                          max_s=20, expect={0: [f"waiting for rank {n - 1}"]}))
+
     cases.append(Case("store server dies", 3, "server-dead", timeout_ms=10000, max_s=15, leaver=0,
                       expect={r: ["lost the connection to the store"] for r in (1, 2)}))
 
+    if only is not None:
+        cases = [c for c in cases if only in c.name]
     failed = 0
     for case in cases:
         elapsed, problems, outs = run(exe, case, ucx_only)

@@ -263,6 +263,7 @@ struct ScheduleArgs {
   int64_t prefetch = 1, memory_budget = 0;
   bool no_defer = false, no_overlap = false, no_fuse = false, no_epilogues = false, sequence_parallel = false;
   std::string recompute = "none", bucket = "block", precision = "auto", reshard = "default";
+  std::string pp_schedule = "1f1b", pp_stages;
   int64_t bucket_bytes = 0;
 
   void add_flags(CLI::App *cmd) {
@@ -313,6 +314,14 @@ struct ScheduleArgs {
     cmd->add_flag("--no-epilogues", no_epilogues,
                   "Keep bias gradients and GELU apart from their GEMMs instead of fusing them into "
                   "cuBLASLt's epilogues (cuda)");
+    cmd->add_option("--pp-schedule", pp_schedule,
+                    "Pipeline schedule over the pp axis: 1f1b (one forward and one backward in turn after a "
+                    "warm-up; needs at least as many micro-batches as stages) or gpipe (every forward, then "
+                    "every backward)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"1f1b", "gpipe"}));
+    cmd->add_option("--pp-stages", pp_stages,
+                    "Blocks per pipeline stage, in stage order (\"2,3,3\"; default: balanced by forward FLOPs)");
     cmd->add_flag("--sequence-parallel", sequence_parallel,
                   "With a tp axis: split the activations between the tensor-parallel regions (norms, "
                   "residuals) by tokens over tp, with all-gathers and reduce-scatters in place of all-reduces");
@@ -328,6 +337,8 @@ struct ScheduleArgs {
     set_string(o, "recompute", recompute);
     set_string(o, "bucket", bucket);
     set_string(o, "precision", precision);
+    set_string(o, "pp_schedule", pp_schedule);
+    if (!pp_stages.empty()) set_string(o, "pp_stages", pp_stages);
     if (bucket_bytes > 0) set_int(o, "bucket_bytes", bucket_bytes);
     if (sequence_parallel) set_int(o, "sequence_parallel", 1);
   }
@@ -335,7 +346,7 @@ struct ScheduleArgs {
 
 struct InspectArgs {
   std::string file, after = "verify";
-  int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, ep = 1, tp = 1, rank = 0;
+  int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, ep = 1, tp = 1, pp = 1, rank = 0, micro_batches = 1;
   ScheduleArgs schedule;
   CLI::Option *after_opt = nullptr, *seq_opt = nullptr;
 };
@@ -383,6 +394,8 @@ int cmd_graph_inspect(const InspectArgs &a) {
   set_int(opts.get(), "dp", a.dp);
   set_int(opts.get(), "ep", a.ep);
   set_int(opts.get(), "tp", a.tp);
+  set_int(opts.get(), "pp", a.pp);
+  set_int(opts.get(), "micro_batches", a.micro_batches);
   set_int(opts.get(), "rank", a.rank);
   a.schedule.set(opts.get());
   const std::string dump = ctr::inspect_graph(graph.get(), opts.get(), a.after);
@@ -1185,6 +1198,10 @@ int run_main(int argc, char **argv) {
   inspect_cmd->add_option("--ep", inspect.ep, "Split experts over this many ranks (expert pass; mesh dp,ep,fsdp,tp)")
       ->check(kPositive);
   inspect_cmd->add_option("--tp", inspect.tp, "Split heads and features over this many ranks (place pass)")
+      ->check(kPositive);
+  inspect_cmd->add_option("--pp", inspect.pp, "Pipeline stages (schedule pass; mesh pp,dp,ep,fsdp,tp)")
+      ->check(kPositive);
+  inspect_cmd->add_option("--micro-batches", inspect.micro_batches, "Micro-batches per step (schedule pass)")
       ->check(kPositive);
   inspect_cmd->add_option("--rank", inspect.rank, "Which rank's placement to show")
       ->check(kNonNegative);

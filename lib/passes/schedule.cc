@@ -1,0 +1,269 @@
+// Pipeline schedules: building each stage's task order, and playing the whole
+// schedule once to prove that it runs to the end (see schedule.h).
+
+#include "passes/schedule.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "core/status.h"
+#include "graph/ir.h"
+#include "graph/ops.h"
+#include "passes/passes.h"
+
+namespace ctr {
+
+ScheduleKind schedule_kind_from_name(const std::string &name) {
+  if (name == "gpipe") return ScheduleKind::GPipe;
+  if (name == "1f1b") return ScheduleKind::OneFOneB;
+  fail(CTR_STATUS_INVALID_OPTION,
+       strformat("option 'pp_schedule': unknown schedule '%s' (known: gpipe, 1f1b)", name.c_str()));
+}
+
+const char *schedule_kind_name(ScheduleKind kind) {
+  return kind == ScheduleKind::GPipe ? "gpipe" : "1f1b";
+}
+
+std::string task_text(const Task &t) {
+  return strformat("%c%lld", t.phase == TaskPhase::Forward ? 'F' : 'B', static_cast<long long>(t.micro_batch));
+}
+
+std::string schedule_text(const Schedule &s) {
+  std::string out;
+  for (size_t st = 0; st < s.order.size(); ++st) {
+    out += strformat("stage %zu:", st);
+    for (const Task &t : s.order[st]) out += " " + task_text(t);
+    if (st < s.in_flight.size())
+      out += strformat(" (%lld in flight)", static_cast<long long>(s.in_flight[st]));
+    out += "\n";
+  }
+  for (size_t st = 0; st < s.spans.size(); ++st) {
+    const StageSpan &sp = s.spans[st];
+    out += strformat("stage %zu holds blocks %d-%d%s%s, %.4g forward FLOPs per micro-batch\n", st, sp.first_block,
+                     sp.last_block, st == 0 ? " and what comes before them (embedding)" : "",
+                     st + 1 == s.spans.size() ? " and what comes after them (head, loss)" : "", sp.flops);
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------
+// Cutting the graph into stages
+
+std::vector<StageSpan> cut_stages(const Graph &g, int stages, const std::vector<int64_t> &blocks_per_stage) {
+  // Forward FLOPs per block, and of the nodes before the first and after the last.
+  int nblocks = 0;
+  for (const Node &n : g.nodes)
+    if (!n.backward) nblocks = std::max(nblocks, n.block + 1);
+  std::vector<double> block_flops(static_cast<size_t>(nblocks), 0.0);
+  double before = 0, after = 0;
+  bool seen_block = false;
+  for (const Node &n : g.nodes) {
+    if (n.backward) continue;
+    const OpDef *def = find_op(n.op);
+    const double f = def && def->flops ? def->flops(g, n) : 0.0;
+    if (n.block >= 0) {
+      block_flops[static_cast<size_t>(n.block)] += f;
+      seen_block = true;
+    } else {
+      (seen_block ? after : before) += f;
+    }
+  }
+  CTR_REQUIRE(nblocks >= stages, CTR_STATUS_INVALID_OPTION,
+              "pipeline: %d stages need at least one block each, and graph '%s' has %d block(s)", stages,
+              g.name.c_str(), nblocks);
+  std::vector<int64_t> counts = blocks_per_stage;
+  if (!counts.empty()) {
+    CTR_REQUIRE(static_cast<int>(counts.size()) == stages, CTR_STATUS_INVALID_OPTION,
+                "option 'pp_stages': %zu entries for %d stages (one count of blocks per stage)", counts.size(),
+                stages);
+    int64_t sum = 0;
+    for (size_t i = 0; i < counts.size(); ++i) {
+      CTR_REQUIRE(counts[i] >= 1, CTR_STATUS_INVALID_OPTION,
+                  "option 'pp_stages': stage %zu gets %lld blocks (at least 1 is needed)", i,
+                  static_cast<long long>(counts[i]));
+      sum += counts[i];
+    }
+    CTR_REQUIRE(sum == nblocks, CTR_STATUS_INVALID_OPTION,
+                "option 'pp_stages': the stages hold %lld blocks in all, and graph '%s' has %d", static_cast<long long>(sum),
+                g.name.c_str(), nblocks);
+  } else {
+    // Contiguous runs minimising the largest stage's cost: best[s][b] is that
+    // cost for blocks [0, b) on stages [0, s), the embedding on stage 0 and
+    // the head on the last.
+    const size_t B = static_cast<size_t>(nblocks), S = static_cast<size_t>(stages);
+    std::vector<double> prefix(B + 1, 0.0);
+    for (size_t b = 0; b < B; ++b) prefix[b + 1] = prefix[b] + block_flops[b];
+    const double inf = std::numeric_limits<double>::infinity();
+    std::vector<std::vector<double>> best(S + 1, std::vector<double>(B + 1, inf));
+    std::vector<std::vector<size_t>> from(S + 1, std::vector<size_t>(B + 1, 0));
+    best[0][0] = 0;
+    for (size_t s = 1; s <= S; ++s)
+      for (size_t b = s; b <= B; ++b)
+        for (size_t a = s - 1; a < b; ++a) {
+          if (best[s - 1][a] == inf) continue;
+          const double cost = prefix[b] - prefix[a] + (s == 1 ? before : 0) + (s == S && b == B ? after : 0);
+          const double worst = std::max(best[s - 1][a], cost);
+          if (worst < best[s][b]) {  // ties keep the earliest cut: later stages take the rest
+            best[s][b] = worst;
+            from[s][b] = a;
+          }
+        }
+    counts.assign(S, 0);
+    for (size_t s = S, b = B; s > 0; --s) {
+      counts[s - 1] = static_cast<int64_t>(b - from[s][b]);
+      b = from[s][b];
+    }
+  }
+  std::vector<StageSpan> spans(static_cast<size_t>(stages));
+  int next = 0;
+  for (int s = 0; s < stages; ++s) {
+    StageSpan &sp = spans[static_cast<size_t>(s)];
+    sp.first_block = next;
+    sp.last_block = next + static_cast<int>(counts[static_cast<size_t>(s)]) - 1;
+    for (int b = sp.first_block; b <= sp.last_block; ++b) sp.flops += block_flops[static_cast<size_t>(b)];
+    if (s == 0) sp.flops += before;
+    if (s == stages - 1) sp.flops += after;
+    next = sp.last_block + 1;
+  }
+  return spans;
+}
+
+// ------------------------------------------------------------------------------------------
+// Building
+
+namespace {
+
+Task fwd(int stage, int64_t mb) { return {stage, mb, TaskPhase::Forward}; }
+Task bwd(int stage, int64_t mb) { return {stage, mb, TaskPhase::Backward}; }
+
+// Backwards run in micro-batch order: the gradient accumulates in that order on
+// every stage, so any schedule sums a parameter's gradient in the same order
+// as the one-stage step does.
+std::vector<Task> gpipe_order(int stage, int64_t m) {
+  std::vector<Task> out;
+  for (int64_t i = 0; i < m; ++i) out.push_back(fwd(stage, i));
+  for (int64_t i = 0; i < m; ++i) out.push_back(bwd(stage, i));
+  return out;
+}
+
+// Stage s runs p - 1 - s forwards ahead (the later stages need them to start),
+// then alternates one forward and one backward, then drains the backwards.
+std::vector<Task> one_f_one_b_order(int stage, int stages, int64_t m) {
+  std::vector<Task> out;
+  const int64_t warm = std::min<int64_t>(stages - 1 - stage, m);
+  int64_t next_f = 0, next_b = 0;
+  for (; next_f < warm; ++next_f) out.push_back(fwd(stage, next_f));
+  while (next_f < m) {
+    out.push_back(fwd(stage, next_f++));
+    out.push_back(bwd(stage, next_b++));
+  }
+  while (next_b < m) out.push_back(bwd(stage, next_b++));
+  return out;
+}
+
+}  // namespace
+
+Schedule build_schedule(ScheduleKind kind, int stages, int64_t micro_batches) {
+  CTR_REQUIRE(stages >= 1, CTR_STATUS_INVALID_OPTION, "pipeline: %d stages (at least 1 is needed)", stages);
+  CTR_REQUIRE(micro_batches >= 1, CTR_STATUS_INVALID_OPTION,
+              "pipeline: %lld micro-batches (at least 1 is needed)", static_cast<long long>(micro_batches));
+  CTR_REQUIRE(kind != ScheduleKind::OneFOneB || micro_batches >= stages, CTR_STATUS_INVALID_OPTION,
+              "pipeline schedule 1f1b needs at least as many micro-batches as stages: %lld micro-batch(es) "
+              "for %d stages (raise micro_batches to %d or more, or choose gpipe)",
+              static_cast<long long>(micro_batches), stages, stages);
+  Schedule s;
+  s.kind = kind;
+  s.stages = stages;
+  s.micro_batches = micro_batches;
+  for (int st = 0; st < stages; ++st)
+    s.order.push_back(kind == ScheduleKind::GPipe ? gpipe_order(st, micro_batches)
+                                                  : one_f_one_b_order(st, stages, micro_batches));
+  check_schedule(s);
+  return s;
+}
+
+Schedule pass_schedule(const Graph &g, const CompileOptions &opt) {
+  const int64_t stages = opt.mesh.size("pp");
+  CTR_REQUIRE(stages <= (1 << 16), CTR_STATUS_INVALID_OPTION, "pipeline: %lld stages", static_cast<long long>(stages));
+  Schedule s = build_schedule(opt.pp_schedule, static_cast<int>(stages), opt.micro_batches);
+  if (stages > 1 || !opt.pp_stages.empty()) s.spans = cut_stages(g, static_cast<int>(stages), opt.pp_stages);
+  return s;
+}
+
+// ------------------------------------------------------------------------------------------
+// Playing
+
+void check_schedule(Schedule &s) {
+  const int p = s.stages;
+  const int64_t m = s.micro_batches;
+  CTR_REQUIRE(static_cast<int>(s.order.size()) == p, CTR_STATUS_INVALID_OPTION,
+              "pipeline schedule: %zu task lists for %d stages", s.order.size(), p);
+  // done[phase][stage][mb]
+  std::vector<std::vector<std::vector<char>>> done(
+      2, std::vector<std::vector<char>>(static_cast<size_t>(p), std::vector<char>(static_cast<size_t>(m), 0)));
+  auto is_done = [&](TaskPhase ph, int st, int64_t mb) {
+    return done[static_cast<size_t>(ph)][static_cast<size_t>(st)][static_cast<size_t>(mb)] != 0;
+  };
+  for (int st = 0; st < p; ++st) {
+    const auto &list = s.order[static_cast<size_t>(st)];
+    CTR_REQUIRE(static_cast<int64_t>(list.size()) == 2 * m, CTR_STATUS_INVALID_OPTION,
+                "pipeline schedule: stage %d has %zu tasks, not %lld (a forward and a backward per micro-batch)",
+                st, list.size(), static_cast<long long>(2 * m));
+    std::vector<char> seen(static_cast<size_t>(2 * m), 0);
+    for (const Task &t : list) {
+      CTR_REQUIRE(t.stage == st && t.micro_batch >= 0 && t.micro_batch < m, CTR_STATUS_INVALID_OPTION,
+                  "pipeline schedule: stage %d lists task %s of stage %d, out of place", st, task_text(t).c_str(),
+                  t.stage);
+      char &once = seen[static_cast<size_t>(t.micro_batch * 2 + (t.phase == TaskPhase::Backward))];
+      CTR_REQUIRE(!once, CTR_STATUS_INVALID_OPTION, "pipeline schedule: stage %d lists %s twice", st,
+                  task_text(t).c_str());
+      once = 1;
+    }
+  }
+  std::vector<size_t> next(static_cast<size_t>(p), 0);
+  std::vector<int64_t> live(static_cast<size_t>(p), 0);
+  s.in_flight.assign(static_cast<size_t>(p), 0);
+  for (;;) {
+    bool moved = false, finished = true;
+    for (int st = 0; st < p; ++st) {
+      const auto &list = s.order[static_cast<size_t>(st)];
+      size_t &i = next[static_cast<size_t>(st)];
+      // Run every task of this stage whose inputs are there.
+      while (i < list.size()) {
+        const Task &t = list[i];
+        const bool ready = t.phase == TaskPhase::Forward
+                               ? st == 0 || is_done(TaskPhase::Forward, st - 1, t.micro_batch)
+                               : is_done(TaskPhase::Forward, st, t.micro_batch) &&
+                                     (st == p - 1 || is_done(TaskPhase::Backward, st + 1, t.micro_batch));
+        if (!ready) break;
+        done[static_cast<size_t>(t.phase)][static_cast<size_t>(st)][static_cast<size_t>(t.micro_batch)] = 1;
+        int64_t &l = live[static_cast<size_t>(st)];
+        l += t.phase == TaskPhase::Forward ? 1 : -1;
+        s.in_flight[static_cast<size_t>(st)] = std::max(s.in_flight[static_cast<size_t>(st)], l);
+        ++i;
+        moved = true;
+      }
+      if (i < list.size()) finished = false;
+    }
+    if (finished) return;
+    if (!moved) break;
+  }
+  std::string stuck;
+  for (int st = 0; st < p; ++st) {
+    const size_t i = next[static_cast<size_t>(st)];
+    if (i == s.order[static_cast<size_t>(st)].size()) continue;
+    const Task &t = s.order[static_cast<size_t>(st)][i];
+    std::string on;
+    if (t.phase == TaskPhase::Backward && !is_done(TaskPhase::Forward, st, t.micro_batch))
+      on = "its own F" + std::to_string(t.micro_batch);
+    else
+      on = strformat("stage %d", t.phase == TaskPhase::Forward ? st - 1 : st + 1);
+    stuck += strformat("%sstage %d waits in %s for %s", stuck.empty() ? "" : "; ", st, task_text(t).c_str(),
+                       on.c_str());
+  }
+  fail(CTR_STATUS_INVALID_OPTION,
+       strformat("pipeline schedule %s (%d stages, %lld micro-batches) cannot run to the end: %s",
+                 schedule_kind_name(s.kind), p, static_cast<long long>(m), stuck.c_str()));
+}
+
+}  // namespace ctr

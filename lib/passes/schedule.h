@@ -1,0 +1,90 @@
+// Pipeline schedules as data: per stage, the order of its tasks.
+//
+// A task is one phase (forward or backward) of one micro-batch on one stage.
+// A schedule is built from its kind and the numbers of stages and micro-batches,
+// then checked by playing it: a forward needs the previous stage's forward of
+// the same micro-batch (its activations arrive by recv), a backward needs the
+// stage's own forward and the next stage's backward (its gradient arrives by
+// recv), and sends never block. A schedule that cannot run to the end is
+// refused when it is built, naming the stages and the tasks they would wait in,
+// instead of hanging at run time. Playing it also gives each stage's peak
+// number of micro-batches in flight (forwards whose backward has not run), the
+// activations the memory plan must hold.
+//
+// The graph is cut into stages at block boundaries (cut_stages): each stage a
+// run of whole blocks, the nodes before the first block (the embedding) on the
+// first stage and those after the last (the head and the loss) on the last;
+// balanced by the op registry's forward FLOPs, or as an explicit list of
+// blocks per stage.
+//
+// The step runs one stage's list (Step::run); with one stage, 1F1B is
+// forward then backward per micro-batch, the step's order before schedules.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ctr {
+
+struct Graph;
+
+enum class ScheduleKind : uint8_t {
+  GPipe,     // every forward, then every backward (in micro-batch order)
+  OneFOneB,  // warm-up forwards, then one forward and one backward in turn
+};
+
+enum class TaskPhase : uint8_t { Forward, Backward };
+
+struct Task {
+  int stage = 0;
+  int64_t micro_batch = 0;
+  TaskPhase phase = TaskPhase::Forward;
+  bool operator==(const Task &o) const {
+    return stage == o.stage && micro_batch == o.micro_batch && phase == o.phase;
+  }
+};
+
+// One pipeline stage's part of the forward graph.
+struct StageSpan {
+  int first_block = 0, last_block = -1;  // blocks [first_block, last_block]
+  double flops = 0;                      // forward FLOPs of its nodes (one micro-batch)
+};
+
+struct Schedule {
+  ScheduleKind kind = ScheduleKind::OneFOneB;
+  int stages = 1;
+  int64_t micro_batches = 1;
+  std::vector<std::vector<Task>> order;  // [stage] -> tasks in run order
+  std::vector<int64_t> in_flight;        // [stage] -> peak micro-batches in flight
+  std::vector<StageSpan> spans;          // [stage] -> its blocks (empty until cut_stages)
+};
+
+// "gpipe" or "1f1b"; anything else fails with CTR_STATUS_INVALID_OPTION listing them.
+ScheduleKind schedule_kind_from_name(const std::string &name);
+const char *schedule_kind_name(ScheduleKind kind);
+
+// Builds and checks a schedule. Refuses (CTR_STATUS_INVALID_OPTION, naming the
+// numbers) stages or micro-batches below 1, and 1F1B with fewer micro-batches
+// than stages (its warm-up would not fill the pipeline).
+Schedule build_schedule(ScheduleKind kind, int stages, int64_t micro_batches);
+
+// Plays s as described above; fills s.in_flight, or fails with
+// CTR_STATUS_INVALID_OPTION naming each stage that cannot go on and its task.
+void check_schedule(Schedule &s);
+
+// Cuts g's forward graph (shapes known) into `stages` runs of whole blocks:
+// balanced (the largest stage's FLOPs as small as contiguous runs allow) when
+// blocks_per_stage is empty, else blocks_per_stage[s] blocks on stage s.
+// Refuses (CTR_STATUS_INVALID_OPTION, naming the numbers) a graph with fewer
+// blocks than stages, and a list whose length is not the stage count, with an
+// entry below 1, or whose sum is not the block count.
+std::vector<StageSpan> cut_stages(const Graph &g, int stages, const std::vector<int64_t> &blocks_per_stage);
+
+// "F3" or "B0": a task as the schedule printouts write it.
+std::string task_text(const Task &t);
+// One line per stage: "stage 1: F0 F1 B0 B1 (2 in flight)", and with spans a
+// line per stage of its blocks and FLOPs.
+std::string schedule_text(const Schedule &s);
+
+}  // namespace ctr
