@@ -686,7 +686,10 @@ TEST(Fuse, OptionOffLeavesTheGraphAndInspectSaysSo) {
   EXPECT_NE(on.find("= attention("), std::string::npos) << on;
   const std::vector<std::string> names = ctr::pass_names();
   const auto at = [&](const char *p) { return std::find(names.begin(), names.end(), p) - names.begin(); };
-  EXPECT_EQ(at("fuse"), at("infer_shapes") + 1);
+  // After shapes are known (and the pipeline schedule read the mesh), before
+  // the expert pass rewrites anything.
+  EXPECT_GT(at("fuse"), at("infer_shapes"));
+  EXPECT_EQ(at("fuse"), at("schedule") + 1);
   EXPECT_EQ(at("expert"), at("fuse") + 1);
   ctr_graph_free(g);
 }
