@@ -76,22 +76,25 @@ std::string first_slurm_host(const std::string &list) {
 
 constexpr long kMaxWorld = 1 << 20;
 
+// The launcher's name, world size, rank and local rank (defaulting to the rank)
+// from its three variables.
+void read_ranks(LaunchEnv &e, const char *launcher, const char *world, const char *rank, const char *local) {
+  e.launcher = launcher;
+  e.world = static_cast<int>(required(world, 1, kMaxWorld, launcher));
+  e.rank = static_cast<int>(required(rank, 0, e.world - 1, launcher));
+  e.local_rank = static_cast<int>(optional(local, e.rank, 0, kMaxWorld, launcher));
+}
+
 }  // namespace
 
 LaunchEnv read_launch_env() {
   LaunchEnv e;
   if (get("CTR_RANK")) {
-    e.launcher = "ctr launch";
-    e.world = static_cast<int>(required("CTR_WORLD_SIZE", 1, kMaxWorld, e.launcher));
-    e.rank = static_cast<int>(required("CTR_RANK", 0, e.world - 1, e.launcher));
-    e.local_rank = static_cast<int>(optional("CTR_LOCAL_RANK", e.rank, 0, kMaxWorld, e.launcher));
+    read_ranks(e, "ctr launch", "CTR_WORLD_SIZE", "CTR_RANK", "CTR_LOCAL_RANK");
     if (const char *a = get("MASTER_ADDR")) e.addr = a;
     e.port = static_cast<int>(optional("MASTER_PORT", e.port, 1, 65535, e.launcher));
   } else if (get("RANK")) {
-    e.launcher = "torchrun";
-    e.world = static_cast<int>(required("WORLD_SIZE", 1, kMaxWorld, e.launcher));
-    e.rank = static_cast<int>(required("RANK", 0, e.world - 1, e.launcher));
-    e.local_rank = static_cast<int>(optional("LOCAL_RANK", e.rank, 0, kMaxWorld, e.launcher));
+    read_ranks(e, "torchrun", "WORLD_SIZE", "RANK", "LOCAL_RANK");
     if (!get("CTR_MASTER_ADDR")) {
       if (!get("MASTER_ADDR"))
         fail(CTR_STATUS_INVALID_OPTION, "torchrun environment is incomplete: MASTER_ADDR is not set");
@@ -99,10 +102,7 @@ LaunchEnv read_launch_env() {
     }
     if (!get("CTR_MASTER_PORT")) e.port = static_cast<int>(required("MASTER_PORT", 1, 65534, e.launcher)) + 1;
   } else if (get("SLURM_PROCID")) {
-    e.launcher = "Slurm";
-    e.world = static_cast<int>(required("SLURM_NTASKS", 1, kMaxWorld, e.launcher));
-    e.rank = static_cast<int>(required("SLURM_PROCID", 0, e.world - 1, e.launcher));
-    e.local_rank = static_cast<int>(optional("SLURM_LOCALID", e.rank, 0, kMaxWorld, e.launcher));
+    read_ranks(e, "Slurm", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID");
     if (const char *a = get("MASTER_ADDR")) {
       e.addr = a;
     } else if (!get("CTR_MASTER_ADDR") && optional("SLURM_NNODES", 1, 1, kMaxWorld, e.launcher) > 1) {
@@ -121,10 +121,7 @@ LaunchEnv read_launch_env() {
       e.port = derived_port(static_cast<unsigned long>(job * 131 + step));
     }
   } else if (get("OMPI_COMM_WORLD_RANK")) {
-    e.launcher = "Open MPI";
-    e.world = static_cast<int>(required("OMPI_COMM_WORLD_SIZE", 1, kMaxWorld, e.launcher));
-    e.rank = static_cast<int>(required("OMPI_COMM_WORLD_RANK", 0, e.world - 1, e.launcher));
-    e.local_rank = static_cast<int>(optional("OMPI_COMM_WORLD_LOCAL_RANK", e.rank, 0, kMaxWorld, e.launcher));
+    read_ranks(e, "Open MPI", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK");
     if (const char *a = get("MASTER_ADDR")) {
       e.addr = a;
     } else if (!get("CTR_MASTER_ADDR") &&
