@@ -126,8 +126,6 @@ Outcome run_or_throw(const Product &p) {
 
 }  // namespace
 
-bool available() { return true; }
-
 Outcome run(const Product &p, std::string *error) {
   const char *kind = p.in == Type::bf16 ? "bf16" : "f32";
   try {
@@ -143,8 +141,6 @@ Outcome run(const Product &p, std::string *error) {
 }
 
 #else
-
-bool available() { return false; }
 
 Outcome run(const Product &, std::string *) { return Outcome::declined; }
 

@@ -14,9 +14,6 @@
 
 namespace ctr::cpu::dnnl_mm {
 
-// Whether the library was built with oneDNN.
-bool available();
-
 enum class Type : uint8_t { f32, bf16 };
 
 // C[M,N] = alpha op(A) op(B) (+ bias[N]) + beta C, row-major with row strides

@@ -293,7 +293,7 @@ void matmul_bwd(const float *dc, const float *a, const float *b, float *da, floa
 
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda, const uint16_t *B,
                int64_t ldb, void *C, int64_t ldc, bool c_bf16, const void *bias) {
-  CTR_CHECK(dnnl_mm::available());
+  CTR_CHECK(have_dnnl());
   run(Product{Type::bf16, c_bf16 ? Type::bf16 : Type::f32, ta, tb, M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, ldc, bias});
 }
 
