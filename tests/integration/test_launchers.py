@@ -116,7 +116,7 @@ SlurmdPort={d_port}
 SlurmUser={user}
 SlurmdUser={user}
 AuthType=auth/munge
-AuthInfo=socket={dir}/munge.sock
+AuthInfo=socket={dir}/munge.sock,cred_expire=5
 CredType=cred/munge
 StateSaveLocation={dir}/state
 SlurmdSpoolDir={dir}/spool
@@ -201,6 +201,13 @@ def test_srun_equals_ctr_launch(graph, reference, slurm, tmp_path):
     assert train(["srun", "-n", "2", "--time", "2"], graph, str(tmp_path), env=slurm) == reference
 
 
+def slurm_logs(env):
+    """The tails of the test cluster's daemon logs, for a failure's message."""
+    d = os.path.dirname(env["SLURM_CONF"])
+    return "".join(f"\n--- {n}.log\n" + open(f"{d}/{n}.log").read()[-3000:] for n in ("slurmctld", "slurmd")
+                   if os.path.exists(f"{d}/{n}.log"))
+
+
 def wait_for(what, cond, limit_s, detail=lambda: ""):
     deadline = time.monotonic() + limit_s
     while not cond():
@@ -238,16 +245,14 @@ def test_sbatch_job_requeued_resumes_from_its_checkpoint(graph, slurm, tmp_path)
         wait_for("the first attempt saves step 4", lambda: "ckpt/step_00000004" in text(), 60,
                  text)
         subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, timeout=30, env=slurm)
-        # Slurm holds a requeued job back for a while (its begin time moves on);
-        # the test makes it eligible at once.
+        # Slurm holds a requeued job back until the credentials of its first attempt
+        # expire (cred_expire, 5 s on this cluster); starting it sooner is refused.
         wait_for("the job is requeued", lambda: state() == "PENDING", 30, state)
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, capture_output=True,
-                       timeout=30, env=slurm)
         wait_for("the requeued job completes", lambda: state() in ("COMPLETED", "FAILED", "CANCELLED"), 120,
                  lambda: f"{state()}: {text()[-1500:]}")
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=30, env=slurm)
-    assert state() == "COMPLETED", text()[-1500:]
+    assert state() == "COMPLETED", text()[-1500:] + slurm_logs(slurm)
     assert "resum" in text(), text()[-1500:]
     want = train([CTR, "launch", "-n", "2", "--"], graph, str(tmp_path / "whole"), steps=steps)
     assert result(d, steps) == want
