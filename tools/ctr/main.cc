@@ -335,7 +335,7 @@ struct ScheduleArgs {
 
 struct InspectArgs {
   std::string file, after = "verify";
-  int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, ep = 1, tp = 1, rank = 0;
+  int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, ep = 1, cp = 1, tp = 1, rank = 0;
   ScheduleArgs schedule;
   CLI::Option *after_opt = nullptr, *seq_opt = nullptr;
 };
@@ -382,6 +382,7 @@ int cmd_graph_inspect(const InspectArgs &a) {
   set_int(opts.get(), "fsdp", a.fsdp);
   set_int(opts.get(), "dp", a.dp);
   set_int(opts.get(), "ep", a.ep);
+  set_int(opts.get(), "cp", a.cp);
   set_int(opts.get(), "tp", a.tp);
   set_int(opts.get(), "rank", a.rank);
   a.schedule.set(opts.get());
@@ -1181,7 +1182,9 @@ int run_main(int argc, char **argv) {
       ->check(kPositive);
   inspect_cmd->add_option("--dp", inspect.dp, "Replicate over this many ranks (shard pass)")
       ->check(kPositive);
-  inspect_cmd->add_option("--ep", inspect.ep, "Split experts over this many ranks (expert pass; mesh dp,ep,fsdp,tp)")
+  inspect_cmd->add_option("--ep", inspect.ep, "Split experts over this many ranks (expert pass; mesh dp,ep,fsdp,cp,tp)")
+      ->check(kPositive);
+  inspect_cmd->add_option("--cp", inspect.cp, "Split sequences over this many ranks (place pass)")
       ->check(kPositive);
   inspect_cmd->add_option("--tp", inspect.tp, "Split heads and features over this many ranks (place pass)")
       ->check(kPositive);
@@ -1235,7 +1238,7 @@ int run_main(int argc, char **argv) {
   run.threads_opt = run_cmd->add_option("--threads", run.threads, "CPU worker threads")
                         ->check(kPositive);
   run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default), or a backend plugin's device such as cuda (libctr-DEVICE.so)");
-  run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4");
+  run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes (dp, fsdp, ep, cp, tp), e.g. dp=2,fsdp=4 or fsdp=2,cp=2");
   run.transport_opt = run_cmd->add_option(
       "--transport", run.transport,
       "Communicator between ranks: ucx (default), or nccl with --device cuda (collectives on device memory)");
