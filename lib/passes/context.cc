@@ -149,10 +149,11 @@ class ContextSplit {
                 "place: context parallelism (cp=%lld) splits the inputs' sequences, but graph '%s' has no input",
                 static_cast<long long>(R_), g_.name.c_str());
     CTR_REQUIRE(T_ % (2 * R_) == 0, CTR_STATUS_UNSUPPORTED,
-                "place: context parallelism splits each sequence into 2*cp = %lld chunks (two per rank, mirrored, "
-                "for a balanced causal mask), but the sequence length %lld is not divisible by %lld; use a "
-                "sequence length that is a multiple of %lld, or another cp",
-                static_cast<long long>(2 * R_), static_cast<long long>(T_), static_cast<long long>(2 * R_),
+                "place: context parallelism (cp=%lld) splits each sequence into 2*cp = %lld chunks (two per rank, "
+                "mirrored, for a balanced causal mask), but the sequence length %lld is not divisible by %lld; use "
+                "a sequence length that is a multiple of %lld, or another cp",
+                static_cast<long long>(R_), static_cast<long long>(2 * R_), static_cast<long long>(T_),
+                static_cast<long long>(2 * R_),
                 static_cast<long long>(2 * R_));
     L_ = T_ / (2 * R_);
   }
