@@ -1238,7 +1238,7 @@ int run_main(int argc, char **argv) {
   run.threads_opt = run_cmd->add_option("--threads", run.threads, "CPU worker threads")
                         ->check(kPositive);
   run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default), or a backend plugin's device such as cuda (libctr-DEVICE.so)");
-  run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes (dp, fsdp, ep, cp, tp), e.g. dp=2,fsdp=4 or fsdp=2,cp=2");
+  run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4 or fsdp=2,cp=2");
   run.transport_opt = run_cmd->add_option(
       "--transport", run.transport,
       "Communicator between ranks: ucx (default), or nccl with --device cuda (collectives on device memory)");
