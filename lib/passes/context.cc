@@ -223,6 +223,9 @@ class ContextSplit {
   }
 
   // k or v gathered over cp: [B, 2L, W] -> [2L, B, W] -> all ranks' rows -> [B, cp*2L, W].
+  // The gather is issued right after x is computed, so that it runs while the
+  // rest of the attention's inputs are (v after k, the rotations of q and k);
+  // the attention waits for it where it reads it.
   int gather(int x, const Node &at, int ni) {
     const std::string &name = g_.tensors[static_cast<size_t>(x)].name;
     const std::vector<int64_t> s = g_.tensors[static_cast<size_t>(x)].shape;
@@ -231,16 +234,20 @@ class ContextSplit {
                 at.name.c_str(), name.c_str(), static_cast<int>(s.size()));
     const int t = add_tensor(name + ".cp_seq_first", x), gt = add_tensor(name + ".cp_gathered_rows", x);
     const int y = add_tensor(name + ".cp_gathered", x);
-    auto &list = before_[static_cast<size_t>(ni)];
-    list.push_back(Node::make("transpose", name + ".cp_seq_first", {x}, {t}, at.block,
-                              {{"perm", Attr::of_ints({1, 0, 2})}}));
-    list.push_back(Node::make("all_gather", name + ".cp_all_gather", {t}, {gt}, at.block,
-                              {{"axis", Attr::of_string(kCp)},
-                               {"ranks", Attr::of_int(R_)},
-                               {"rows", Attr::of_int(R_ * 2 * L_)},
-                               {"activation", Attr::of_int(1)}}));
-    list.push_back(Node::make("transpose", name + ".cp_gathered", {gt}, {y}, at.block,
-                              {{"perm", Attr::of_ints({1, 0, 2})}}));
+    int p = -1;
+    for (int m = 0; m < ni; ++m)
+      for (int o : g_.nodes[static_cast<size_t>(m)].outputs)
+        if (o == x) p = m;
+    auto &issue = p >= 0 ? after_[static_cast<size_t>(p)] : before_[static_cast<size_t>(ni)];
+    issue.push_back(Node::make("transpose", name + ".cp_seq_first", {x}, {t}, at.block,
+                               {{"perm", Attr::of_ints({1, 0, 2})}}));
+    issue.push_back(Node::make("all_gather", name + ".cp_all_gather", {t}, {gt}, at.block,
+                               {{"axis", Attr::of_string(kCp)},
+                                {"ranks", Attr::of_int(R_)},
+                                {"rows", Attr::of_int(R_ * 2 * L_)},
+                                {"activation", Attr::of_int(1)}}));
+    before_[static_cast<size_t>(ni)].push_back(Node::make("transpose", name + ".cp_gathered", {gt}, {y}, at.block,
+                                                          {{"perm", Attr::of_ints({1, 0, 2})}}));
     // Whole-sequence bytes: the gathered tensor's (every rank's rows).
     gathered_bytes_ += g_.tensors[static_cast<size_t>(x)].bytes();
     return y;
