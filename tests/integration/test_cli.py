@@ -211,6 +211,8 @@ def check_placements(tmp):
     r = run("graph", "inspect", g, "--after", "place", "--cp", "3", expect=1)
     check("cp=3" in r.stderr and "sequence length 32 is not divisible by 6" in r.stderr,
           f"cp=3 on 32 positions: {r.stderr}")
+    r = run("graph", "inspect", g, "--after", "precision", "--cp", "2", "--precision", "bf16", expect=1)
+    check("use precision fp32 with cp" in r.stderr, f"bf16 under cp: {r.stderr}")
     r = run("graph", "inspect", m, "--after", "place", "--cp", "2", expect=1)
     check("(moe_router) cannot take a sequence shard" in r.stderr and "cp=2" in r.stderr,
           f"cp on the moe preset: {r.stderr}")
