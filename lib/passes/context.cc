@@ -27,6 +27,7 @@
 // Anything else that reads the sequence is refused naming the node and the op:
 // it may mix positions, and nothing here knows how to split it.
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -68,6 +69,8 @@ class ContextSplit {
         n.attrs["cp_ranks"] = Attr::of_int(R_);
         n.attrs["cp_index"] = Attr::of_int(r_);
         ++ropes_;
+      } else if (keeps_positions(n)) {
+        ++token_wise;
       } else {
         const std::string why = token_wise_refusal(n);
         CTR_REQUIRE(why.empty(), CTR_STATUS_UNSUPPORTED,
@@ -271,6 +274,48 @@ class ContextSplit {
     ++attentions_;
   }
 
+  // Layout ops that keep the leading [batch, seq] dims in place (exported code
+  // views each position's features as heads, GQA repeats kv heads): they run on
+  // this rank's positions once a size they state for the sequence is left to
+  // the input (0 in a reshape's shape, -1 in an expand's).
+  bool keeps_positions(Node &n) const {
+    if (n.op != "reshape" && n.op != "expand" && n.op != "transpose" && n.op != "slice") return false;
+    const std::vector<int64_t> &x = g_.tensors[static_cast<size_t>(n.inputs[0])].shape;
+    const std::vector<int64_t> &y = g_.tensors[static_cast<size_t>(n.outputs[0])].shape;
+    if (n.op == "reshape" && x.size() >= 1 && y.size() == x.size() + 1 && y[0] == 1 && x[0] == T_ &&
+        std::equal(x.begin(), x.end(), y.begin() + 1)) {
+      // A position table's rows given a batch dim of 1.
+      std::vector<int64_t> s = y;
+      s[1] = -1;
+      n.attrs.erase("dims");
+      n.attrs["shape"] = Attr::of_ints(s);
+      return true;
+    }
+    if (x.size() < 2 || y.size() < 2 || x[0] != y[0] || x[1] != y[1] || x[1] != T_) return false;
+    if (n.op == "slice") {
+      // Along a feature dim (a fused projection split into q, k and v).
+      int64_t dim = n.attr_int("dim", 0);
+      if (dim < 0) dim += static_cast<int64_t>(x.size());
+      return dim >= 2;
+    }
+    if (n.op == "transpose") {
+      const std::vector<int64_t> perm = n.attr_ints("perm");
+      return perm.size() >= 2 && perm[0] == 0 && perm[1] == 1;
+    }
+    if (n.op == "expand") {
+      std::vector<int64_t> s = n.attr_ints("shape");
+      if (s.size() != x.size()) return false;
+      s[0] = s[1] = -1;
+      n.attrs["shape"] = Attr::of_ints(s);
+      return true;
+    }
+    std::vector<int64_t> s = y;
+    s[0] = s[1] = 0;
+    n.attrs.erase("dims");
+    n.attrs["shape"] = Attr::of_ints(s);
+    return true;
+  }
+
   // Why node n cannot run on this rank's positions alone ("" if it can).
   std::string token_wise_refusal(const Node &n) const {
     static const std::set<std::string> token_wise = {
@@ -281,6 +326,15 @@ class ContextSplit {
     if (n.op.rfind("moe_", 0) == 0)
       return "mixture-of-experts routing balances its load over the whole batch, which cp does not split yet";
     if (n.op == "all_gather" && n.attr_int("activation", 0) != 0) return "";
+    if (n.op == "matmul") {
+      // x [B, T, in] @ w [in, out] (a Conv1D's weight) is per position; a product
+      // with another sequence tensor mixes them.
+      const int w = n.inputs[1];
+      if (!seq_[static_cast<size_t>(n.inputs[0])] || seq_[static_cast<size_t>(w)] ||
+          g_.tensors[static_cast<size_t>(w)].shape.size() != 2)
+        return "its operands are not a sequence tensor and a matrix";
+      return "";
+    }
     if (!token_wise.count(n.op)) return "it may mix positions, and no rule splits it by the sequence";
     return "";
   }
