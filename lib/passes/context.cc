@@ -336,6 +336,20 @@ class ContextSplit {
       return "";
     }
     if (!token_wise.count(n.op)) return "it may mix positions, and no rule splits it by the sequence";
+    static const std::set<std::string> weighted = {"layernorm", "rmsnorm", "linear", "embedding",
+                                                   "vocab_embedding"};
+    if (weighted.count(n.op)) return "";
+    // An element-wise operand broadcast along the sequence must be this rank's
+    // rows too: a table of the whole sequence (unfused rope's cos and sin) is not.
+    const size_t rank = g_.tensors[static_cast<size_t>(n.outputs[0])].shape.size();
+    for (int i : n.inputs) {
+      const std::vector<int64_t> &s = g_.tensors[static_cast<size_t>(i)].shape;
+      if (seq_[static_cast<size_t>(i)] || rank < 2 || s.size() + 1 < rank) continue;
+      const size_t at = s.size() + 1 - rank;  // s's dim under the output's dim 1
+      if (s[at] == T_ && T_ > 1)
+        return "it reads '" + g_.tensors[static_cast<size_t>(i)].name + "', a tensor of the whole sequence's " +
+               std::to_string(T_) + " positions that nothing splits";
+    }
     return "";
   }
 
