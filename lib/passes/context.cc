@@ -15,7 +15,9 @@
 // last dim, linear, embedding, the cross-entropy: its mean over this rank's
 // positions; the mean over cp of those means is the whole mean, and the
 // gradients of the parameters, replicated over cp, are averaged over cp by the
-// shard pass). The ops that mix positions are rewritten:
+// shard pass), and so do the layout ops of exported code that keep [B, T] in
+// place, once a sequence size they state is left to their input. The ops that
+// mix positions are rewritten:
 // - attention reads every rank's keys and values: an all-gather over cp of k
 //   and v (transposed to put the sequence first, so that the gather's blocks
 //   are rows), whose gradient is a reduce-scatter of the partial gradients;
