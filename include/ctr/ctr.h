@@ -202,10 +202,12 @@ CTR_API int ctr_mesh_world_size(const ctr_mesh *mesh);
  * mesh or axis is NULL. */
 CTR_API int ctr_mesh_axis_size(const ctr_mesh *mesh, const char *axis);
 /* This rank's share of the data. The ranks of one tensor-parallel group (mesh
- * axis "tp") compute on the same rows, so a host that feeds each rank its own
- * rows splits the global batch into ctr_mesh_data_size parts and gives this
- * rank part ctr_mesh_data_rank (the rank's index over every axis but tp, in mesh
- * order). Without tp they are the rank and the world size; 0 if mesh is NULL. */
+ * axis "tp") compute on the same rows, and those of one context-parallel group
+ * (axis "cp") on the same whole sequences (each step keeps its own chunks of
+ * them), so a host that feeds each rank its own rows splits the global batch
+ * into ctr_mesh_data_size parts and gives this rank part ctr_mesh_data_rank (the
+ * rank's index over every axis but tp and cp, in mesh order). Without tp and cp
+ * they are the rank and the world size; 0 if mesh is NULL. */
 CTR_API int ctr_mesh_data_rank(const ctr_mesh *mesh);
 CTR_API int ctr_mesh_data_size(const ctr_mesh *mesh);
 /* "cpu" or "cuda"; owned by the mesh. */

@@ -31,6 +31,9 @@ typedef struct ctr_rope_params {
   int64_t heads;          /* "heads", required */
   float theta;            /* "theta", default 10000 */
   int32_t interleaved;    /* "interleaved", default 0: pairs (i, i + D/2); 1: (2i, 2i+1) */
+  int64_t cp_ranks;       /* cp_rope: "cp_ranks", default 1; > 1: the rows are this rank's
+                             two chunks of a context-parallel sequence (ctr_cp_position) */
+  int64_t cp_index;       /* cp_rope: "cp_index", default 0: this rank's place on the cp axis */
 } ctr_rope_params;
 
 /* attention, attention_bwd */
@@ -43,7 +46,20 @@ typedef struct ctr_attention_params {
                              keys j with t - window < j <= t (a sliding window) */
   float softcap;          /* "softcap", default 0 (none); > 0: each scaled score s is
                              capped to softcap * tanh(s / softcap) before the mask */
+  int64_t cp_ranks;       /* cp_attention: "cp_ranks", default 1; > 1: the query rows are this
+                             rank's two chunks, the key rows every rank's in rank order */
+  int64_t cp_index;       /* cp_attention: "cp_index", default 0: this rank's place on cp */
 } ctr_attention_params;
+
+/* Context parallelism splits a sequence of T positions into 2 * ranks chunks of
+   L = T / (2 * ranks); rank r holds chunks r and 2 * ranks - 1 - r (so that each
+   rank's share of a causal mask is the same), in that order, as rows of 2 * L.
+   The global position of row t of rank r's rows: */
+static inline int64_t ctr_cp_position(int64_t t, int64_t rows, int64_t ranks, int64_t r) {
+  const int64_t L = rows / 2;
+  const int64_t chunk = t < L ? r : 2 * ranks - 1 - r;
+  return chunk * L + t % L;
+}
 
 /* transpose */
 typedef struct ctr_transpose_params {

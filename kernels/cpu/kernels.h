@@ -236,11 +236,12 @@ void unary_bwd(Unary op, const float *dy, const float *v, float *dx, int64_t n, 
 // "rotate half" form used by Llama/NeoX: for i < D/2 the pair (x[i], x[i+D/2]) at
 // position t is rotated by angle t * theta^(-2i/D). interleaved: the pair is
 // (x[2i], x[2i+1]) instead (Meta's complex form), same angles. Backward is the
-// inverse rotation.
+// inverse rotation. cp_ranks > 1: row t is at ctr_cp_position(t, T, cp_ranks,
+// cp_index) of a context-parallel sequence (cp_rope).
 void rope_fwd(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-              bool interleaved = false);
+              bool interleaved = false, int64_t cp_ranks = 1, int64_t cp_index = 0);
 void rope_bwd(const float *dy, float *dx, int64_t B, int64_t T, int64_t H, int64_t D,
-              float theta, bool interleaved = false);
+              float theta, bool interleaved = false, int64_t cp_ranks = 1, int64_t cp_index = 0);
 
 // ---------------------------------------------------------------------------
 // Multi-head attention with grouped-query heads.
@@ -257,6 +258,20 @@ void attention_bwd(const float *dout, const float *q, const float *k, const floa
                    const float *probs, float *dq, float *dk, float *dv, int64_t B, int64_t T,
                    int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
                    int64_t window = 0, float softcap = 0.0f);
+
+// Context-parallel attention (cp_attention): q[B,Tq,Hq*D] holds this rank's two
+// chunks of the sequence, k and v [B,ranks*Tq,Hkv*D] every rank's rows in rank
+// order (an all-gather over cp); the causal mask and the window compare global
+// positions (ctr_cp_position). probs[B,Hq,Tq,ranks*Tq]; the rest as above.
+void cp_attention_fwd(const float *q, const float *k, const float *v, float *out, float *probs,
+                      int64_t B, int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                      bool causal, int64_t window, float softcap, int64_t ranks, int64_t index);
+// dq overwritten; dk and dv overwritten with this rank's queries' share of the
+// keys' gradients (a reduce-scatter over cp sums the shares).
+void cp_attention_bwd(const float *dout, const float *q, const float *k, const float *v,
+                      const float *probs, float *dq, float *dk, float *dv, int64_t B, int64_t Tq,
+                      int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
+                      int64_t window, float softcap, int64_t ranks, int64_t index);
 
 // ---------------------------------------------------------------------------
 // Softmax over the last dim C of R rows.

@@ -11,12 +11,16 @@
 //
 // Backward is the same rotation by the opposite angle, so both directions share
 // one routine with the sign of the sine flipped.
+//
+// Under context parallelism (cp_ranks > 1) the rows are two chunks of a longer
+// sequence, and each row's angle is that of its global position (ctr_cp_position).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "common/op_params.h"
 #include "core/thread_pool.h"
 #include "cpu/kernels.h"
 
@@ -32,7 +36,7 @@ T *scratch(int64_t n) {
 }
 
 void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-            float sign, bool interleaved) {
+            float sign, bool interleaved, int64_t cp_ranks, int64_t cp_index) {
   const int64_t half = D / 2;
   const int64_t row = H * D;
   double *freq = scratch<double>(half);
@@ -42,8 +46,9 @@ void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D
   ctr::parallel_for(T, grain, [=](int64_t t0, int64_t t1) {
     float *cs = scratch<float>(2 * half), *sn = cs + half;
     for (int64_t t = t0; t < t1; ++t) {
+      const int64_t pos = cp_ranks > 1 ? ctr_cp_position(t, T, cp_ranks, cp_index) : t;
       for (int64_t i = 0; i < half; ++i) {
-        const double ang = static_cast<double>(t) * freq[i];
+        const double ang = static_cast<double>(pos) * freq[i];
         cs[i] = static_cast<float>(std::cos(ang));
         sn[i] = sign * static_cast<float>(std::sin(ang));
       }
@@ -79,13 +84,13 @@ void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D
 }  // namespace
 
 void rope_fwd(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-              bool interleaved) {
-  rotate(x, y, B, T, H, D, theta, 1.0f, interleaved);
+              bool interleaved, int64_t cp_ranks, int64_t cp_index) {
+  rotate(x, y, B, T, H, D, theta, 1.0f, interleaved, cp_ranks, cp_index);
 }
 
 void rope_bwd(const float *dy, float *dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-              bool interleaved) {
-  rotate(dy, dx, B, T, H, D, theta, -1.0f, interleaved);
+              bool interleaved, int64_t cp_ranks, int64_t cp_index) {
+  rotate(dy, dx, B, T, H, D, theta, -1.0f, interleaved, cp_ranks, cp_index);
 }
 
 }  // namespace ctr::cpu

@@ -155,9 +155,9 @@ std::vector<std::pair<std::string, int>> parse_axes(const std::string &spec, int
       fail(CTR_STATUS_INVALID_OPTION,
            strformat("mesh option 'mesh': '%s' is not of the form axis=size", part.c_str()));
     std::string name = part.substr(0, eq);
-    if (name != "dp" && name != "fsdp" && name != "ep" && name != "tp" && name != "pp")
+    if (name != "dp" && name != "fsdp" && name != "ep" && name != "cp" && name != "tp" && name != "pp")
       fail(CTR_STATUS_INVALID_OPTION,
-           strformat("mesh option 'mesh': unknown axis '%s' (known: dp, fsdp, ep, tp, pp)", name.c_str()));
+           strformat("mesh option 'mesh': unknown axis '%s' (known: dp, fsdp, ep, cp, tp, pp)", name.c_str()));
     for (auto &a : axes)
       if (a.first == name)
         fail(CTR_STATUS_INVALID_OPTION, strformat("mesh option 'mesh': axis '%s' given twice", name.c_str()));
@@ -256,7 +256,7 @@ extern "C" int ctr_mesh_axis_size(const ctr_mesh *mesh, const char *axis) {
 }
 extern "C" int ctr_mesh_data_rank(const ctr_mesh *mesh) { return mesh ? mesh->data_rank() : 0; }
 extern "C" int ctr_mesh_data_size(const ctr_mesh *mesh) {
-  return mesh ? mesh->world / mesh->axis_size("tp") : 0;
+  return mesh ? mesh->data_size() : 0;
 }
 extern "C" const char *ctr_mesh_device(const ctr_mesh *mesh) {
   return mesh ? mesh->device.c_str() : "";
@@ -814,15 +814,17 @@ std::string inspect_graph(const ctr_graph *graph, const ctr_options *options, co
   const int64_t fsdp = r.get_int("fsdp", 1, 1, 1 << 20);
   const int64_t dp = r.get_int("dp", 1, 1, 1 << 20);
   const int64_t ep = r.get_int("ep", 1, 1, 1 << 20);
+  const int64_t cp = r.get_int("cp", 1, 1, 1 << 20);
   const int64_t tp = r.get_int("tp", 1, 1, 1 << 20);
   const int64_t pp = r.get_int("pp", 1, 1, 1 << 16);
-  const int64_t rank = r.get_int("rank", 0, 0, pp * fsdp * dp * ep * tp - 1);
+  const int64_t rank = r.get_int("rank", 0, 0, pp * fsdp * dp * ep * cp * tp - 1);
   r.finish();
-  // Axes in the order pp, dp, ep, fsdp, tp (tp innermost), as "pp=..,dp=..,ep=..,fsdp=..,tp=..".
-  o.mesh.axes = {{"pp", pp, rank / (dp * fsdp * ep * tp)},
-                 {"dp", dp, (rank / (fsdp * ep * tp)) % dp},
-                 {"ep", ep, (rank / (fsdp * tp)) % ep},
-                 {"fsdp", fsdp, (rank / tp) % fsdp},
+  // Axes in the order pp, dp, ep, fsdp, cp, tp (tp innermost), as "pp=..,dp=..,ep=..,fsdp=..,cp=..,tp=..".
+  o.mesh.axes = {{"pp", pp, rank / (dp * fsdp * ep * cp * tp)},
+                 {"dp", dp, (rank / (fsdp * ep * cp * tp)) % dp},
+                 {"ep", ep, (rank / (fsdp * cp * tp)) % ep},
+                 {"fsdp", fsdp, (rank / (cp * tp)) % fsdp},
+                 {"cp", cp, (rank / tp) % cp},
                  {"tp", tp, rank % tp}};
   Graph g = graph->graph;  // loaded and verified
   if (until.at_load) return dump_graph(g);

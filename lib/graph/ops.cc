@@ -267,6 +267,48 @@ void attention_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   out = {f32(q), f32({q[0], H, q[1], q[1]})};
 }
 
+// cp_attention(q[B,Tq,Hq*D], k[B,R*Tq,Hkv*D], v) attrs those of attention and
+// cp_ranks R, cp_index: this rank's two chunks of the sequence against every
+// rank's keys (placed by the place pass, see ctr_cp_position) -> out[B,Tq,Hq*D],
+// saved probs[B,Hq,Tq,R*Tq].
+void cp_attention_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  const int64_t R = n.attr_int("cp_ranks", 0), index = n.attr_int("cp_index", -1);
+  const auto &q = S(g, n, 0);
+  if (R < 1 || index < 0 || index >= R)
+    bad_node(g, n, strformat("attributes cp_ranks=%lld and cp_index=%lld do not name a rank",
+                             static_cast<long long>(R), static_cast<long long>(index)));
+  if (q.size() != 3 || q[1] % 2 != 0) shape_mismatch(g, n, 0, "[batch, 2 chunks of seq, heads*head_dim]");
+  Node whole = n;
+  Graph local;  // the shape rule of attention on q and k, v of q's rows
+  for (int i = 0; i < 3; ++i) {
+    Tensor t = g.tensors[n.inputs[static_cast<size_t>(i)]];
+    if (i > 0) {
+      if (t.shape.size() != 3 || t.shape[0] != q[0] || t.shape[1] != R * q[1])
+        shape_mismatch(g, n, i, strformat("[%lld, %lld, kv_heads*head_dim]", static_cast<long long>(q[0]),
+                                          static_cast<long long>(R * q[1])));
+      t.shape[1] = q[1];
+    }
+    whole.inputs[static_cast<size_t>(i)] = local.add_tensor(std::move(t));
+  }
+  attention_infer(local, whole, out);
+  out[1].shape[3] = R * q[1];
+}
+
+double cp_attention_flops(const Graph &g, const Node &n) {
+  const auto &q = S(g, n, 0), &k = S(g, n, 1);
+  return 4.0 * static_cast<double>(q[0]) * static_cast<double>(q[1]) * static_cast<double>(k[1]) *
+         static_cast<double>(q[2]);
+}
+
+void cp_rope_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  const int64_t R = n.attr_int("cp_ranks", 0), index = n.attr_int("cp_index", -1);
+  if (R < 1 || index < 0 || index >= R)
+    bad_node(g, n, strformat("attributes cp_ranks=%lld and cp_index=%lld do not name a rank",
+                             static_cast<long long>(R), static_cast<long long>(index)));
+  rope_infer(g, n, out);
+  if (out[0].shape[1] % 2 != 0) shape_mismatch(g, n, 0, "[batch, 2 chunks of seq, heads*head_dim]");
+}
+
 double attention_flops(const Graph &g, const Node &n) {
   const auto &q = S(g, n, 0);
   return 4.0 * static_cast<double>(q[0]) * static_cast<double>(q[1]) *
@@ -626,6 +668,8 @@ void rope_decode(const Graph &, const Node &n, void *out) {
   p->heads = n.attr_int("heads", 1);
   p->theta = static_cast<float>(n.attr_float("theta", 10000.0));
   p->interleaved = n.attr_int("interleaved", 0) != 0;
+  p->cp_ranks = n.attr_int("cp_ranks", 1);
+  p->cp_index = n.attr_int("cp_index", 0);
 }
 
 // attention reads q as input 0, attention_bwd as input 1 (after the gradient).
@@ -639,6 +683,8 @@ void attention_decode(const Graph &g, const Node &n, void *out) {
   p->causal = n.attr_int("causal", 1) != 0;
   p->window = n.attr_int("window", 0);
   p->softcap = static_cast<float>(n.attr_float("softcap", 0.0));
+  p->cp_ranks = n.attr_int("cp_ranks", 1);
+  p->cp_index = n.attr_int("cp_index", 0);
 }
 
 void transpose_decode(const Graph &, const Node &n, void *out) {
@@ -711,6 +757,17 @@ std::vector<OpDef> library_ops() {
                       {G(0), In(0), In(1), In(2), Out(1), Out(0)});
   at.saved = {"probs"};
   v.push_back(with_params<ctr_attention_params>(at, attention_decode<0>));
+  // Context parallelism (the place pass): the same ops on a sequence split over cp.
+  OpDef cpa = with_bwd(internal("cp_attention", 3, 1), "cp_attention_bwd",
+                       {G(0), In(0), In(1), In(2), Out(1), Out(0)});
+  cpa.infer = cp_attention_infer;
+  cpa.flops = cp_attention_flops;
+  cpa.saved = {"probs"};
+  v.push_back(with_params<ctr_attention_params>(cpa, attention_decode<0>));
+  OpDef cpr = with_bwd(internal("cp_rope", 1, 1), "cp_rope_bwd", {G(0)});
+  cpr.infer = cp_rope_infer;
+  cpr.flops = elementwise_flops;
+  v.push_back(with_params<ctr_rope_params>(cpr, rope_decode));
   OpDef xe = with_bwd(fwd("cross_entropy", 2, 2, xent_infer, xent_flops), "cross_entropy_bwd",
                       {G(0), In(0), In(1), Out(1), Out(2)}, 1);
   xe.saved = {"lse", "count"};
@@ -777,6 +834,7 @@ std::vector<OpDef> library_ops() {
   // Cheap to recompute: everything but GEMMs, attention and lookups.
   for (OpDef &d : v)
     d.cheap_to_recompute = d.name != "linear" && d.name != "matmul" && d.name != "attention" &&
+                           d.name != "cp_attention" &&
                            d.name != "embedding" && d.name != "cross_entropy" &&
                            d.name != "moe_grouped_linear";
 
@@ -805,6 +863,8 @@ std::vector<OpDef> library_ops() {
   v.push_back(with_params<ctr_pow_params>(internal("pow_bwd", 2, 1), pow_decode));
   v.push_back(with_params<ctr_rope_params>(internal("rope_bwd", 1, 1), rope_decode));
   v.push_back(with_params<ctr_attention_params>(internal("attention_bwd", 6, 3), attention_decode<1>));
+  v.push_back(with_params<ctr_rope_params>(internal("cp_rope_bwd", 1, 1), rope_decode));
+  v.push_back(with_params<ctr_attention_params>(internal("cp_attention_bwd", 6, 3), attention_decode<1>));
   v.push_back(internal("cross_entropy_bwd", 5, 1));
   v.push_back(internal("add_same", 2, 1));
   v.push_back(internal("take_rows_bwd", 1, 1));

@@ -124,7 +124,8 @@ const std::vector<PassDef> &pass_list() {
        read_fuse_options, run_fuse, dump_fuse},
       {"expert", "experts split over ep, token exchanges and global load balance inserted", false, nullptr,
        run_expert, nullptr},
-      {"place", "activations placed over tp: column- and row-parallel regions, heads split, all-reduces inserted",
+      {"place", "activations placed over tp and cp: column- and row-parallel regions, heads split, all-reduces "
+                "inserted; sequences split over cp, keys and values gathered",
        false, read_place, run_place, dump_place},
       {"autodiff", "the backward graph appended", false, nullptr, run_autodiff, nullptr},
       {"recompute", "activation checkpointing: block forwards copied into backward", false,

@@ -170,6 +170,15 @@ void pass_expert(Graph &g, const CompileOptions &opt);
 // all-reduced). Regions come from the ops' sharding rules alone. Returns what
 // was placed and what was left replicated, and why. No-op without tp.
 std::string pass_place(Graph &g, const CompileOptions &opt, const std::function<bool(OpId)> &has_kernel);
+// context.cc, part of place: with a `cp` axis, every activation split by its
+// sequence dim, each rank holding two mirrored chunks of each sequence (see
+// ctr_cp_position): inputs chunked where they are read, keys and values of
+// each attention all-gathered over cp (cp_attention masks by global
+// positions), rope and position tables at global positions; a node that could
+// mix positions otherwise is refused. Returns what was split. "" without cp.
+std::string place_context(Graph &g, const CompileOptions &opt, const std::function<bool(OpId)> &has_kernel);
+// Output shapes again, in order, from the inputs' local shapes (place.cc).
+void infer_local_shapes(Graph &g);
 
 // recompute.cc: activation checkpointing per block: the block's forward nodes
 // copied into backward (all of them, or with selective only the cheap ones),

@@ -488,6 +488,8 @@ class Placer {
   }
 };
 
+}  // namespace
+
 // Output shapes again, in order, from the inputs' local shapes.
 void infer_local_shapes(Graph &g) {
   for (Node &n : g.nodes) {
@@ -504,6 +506,8 @@ void infer_local_shapes(Graph &g) {
     }
   }
 }
+
+namespace {
 
 // Sequence parallelism (option sequence_parallel): between the regions the
 // activations are split over tp by tokens, so that what runs there (norms,
@@ -827,7 +831,10 @@ class SequenceSplit {
 std::string pass_place(Graph &g, const CompileOptions &opt, const std::function<bool(OpId)> &has_kernel) {
   CTR_CHECK(g.num_forward < 0);
   const int64_t tp = opt.mesh.size(kAxis);
-  if (tp <= 1) return "place: no tensor-parallel axis";
+  if (tp <= 1) {
+    if (opt.mesh.size("cp") > 1) return place_context(g, opt, has_kernel);
+    return "place: no tensor- or context-parallel axis";
+  }
   for (const Node &n : g.nodes)
     CTR_REQUIRE(n.op.rfind("moe_", 0) != 0, CTR_STATUS_UNSUPPORTED,
                 "place: graph '%s' has mixture-of-experts layers (node '%s'), which tp does not split yet; use "
@@ -850,6 +857,9 @@ std::string pass_place(Graph &g, const CompileOptions &opt, const std::function<
               static_cast<long long>(tp), g.name.c_str(), report.c_str());
   p.rewrite();
   infer_local_shapes(g);
+  // Context parallelism splits the sequence of what tp placed (heads and
+  // features split on the last dim; the sequence is dim 1).
+  report += place_context(g, opt, has_kernel);
   if (opt.sequence_parallel) {
     SequenceSplit sp(g, tp, opt.mesh.index(kAxis));
     report += sp.run();

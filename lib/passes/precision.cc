@@ -73,7 +73,7 @@ std::string resolve_precision(const Graph &g, const std::string &option,
   if (option != "auto") return option;
   if (backend_flags & CTR_BACKEND_BF16_OPT_IN) return "fp32";
   for (const Node &n : g.nodes)
-    if (n.op.rfind("moe_", 0) == 0 || n.op == "fanout") return "fp32";
+    if (n.op.rfind("moe_", 0) == 0 || n.op == "fanout" || n.op == "cp_attention") return "fp32";
   const OpDef *cast = find_op("cast");
   return cast && has_kernel && has_kernel(cast->id) ? "bf16" : "fp32";
 }
@@ -96,6 +96,10 @@ std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe
     CTR_REQUIRE(n.op != "fanout", CTR_STATUS_UNSUPPORTED,
                 "precision bf16: node '%s' enters a tensor-parallel region, whose all-reduces move f32 activations "
                 "only; use precision fp32 with tp",
+                n.name.c_str());
+    CTR_REQUIRE(n.op != "cp_attention", CTR_STATUS_UNSUPPORTED,
+                "precision bf16: node '%s' attends over keys and values gathered over cp, which run in f32 only; "
+                "use precision fp32 with cp",
                 n.name.c_str());
   }
 

@@ -19,14 +19,17 @@ namespace ctr {
 
 void pass_shard(Graph &g, const CompileOptions &opt) {
   CTR_CHECK(g.num_forward >= 0);
-  bool has_experts = false, has_tp = false;
+  bool has_experts = false, has_tp = false, has_cp = false;
   for (const Tensor &t : g.tensors) {
     has_experts |= t.placement.on("ep") != nullptr;
     has_tp |= t.placement.on("tp") != nullptr;
   }
+  // Context parallelism places no parameter: its sequence split is the place
+  // pass's collectives over cp.
+  for (const Node &n : g.nodes) has_cp |= is_collective(n) && n.attr_string("axis", "") == "cp";
   for (const MeshPlacement::Axis &a : opt.mesh.axes)
     CTR_REQUIRE(a.size == 1 || a.name == "fsdp" || a.name == "dp" || (a.name == "ep" && has_experts) ||
-                    (a.name == "tp" && has_tp),
+                    (a.name == "tp" && has_tp) || (a.name == "cp" && has_cp),
                 CTR_STATUS_UNSUPPORTED,
                 "shard: mesh axis '%s' has size %lld, but graph '%s' has nothing to place on it (%s); "
                 "use dp and fsdp",
@@ -35,7 +38,8 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
                 : a.name == "pp" ? "its pipeline schedule is built, but graphs are not cut into stages yet"
                                  : "no tensor-parallel layout");
   const int64_t fsdp = opt.mesh.size("fsdp"), dp = opt.mesh.size("dp"), ep = opt.mesh.size("ep");
-  if (fsdp <= 1 && dp <= 1 && ep <= 1) return;
+  const int64_t cp = opt.mesh.size("cp");
+  if (fsdp <= 1 && dp <= 1 && ep <= 1 && cp <= 1) return;
   const int F = static_cast<int>(fsdp);
 
   // New node order: collectives are inserted in front of the node that first
@@ -179,6 +183,10 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
                    {{"axis", Attr::of_string("fsdp")}, {"rows", Attr::of_int(N0)}});
     }
     if (dp > 1) cur = reduce(cur, "all_reduce", ".grad_dp", {{"axis", Attr::of_string("dp")}});
+    // Every rank of a cp group holds the whole parameter and computed its
+    // gradient from its own chunks of the sequences: the mean over cp is that
+    // of the whole sequences' mean loss.
+    if (cp > 1) cur = reduce(cur, "all_reduce", ".grad_cp", {{"axis", Attr::of_string("cp")}});
     // Every rank of an ep group holds the same non-expert weights and computed
     // their gradient from its own tokens.
     if (ep > 1 && !expert) cur = reduce(cur, "all_reduce", ".grad_ep", {{"axis", Attr::of_string("ep")}});

@@ -48,8 +48,11 @@ class Mesh {
   int axis_size(const std::string &name) const;
   // This rank's index along the named axis.
   int axis_index(const std::string &name) const;
-  // This rank's index over every axis but tp (the ranks that read distinct data).
+  // This rank's index over every axis but tp and cp (the ranks that read
+  // distinct data: a tp group shares its rows, a cp group its sequences).
   int data_rank() const;
+  // How many distinct data shares the mesh has: world / (tp * cp).
+  int data_size() const;
   // Global ranks of this rank's group along the named axis, in axis order.
   std::vector<int> axis_group(const std::string &name) const;
   // The communicator of an axis ("world": every rank); fails naming the axis

@@ -667,7 +667,7 @@ void Step::run(ctr_step_metrics *metrics) {
     m.forward_ms = fwd_ms;
     m.backward_ms = bwd_ms;
     m.optimizer_ms = opt_ms;
-    m.tokens = tokens_per_micro_ * k * (mesh_.world / mesh_.axis_size("tp"));  // a tp group shares its rows
+    m.tokens = tokens_per_micro_ * k * mesh_.data_size();  // a tp or cp group shares its rows
     m.tokens_per_s = total_ms > 0 ? static_cast<double>(m.tokens) * 1000.0 / total_ms : 0;
     m.peak_bytes = peak_bytes();
     m.save_wait_ms = save_wait_ms_;

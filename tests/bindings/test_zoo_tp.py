@@ -4,7 +4,9 @@ Meta's reference code, exported unchanged) train on tp=2 and on dp=2 x tp=2 as o
 rank: per-step losses within 1e-5 relative over 20 steps, final weights within 1e-4,
 with no annotation in the model (the place pass finds the attention and SwiGLU regions
 in the fused graph; Meta's attention reaches the fused op through a reshape and stays
-replicated).
+replicated). Both also train on cp=2 and tp=2 x cp=2 (the sequence split in mirrored
+chunks, keys and values gathered; the reshapes of each position's features into heads
+and the GQA expands run on the rank's positions).
 
 usage: test_zoo_tp.py   (CTR_TOOL: the ctr program; CTR_LIBRARY: libctr.so)
 """
@@ -53,7 +55,7 @@ def read_safetensors(path):
 def train(graph, world, mesh, tmp, label):
     metrics = os.path.join(tmp, f"{label}.jsonl")
     weights = os.path.join(tmp, f"{label}.safetensors")
-    shares = world // 2 if "tp=2" in mesh else world
+    shares = world // (2 if "tp=2" in mesh else 1) // (2 if "cp=2" in mesh else 1)
     cmd = [CTR, "run", graph, "--steps", str(STEPS), "--batch", str(GLOBAL_BATCH // shares), "--lr", "3e-3",
            "--warmup", "3", "--log-every", "0", "--metrics", metrics, "--mesh", mesh,
            "--export-safetensors", weights]
@@ -89,7 +91,7 @@ def main():
             continue
         if not (len(ref) == STEPS and ref[-1] < ref[0]):
             failures.append(f"{module}: the one-rank run did not train: {ref}")
-        for world, mesh in ((2, "tp=2"), (4, "dp=2,tp=2")):
+        for world, mesh in ((2, "tp=2"), (4, "dp=2,tp=2"), (2, "cp=2"), (4, "tp=2,cp=2")):
             got, w = train(path, world, mesh, tmp, f"{module}_{world}")
             if got is None:
                 continue

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""Checkpoints through the ctr tool: exact resume, resharding onto other meshes,
-refusal of damaged checkpoints with a fallback to the previous good one, and
+"""Checkpoints through the ctr tool: exact resume, resharding onto other meshes
+(fsdp, ep, tp and cp), refusal of damaged checkpoints with a fallback to the previous good one, and
 crash safety of a save.
 
 usage: test_checkpoint.py CTR
@@ -172,6 +172,26 @@ def main():
         worst = max(abs(x - y) / abs(y) for x, y in zip(parts, ref))
         check(worst <= 1e-5, f"tp=2 x fsdp=2 -> fsdp=4 -> tp=2 -> 1 differs from one rank by {worst:.2e} relative")
         print(f"reshard tp=2,fsdp=2 -> fsdp=4 -> tp=2 -> 1: max relative loss difference {worst:.2e}")
+
+    # 2d. Context parallelism: parameters replicated over cp, so the same llama
+    #     moves between fsdp=2 x cp=2 -> cp=2 -> tp=2 x cp=2 -> one rank; a cp
+    #     group reads one share of the batch, as a tp group does.
+    d = os.path.join(tmp, "cp_reshard")
+    parts = []
+    for k, (world, mesh) in enumerate([(4, "fsdp=2,cp=2"), (2, "cp=2"), (4, "tp=2,cp=2"), (1, "fsdp=1")]):
+        m = os.path.join(tmp, f"cp{k}.jsonl")
+        shares = world // (2 if "cp=2" in mesh else 1) // (2 if "tp=2" in mesh else 1)
+        extra = ["--save-every", "5", "--save-dir", d, "--stop-after", "5"]
+        if k > 0:
+            extra += ["--resume", "latest"]
+        run(["run", graph, "--steps", str(STEPS), "--batch", str(GLOBAL_BATCH // shares), "--log-every", "0",
+             "--lr", "3e-3", "--warmup", "3", "--metrics", m, "--mesh", mesh, *extra], nprocs=world)
+        parts += losses(m)
+    check(len(parts) == STEPS, f"cp reshard chain produced {len(parts)} steps")
+    if len(parts) == STEPS and len(ref) == STEPS:
+        worst = max(abs(x - y) / abs(y) for x, y in zip(parts, ref))
+        check(worst <= 1e-5, f"cp=2 x fsdp=2 -> cp=2 -> tp=2 x cp=2 -> 1 differs from one rank by {worst:.2e} relative")
+        print(f"reshard fsdp=2,cp=2 -> cp=2 -> tp=2,cp=2 -> 1: max relative loss difference {worst:.2e}")
 
     # 3. Damaged checkpoints are refused with a message naming file and tensor,
     #    and --resume latest falls back to the previous good one.

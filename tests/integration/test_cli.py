@@ -198,6 +198,24 @@ def check_placements(tmp):
     check("tied to embedding tok_emb: each rank looks up its words, an all-reduce over tp completes the rows "
           f"({btc} bytes forward)" in tp and "wte:f32[125,64] placed tp:S(0) of [250,64]" in tp
           and "vocab_embedding(" in tp, f"gpt's tied head on tp=2: {tp[:3000]}")
+    # Context parallelism: 32 positions in 4 chunks of 8, rank 1 holding chunks 1
+    # and 2 of tokens, targets and the position table; keys and values (B*T*C
+    # floats each, whole) gathered over cp for the attention at global positions.
+    cp = run("graph", "inspect", g, "--after", "place", "--cp", "2", "--batch", "2", "--rank", "1").stdout
+    check("place: cp=2, sequences of 32 positions in 4 chunks of 8; this rank (cp index 1) holds chunks 1 and 2"
+          in cp and f"1 attentions gather keys and values over cp ({2 * btc} bytes per micro-batch" in cp
+          and "1 position tables at global positions" in cp
+          and "tokens.cp_first:i32[2,8] = slice(%0) dim=1 end=16 start=8" in cp
+          and "tok_emb:f32[2,16,64] = embedding(" in cp and "= cp_attention(" in cp
+          and "cp_index=1 cp_ranks=2" in cp, f"cp=2 split: {cp[:3000]}")
+    r = run("graph", "inspect", g, "--after", "place", "--cp", "3", expect=1)
+    check("cp=3" in r.stderr and "sequence length 32 is not divisible by 6" in r.stderr,
+          f"cp=3 on 32 positions: {r.stderr}")
+    r = run("graph", "inspect", g, "--after", "precision", "--cp", "2", "--precision", "bf16", expect=1)
+    check("use precision fp32 with cp" in r.stderr, f"bf16 under cp: {r.stderr}")
+    r = run("graph", "inspect", m, "--after", "place", "--cp", "2", expect=1)
+    check("(moe_router) cannot take a sequence shard" in r.stderr and "cp=2" in r.stderr,
+          f"cp on the moe preset: {r.stderr}")
 
 
 def check_special_files(tmp, graph):

@@ -9,7 +9,11 @@ vocabulary of 61 words that tp does not divide (gpt's tied to its embedding; gpt
 refused naming the node and the numbers, as is tp on the moe preset). So does the moe
 preset (4 experts, top-2) with its experts
 split over ep: ep=2, ep=4, ep=2 x fsdp=2, dp=2 x ep=2, and dp=2 and fsdp=2 (the
-load-balancing loss is computed over the global batch on every mesh). In bf16 on the
+load-balancing loss is computed over the global batch on every mesh). Context
+parallelism splits the sequences of the same graphs: cp=2, cp=4 (gpt), fsdp=2 x cp=2
+and tp=2 x cp=2 (llama also with sequence parallelism), each rank holding two mirrored
+chunks of every sequence; its planned activations fall against one rank's, and a
+sequence length 2*cp does not divide is refused, as is cp on the moe preset. In bf16 on the
 CPU, gpt on fsdp=2 matches one rank within 2e-4 relative.
 
 usage: test_equivalence.py CTR EQUIV_TRAIN
@@ -77,9 +81,14 @@ def main():
                  (2, "tp=2", 1, 1), (4, "fsdp=2,tp=2", 1, 1), (4, "dp=2,tp=2", 1, 1), (2, "tp=2", 1, 2),
                  # Sequence parallelism: norms and residuals split by tokens
                  # between the regions.
-                 (2, "tp=2", 1, 1, SP), (4, "fsdp=2,tp=2", 1, 1, SP), (2, "tp=2", 1, 2, SP)]
+                 (2, "tp=2", 1, 1, SP), (4, "fsdp=2,tp=2", 1, 1, SP), (2, "tp=2", 1, 2, SP),
+                 # Context parallelism: sequences split in mirrored chunks,
+                 # keys and values gathered over cp.
+                 (2, "cp=2", 1, 1), (4, "fsdp=2,cp=2", 1, 1), (4, "tp=2,cp=2", 1, 1)]
         if preset == "gpt":
-            cases += [(4, "tp=4", 1, 1), (4, "tp=4", 1, 1, SP), (4, "dp=2,tp=2", 1, 1, SP)]
+            cases += [(4, "tp=4", 1, 1), (4, "tp=4", 1, 1, SP), (4, "dp=2,tp=2", 1, 1, SP), (4, "cp=4", 1, 1)]
+        if preset == "llama":
+            cases += [(4, "tp=2,cp=2", 1, 1, SP)]
         if preset == "moe":
             # The load-balancing loss is over each micro-batch of the global
             # batch, so micro-batches would change it: none here.
@@ -115,6 +124,11 @@ def main():
             p2, ref2 = param2.get(path), param2.get(ref_path)
             if ref2 is not None and (p2 is None or abs(p2 - ref2) > 1e-4 * abs(ref2)):
                 failures.append(f"{label}: final MLP output weights differ: {p2} vs {ref2}")
+            if mesh in ("cp=2", "cp=4") and not arena[path] < 0.75 * arena[ref_path]:
+                # Every activation holds 1/cp of the positions (attention's
+                # probabilities 1/cp of the rows; gathered keys and values whole).
+                failures.append(f"{label}: activation arena {arena[path]} bytes, not below 3/4 of one rank's "
+                                f"{arena[ref_path]}")
             if opts == SP:
                 # Norms, residuals and their saved statistics take 1/tp of the
                 # tokens: the planned activations fall against tp alone.
@@ -197,12 +211,14 @@ def main():
             print(f"gpt bf16 fsdp=2: max relative loss difference {worst:.2e} (bound 2e-4)")
     # Meshes the model cannot take are refused at step creation, naming why.
     for preset, n, mesh, want in [("llama", 4, "tp=4", "heads=2 is not divisible by 4 ranks"),
-                                  ("moe", 2, "tp=2", "mixture-of-experts")]:
+                                  ("moe", 2, "tp=2", "mixture-of-experts"),
+                                  ("gpt", 3, "cp=3", "sequence length 16 is not divisible by 6"),
+                                  ("moe", 2, "cp=2", "(moe_router) cannot take a sequence shard")]:
         cmd = [CTR, "launch", "-n", str(n), "--", PROG, preset, mesh, str(BATCH), str(STEPS),
                os.path.join(tmp, f"refused_{preset}.txt")]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIME_LIMIT)
         err = None if p.returncode == 0 else f"exit {p.returncode}: {p.stderr}"
-        if not err or want not in err or "tp" not in err:
+        if not err or want not in err or mesh.split("=")[0] not in err:
             failures.append(f"{preset} {mesh}: expected a refusal naming '{want}', got: {err}")
         else:
             print(f"{preset} {mesh}: refused ({want})")

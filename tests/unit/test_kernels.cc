@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common/math.h"
+#include "common/op_params.h"
 #include "core/thread_pool.h"
 #include "cpu/kernels.h"
 
@@ -1044,6 +1045,98 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
     expect_grad(
         dv, [&](const Dv &x) { return run(qd, kd, x); }, v, dout, 2e-5, 1e-4,
         "attention dv" + attn_tag(c), samples);
+  }
+}
+
+// Context-parallel attention: the ranks' rows of the whole attention. Each rank
+// holds chunks r and 2R-1-r of q; k and v are every rank's rows in rank order; its
+// out and dq are its rows of the whole op's, and the ranks' dk and dv summed back
+// at their global positions are the whole op's (the reduce-scatter over cp).
+struct CpCase {
+  AttnCase a;
+  int64_t ranks;
+};
+
+TEST(CpAttention, RanksMatchWholeAttention) {
+  const CpCase cases[] = {{{2, 8, 4, 2, 4, true}, 2},          {{1, 12, 3, 3, 6, false}, 3},
+                          {{1, 24, 2, 1, 8, true, 5}, 3},      {{2, 8, 4, 2, 4, true, 0, 0.5f}, 2},
+                          {{1, 16, 2, 2, 4, true, 3, 0.8f}, 4}};
+  for (const CpCase &cc : cases) {
+    const AttnCase &c = cc.a;
+    const int64_t R = cc.ranks, T = c.T, Tq = T / R, wq = c.Hq * c.D, wkv = c.Hkv * c.D;
+    const int64_t nq = c.B * T * wq, nkv = c.B * T * wkv;
+    F q = random_vec(nq, 1), k = random_vec(nkv, 2), v = random_vec(nkv, 3), dout = random_vec(nq, 4);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+    F out(nq), probs(c.B * c.Hq * T * T), dq(nq), dk(nkv), dv(nkv);
+    ctr::cpu::attention_fwd(q.data(), k.data(), v.data(), out.data(), probs.data(), c.B, T, c.Hq, c.Hkv, c.D, scale,
+                            c.causal, c.window, c.softcap);
+    ctr::cpu::attention_bwd(dout.data(), q.data(), k.data(), v.data(), probs.data(), dq.data(), dk.data(), dv.data(),
+                            c.B, T, c.Hq, c.Hkv, c.D, scale, c.causal, c.window, c.softcap);
+    // Rank s's rows of x [B, T, w] in its chunk order.
+    auto rows_of = [&](const F &x, int64_t w, int64_t s) {
+      F y(static_cast<size_t>(c.B * Tq * w));
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t t = 0; t < Tq; ++t)
+          std::copy_n(x.data() + (b * T + ctr_cp_position(t, Tq, R, s)) * w, w, y.data() + (b * Tq + t) * w);
+      return y;
+    };
+    // Every rank's rows, rank after rank, per batch entry (the gathered k and v).
+    auto gathered = [&](const F &x, int64_t w) {
+      F y(x.size());
+      for (int64_t s = 0; s < R; ++s) {
+        const F part = rows_of(x, w, s);
+        for (int64_t b = 0; b < c.B; ++b)
+          std::copy_n(part.data() + b * Tq * w, Tq * w, y.data() + (b * T + s * Tq) * w);
+      }
+      return y;
+    };
+    const F kg = gathered(k, wkv), vg = gathered(v, wkv);
+    F dk_sum(nkv, 0.0f), dv_sum(nkv, 0.0f);
+    for (int64_t r = 0; r < R; ++r) {
+      const F qr = rows_of(q, wq, r), doutr = rows_of(dout, wq, r);
+      F o(qr.size(), NAN), p(c.B * c.Hq * Tq * T, NAN), dqr(qr.size(), NAN), dkr(nkv, NAN), dvr(nkv, NAN);
+      ctr::cpu::cp_attention_fwd(qr.data(), kg.data(), vg.data(), o.data(), p.data(), c.B, Tq, c.Hq, c.Hkv, c.D, scale,
+                                 c.causal, c.window, c.softcap, R, r);
+      ctr::cpu::cp_attention_bwd(doutr.data(), qr.data(), kg.data(), vg.data(), p.data(), dqr.data(), dkr.data(),
+                                 dvr.data(), c.B, Tq, c.Hq, c.Hkv, c.D, scale, c.causal, c.window, c.softcap, R, r);
+      const std::string tag = attn_tag(c) + " cp=" + std::to_string(R) + " rank " + std::to_string(r);
+      expect_close(o, rows_of(out, wq, r), 2e-6, 1e-5, "cp attention out" + tag);
+      expect_close(dqr, rows_of(dq, wq, r), 2e-5, 1e-4, "cp attention dq" + tag);
+      // The gathered rows' gradients back at their global positions.
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t j = 0; j < T; ++j) {
+          const int64_t g = b * T + ctr_cp_position(j % Tq, Tq, R, j / Tq);
+          for (int64_t e = 0; e < wkv; ++e) {
+            dk_sum[static_cast<size_t>(g * wkv + e)] += dkr[static_cast<size_t>((b * T + j) * wkv + e)];
+            dv_sum[static_cast<size_t>(g * wkv + e)] += dvr[static_cast<size_t>((b * T + j) * wkv + e)];
+          }
+        }
+    }
+    const std::string tag = attn_tag(c) + " cp=" + std::to_string(R);
+    expect_close(dk_sum, dk, 2e-5, 1e-4, "cp attention dk" + tag);
+    expect_close(dv_sum, dv, 2e-5, 1e-4, "cp attention dv" + tag);
+  }
+}
+
+TEST(CpRope, RowsAtGlobalPositions) {
+  const int64_t B = 2, T = 12, H = 2, D = 4, R = 3, Tq = T / R;
+  F x = random_vec(B * T * H * D, 5), y(x.size()), dx(x.size());
+  ctr::cpu::rope_fwd(x.data(), y.data(), B, T, H, D, 500.0f);
+  ctr::cpu::rope_bwd(x.data(), dx.data(), B, T, H, D, 500.0f);
+  for (int64_t r = 0; r < R; ++r) {
+    F xr(static_cast<size_t>(B * Tq * H * D)), want(xr.size()), want_dx(xr.size());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < Tq; ++t) {
+        const int64_t g = (b * T + ctr_cp_position(t, Tq, R, r)) * H * D, l = (b * Tq + t) * H * D;
+        std::copy_n(x.data() + g, H * D, xr.data() + l);
+        std::copy_n(y.data() + g, H * D, want.data() + l);
+        std::copy_n(dx.data() + g, H * D, want_dx.data() + l);
+      }
+    F yr(xr.size(), NAN), dxr(xr.size(), NAN);
+    ctr::cpu::rope_fwd(xr.data(), yr.data(), B, Tq, H, D, 500.0f, false, R, r);
+    ctr::cpu::rope_bwd(xr.data(), dxr.data(), B, Tq, H, D, 500.0f, false, R, r);
+    expect_close(yr, want, 0.0, 0.0, "cp rope rank " + std::to_string(r));
+    expect_close(dxr, want_dx, 0.0, 0.0, "cp rope bwd rank " + std::to_string(r));
   }
 }
 

@@ -147,7 +147,9 @@ TEST(StageCut, BalancedByFlopsWithEmbeddingFirstAndHeadLast) {
     double worst = 0, total = 0;
     for (size_t s = 0; s < spans.size(); ++s) {
       EXPECT_LE(spans[s].first_block, spans[s].last_block) << "stage " << s;
-      if (s) EXPECT_EQ(spans[s].first_block, spans[s - 1].last_block + 1);
+      if (s) {
+        EXPECT_EQ(spans[s].first_block, spans[s - 1].last_block + 1);
+      }
       worst = std::max(worst, spans[s].flops);
       total += spans[s].flops;
     }

@@ -346,7 +346,7 @@ struct ScheduleArgs {
 
 struct InspectArgs {
   std::string file, after = "verify";
-  int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, ep = 1, tp = 1, pp = 1, rank = 0, micro_batches = 1;
+  int64_t batch = 1, seq = 0, fsdp = 1, dp = 1, ep = 1, cp = 1, tp = 1, pp = 1, rank = 0, micro_batches = 1;
   ScheduleArgs schedule;
   CLI::Option *after_opt = nullptr, *seq_opt = nullptr;
 };
@@ -393,6 +393,7 @@ int cmd_graph_inspect(const InspectArgs &a) {
   set_int(opts.get(), "fsdp", a.fsdp);
   set_int(opts.get(), "dp", a.dp);
   set_int(opts.get(), "ep", a.ep);
+  set_int(opts.get(), "cp", a.cp);
   set_int(opts.get(), "tp", a.tp);
   set_int(opts.get(), "pp", a.pp);
   set_int(opts.get(), "micro_batches", a.micro_batches);
@@ -1195,11 +1196,13 @@ int run_main(int argc, char **argv) {
       ->check(kPositive);
   inspect_cmd->add_option("--dp", inspect.dp, "Replicate over this many ranks (shard pass)")
       ->check(kPositive);
-  inspect_cmd->add_option("--ep", inspect.ep, "Split experts over this many ranks (expert pass; mesh dp,ep,fsdp,tp)")
+  inspect_cmd->add_option("--ep", inspect.ep, "Split experts over this many ranks (expert pass; mesh dp,ep,fsdp,cp,tp)")
+      ->check(kPositive);
+  inspect_cmd->add_option("--cp", inspect.cp, "Split sequences over this many ranks (place pass)")
       ->check(kPositive);
   inspect_cmd->add_option("--tp", inspect.tp, "Split heads and features over this many ranks (place pass)")
       ->check(kPositive);
-  inspect_cmd->add_option("--pp", inspect.pp, "Pipeline stages (schedule pass; mesh pp,dp,ep,fsdp,tp)")
+  inspect_cmd->add_option("--pp", inspect.pp, "Pipeline stages (schedule pass; mesh pp,dp,ep,fsdp,cp,tp)")
       ->check(kPositive);
   inspect_cmd->add_option("--micro-batches", inspect.micro_batches, "Micro-batches per step (schedule pass)")
       ->check(kPositive);
@@ -1253,7 +1256,7 @@ int run_main(int argc, char **argv) {
   run.threads_opt = run_cmd->add_option("--threads", run.threads, "CPU worker threads")
                         ->check(kPositive);
   run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default), or a backend plugin's device such as cuda (libctr-DEVICE.so)");
-  run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4");
+  run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4 or fsdp=2,cp=2");
   run.transport_opt = run_cmd->add_option(
       "--transport", run.transport,
       "Communicator between ranks: ucx (default), or nccl with --device cuda (collectives on device memory)");

@@ -510,7 +510,7 @@ void k_log_softmax_bwd(const Args &c) {
   const auto s = dim_split(c.in_shape(0), c.params<ctr_softmax_params>());
   cpu::log_softmax_bwd(c.in<float>(0), c.in<float>(1), c.out<float>(0), s.outer, s.C, s.inner);
 }
-struct RopeDims { int64_t B, T, H, D; float theta; bool interleaved; };
+struct RopeDims { int64_t B, T, H, D; float theta; bool interleaved; int64_t cp_ranks, cp_index; };
 RopeDims rope_dims(const Args &c) {
   const auto &x = c.in_shape(0);
   RopeDims d;
@@ -521,15 +521,19 @@ RopeDims rope_dims(const Args &c) {
   d.D = x[2] / d.H;
   d.theta = p.theta;
   d.interleaved = p.interleaved != 0;
+  d.cp_ranks = p.cp_ranks;
+  d.cp_index = p.cp_index;
   return d;
 }
 void k_rope(const Args &c) {
   auto d = rope_dims(c);
-  cpu::rope_fwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta, d.interleaved);
+  cpu::rope_fwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta, d.interleaved, d.cp_ranks,
+                d.cp_index);
 }
 void k_rope_bwd(const Args &c) {
   auto d = rope_dims(c);
-  cpu::rope_bwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta, d.interleaved);
+  cpu::rope_bwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta, d.interleaved, d.cp_ranks,
+                d.cp_index);
 }
 struct AttnDims { int64_t B, T, Hq, Hkv, D; float scale; bool causal; int64_t window; float softcap; };
 AttnDims attn_dims(const Args &c, int q_input) {
@@ -557,6 +561,19 @@ void k_attention_bwd(const Args &c) {
   cpu::attention_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.in<float>(4),
                      c.out<float>(0), c.out<float>(1), c.out<float>(2), d.B, d.T, d.Hq, d.Hkv, d.D,
                      d.scale, d.causal, d.window, d.softcap);
+}
+void k_cp_attention(const Args &c) {
+  auto d = attn_dims(c, 0);
+  const auto &p = c.params<ctr_attention_params>();
+  cpu::cp_attention_fwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1), d.B,
+                        d.T, d.Hq, d.Hkv, d.D, d.scale, d.causal, d.window, d.softcap, p.cp_ranks, p.cp_index);
+}
+void k_cp_attention_bwd(const Args &c) {
+  auto d = attn_dims(c, 1);
+  const auto &p = c.params<ctr_attention_params>();
+  cpu::cp_attention_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.in<float>(4),
+                        c.out<float>(0), c.out<float>(1), c.out<float>(2), d.B, d.T, d.Hq, d.Hkv, d.D, d.scale,
+                        d.causal, d.window, d.softcap, p.cp_ranks, p.cp_index);
 }
 void k_cross_entropy(const Args &c) {
   const auto &l = c.in_shape(0);
@@ -794,7 +811,10 @@ void register_library_kernels() {
         {"clamp_bwd", bind_ew<k_unary_bwd<cpu::Unary::Clamp>>},
         {"pow", bind_ew<k_unary<cpu::Unary::Pow>>},  {"pow_bwd", bind_ew<k_unary_bwd<cpu::Unary::Pow>>},
         {"rope_bwd", bind<k_rope_bwd>},           {"attention", bind<k_attention>},
-        {"attention_bwd", bind<k_attention_bwd>}, {"cross_entropy", bind<k_cross_entropy>},
+        {"attention_bwd", bind<k_attention_bwd>}, {"cp_attention", bind<k_cp_attention>},
+        {"cp_attention_bwd", bind<k_cp_attention_bwd>},
+        {"cp_rope", bind<k_rope>},                {"cp_rope_bwd", bind<k_rope_bwd>},
+        {"cross_entropy", bind<k_cross_entropy>},
         {"vocab_ce_stats", bind<k_vocab_ce_stats>}, {"vocab_ce_loss", bind<k_vocab_ce_loss>},
         {"vocab_ce_bwd", bind<k_vocab_ce_bwd>}, {"vocab_embedding", bind<k_vocab_embedding>},
         {"vocab_embedding_bwd", bind<k_vocab_embedding_bwd>},

@@ -1,0 +1,231 @@
+// Context-parallel attention, forward and backward: this rank's query rows (two
+// chunks of the sequence, see ctr_cp_position) against every rank's keys and
+// values, gathered over the cp axis in rank order.
+//
+// The rows are chunks of L positions: the query rows are this rank's two, the
+// key rows every rank's two in rank order. Under a causal mask a query chunk
+// sees the key chunks before it whole, its own one up to the diagonal and none
+// after it, so the products run per (query chunk, key chunk) block and skip the
+// blocks after the diagonal: each rank does about half the [Tq, Tk] products,
+// the same share on every rank (that is what the mirrored chunks are for).
+// Inside the computed blocks the mask (and a window) compares global positions
+// entry by entry; masked entries are exactly zero in probs, and the skipped
+// blocks are zero too. Work is split over (batch, kv head) pairs as in
+// attention.cc, so that a group's query heads add into their dk/dv block in a
+// fixed order on one thread.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common/math.h"
+#include "common/op_params.h"
+#include "core/thread_pool.h"
+#include "cpu/kernels.h"
+#include "cpu/rows.h"
+
+namespace ctr::cpu {
+namespace {
+
+struct CpDims {
+  int64_t B, Tq, Tk, Hq, Hkv, D, group;
+  int64_t ldq, ldkv;
+  float scale;
+  bool causal;
+  int64_t window;
+  float softcap;
+  int64_t ranks, index;
+  const int64_t *kp = nullptr;  // the key rows' global positions, [Tk]
+
+  int64_t qpos(int64_t t) const { return ctr_cp_position(t, Tq, ranks, index); }
+  int64_t kpos(int64_t j) const { return kp[j]; }
+  int64_t L() const { return Tq / 2; }
+  // Whether query chunk qb (0 or 1) sees any key of key chunk kb (0 .. 2 * ranks - 1).
+  bool sees(int64_t qb, int64_t kb) const { return !causal || kpos(kb * L()) <= qpos(qb * L()); }
+  bool visible(int64_t qp, int64_t kp) const {
+    if (!causal) return true;
+    return kp <= qp && (window <= 0 || qp - kp < window);
+  }
+};
+
+float *scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+float *scores_scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+void forward_head(const CpDims &d, const float *q, const float *k, const float *v, float *out, float *P) {
+  const int64_t Tq = d.Tq, Tk = d.Tk, L = d.L();
+  for (int64_t qb = 0; qb < 2; ++qb)
+    for (int64_t kb = 0; kb < Tk / L; ++kb) {
+      float *blk = P + qb * L * Tk + kb * L;
+      if (d.sees(qb, kb))
+        gemm(false, true, L, L, d.D, d.scale, q + qb * L * d.ldq, d.ldq, k + kb * L * d.ldkv, d.ldkv, 0.0f, blk, Tk);
+      else
+        for (int64_t t = 0; t < L; ++t) std::fill(blk + t * Tk, blk + t * Tk + L, 0.0f);
+    }
+  for (int64_t t = 0; t < Tq; ++t) {
+    float *p = P + t * Tk;
+    const int64_t qp = d.qpos(t), qb = t / L;
+    float m = -INFINITY;
+    for (int64_t kb = 0; kb < Tk / L; ++kb) {
+      if (!d.sees(qb, kb)) continue;
+      for (int64_t j = kb * L; j < (kb + 1) * L; ++j) {
+        if (!d.visible(qp, d.kpos(j))) continue;
+        if (d.softcap > 0.0f) p[j] = d.softcap * std::tanh(p[j] / d.softcap);
+        m = std::max(m, p[j]);
+      }
+    }
+    float sum = 0.0f;
+    for (int64_t kb = 0; kb < Tk / L; ++kb) {
+      if (!d.sees(qb, kb)) continue;
+      for (int64_t j = kb * L; j < (kb + 1) * L; ++j) {
+        if (!d.visible(qp, d.kpos(j))) {
+          p[j] = 0.0f;
+          continue;
+        }
+        p[j] = math::exp_fast(p[j] - m);
+        sum += p[j];
+      }
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t kb = 0; kb < Tk / L; ++kb)
+      if (d.sees(qb, kb))
+        for (int64_t j = kb * L; j < (kb + 1) * L; ++j) p[j] *= inv;
+  }
+  for (int64_t qb = 0; qb < 2; ++qb) {
+    float beta = 0.0f;
+    for (int64_t kb = 0; kb < Tk / L; ++kb) {
+      if (!d.sees(qb, kb)) continue;
+      gemm(false, false, L, d.D, L, 1.0f, P + qb * L * Tk + kb * L, Tk, v + kb * L * d.ldkv, d.ldkv, beta,
+           out + qb * L * d.ldq, d.ldq);
+      beta = 1.0f;
+    }
+  }
+}
+
+void backward_head(const CpDims &d, const float *dout, const float *q, const float *k, const float *v,
+                   const float *P, float *dq, float *dk, float *dv, float beta, float *dS) {
+  const int64_t Tq = d.Tq, Tk = d.Tk, L = d.L();
+  // dP = dout v^T, then dS = P * (dP - rowsum(P * dP)); masked entries have P = 0,
+  // and the skipped blocks are zeroed so that the row sums may run over them.
+  float *raw = d.softcap > 0.0f ? scores_scratch(Tq * Tk) : nullptr;
+  for (int64_t qb = 0; qb < 2; ++qb)
+    for (int64_t kb = 0; kb < Tk / L; ++kb) {
+      float *blk = dS + qb * L * Tk + kb * L;
+      if (!d.sees(qb, kb)) {
+        for (int64_t t = 0; t < L; ++t) std::fill(blk + t * Tk, blk + t * Tk + L, 0.0f);
+        continue;
+      }
+      gemm(false, true, L, L, d.D, 1.0f, dout + qb * L * d.ldq, d.ldq, v + kb * L * d.ldkv, d.ldkv, 0.0f, blk, Tk);
+      if (raw)
+        gemm(false, true, L, L, d.D, d.scale, q + qb * L * d.ldq, d.ldq, k + kb * L * d.ldkv, d.ldkv, 0.0f,
+             raw + qb * L * Tk + kb * L, Tk);
+    }
+  for (int64_t t = 0; t < Tq; ++t) {
+    const float *p = P + t * Tk;
+    float *s = dS + t * Tk;
+    const float dot = rows::row_dot(p, s, Tk);
+    for (int64_t j = 0; j < Tk; ++j) s[j] = p[j] * (s[j] - dot);
+    if (raw)
+      for (int64_t j = 0; j < Tk; ++j) {
+        if (p[j] == 0.0f) continue;  // masked or skipped: raw may be unset there
+        const float th = std::tanh(raw[t * Tk + j] / d.softcap);
+        s[j] *= 1.0f - th * th;
+      }
+  }
+  // dk and dv rows no query of this rank sees stay zero (first head of a group).
+  if (beta == 0.0f)
+    for (int64_t j = 0; j < Tk; ++j) {
+      std::fill(dk + j * d.ldkv, dk + j * d.ldkv + d.D, 0.0f);
+      std::fill(dv + j * d.ldkv, dv + j * d.ldkv + d.D, 0.0f);
+    }
+  for (int64_t qb = 0; qb < 2; ++qb) {
+    float dq_beta = 0.0f;
+    for (int64_t kb = 0; kb < Tk / L; ++kb) {
+      if (!d.sees(qb, kb)) continue;
+      const float *sb = dS + qb * L * Tk + kb * L, *pb = P + qb * L * Tk + kb * L;
+      gemm(false, false, L, d.D, L, d.scale, sb, Tk, k + kb * L * d.ldkv, d.ldkv, dq_beta, dq + qb * L * d.ldq,
+           d.ldq);
+      dq_beta = 1.0f;
+      gemm(true, false, L, d.D, L, d.scale, sb, Tk, q + qb * L * d.ldq, d.ldq, 1.0f, dk + kb * L * d.ldkv, d.ldkv);
+      gemm(true, false, L, d.D, L, 1.0f, pb, Tk, dout + qb * L * d.ldq, d.ldq, 1.0f, dv + kb * L * d.ldkv, d.ldkv);
+    }
+  }
+}
+
+CpDims make_dims(int64_t B, int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
+                 int64_t window, float softcap, int64_t ranks, int64_t index) {
+  return CpDims{B,      Tq,     ranks * Tq, Hq,    Hkv, D, Hq / Hkv, Hq * D, Hkv * D, scale, causal,
+                causal && window > 0 ? window : 0, softcap > 0.0f ? softcap : 0.0f, ranks, index};
+}
+
+// Key row j is row j % Tq of rank j / Tq.
+std::vector<int64_t> key_positions(const CpDims &d) {
+  std::vector<int64_t> kp(static_cast<size_t>(d.Tk));
+  for (int64_t j = 0; j < d.Tk; ++j) kp[static_cast<size_t>(j)] = ctr_cp_position(j % d.Tq, d.Tq, d.ranks, j / d.Tq);
+  return kp;
+}
+
+int64_t pair_grain(const CpDims &d) {
+  const double flops = 4.0 * d.Tq * d.Tk * d.D * d.group;
+  return flops >= 2e5 ? 1 : std::max<int64_t>(1, static_cast<int64_t>(2e5 / flops));
+}
+
+}  // namespace
+
+void cp_attention_fwd(const float *q, const float *k, const float *v, float *out, float *probs, int64_t B,
+                      int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal, int64_t window,
+                      float softcap, int64_t ranks, int64_t index) {
+  CpDims d = make_dims(B, Tq, Hq, Hkv, D, scale, causal, window, softcap, ranks, index);
+  const std::vector<int64_t> kp = key_positions(d);
+  d.kp = kp.data();
+  struct Args {
+    const float *q, *k, *v;
+    float *out, *probs;
+  } a{q, k, v, out, probs};
+  ctr::parallel_for(B * Hkv, pair_grain(d), [&d, &a](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / d.Hkv, g = p % d.Hkv;
+      const int64_t kv_off = b * d.Tk * d.ldkv + g * d.D;
+      for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
+        const int64_t q_off = b * d.Tq * d.ldq + h * d.D;
+        forward_head(d, a.q + q_off, a.k + kv_off, a.v + kv_off, a.out + q_off,
+                     a.probs + (b * d.Hq + h) * d.Tq * d.Tk);
+      }
+    }
+  });
+}
+
+void cp_attention_bwd(const float *dout, const float *q, const float *k, const float *v, const float *probs,
+                      float *dq, float *dk, float *dv, int64_t B, int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D,
+                      float scale, bool causal, int64_t window, float softcap, int64_t ranks, int64_t index) {
+  CpDims d = make_dims(B, Tq, Hq, Hkv, D, scale, causal, window, softcap, ranks, index);
+  const std::vector<int64_t> kp = key_positions(d);
+  d.kp = kp.data();
+  struct Args {
+    const float *dout, *q, *k, *v, *probs;
+    float *dq, *dk, *dv;
+  } a{dout, q, k, v, probs, dq, dk, dv};
+  ctr::parallel_for(B * Hkv, pair_grain(d), [&d, &a](int64_t p0, int64_t p1) {
+    float *dS = scratch(d.Tq * d.Tk);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / d.Hkv, g = p % d.Hkv;
+      const int64_t kv_off = b * d.Tk * d.ldkv + g * d.D;
+      for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
+        const int64_t q_off = b * d.Tq * d.ldq + h * d.D;
+        backward_head(d, a.dout + q_off, a.q + q_off, a.k + kv_off, a.v + kv_off,
+                      a.probs + (b * d.Hq + h) * d.Tq * d.Tk, a.dq + q_off, a.dk + kv_off, a.dv + kv_off,
+                      h == g * d.group ? 0.0f : 1.0f, dS);
+      }
+    }
+  });
+}
+
+}  // namespace ctr::cpu
