@@ -87,6 +87,9 @@ struct Tensor {
   int64_t offset = 0;          // plan_memory: byte offset within its storage
   int64_t alloc_bytes = 0;     // bytes to reserve when more than bytes() (padded collectives)
   bool keep = false;           // stays readable after the step (step option "keep")
+  // An input of a pipeline stage that another stage computes (pass stages):
+  // autodiff gives it a gradient, which goes back to that stage.
+  bool wants_grad = false;
   // How the tensor is laid out over the mesh (graph/placement.h); shape is the
   // local block. Set by the placement passes (shard, expert).
   Placement placement;
@@ -134,8 +137,14 @@ struct Graph {
 
   // Forward nodes are nodes[0, num_forward) once autodiff has run.
   int num_forward = -1;
-  // The Const tensor holding d(loss)/d(loss), made by autodiff.
+  // The Const tensor holding d(loss)/d(loss), made by autodiff (-1 on a
+  // pipeline stage without the loss).
   int loss_seed = -1;
+  // Pipeline stages (pass stages): (activation sent to a later stage, the
+  // input that receives its gradient from there), which autodiff seeds with;
+  // and, filled by autodiff, (received input, its gradient, -1 if none).
+  std::vector<std::pair<int, int>> grad_seeds;
+  std::vector<std::pair<int, int>> input_grads;
   // Values of the symbolic dims ("batch", "seq"), bound by infer_shapes before
   // any shape rule runs; size expressions in attributes read them (eval_size).
   std::map<std::string, int64_t> symbols;

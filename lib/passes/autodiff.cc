@@ -20,7 +20,8 @@ namespace {
 class Builder : public VjpBuilder {
  public:
   explicit Builder(Graph &g) : g_(g), grad_(g.tensors.size(), -1), needs_(g.tensors.size(), false) {
-    for (size_t i = 0; i < g.tensors.size(); ++i) needs_[i] = g.tensors[i].role == Role::Param;
+    for (size_t i = 0; i < g.tensors.size(); ++i)
+      needs_[i] = g.tensors[i].role == Role::Param || g.tensors[i].wants_grad;
     for (const Node &n : g.nodes) {
       bool any = false;
       for (int in : n.inputs) any |= needs_[in];
@@ -115,22 +116,31 @@ void pass_autodiff(Graph &g) {
   const int nforward = static_cast<int>(g.nodes.size());
   g.num_forward = nforward;
 
-  Tensor seed;
-  seed.name = "loss.grad";
-  seed.role = Role::Const;
-  seed.dtype = CTR_DTYPE_F32;
-  seed.has_shape = true;
-  seed.shape = g.tensors[g.loss].shape;
-  seed.init.kind = InitKind::Data;
-  float one = 1.0f;
-  seed.data.assign(reinterpret_cast<uint8_t *>(&one), reinterpret_cast<uint8_t *>(&one) + 4);
-  // Named for dumps only; the step finds it by index, so a file tensor that
-  // happens to have the same name cannot be mistaken for it.
-  int seed_id = g.add_tensor(std::move(seed));
-  g.loss_seed = seed_id;
-
   Builder b(g);
-  b.seed(g.loss, seed_id);
+  if (g.loss >= 0) {
+    Tensor seed;
+    seed.name = "loss.grad";
+    seed.role = Role::Const;
+    seed.dtype = CTR_DTYPE_F32;
+    seed.has_shape = true;
+    seed.shape = g.tensors[g.loss].shape;
+    seed.init.kind = InitKind::Data;
+    float one = 1.0f;
+    seed.data.assign(reinterpret_cast<uint8_t *>(&one), reinterpret_cast<uint8_t *>(&one) + 4);
+    // Named for dumps only; the step finds it by index, so a file tensor that
+    // happens to have the same name cannot be mistaken for it.
+    int seed_id = g.add_tensor(std::move(seed));
+    g.loss_seed = seed_id;
+    b.seed(g.loss, seed_id);
+  }
+  // A pipeline stage's activations read by later stages: their gradients
+  // arrive from there.
+  for (const auto &[t, in] : g.grad_seeds) {
+    if (b.grad(t) < 0)
+      b.seed(t, in);
+    else
+      b.accumulate(t, in);
+  }
   for (int ni = nforward - 1; ni >= 0; --ni) {
     // Copy: emitting nodes may reallocate g.nodes.
     Node n = g.nodes[ni];
@@ -163,6 +173,15 @@ void pass_autodiff(Graph &g) {
       gt = c;
     }
     g.tensors[gt].grad_of = static_cast<int>(i);
+  }
+  // The gradients of a pipeline stage's received activations, read after the
+  // backward to go back to the stages that sent them.
+  g.input_grads.clear();
+  for (size_t i = 0; i < g.tensors.size(); ++i) {
+    if (!g.tensors[i].wants_grad) continue;
+    const int gt = b.grad(static_cast<int>(i));
+    if (gt >= 0) g.tensors[static_cast<size_t>(gt)].keep = true;
+    g.input_grads.push_back({static_cast<int>(i), gt});
   }
 }
 

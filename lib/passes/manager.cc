@@ -59,6 +59,7 @@ void run_infer_shapes(PassContext &c) { pass_infer_shapes(c.graph, c.opt); }
 void run_fuse(PassContext &c) { c.fused = pass_fuse(c.graph, c.opt); }
 void run_expert(PassContext &c) { pass_expert(c.graph, c.opt); }
 void run_place(PassContext &c) { c.placed = pass_place(c.graph, c.opt, c.has_kernel); }
+void run_stages(PassContext &c) { c.stage_cut = pass_stages(c.graph, c.opt, c.pipeline); }
 void run_autodiff(PassContext &c) {
   // The backend's layouts of saved outputs, before anything sizes them (the
   // reorder pass's memory-budget trials, recompute, the plan): after expert,
@@ -101,6 +102,26 @@ std::string dump_schedule(const PassContext &c) {
          schedule_text(s) + "\n" + dump_graph(c.graph);
 }
 
+std::string dump_stages(const PassContext &c) {
+  const StageCut &s = c.stage_cut;
+  if (s.stages <= 1) return "pipeline stages: one (the whole graph)\n" + dump_graph(c.graph);
+  std::string out = strformat("pipeline stages: this rank runs stage %d of %d\n", s.stage, s.stages);
+  for (const StageCut::Boundary &b : s.recv)
+    out += strformat("  receives %s from stage %d%s\n", c.graph.describe_tensor(b.tensor).c_str(), b.peer,
+                     b.grad ? " (its gradient goes back)" : "");
+  for (const StageCut::Boundary &b : s.send)
+    out += strformat("  sends %s to stage %d%s\n", c.graph.describe_tensor(b.tensor).c_str(), b.peer,
+                     b.grad ? " (its gradient comes back)" : "");
+  for (const auto &[name, bytes] : s.elsewhere_inputs) out += "  input '" + name + "' is read on other stages\n";
+  for (const StageCut::Home &h : s.params) {
+    if (h.stages.size() < 2) continue;
+    std::string on;
+    for (int st : h.stages) on += (on.empty() ? "" : ", ") + std::to_string(st);
+    out += "  parameter '" + h.name + "' is read on stages " + on + " (its gradient is summed over them)\n";
+  }
+  return out + dump_graph(c.graph);
+}
+
 std::string dump_plan(const PassContext &c) {
   const MemoryPlan &p = c.plan;
   return strformat(
@@ -127,6 +148,9 @@ const std::vector<PassDef> &pass_list() {
       {"place", "activations placed over tp and cp: column- and row-parallel regions, heads split, all-reduces "
                 "inserted; sequences split over cp, keys and values gathered",
        false, read_place, run_place, dump_place},
+      {"stages", "the forward graph cut to this rank's pipeline stage, activations crossing stages as inputs and "
+                 "kept outputs",
+       false, nullptr, run_stages, dump_stages},
       {"autodiff", "the backward graph appended", false, nullptr, run_autodiff, nullptr},
       {"recompute", "activation checkpointing: block forwards copied into backward", false,
        read_recompute_options, run_recompute, nullptr},

@@ -99,6 +99,7 @@ struct PassContext {
   std::string precision;         // what precision chose
   std::string epilogues;         // what epilogues fused
   Schedule pipeline;             // schedule: per stage, its tasks in run order
+  StageCut stage_cut;            // stages: this rank's stage and what crosses to the others
   uint32_t backend_flags = 0;    // the step's backend's CTR_BACKEND_* flags
 };
 
@@ -284,6 +285,12 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &
 // without one) and option micro_batches, and with several stages (or option
 // pp_stages) the graph's blocks cut into them; refuses what cannot run.
 Schedule pass_schedule(const Graph &g, const CompileOptions &opt);
+// stages.cc: with several pipeline stages, the forward graph cut down to this
+// rank's stage (its pp index): the nodes of its blocks (the embedding on the
+// first stage, the head and loss on the last), the parameters they read, the
+// activations other stages compute as inputs received from them, those later
+// stages read kept to be sent. Runs after place, before autodiff. No-op with one stage.
+StageCut pass_stages(Graph &g, const CompileOptions &opt, const Schedule &s);
 
 // Dump of a program's instruction lists.
 std::string dump_program(const Graph &g, const Program &p);

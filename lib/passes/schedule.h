@@ -17,8 +17,9 @@
 // balanced by the op registry's forward FLOPs, or as an explicit list of
 // blocks per stage.
 //
-// The step runs one stage's list (Step::run); with one stage, 1F1B is
-// forward then backward per micro-batch, the step's order before schedules.
+// The step runs one stage's list (Step::run) on the graph pass_stages cut
+// for it; with one stage, 1F1B is forward then backward per micro-batch, the
+// step's order before schedules.
 #pragma once
 
 #include <cstdint>
@@ -80,6 +81,31 @@ void check_schedule(Schedule &s);
 // blocks than stages, and a list whose length is not the stage count, with an
 // entry below 1, or whose sum is not the block count.
 std::vector<StageSpan> cut_stages(const Graph &g, int stages, const std::vector<int64_t> &blocks_per_stage);
+
+// This rank's stage of a pipeline, as pass_stages cut it out of the graph.
+struct StageCut {
+  int stage = 0, stages = 1;
+  // An activation crossing stages: received before this stage's forward (and
+  // its gradient sent back after the backward), or sent after the forward (and
+  // its gradient received before the backward).
+  struct Boundary {
+    int tensor = -1;       // in the cut graph: the received input, or the sent activation
+    int peer = 0;          // the other stage
+    bool grad = false;     // a gradient goes back (the activation depends on a parameter)
+    int grad_tensor = -1;  // sent: the input receiving its gradient; received: its gradient (after autodiff)
+  };
+  std::vector<Boundary> recv, send;
+  // Graph inputs that only other stages read: name and bytes per micro-batch.
+  std::vector<std::pair<std::string, int64_t>> elsewhere_inputs;
+  // Every parameter of the whole graph, in graph order: its full shape and the
+  // stages whose nodes read it (a tied embedding: the first and the last).
+  struct Home {
+    std::string name;
+    std::vector<int64_t> full_shape;
+    std::vector<int> stages;
+  };
+  std::vector<Home> params;
+};
 
 // "F3" or "B0": a task as the schedule printouts write it.
 std::string task_text(const Task &t);

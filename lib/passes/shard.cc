@@ -28,14 +28,13 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
   // pass's collectives over cp.
   for (const Node &n : g.nodes) has_cp |= is_collective(n) && n.attr_string("axis", "") == "cp";
   for (const MeshPlacement::Axis &a : opt.mesh.axes)
-    CTR_REQUIRE(a.size == 1 || a.name == "fsdp" || a.name == "dp" || (a.name == "ep" && has_experts) ||
+    CTR_REQUIRE(a.size == 1 || a.name == "fsdp" || a.name == "dp" || a.name == "pp" || (a.name == "ep" && has_experts) ||
                     (a.name == "tp" && has_tp) || (a.name == "cp" && has_cp),
                 CTR_STATUS_UNSUPPORTED,
                 "shard: mesh axis '%s' has size %lld, but graph '%s' has nothing to place on it (%s); "
                 "use dp and fsdp",
                 a.name.c_str(), static_cast<long long>(a.size), g.name.c_str(),
                 a.name == "ep"   ? "no expert layers"
-                : a.name == "pp" ? "its pipeline schedule is built, but graphs are not cut into stages yet"
                                  : "no tensor-parallel layout");
   const int64_t fsdp = opt.mesh.size("fsdp"), dp = opt.mesh.size("dp"), ep = opt.mesh.size("ep");
   const int64_t cp = opt.mesh.size("cp");

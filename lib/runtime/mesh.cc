@@ -73,11 +73,11 @@ int Mesh::axis_index(const std::string &name) const {
 int Mesh::data_rank() const {
   int r = 0;
   for (const auto &a : axes)
-    if (a.first != "tp" && a.first != "cp") r = r * a.second + axis_index(a.first);
+    if (a.first != "tp" && a.first != "cp" && a.first != "pp") r = r * a.second + axis_index(a.first);
   return r;
 }
 
-int Mesh::data_size() const { return world / (axis_size("tp") * axis_size("cp")); }
+int Mesh::data_size() const { return world / (axis_size("tp") * axis_size("cp") * axis_size("pp")); }
 
 std::vector<int> Mesh::axis_group(const std::string &name) const {
   int stride = 1, size = 1;

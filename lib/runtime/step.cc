@@ -177,30 +177,35 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     plan_ = std::move(ctx.plan);
     pipeline_ = std::move(ctx.pipeline);
     stage_ = static_cast<int>(copt_.mesh.index("pp"));
-    // The memory plan holds one micro-batch's activations.
-    const int64_t live = pipeline_.in_flight[static_cast<size_t>(stage_)];
-    CTR_REQUIRE(live == 1, CTR_STATUS_UNSUPPORTED,
-                "ctr_step_create: pipeline schedule %s keeps %lld micro-batches in flight on stage %d (%lld "
-                "micro-batches, %d stage(s)), and the memory plan holds the activations of one; choose 1f1b",
-                schedule_kind_name(pipeline_.kind), static_cast<long long>(live), stage_,
-                static_cast<long long>(pipeline_.micro_batches), pipeline_.stages);
+    cut_ = std::move(ctx.stage_cut);
+    // Each micro-batch in flight on this stage (forward run, backward not yet)
+    // keeps its activations in its own copy of the arena.
+    slots_in_flight_ = std::max<int64_t>(1, pipeline_.in_flight[static_cast<size_t>(stage_)]);
+    CTR_REQUIRE(pipeline_.stages == 1 || kept_.empty(), CTR_STATUS_UNSUPPORTED,
+                "ctr_step_create: option 'keep' is not available with pipeline stages (pp=%d) yet",
+                pipeline_.stages);
     passes_run_ = std::move(ctx.ran);
   }
 
   // Seed of the backward pass: averaged over micro-batches.
+  // (A pipeline stage before the last has no loss: its seeds are the
+  // gradients later stages send, averaged there.)
   const int seed_t = g_.loss_seed;
-  CTR_CHECK(seed_t >= 0 && g_.tensors[seed_t].data.size() == 4);
-  const float inv = 1.0f / static_cast<float>(copt_.micro_batches);
-  std::memcpy(g_.tensors[seed_t].data.data(), &inv, 4);
+  CTR_CHECK(seed_t >= 0 || cut_.stages > 1);
+  if (seed_t >= 0) {
+    CTR_CHECK(g_.tensors[seed_t].data.size() == 4);
+    const float inv = 1.0f / static_cast<float>(copt_.micro_batches);
+    std::memcpy(g_.tensors[seed_t].data.data(), &inv, 4);
+  }
 
   {
     const int64_t opt = plan_.param_bytes * (copt_.micro_batches > 1 ? 3 : 2);
-    const int64_t total =
-        plan_.arena_bytes + 2 * plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + opt;
+    const int64_t arena = plan_.arena_bytes * slots_in_flight_;
+    const int64_t total = arena + 2 * plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + opt;
     CTR_REQUIRE(total <= memory_limit, CTR_STATUS_OUT_OF_MEMORY,
                 "ctr_step_create: the plan needs %.2f GiB (activations %.2f, parameters %.2f and as much for "
                 "gradients, optimizer %.2f), more than the memory limit of %.2f GiB (option 'memory_limit')",
-                total / 1073741824.0, plan_.arena_bytes / 1073741824.0, plan_.param_bytes / 1073741824.0,
+                total / 1073741824.0, arena / 1073741824.0, plan_.param_bytes / 1073741824.0,
                 opt / 1073741824.0, memory_limit / 1073741824.0);
   }
   // A failure from here to the end of the constructor frees what was allocated
@@ -212,7 +217,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
       if (armed) s->free_buffers();
     }
   } free_on_throw{this};
-  arena_ = must_alloc(be_, plan_.arena_bytes, "the activation arena");
+  arena_ = must_alloc(be_, plan_.arena_bytes * slots_in_flight_, "the activation arena");
   params_ = must_alloc(be_, plan_.param_bytes, "parameters");
   grads_ = must_alloc(be_, plan_.param_bytes, "gradients");
   inputs_ = must_alloc(be_, plan_.input_bytes, "inputs");
@@ -245,6 +250,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     s.grad = plan_.param_grad[i];
     s.n = t.numel();
     s.decay = !t.no_decay;
+    if (const StageCut::Home *h = pp_home(t.name)) s.norm_once_elsewhere = h->stages.front() != stage_;
     slots_.push_back(s);
     // As torch: a parameter no gradient reaches is not stepped.
     if (s.grad >= 0) segments.push_back({t.offset / 4, s.n, s.decay});
@@ -264,6 +270,8 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
       std::vector<std::string> axes;
       for (const std::string &a : g_.tensors[s.tensor].placement.shard_axes())
         if (copt_.mesh.size(a) > 1) axes.push_back(a);
+      // Pipeline stages hold different parameters: every norm sums over pp.
+      if (cut_.stages > 1) axes.push_back("pp");
       size_t k = 0;
       while (k < norm_groups_.size() && norm_groups_[k] != axes) ++k;
       if (k == norm_groups_.size()) {
@@ -308,15 +316,20 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     s.lo = 1;
     s.hi = 0;
     id_range_of(g_, s.tensor, &s.lo, &s.hi);
+    for (const StageCut::Boundary &b : cut_.recv) s.internal |= b.tensor == s.tensor;
+    for (const StageCut::Boundary &b : cut_.send) s.internal |= b.grad_tensor == s.tensor;
     inputs_slots_.push_back(s);
     if (t.name == "tokens") tokens_per_micro_ = t.numel();
   }
-  if (tokens_per_micro_ == 0 && !inputs_slots_.empty())
-    tokens_per_micro_ = g_.tensors[inputs_slots_[0].tensor].numel();
+  for (const auto &[name, bytes] : cut_.elsewhere_inputs)
+    if (name == "tokens") tokens_per_micro_ = bytes / 4;
+  for (const InputSlot &s : inputs_slots_)
+    if (tokens_per_micro_ == 0 && !s.internal) tokens_per_micro_ = g_.tensors[s.tensor].numel();
   // A captured graph bakes in its addresses: with several micro-batches the
   // inputs stay at one place, and each micro-batch is copied there (a device
   // copy ordered on stream 0) instead of moving the tensors to it.
-  if (graphs && be_.iface->capture_begin && copt_.micro_batches > 1 && !inputs_slots_.empty()) {
+  if (graphs && be_.iface->capture_begin && copt_.micro_batches > 1 && !inputs_slots_.empty() &&
+      slots_in_flight_ == 1) {
     int64_t cur = 0;
     for (InputSlot &s : inputs_slots_) {
       s.cur = cur;
@@ -326,6 +339,14 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     for (const InputSlot &s : inputs_slots_) addr[s.tensor] = static_cast<char *>(inputs_cur_) + s.cur;
   }
 
+  for (int64_t k = 1; k < slots_in_flight_; ++k) {
+    // The same program over the k-th copy of the arena.
+    std::vector<void *> a = addr;
+    for (size_t i = 0; i < g_.tensors.size(); ++i)
+      if (g_.tensors[i].storage == Storage::Arena) a[i] = static_cast<char *>(a[i]) + k * plan_.arena_bytes;
+    more_exec_.push_back(std::make_unique<Executor>(g_, prog_, mesh_, be_, std::move(a), device_comms_.get()));
+    more_exec_.back()->enable_graphs(graphs);
+  }
   exec_ = std::make_unique<Executor>(g_, prog_, mesh_, be_, std::move(addr), device_comms_.get());
   exec_->enable_graphs(graphs);
   ckpt_ = std::make_unique<Checkpointer>(mesh_, async_save_lag_);
@@ -335,6 +356,15 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
 
 void Step::free_buffers() {
   ckpt_.reset();  // a background write ends; nothing is published
+  // Sends still in flight (a step that failed) finish or fail before their bytes go.
+  for (PendingSend &p : sends_) {
+    try {
+      comm_wait(mesh_.comm("pp"), p.work, mesh_.timeout_ms);
+    } catch (const Error &) {
+    }
+  }
+  sends_.clear();
+  more_exec_.clear();
   exec_.reset();
   device_comms_.reset();  // nothing of theirs is in flight once the executor is gone
   opt_.reset();
@@ -400,16 +430,32 @@ void Step::init_params(uint64_t seed) {
 int64_t Step::optimizer_bytes() const { return opt_->state_bytes(); }
 
 int64_t Step::peak_bytes() const {
-  return plan_.arena_bytes + 2 * plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + optimizer_bytes();
+  return plan_.arena_bytes * slots_in_flight_ + 2 * plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + optimizer_bytes();
 }
 
 void Step::set_input(const std::string &name, const void *data, size_t bytes) {
   InputSlot *slot = nullptr;
   for (auto &s : inputs_slots_)
     if (g_.tensors[s.tensor].name == name) slot = &s;
+  // An input that only other pipeline stages read: theirs to check and use.
+  for (const auto &[other, per_micro] : cut_.elsewhere_inputs) {
+    if (other != name) continue;
+    const size_t want = static_cast<size_t>(per_micro * copt_.micro_batches);
+    CTR_REQUIRE(data != nullptr, CTR_STATUS_INVALID_ARGUMENT, "ctr_step_set_input: data is NULL");
+    CTR_REQUIRE(bytes == want, CTR_STATUS_INVALID_ARGUMENT,
+                "ctr_step_set_input: input '%s' takes %zu bytes (%lld micro-batch(es)), got %zu", name.c_str(), want,
+                static_cast<long long>(copt_.micro_batches), bytes);
+    return;
+  }
+  CTR_REQUIRE(!slot || !slot->internal, CTR_STATUS_INVALID_ARGUMENT,
+              "ctr_step_set_input: '%s' is an activation pipeline stage %d receives from another stage, not an "
+              "input of the graph",
+              name.c_str(), stage_);
   if (!slot) {
     std::string list;
-    for (auto &s : inputs_slots_) list += (list.empty() ? "" : ", ") + g_.tensors[s.tensor].name;
+    for (auto &s : inputs_slots_)
+      if (!s.internal) list += (list.empty() ? "" : ", ") + g_.tensors[s.tensor].name;
+    for (const auto &e : cut_.elsewhere_inputs) list += (list.empty() ? "" : ", ") + e.first;
     fail(CTR_STATUS_NOT_FOUND,
          strformat("ctr_step_set_input: graph has no input '%s' (inputs: %s)", name.c_str(), list.c_str()));
   }
@@ -438,17 +484,134 @@ void Step::set_input(const std::string &name, const void *data, size_t bytes) {
 
 void Step::check_inputs_set(const char *what) const {
   for (const auto &s : inputs_slots_)
-    CTR_REQUIRE(s.set, CTR_STATUS_INVALID_STATE, "%s: input '%s' has not been set", what,
+    CTR_REQUIRE(s.set || s.internal, CTR_STATUS_INVALID_STATE, "%s: input '%s' has not been set", what,
                 g_.tensors[s.tensor].name.c_str());
 }
 
 void Step::bind_micro_batch(int64_t mb) {
+  Executor &ex = exec_for(mb);
   for (const auto &s : inputs_slots_) {
     char *from = static_cast<char *>(inputs_) + g_.tensors[s.tensor].offset + mb * s.bytes;
     if (inputs_cur_)
       be_.iface->copy_d2d(be_.ctx, static_cast<char *>(inputs_cur_) + s.cur, from, static_cast<size_t>(s.bytes), 0);
     else
-      exec_->rebind(s.tensor, from);
+      ex.rebind(s.tensor, from);
+  }
+}
+
+Executor &Step::exec_for(int64_t mb) const {
+  const int64_t k = mb % slots_in_flight_;
+  return k == 0 ? *exec_ : *more_exec_[static_cast<size_t>(k - 1)];
+}
+
+// ---------------------------------------------------------------------------
+// Pipeline stages: activations and gradients between stages, over the pp
+// communicator (member i is stage i), through host buffers.
+
+void Step::pp_receive(int64_t mb, bool grads) {
+  if (cut_.stages <= 1) return;
+  const Comm &c = mesh_.comm("pp");
+  struct Pending {
+    CommWork *work;
+    std::vector<char> buf;
+    int tensor;
+  };
+  std::vector<Pending> pending;
+  auto receive = [&](int tensor, int peer) {
+    Pending p{nullptr, std::vector<char>(static_cast<size_t>(g_.tensors[tensor].bytes())), tensor};
+    const CollectiveName what(strformat("recv '%s' of micro-batch %lld from stage %d", g_.tensors[tensor].name.c_str(),
+                                        static_cast<long long>(mb), peer));
+    p.work = c.iface->recv(c.ctx, p.buf.data(), p.buf.size(), peer);
+    pending.push_back(std::move(p));
+  };
+  if (!grads) {
+    for (const StageCut::Boundary &b : cut_.recv) receive(b.tensor, b.peer);
+  } else {
+    for (const StageCut::Boundary &b : cut_.send)
+      if (b.grad) receive(b.grad_tensor, b.peer);
+  }
+  for (Pending &p : pending) {
+    comm_wait(c, p.work, mesh_.timeout_ms);
+    const Tensor &t = g_.tensors[p.tensor];
+    be_.iface->copy_h2d(be_.ctx, static_cast<char *>(inputs_) + t.offset + mb * t.bytes(), p.buf.data(),
+                        p.buf.size(), 0);
+  }
+}
+
+void Step::pp_send(int64_t mb, bool grads) {
+  if (cut_.stages <= 1) return;
+  const Comm &c = mesh_.comm("pp");
+  Executor &ex = exec_for(mb);
+  auto send = [&](int tensor, int like, int peer) {
+    PendingSend p;
+    p.bytes.assign(static_cast<size_t>(g_.tensors[like].bytes()), 0);
+    if (tensor >= 0) be_.iface->copy_d2h(be_.ctx, p.bytes.data(), ex.addr(tensor), p.bytes.size(), 0);
+    const CollectiveName what(strformat("send '%s' of micro-batch %lld to stage %d", g_.tensors[like].name.c_str(),
+                                        static_cast<long long>(mb), peer));
+    p.work = c.iface->send(c.ctx, p.bytes.data(), p.bytes.size(), peer);
+    sends_.push_back(std::move(p));
+  };
+  if (!grads) {
+    for (const StageCut::Boundary &b : cut_.send) send(b.tensor, b.tensor, b.peer);
+  } else {
+    for (const StageCut::Boundary &b : cut_.recv) {
+      if (!b.grad) continue;
+      int gt = -1;  // no gradient reaches it: zeros go back
+      for (const auto &[t, grad] : g_.input_grads)
+        if (t == b.tensor) gt = grad;
+      send(gt, b.tensor, b.peer);
+    }
+  }
+  check_backend(be_, "reading activations to send to another pipeline stage");
+}
+
+void Step::finish_sends() {
+  if (sends_.empty()) return;
+  const Comm &c = mesh_.comm("pp");
+  std::vector<PendingSend> sends = std::move(sends_);
+  sends_.clear();
+  for (PendingSend &p : sends) comm_wait(c, p.work, mesh_.timeout_ms);
+}
+
+const StageCut::Home *Step::pp_home(const std::string &name) const {
+  for (const StageCut::Home &h : cut_.params)
+    if (h.name == name) return &h;
+  return nullptr;
+}
+
+void Step::pp_sum_shared_grads() {
+  if (cut_.stages <= 1) return;
+  const Comm &c = mesh_.comm("pp");
+  float *grads = const_cast<float *>(opt_->grads());
+  for (const StageCut::Home &h : cut_.params) {
+    if (h.stages.size() < 2 || std::find(h.stages.begin(), h.stages.end(), stage_) == h.stages.end()) continue;
+    const ParamSlot *slot = nullptr;
+    for (const ParamSlot &s : slots_)
+      if (g_.tensors[s.tensor].name == h.name) slot = &s;
+    CTR_CHECK(slot != nullptr);
+    if (slot->grad < 0) continue;
+    float *dev = grads + g_.tensors[slot->tensor].offset / 4;
+    const size_t n = static_cast<size_t>(slot->n);
+    // Every holder sends its sum to the others and adds theirs in stage order,
+    // so each ends with the same bits.
+    std::vector<std::vector<float>> parts(h.stages.size(), std::vector<float>(n));
+    size_t mine = 0;
+    for (size_t i = 0; i < h.stages.size(); ++i)
+      if (h.stages[i] == stage_) mine = i;
+    be_.iface->copy_d2h(be_.ctx, parts[mine].data(), dev, n * 4, 0);
+    check_backend(be_, "reading a gradient to sum over pipeline stages");
+    const CollectiveName what(strformat("gradient of '%s' over pipeline stages", h.name.c_str()));
+    std::vector<CommWork *> works;
+    for (size_t i = 0; i < h.stages.size(); ++i) {
+      if (i == mine) continue;
+      works.push_back(c.iface->send(c.ctx, parts[mine].data(), n * 4, h.stages[i]));
+      works.push_back(c.iface->recv(c.ctx, parts[i].data(), n * 4, h.stages[i]));
+    }
+    for (CommWork *w : works) comm_wait(c, w, mesh_.timeout_ms);
+    std::vector<float> sum = parts[0];
+    for (size_t i = 1; i < parts.size(); ++i)
+      for (size_t j = 0; j < n; ++j) sum[j] += parts[i][j];
+    be_.iface->copy_h2d(be_.ctx, dev, sum.data(), n * 4, 0);
   }
 }
 
@@ -529,9 +692,10 @@ void Step::reduce_moe() {
   moe_json_ = layers.dump();
 }
 
-double Step::read_loss() const {
+double Step::read_loss(int64_t mb) const {
   float loss = 0;
-  be_.iface->copy_d2h(be_.ctx, &loss, exec_->addr(g_.loss), 4, 0);
+  if (g_.loss < 0) return 0;  // a pipeline stage before the last
+  be_.iface->copy_d2h(be_.ctx, &loss, exec_for(mb).addr(g_.loss), 4, 0);
   check_backend(be_, "reading the loss");
   return loss;
 }
@@ -569,22 +733,30 @@ void Step::run(ctr_step_metrics *metrics) {
   // This stage's tasks in schedule order; gradients accumulate in micro-batch order.
   for (const Task &task : pipeline_.order[static_cast<size_t>(stage_)]) {
     const int64_t mb = task.micro_batch;
+    Executor &ex = exec_for(mb);
     if (task.phase == TaskPhase::Forward) {
+      pp_receive(mb, false);
       bind_micro_batch(mb);
       auto tf = Clock::now();
       if (fault_slow_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(fault_slow_ms_));
-      exec_->run(Executor::Phase::Forward);
+      ex.run(Executor::Phase::Forward);
       ran_forward_ = true;
       fwd_ms += ms_since(tf);
-      loss_sum += read_loss();
+      loss_sum += read_loss(mb);
       read_moe(mb);
+      pp_send(mb, false);
     } else {
+      pp_receive(mb, true);
+      bind_micro_batch(mb);
       auto tb = Clock::now();
-      exec_->run(Executor::Phase::Backward);
+      ex.run(Executor::Phase::Backward);
       opt_->accumulate(mb);
       bwd_ms += ms_since(tb);
+      pp_send(mb, true);
     }
   }
+  finish_sends();
+  pp_sum_shared_grads();
   double loss = loss_sum / static_cast<double>(k);
   if (fault_nan_ && fault_step_ == step_ + 1) {
     loss = NAN;  // on one rank: the all-reduce carries it to every rank
@@ -593,8 +765,10 @@ void Step::run(ctr_step_metrics *metrics) {
   reduce_moe();
   if (mesh_.world > 1) {
     // Every rank reports (and checks) the same global mean loss.
+    // (Only the last pipeline stage has a loss; the others count 0.)
     const Comm &wc = mesh_.world_comm;
     comm_wait(wc, wc.iface->all_reduce(wc.ctx, &loss, &loss, 1, CTR_DTYPE_F64, ReduceOp::Avg), mesh_.timeout_ms);
+    loss *= cut_.stages;
   }
 
   auto to = Clock::now();
@@ -608,10 +782,10 @@ void Step::run(ctr_step_metrics *metrics) {
     double others = 0;
     for (size_t i = 0; i < slots_.size(); ++i) {
       const ParamSlot &s = slots_[i];
-      if (s.grad < 0 || norm_group_of_[i] == 0) continue;
+      if (s.grad < 0 || (norm_group_of_[i] == 0 && !s.norm_once_elsewhere)) continue;
       const double v =
           be_.iface->sum_squares(be_.ctx, opt_->grads() + g_.tensors[s.tensor].offset / 4, s.n, 0);
-      sums[static_cast<size_t>(norm_group_of_[i])] += v;
+      if (!s.norm_once_elsewhere) sums[static_cast<size_t>(norm_group_of_[i])] += v;
       others += v;
     }
     sums[0] = opt_->sum_squares() - others;
@@ -688,10 +862,18 @@ double Step::evaluate() {
   check_inputs_set("ctr_step_evaluate");
   double sum = 0;
   for (int64_t mb = 0; mb < copt_.micro_batches; ++mb) {
+    pp_receive(mb, false);
     bind_micro_batch(mb);
-    exec_->run(Executor::Phase::Forward);
+    exec_for(mb).run(Executor::Phase::Forward);
     ran_forward_ = true;
-    sum += read_loss();
+    sum += read_loss(mb);
+    pp_send(mb, false);
+  }
+  finish_sends();
+  if (cut_.stages > 1) {
+    // The last stage's loss, on every stage.
+    const Comm &c = mesh_.comm("pp");
+    comm_wait(c, c.iface->all_reduce(c.ctx, &sum, &sum, 1, CTR_DTYPE_F64, ReduceOp::Sum), mesh_.timeout_ms);
   }
   return sum / static_cast<double>(copt_.micro_batches);
 }
@@ -711,12 +893,16 @@ CheckpointInfo Step::checkpoint_info() const {
 }
 
 void Step::save(const std::string &dir, bool async, std::function<void()> on_publish) {
+  CTR_REQUIRE(cut_.stages == 1, CTR_STATUS_UNSUPPORTED,
+              "ctr_step_save: checkpoints of pipeline stages (pp=%d) are not written yet", cut_.stages);
   ckpt_->save(*this, checkpoint_info(), dir, async, std::move(on_publish));
 }
 
 void Step::finish_save() { ckpt_->finish(); }
 
-void Step::load(const std::string &dir) { ckpt_->load(*this, checkpoint_info(), dir); }
+void Step::load(const std::string &dir) {
+  CTR_REQUIRE(cut_.stages == 1, CTR_STATUS_UNSUPPORTED,
+              "ctr_step_load: checkpoints of pipeline stages (pp=%d) are not read yet", cut_.stages); ckpt_->load(*this, checkpoint_info(), dir); }
 
 std::vector<ShardView> Step::checkpoint_shards() const {
   std::vector<ShardView> out;
@@ -757,6 +943,10 @@ void Step::checkpoint_write(void *device, const void *host, size_t bytes) {
 
 std::vector<Step::ParamInfo> Step::params() const {
   std::vector<ParamInfo> out;
+  if (cut_.stages > 1) {  // every stage's, in graph order
+    for (const StageCut::Home &h : cut_.params) out.push_back({h.name, h.full_shape});
+    return out;
+  }
   for (const ShardView &v : checkpoint_shards()) out.push_back({v.name, v.full_shape});
   return out;
 }
@@ -765,11 +955,12 @@ double Step::forward_backward() {
   check_inputs_set("forward_backward");
   CTR_REQUIRE(copt_.micro_batches == 1, CTR_STATUS_UNSUPPORTED,
               "forward_backward: gradient inspection needs micro_batches = 1");
+  CTR_REQUIRE(cut_.stages == 1, CTR_STATUS_UNSUPPORTED, "forward_backward: gradient inspection needs pp = 1");
   bind_micro_batch(0);
   exec_->run(Executor::Phase::Forward);
   ran_forward_ = true;
   exec_->run(Executor::Phase::Backward);
-  return read_loss();
+  return read_loss(0);
 }
 
 void Step::read_grad(const std::string &name, float *out, size_t count) {
@@ -798,6 +989,23 @@ int Step::find_param(const std::string &name, size_t count) const {
 }
 
 void Step::get_param(const std::string &name, float *out, size_t count) {
+  if (cut_.stages <= 1) return get_param_local(name, out, count);
+  // Pipeline stages: the first stage that holds it reads it (gathering its
+  // shards there) and broadcasts it over pp.
+  const StageCut::Home *h = pp_home(name);
+  CTR_REQUIRE(h != nullptr, CTR_STATUS_NOT_FOUND, "graph has no parameter '%s'", name.c_str());
+  int64_t full = 1;
+  for (int64_t d : h->full_shape) full *= d;
+  CTR_REQUIRE(static_cast<int64_t>(count) == full, CTR_STATUS_INVALID_ARGUMENT,
+              "parameter '%s' has %lld elements, count is %zu", name.c_str(), static_cast<long long>(full), count);
+  CTR_REQUIRE(out != nullptr, CTR_STATUS_INVALID_ARGUMENT, "ctr_step_get_param: out is NULL");
+  const int owner = h->stages.front();
+  if (owner == stage_) get_param_local(name, out, count);
+  const Comm &c = mesh_.comm("pp");
+  comm_wait(c, c.iface->broadcast(c.ctx, out, count * 4, owner), mesh_.timeout_ms);
+}
+
+void Step::get_param_local(const std::string &name, float *out, size_t count) {
   int t = find_param(name, count);
   CTR_REQUIRE(out != nullptr, CTR_STATUS_INVALID_ARGUMENT, "ctr_step_get_param: out is NULL");
   const Tensor &x = g_.tensors[t];
@@ -842,6 +1050,20 @@ void Step::get_param(const std::string &name, float *out, size_t count) {
 }
 
 void Step::set_param(const std::string &name, const float *data, size_t count) {
+  if (cut_.stages > 1) {
+    // Every stage is given every parameter; those its nodes read are its.
+    const StageCut::Home *h = pp_home(name);
+    CTR_REQUIRE(h != nullptr, CTR_STATUS_NOT_FOUND, "graph has no parameter '%s'", name.c_str());
+    if (std::find(h->stages.begin(), h->stages.end(), stage_) == h->stages.end()) {
+      int64_t full = 1;
+      for (int64_t d : h->full_shape) full *= d;
+      CTR_REQUIRE(static_cast<int64_t>(count) == full, CTR_STATUS_INVALID_ARGUMENT,
+                  "parameter '%s' has %lld elements, count is %zu", name.c_str(), static_cast<long long>(full),
+                  count);
+      CTR_REQUIRE(data != nullptr, CTR_STATUS_INVALID_ARGUMENT, "ctr_step_set_param: data is NULL");
+      return;
+    }
+  }
   int t = find_param(name, count);
   CTR_REQUIRE(data != nullptr, CTR_STATUS_INVALID_ARGUMENT, "ctr_step_set_param: data is NULL");
   for (size_t i = 0; i < count; ++i)

@@ -42,6 +42,7 @@ class Step : private CheckpointState {
   void run(ctr_step_metrics *metrics);
   double evaluate();
   void get_param(const std::string &name, float *out, size_t count);
+  void get_param_local(const std::string &name, float *out, size_t count);
   void set_param(const std::string &name, const float *data, size_t count);
   void set_lr(double lr);
   int64_t count() const { return step_; }
@@ -90,6 +91,7 @@ class Step : private CheckpointState {
     int64_t n;
     float *m, *v;  // this param's moments within the flat buffers
     bool decay;
+    bool norm_once_elsewhere = false;  // read by several stages: an earlier one counts it in the norm
   };
   struct InputSlot {
     int tensor;
@@ -97,6 +99,7 @@ class Step : private CheckpointState {
     int64_t lo, hi; // valid id range [lo, hi) for int32 inputs; lo > hi = unchecked
     int64_t cur = 0; // offset in inputs_cur_
     bool set = false;
+    bool internal = false;  // filled by the pipeline from another stage, not by the host
   };
 
   // CheckpointState
@@ -110,10 +113,22 @@ class Step : private CheckpointState {
   void init_params(uint64_t seed);
   int64_t full_numel(int t) const;
   void bind_micro_batch(int64_t mb);
+  // The executor of micro-batch mb's activations (one per micro-batch in flight).
+  Executor &exec_for(int64_t mb) const;
+  // Pipeline stages: activations (or their gradients) of micro-batch mb
+  // received into this stage's inputs, and sent from its outputs; sends stay
+  // in flight until finish_sends (the end of the step).
+  void pp_receive(int64_t mb, bool grads);
+  void pp_send(int64_t mb, bool grads);
+  void finish_sends();
+  // Gradients of parameters several stages read (a tied embedding), summed
+  // over those stages.
+  void pp_sum_shared_grads();
+  const StageCut::Home *pp_home(const std::string &name) const;
   float *param_ptr(int t) const;
   int find_param(const std::string &name, size_t count) const;
   void check_inputs_set(const char *what) const;
-  double read_loss() const;
+  double read_loss(int64_t mb) const;
  public:
   // The mixture-of-experts metrics of the last run, as JSON (ctr_step_moe_metrics).
   const std::string &moe_metrics() const { return moe_json_; }
@@ -134,6 +149,16 @@ class Step : private CheckpointState {
   // The pipeline schedule; this rank runs the task list of its stage.
   Schedule pipeline_;
   int stage_ = 0;
+  StageCut cut_;
+  // Executors of micro-batches 1.. in flight (exec_ is the first), each over
+  // its own copy of the arena.
+  std::vector<std::unique_ptr<Executor>> more_exec_;
+  int64_t slots_in_flight_ = 1;
+  struct PendingSend {
+    CommWork *work = nullptr;
+    std::vector<char> bytes;
+  };
+  std::vector<PendingSend> sends_;
   BackendHandle backend_;
   Backend be_;
   // Transport "nccl": the device communicators of every axis, on be_.
