@@ -519,8 +519,8 @@ void Step::pp_receive(int64_t mb, bool grads) {
   std::vector<Pending> pending;
   auto receive = [&](int tensor, int peer) {
     Pending p{nullptr, std::vector<char>(static_cast<size_t>(g_.tensors[tensor].bytes())), tensor};
-    const CollectiveName what(strformat("recv '%s' of micro-batch %lld from stage %d", g_.tensors[tensor].name.c_str(),
-                                        static_cast<long long>(mb), peer));
+    const CollectiveName what(strformat("stage %d task %c%lld: recv '%s' from stage %d", stage_, grads ? 'B' : 'F',
+                                        static_cast<long long>(mb), g_.tensors[tensor].name.c_str(), peer));
     p.work = c.iface->recv(c.ctx, p.buf.data(), p.buf.size(), peer);
     pending.push_back(std::move(p));
   };
@@ -546,8 +546,8 @@ void Step::pp_send(int64_t mb, bool grads) {
     PendingSend p;
     p.bytes.assign(static_cast<size_t>(g_.tensors[like].bytes()), 0);
     if (tensor >= 0) be_.iface->copy_d2h(be_.ctx, p.bytes.data(), ex.addr(tensor), p.bytes.size(), 0);
-    const CollectiveName what(strformat("send '%s' of micro-batch %lld to stage %d", g_.tensors[like].name.c_str(),
-                                        static_cast<long long>(mb), peer));
+    const CollectiveName what(strformat("stage %d task %c%lld: send '%s' to stage %d", stage_, grads ? 'B' : 'F',
+                                        static_cast<long long>(mb), g_.tensors[like].name.c_str(), peer));
     p.work = c.iface->send(c.ctx, p.bytes.data(), p.bytes.size(), peer);
     sends_.push_back(std::move(p));
   };

@@ -192,3 +192,16 @@ def test_stage_cut_refusals_name_what(ctr, deep, tmp_path):
             "--steps", "2", "--batch", "2", "--save-dir", str(tmp_path / "ckpt"), "--save-every", "1", expect=1,
             timeout=60)
     assert "checkpoints of pipeline stages (pp=2) are not written yet" in r.stdout + r.stderr
+
+
+def test_a_hung_stage_is_named_with_the_task_waiting_for_it(ctr, deep):
+    """Stage 1 hangs at step 2: stage 0 fails within the deadline, naming the
+    rank, its own stage and task, and what it waited to receive."""
+    env = dict(os.environ, CTR_FAULT_INJECT="hang_at_step:2:rank:1")
+    p = subprocess.run([ctr, "launch", "-n", "2", "--", ctr, "run", deep["gpt"], "--mesh", "pp=2", "--steps", "3",
+                        "--batch", "2", "--micro-batches", "2", "--timeout", "5", "--log-every", "1"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-2000:]
+    assert "timed out after 5.0 s waiting for rank 1" in out, out[-2000:]
+    assert "stage 0 task B0: recv 'layers.1.resid2.grad_from_stage1' from stage 1" in out, out[-2000:]

@@ -847,6 +847,7 @@ int cmd_run(const RunArgs &a) {
     constexpr int kMaxRewinds = 8;
     PhaseTimes own;  // this rank's phase times since the last straggler check (sums)
     int64_t own_steps = 0;
+    bool first_step_seen = false;
     std::vector<int> stragglers;
     std::map<std::string, std::vector<int64_t>> idle_steps;  // per moe layer: steps each expert has had no token
     for (int64_t i = first_step; i <= a.steps; ++i) {
@@ -897,13 +898,19 @@ int cmd_run(const RunArgs &a) {
       }
       const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
       // Own work: the step less the time it waited for others, plus the data.
-      own.data += std::max(0.0, wall * 1000.0 - m.step_ms);
-      own.compute += m.compute_ms;
-      own.optimizer += m.optimizer_ms;
-      own.exposed += m.exposed_comm_ms;
-      ++own_steps;
+      // The run's first step is warm-up (kernels built, memory touched), which
+      // no rank's times are compared by.
+      if (!first_step_seen) {
+        first_step_seen = true;
+      } else {
+        own.data += std::max(0.0, wall * 1000.0 - m.step_ms);
+        own.compute += m.compute_ms;
+        own.optimizer += m.optimizer_ms;
+        own.exposed += m.exposed_comm_ms;
+        ++own_steps;
+      }
       if (a.straggler_every > 0 && i % a.straggler_every == 0) {
-        const double n = static_cast<double>(own_steps);
+        const double n = static_cast<double>(std::max<int64_t>(own_steps, 1));
         const PhaseTimes mean{own.compute / n, own.data / n, own.optimizer / n, own.exposed / n};
         const StragglerReport rep = find_stragglers(mesh.get(), mean, a.straggler_factor);
         stragglers = rep.ranks;
