@@ -153,8 +153,12 @@ std::vector<int64_t> full_extents(const ShardView &v) {
 }
 
 // A fingerprint of what a checkpoint must match: parameter names and full shapes.
-json graph_params(const std::vector<ShardView> &shards) {
+json graph_params(const std::vector<ShardView> &shards, const CheckpointInfo &info) {
   json out = json::array();
+  if (!info.graph_params.empty()) {
+    for (const auto &[name, shape] : info.graph_params) out.push_back({{"name", name}, {"shape", shape}});
+    return out;
+  }
   for (const ShardView &v : shards) out.push_back({{"name", v.name}, {"shape", v.full_shape}});
   return out;
 }
@@ -286,7 +290,7 @@ void Checkpointer::save(const CheckpointState &s, const CheckpointInfo &info, co
     meta["version"] = kCheckpointVersion;
     meta["step"] = s.checkpoint_step();
     meta["graph"] = info.graph_name;
-    meta["params"] = graph_params(shards);
+    meta["params"] = graph_params(shards, info);
     json mesh = json::array();
     for (const auto &a : mesh_.axes) mesh.push_back({a.first, a.second});
     meta["mesh"] = {{"world", mesh_.world}, {"axes", mesh}};
@@ -403,14 +407,16 @@ void Checkpointer::load(CheckpointState &s, const CheckpointInfo &info, const st
       // The graph must match: same parameters with the same full shapes.
       std::map<std::string, std::vector<int64_t>> saved;
       for (const auto &p : meta.at("params")) saved[p.at("name").get<std::string>()] = p.at("shape").get<std::vector<int64_t>>();
-      for (const ShardView &v : shards) {
-        const std::vector<int64_t> &shape = v.full_shape;
-        auto it = saved.find(v.name);
+      std::vector<std::pair<std::string, std::vector<int64_t>>> graph = info.graph_params;
+      if (graph.empty())
+        for (const ShardView &v : shards) graph.push_back({v.name, v.full_shape});
+      for (const auto &[pname, shape] : graph) {
+        auto it = saved.find(pname);
         if (it == saved.end())
-          ckpt_fail(strformat("%s: mismatched graph: the checkpoint has no parameter '%s'", dir.c_str(), v.name.c_str()));
+          ckpt_fail(strformat("%s: mismatched graph: the checkpoint has no parameter '%s'", dir.c_str(), pname.c_str()));
         if (it->second != shape)
           ckpt_fail(strformat("%s: mismatched graph: parameter '%s' is %s in the checkpoint, %s in the graph",
-                              dir.c_str(), v.name.c_str(), shape_string(it->second).c_str(), shape_string(shape).c_str()));
+                              dir.c_str(), pname.c_str(), shape_string(it->second).c_str(), shape_string(shape).c_str()));
         saved.erase(it);
       }
       if (!saved.empty())

@@ -52,6 +52,9 @@ struct CheckpointInfo {
   data::Loader *loader = nullptr;  // its position is saved and restored
   int64_t loader_seq = 0;
   bool writer = true;        // this rank writes a shard file (some of its rows are no replica's)
+  // Every parameter of the graph with its full shape, when this rank's shards
+  // do not cover them all (pipeline stages); empty: the shards name them.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> graph_params;
 };
 
 class Checkpointer {

@@ -111,8 +111,9 @@ void for_each_run(const std::vector<int64_t> &local, const std::vector<int64_t> 
 }
 
 bool first_replica(const Tensor &t, const MeshPlacement &mesh) {
+  // (Pipeline stages hold different parameters, not copies: pp is no replica axis.)
   for (const MeshPlacement::Axis &a : mesh.axes)
-    if (a.size > 1 && a.index != 0 && t.placement.on(a.name) == nullptr) return false;
+    if (a.size > 1 && a.index != 0 && a.name != "pp" && t.placement.on(a.name) == nullptr) return false;
   return true;
 }
 

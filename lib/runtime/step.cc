@@ -889,20 +889,19 @@ CheckpointInfo Step::checkpoint_info() const {
   i.loader_seq = loader_seq_;
   i.writer = false;
   for (const ShardView &v : checkpoint_shards()) i.writer |= v.write;
+  if (cut_.stages > 1)  // each stage holds its own parameters: the graph has them all
+    for (const StageCut::Home &h : cut_.params) i.graph_params.push_back({h.name, h.full_shape});
   return i;
 }
 
 void Step::save(const std::string &dir, bool async, std::function<void()> on_publish) {
-  CTR_REQUIRE(cut_.stages == 1, CTR_STATUS_UNSUPPORTED,
-              "ctr_step_save: checkpoints of pipeline stages (pp=%d) are not written yet", cut_.stages);
   ckpt_->save(*this, checkpoint_info(), dir, async, std::move(on_publish));
 }
 
 void Step::finish_save() { ckpt_->finish(); }
 
 void Step::load(const std::string &dir) {
-  CTR_REQUIRE(cut_.stages == 1, CTR_STATUS_UNSUPPORTED,
-              "ctr_step_load: checkpoints of pipeline stages (pp=%d) are not read yet", cut_.stages); ckpt_->load(*this, checkpoint_info(), dir); }
+ ckpt_->load(*this, checkpoint_info(), dir); }
 
 std::vector<ShardView> Step::checkpoint_shards() const {
   std::vector<ShardView> out;
@@ -921,8 +920,10 @@ std::vector<ShardView> Step::checkpoint_shards() const {
       v.first = {0};
       v.valid = {1};
     }
-    // One copy of each block is written, by its first replica.
+    // One copy of each block is written, by its first replica (of a
+    // parameter several pipeline stages hold, on the first of them).
     v.write = first_replica(t, copt_.mesh);
+    if (const StageCut::Home *h = pp_home(t.name)) v.write = v.write && h->stages.front() == stage_;
     v.buffers[0] = param_ptr(s.tensor);
     v.buffers[1] = s.m;
     v.buffers[2] = s.v;
