@@ -341,6 +341,22 @@ func (s *Step) CommMetrics() (map[string]float64, error) {
 	return axes, nil
 }
 
+// Timeline returns the tasks of the last run on this rank as JSON text: an
+// array of {"name", "cat", "stage", "micro_batch", "start_us", "dur_us"} in the
+// order they ran.
+func (s *Step) Timeline() (string, error) {
+	h, err := s.lock()
+	if err != nil {
+		return "", err
+	}
+	defer s.mu.Unlock()
+	var text *C.char
+	if err := call(func() C.ctr_status { return C.ctr_step_timeline(h, &text) }); err != nil {
+		return "", err
+	}
+	return C.GoString(text), nil
+}
+
 // SetLR replaces the schedule by a constant learning rate from the next run.
 func (s *Step) SetLR(lr float64) error {
 	h, err := s.lock()

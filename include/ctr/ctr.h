@@ -445,6 +445,18 @@ CTR_API ctr_status ctr_step_moe_metrics(ctr_step *step, const char **json);
  * run. *json belongs to the step and stays valid until its next mutating call. */
 CTR_API ctr_status ctr_step_comm_metrics(ctr_step *step, const char **json);
 
+/* Since 0.5. The tasks of the last ctr_step_run on this rank, as a JSON array in
+ * the order they ran: each {"name", "cat", "stage", "micro_batch", "start_us",
+ * "dur_us"}, where cat is "forward" or "backward" (a pipeline task, named "F3" or
+ * "B0", its own work and its sends), "recv" (the wait for what the task receives
+ * from another pipeline stage, named "recv F3"; "pipeline drain" for the step's
+ * last sends and the gradients of parameters several stages share) or
+ * "optimizer" (micro_batch -1); start_us counts microseconds of the system clock
+ * since the Unix epoch, so the timelines of the ranks of one host line up. "[]"
+ * before the first run. *json belongs to the step and stays valid until its next
+ * mutating call. */
+CTR_API ctr_status ctr_step_timeline(ctr_step *step, const char **json);
+
 /* Replaces the learning-rate schedule by a constant lr from the next run on
  * (lr >= 0 and finite). */
 CTR_API ctr_status ctr_step_set_lr(ctr_step *step, double lr);

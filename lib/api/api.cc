@@ -631,6 +631,14 @@ extern "C" ctr_status ctr_step_comm_metrics(ctr_step *step, const char **json) {
   CTR_API_END
 }
 
+extern "C" ctr_status ctr_step_timeline(ctr_step *step, const char **json) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_timeline");
+  REQUIRE_ARG(json != nullptr, "ctr_step_timeline: json is NULL");
+  *json = step->impl->timeline().c_str();
+  CTR_API_END
+}
+
 extern "C" ctr_status ctr_step_moe_metrics(ctr_step *step, const char **json) {
   CTR_API_BEGIN
   STEP_ARG("ctr_step_moe_metrics");

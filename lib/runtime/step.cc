@@ -726,16 +726,34 @@ void Step::run(ctr_step_metrics *metrics) {
                 "ctr_step_run: metrics->size must be set to sizeof(ctr_step_metrics)");
   auto t0 = Clock::now();
   double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
-  exec_->take_comm_ms();  // collectives outside the step (get_param, ...) do not count
-  exec_->take_comm_ms_by_axis();
-  exec_->take_exposed_ms();
+  for (int64_t e = 0; e < slots_in_flight_; ++e) {
+    // collectives outside the step (get_param, ...) do not count
+    exec_for(e).take_comm_ms();
+    exec_for(e).take_comm_ms_by_axis();
+    exec_for(e).take_exposed_ms();
+  }
   const int64_t k = copt_.micro_batches;
+  // The timeline: each task's wait for what it receives and its own work, in
+  // microseconds of the system clock (comparable across the ranks of a host).
+  nlohmann::json timeline = nlohmann::json::array();
+  auto now_us = [] {
+    return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
+  auto event = [&](const std::string &name, const char *cat, int64_t mb, int64_t start, int64_t end) {
+    timeline.push_back({{"name", name}, {"cat", cat}, {"stage", stage_}, {"micro_batch", mb}, {"start_us", start},
+                        {"dur_us", std::max<int64_t>(0, end - start)}});
+  };
   // This stage's tasks in schedule order; gradients accumulate in micro-batch order.
   for (const Task &task : pipeline_.order[static_cast<size_t>(stage_)]) {
     const int64_t mb = task.micro_batch;
     Executor &ex = exec_for(mb);
+    const std::string name = task_text(task);
+    const int64_t t_wait = now_us();
     if (task.phase == TaskPhase::Forward) {
       pp_receive(mb, false);
+      const int64_t t_work = now_us();
+      if (cut_.stages > 1 && stage_ > 0) event("recv " + name, "recv", mb, t_wait, t_work);
       bind_micro_batch(mb);
       auto tf = Clock::now();
       if (fault_slow_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(fault_slow_ms_));
@@ -745,18 +763,27 @@ void Step::run(ctr_step_metrics *metrics) {
       loss_sum += read_loss(mb);
       read_moe(mb);
       pp_send(mb, false);
+      event(name, "forward", mb, t_work, now_us());
     } else {
       pp_receive(mb, true);
+      const int64_t t_work = now_us();
+      if (cut_.stages > 1 && stage_ + 1 < cut_.stages) event("recv " + name, "recv", mb, t_wait, t_work);
       bind_micro_batch(mb);
       auto tb = Clock::now();
       ex.run(Executor::Phase::Backward);
       opt_->accumulate(mb);
       bwd_ms += ms_since(tb);
       pp_send(mb, true);
+      event(name, "backward", mb, t_work, now_us());
     }
   }
-  finish_sends();
-  pp_sum_shared_grads();
+  {
+    const int64_t t_wait = now_us();
+    finish_sends();
+    pp_sum_shared_grads();
+    if (cut_.stages > 1) event("pipeline drain", "recv", -1, t_wait, now_us());
+  }
+  const int64_t t_opt = now_us();
   double loss = loss_sum / static_cast<double>(k);
   if (fault_nan_ && fault_step_ == step_ + 1) {
     loss = NAN;  // on one rank: the all-reduce carries it to every rank
@@ -845,8 +872,10 @@ void Step::run(ctr_step_metrics *metrics) {
     m.tokens_per_s = total_ms > 0 ? static_cast<double>(m.tokens) * 1000.0 / total_ms : 0;
     m.peak_bytes = peak_bytes();
     m.save_wait_ms = save_wait_ms_;
-    m.exposed_comm_ms = exec_->take_exposed_ms();
-    m.comm_ms = exec_->take_comm_ms();
+    for (int64_t e = 0; e < slots_in_flight_; ++e) {
+      m.exposed_comm_ms += exec_for(e).take_exposed_ms();
+      m.comm_ms += exec_for(e).take_comm_ms();
+    }
     m.compute_ms = std::max(0.0, fwd_ms + bwd_ms - m.exposed_comm_ms);
     m.skipped_steps = skipped_steps_;
     std::memcpy(metrics, &m, std::min(sizeof m, metrics->size));
@@ -854,8 +883,12 @@ void Step::run(ctr_step_metrics *metrics) {
   {
     nlohmann::json axes = nlohmann::json::object();
     for (const auto &[axis, ms] : exec_->take_comm_ms_by_axis()) axes[axis] = ms;
+    for (const auto &e : more_exec_)
+      for (const auto &[axis, ms] : e->take_comm_ms_by_axis()) axes[axis] = axes.value(axis, 0.0) + ms;
     comm_json_ = axes.dump();
   }
+  event("optimizer", "optimizer", -1, t_opt, now_us());
+  timeline_json_ = timeline.dump();
 }
 
 double Step::evaluate() {

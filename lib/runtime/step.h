@@ -135,6 +135,8 @@ class Step : private CheckpointState {
   // Per mesh axis, the time collectives over it were in flight in the last run
   // (ctr_step_comm_metrics), as a JSON object.
   const std::string &comm_metrics() const { return comm_json_; }
+  // The tasks of the last run on this rank, as JSON (ctr_step_timeline).
+  const std::string &timeline() const { return timeline_json_; }
 
  private:
   // Writes host rows into a param's shard (its padding rows zero).
@@ -209,6 +211,7 @@ class Step : private CheckpointState {
   std::vector<MoeLayer> moe_;
   std::string moe_json_;
   std::string comm_json_ = "{}";
+  std::string timeline_json_ = "[]";
   void find_moe_layers();
   void read_moe(int64_t mb);   // after micro-batch mb's forward
   void reduce_moe();           // after the step: over the ranks, into moe_json_

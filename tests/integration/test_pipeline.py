@@ -232,3 +232,41 @@ def test_checkpoints_move_between_pipeline_meshes(ctr, deep, tmp_path):
         assert float(np_.abs(params[k] - want[k]).max()) <= 1e-5 * max(1.0, float(np_.abs(want[k]).max())), k
     _, again = part("d", 4, "pp=2,fsdp=2", "--save-dir", ck, "--resume", "latest")
     assert all(np_.array_equal(again[k], params[k]) for k in params)
+
+
+def test_trace_shows_each_rank_running_its_schedule(ctr, deep, tmp_path):
+    """`ctr run --trace` writes every rank's tasks as Chrome trace events: each
+    rank runs its stage's tasks in the schedule's order every step, a later stage
+    starts a micro-batch's forward after the earlier stage started it (and the
+    earlier stage its backward after the later one), and `ctr plot --timeline`
+    draws one row per rank and measures the bubble, which the test reports
+    beside the schedule's arithmetic, (p - 1) / (m + p - 1)."""
+    trace, svg = str(tmp_path / "trace.json"), str(tmp_path / "timeline.svg")
+    steps, micro = 3, 4
+    run(ctr, "launch", "-n", "2", "--", ctr, "run", deep["gpt"], "--mesh", "pp=2", "--steps", str(steps), "--batch",
+        "2", "--micro-batches", str(micro), "--log-every", "0", "--trace", trace, timeout=120)
+    events = json.load(open(trace))["traceEvents"]
+    tasks = [e for e in events if e["ph"] == "X" and e["cat"] in ("forward", "backward")]
+    order = stages(run(ctr, "graph", "inspect", deep["gpt"], "--after", "schedule", "--pp", "2", "--micro-batches",
+                       str(micro)).stdout)
+    for rank in (0, 1):
+        want = order[rank].split(": ")[1].split(" (")[0].split()
+        for step in range(1, steps + 1):
+            got = [e["name"] for e in tasks if e["pid"] == rank and e["args"]["step"] == step]
+            assert got == want, (rank, step, got, want)
+    start = {(e["pid"], e["args"]["step"], e["name"]): e["ts"] for e in tasks}
+    for step in range(1, steps + 1):
+        for mb in range(micro):
+            assert start[(1, step, f"F{mb}")] >= start[(0, step, f"F{mb}")]
+            assert start[(0, step, f"B{mb}")] >= start[(1, step, f"B{mb}")]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"rank 0 (stage 0)", "rank 1 (stage 1)"}, names
+    p = run(ctr, "plot", "--timeline", trace, "-o", svg)
+    text = open(svg).read()
+    assert "rank 0" in text and "rank 1" in text and "<title>F0: " in text and "<title>B3: " in text
+    bubble = float(p.stdout.split("bubble ")[1].split("%")[0]) / 100
+    assert 0 <= bubble < 1, p.stdout
+    print(f"1f1b, 2 stages, {micro} micro-batches: measured bubble {bubble:.1%} "
+          f"(the schedule's arithmetic {1 / (micro + 1):.1%}; tiny tasks on a shared 2-core machine)")
+    r = run(ctr, "plot", "--timeline", str(tmp_path / "none.json"), "-o", svg, expect=1)
+    assert "cannot open trace" in r.stderr

@@ -410,7 +410,7 @@ int cmd_graph_inspect(const InspectArgs &a) {
 // ctr run
 
 struct RunArgs {
-  std::string graph, data, schedule = "cosine", metrics, device, mesh, transport;
+  std::string graph, data, schedule = "cosine", metrics, device, mesh, transport, trace;
   std::string save_dir = "checkpoints", resume, export_safetensors, init_safetensors;
   int64_t save_every = 0, keep = 3, stop_after = 0;
   bool async_save = false;
@@ -446,6 +446,54 @@ struct PhaseTimes {
   double compute = 0, data = 0, optimizer = 0, exposed = 0;
   double own() const { return compute + data + optimizer; }
 };
+
+// `ctr run --trace FILE`: every rank's task events (ctr_step_timeline of each
+// step) gathered on rank 0 and written as Chrome trace-event JSON, one process
+// per rank, tasks and the optimizer on thread 0, waits for other pipeline stages
+// on thread 1. Collective.
+void write_trace(const ctr_mesh *mesh, const nlohmann::json &events, const std::string &path) {
+  const ctr::Mesh &m = *mesh;
+  std::string mine = events.dump();
+  std::vector<std::string> texts{mine};
+  if (m.world > 1) {
+    const int64_t len = static_cast<int64_t>(mine.size());
+    std::vector<int64_t> lens(static_cast<size_t>(m.world));
+    ctr::comm_wait(m.world_comm, m.world_comm.iface->all_gather(m.world_comm.ctx, &len, lens.data(), sizeof len),
+                   m.timeout_ms);
+    const int64_t most = *std::max_element(lens.begin(), lens.end());
+    mine.resize(static_cast<size_t>(most), ' ');
+    std::string all(static_cast<size_t>(most) * static_cast<size_t>(m.world), ' ');
+    ctr::comm_wait(m.world_comm,
+                   m.world_comm.iface->all_gather(m.world_comm.ctx, mine.data(), all.data(), static_cast<size_t>(most)),
+                   m.timeout_ms);
+    texts.clear();
+    for (int r = 0; r < m.world; ++r)
+      texts.push_back(all.substr(static_cast<size_t>(r) * static_cast<size_t>(most),
+                                 static_cast<size_t>(lens[static_cast<size_t>(r)])));
+  }
+  if (m.rank != 0) return;
+  nlohmann::json out = nlohmann::json::array();
+  for (size_t r = 0; r < texts.size(); ++r) {
+    const int pid = static_cast<int>(r);
+    int stage = 0;
+    for (const auto &e : nlohmann::json::parse(texts[r])) {
+      stage = e.value("stage", 0);
+      const bool wait = e.value("cat", "") == "recv";
+      out.push_back({{"name", e.at("name")}, {"cat", e.at("cat")}, {"ph", "X"}, {"ts", e.at("start_us")},
+                     {"dur", e.at("dur_us")}, {"pid", pid}, {"tid", wait ? 1 : 0},
+                     {"args", {{"step", e.value("step", 0)}, {"stage", stage}, {"micro_batch", e.value("micro_batch", -1)}}}});
+    }
+    out.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid},
+                   {"args", {{"name", ctr::strformat("rank %d (stage %d)", pid, stage)}}}});
+    out.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", 0}, {"args", {{"name", "tasks"}}}});
+    out.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", 1},
+                   {"args", {{"name", "waiting for other stages"}}}});
+  }
+  std::ofstream f(path, std::ios::out | std::ios::trunc);
+  f << nlohmann::json{{"traceEvents", out}, {"displayTimeUnit", "ms"}}.dump() << "\n";
+  f.close();
+  if (!f) throw ctr::Error(CTR_STATUS_IO_ERROR, ctr::strformat("cannot write trace file '%s'", path.c_str()));
+}
 
 StragglerReport find_stragglers(const ctr_mesh *mesh, const PhaseTimes &mine, double factor) {
   const ctr::Mesh &m = *mesh;
@@ -845,6 +893,8 @@ int cmd_run(const RunArgs &a) {
     std::set<int64_t> skip_batch_at;
     int rewinds = 0;
     constexpr int kMaxRewinds = 8;
+    nlohmann::json trace_events = nlohmann::json::array();  // --trace: this rank's task events
+    constexpr size_t kMaxTraceEvents = 1 << 20;
     PhaseTimes own;  // this rank's phase times since the last straggler check (sums)
     int64_t own_steps = 0;
     bool first_step_seen = false;
@@ -948,6 +998,15 @@ int cmd_run(const RunArgs &a) {
         }
       }
 
+      if (!a.trace.empty() && trace_events.size() < kMaxTraceEvents) {
+        const char *text = nullptr;
+        check(ctr_step_timeline(step.get(), &text));
+        for (auto &e : nlohmann::json::parse(text)) {
+          e["step"] = i;
+          trace_events.push_back(std::move(e));
+        }
+      }
+
       const bool log = a.log_every > 0 && (i == 1 || i % a.log_every == 0 || i == a.steps);
       if (lead && log) {
         const double n = static_cast<double>(window_steps);
@@ -1047,6 +1106,10 @@ int cmd_run(const RunArgs &a) {
         std::printf("saved %s (waited %.0f ms at the end)\n", pending_save.c_str(),
                     std::chrono::duration<double, std::milli>(Clock::now() - tw).count());
       pending_save.clear();
+    }
+    if (!a.trace.empty()) {
+      write_trace(mesh.get(), trace_events, a.trace);
+      if (lead) std::printf("wrote %s (%zu task events of rank 0)\n", a.trace.c_str(), trace_events.size());
     }
     if (!a.export_safetensors.empty()) {
       check(ctr_step_export_safetensors(step.get(), a.export_safetensors.c_str()));
@@ -1254,6 +1317,10 @@ int run_main(int argc, char **argv) {
   run_cmd->add_option("--seed", run.seed, "Parameter init seed")->capture_default_str();
   run_cmd->add_option("--data-seed", run.data_seed, "Data order seed")->capture_default_str();
   run_cmd->add_option("--metrics", run.metrics, "Write one JSON object per step to this file");
+  run_cmd->add_option("--trace", run.trace,
+                      "Write every rank's tasks (pipeline forwards and backwards, waits for other stages, the "
+                      "optimizer) to this file as Chrome trace-event JSON (Perfetto opens it; ctr plot --timeline "
+                      "draws it)");
   run_cmd->add_option("--log-every", run.log_every, "Steps between progress lines (0 = none)")->capture_default_str()
       ->check(kNonNegative);
   run_cmd->add_option("--eval-every", run.eval_every, "Steps between evaluations (0 = none)")->capture_default_str()

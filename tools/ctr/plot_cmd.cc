@@ -32,6 +32,7 @@
 #include "core/files.h"
 #include "core/status.h"
 #include "svg_chart.h"
+#include "timeline.h"
 
 namespace ctr_tool {
 
@@ -222,7 +223,7 @@ struct PlotCommand::Args {
   CLI::App *cmd = nullptr;
   std::vector<std::string> files;
   std::string output, title;
-  bool log_loss = false, comm = false;
+  bool log_loss = false, comm = false, timeline = false;
   int width = 960;
 };
 
@@ -230,12 +231,16 @@ PlotCommand::PlotCommand(CLI::App &app) : args_(std::make_unique<Args>()) {
   Args &a = *args_;
   a.cmd = app.add_subcommand(
       "plot", "Draw loss, throughput and MFU of `ctr run --metrics` files as an SVG");
-  a.cmd->add_option("files", a.files, "Metrics files (JSON lines), one run each")->required();
+  a.cmd->add_option("files", a.files, "Metrics files (JSON lines), one run each; with --timeline, one trace")
+      ->required();
   a.cmd->add_option("-o,--output", a.output, "SVG file to write")->required();
   a.cmd->add_option("--title", a.title, "Title above the chart (default: the runs' names)");
   a.cmd->add_flag("--log-loss", a.log_loss, "Draw the loss on a log scale");
   a.cmd->add_flag("--comm", a.comm,
                   "Add a panel of the communication time per step (exposed and total)");
+  a.cmd->add_flag("--timeline", a.timeline,
+                  "Draw a trace of `ctr run --trace` instead: a Gantt chart of each rank's tasks in the last "
+                  "step, and the pipeline bubble measured over its steps");
   a.cmd->add_option("--width", a.width, "Width of the chart in pixels")
       ->capture_default_str()
       ->check(CLI::Range(480, 8000));
@@ -247,6 +252,11 @@ bool PlotCommand::parsed() const { return args_->cmd->parsed(); }
 
 int PlotCommand::run() const {
   const Args &a = *args_;
+  if (a.timeline) {
+    if (a.files.size() != 1) fail(CTR_STATUS_INVALID_ARGUMENT, "ctr plot --timeline: give one trace file");
+    write_timeline_svg(a.files[0], a.output, a.title, a.width);
+    return 0;
+  }
   std::vector<Run> runs;
   for (const auto &f : a.files) runs.push_back(read_run(f));
   name_runs(runs);

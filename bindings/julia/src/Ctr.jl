@@ -22,7 +22,7 @@ using Libdl
 # would clash with LinearAlgebra's. Call them as Ctr.rank(mesh).
 export CtrError, Options, Mesh, Graph, Step, Loader, Metrics, TensorInfo,
        preset_graph, input_names, param_names, tensor_info, param_count, flops_per_token, save_file,
-       set_input!, run!, evaluate!, get_param!, param, set_param!, get_output!, set_lr!, moe_metrics, comm_metrics,
+       set_input!, run!, evaluate!, get_param!, param, set_param!, get_output!, set_lr!, moe_metrics, comm_metrics, timeline,
        memory, step_count, save, load!, save_checkpoint, resume!, export_safetensors, import_safetensors!,
        attach_loader!, detach_loader!, next!, next_slice!, next_batch, loader_info
 
@@ -635,6 +635,14 @@ end
 function comm_metrics(s::Step)
     text = Ref{Cstring}(C_NULL)
     check(ccall((:ctr_step_comm_metrics, libctr), Cint, (Ptr{Cvoid}, Ref{Cstring}), sptr(s), text))
+    return unsafe_string(text[])
+end
+
+"""The tasks of the last run on this rank, as JSON text: an array of `{"name", "cat",
+"stage", "micro_batch", "start_us", "dur_us"}` in the order they ran."""
+function timeline(s::Step)
+    text = Ref{Cstring}(C_NULL)
+    check(ccall((:ctr_step_timeline, libctr), Cint, (Ptr{Cvoid}, Ref{Cstring}), sptr(s), text))
     return unsafe_string(text[])
 end
 

@@ -541,6 +541,14 @@ class Step(_Handle):
         _L.step_comm_metrics(self._p(), ctypes.byref(text))
         return json.loads(_dec(text.value))
 
+    def timeline(self):
+        """The tasks of the last run on this rank, in the order they ran: a list of
+        {"name", "cat" (forward, backward, recv, optimizer), "stage", "micro_batch",
+        "start_us", "dur_us"} (microseconds of the system clock)."""
+        text = ctypes.c_char_p()
+        _L.step_timeline(self._p(), ctypes.byref(text))
+        return json.loads(_dec(text.value))
+
     def get_output(self, name, shape=None):
         """A forward activation kept with the step option keep= (e.g. "logits"), as of the
         last run or evaluate (its last micro-batch).

@@ -213,6 +213,7 @@ _FUNCTIONS = {
     "ctr_step_get_output": (_STATUS, [c_void_p, c_char_p, c_void_p, c_size_t]),
     "ctr_step_moe_metrics": (_STATUS, [c_void_p, P(c_char_p)]),
     "ctr_step_comm_metrics": (_STATUS, [c_void_p, P(c_char_p)]),
+    "ctr_step_timeline": (_STATUS, [c_void_p, P(c_char_p)]),
     "ctr_step_set_lr": (_STATUS, [c_void_p, c_double]),
     "ctr_step_memory": (_STATUS, [c_void_p, P(c_int64), P(c_int64), P(c_int64)]),
     "ctr_step_count": (c_int64, [c_void_p]),

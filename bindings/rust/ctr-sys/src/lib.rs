@@ -221,6 +221,7 @@ extern "C" {
     /// Since 0.4.
     pub fn ctr_step_moe_metrics(step: *mut ctr_step, json: *mut *const c_char) -> ctr_status;
     pub fn ctr_step_comm_metrics(step: *mut ctr_step, json: *mut *const c_char) -> ctr_status;
+    pub fn ctr_step_timeline(step: *mut ctr_step, json: *mut *const c_char) -> ctr_status;
     pub fn ctr_step_memory(
         step: *const ctr_step,
         arena_bytes: *mut i64,

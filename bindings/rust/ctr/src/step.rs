@@ -218,6 +218,15 @@ impl Step {
         Ok(unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned())
     }
 
+    /// The tasks of the last run on this rank, as JSON text: an array of {"name", "cat",
+    /// "stage", "micro_batch", "start_us", "dur_us"} in the order they ran.
+    pub fn timeline(&mut self) -> Result<String> {
+        let mut text: *const std::os::raw::c_char = std::ptr::null();
+        // SAFETY: live handle; the string is owned by the step and copied at once.
+        check(unsafe { sys::ctr_step_timeline(self.as_ptr(), &mut text) })?;
+        Ok(unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned())
+    }
+
     /// Replaces the schedule by a constant learning rate from the next run on.
     pub fn set_lr(&mut self, lr: f64) -> Result<()> {
         // SAFETY: live handle.
