@@ -72,6 +72,10 @@ std::string resolve_precision(const Graph &g, const std::string &option,
                               const std::function<bool(OpId)> &has_kernel, uint32_t backend_flags) {
   if (option != "auto") return option;
   if (backend_flags & CTR_BACKEND_BF16_OPT_IN) return "fp32";
+  // A pipeline stage sends and receives f32 activations.
+  if (!g.grad_seeds.empty()) return "fp32";
+  for (const Tensor &t : g.tensors)
+    if (t.wants_grad) return "fp32";
   for (const Node &n : g.nodes)
     if (n.op.rfind("moe_", 0) == 0 || n.op == "fanout" || n.op == "cp_attention") return "fp32";
   const OpDef *cast = find_op("cast");
