@@ -461,8 +461,9 @@ CTR_API ctr_status ctr_step_timeline(ctr_step *step, const char **json);
  * (lr >= 0 and finite). */
 CTR_API ctr_status ctr_step_set_lr(ctr_step *step, double lr);
 
-/* Bytes of the planned memory: activation arena, parameters, gradients and
- * optimizer state. Known after ctr_step_create, before the first run. Any
+/* Bytes of the planned memory: activation arena (one copy per micro-batch the
+ * pipeline schedule keeps in flight on this rank's stage), parameters, gradients
+ * and optimizer state. Known after ctr_step_create, before the first run. Any
  * pointer may be NULL. */
 CTR_API ctr_status ctr_step_memory(const ctr_step *step, int64_t *arena_bytes,
                                    int64_t *param_bytes, int64_t *optimizer_bytes);

@@ -609,7 +609,7 @@ extern "C" ctr_status ctr_step_memory(const ctr_step *step, int64_t *arena_bytes
   CTR_API_BEGIN
   STEP_ARG("ctr_step_memory");
   const auto &p = step->impl->plan();
-  if (arena_bytes) *arena_bytes = p.arena_bytes;
+  if (arena_bytes) *arena_bytes = step->impl->arena_bytes();
   if (param_bytes) *param_bytes = p.param_bytes;
   if (optimizer_bytes) *optimizer_bytes = step->impl->optimizer_bytes();
   CTR_API_END
