@@ -530,8 +530,15 @@ void Step::pp_receive(int64_t mb, bool grads) {
     for (const StageCut::Boundary &b : cut_.send)
       if (b.grad) receive(b.grad_tensor, b.peer);
   }
-  for (Pending &p : pending) {
-    comm_wait(c, p.work, mesh_.timeout_ms);
+  for (size_t i = 0; i < pending.size(); ++i) {
+    Pending &p = pending[i];
+    try {
+      comm_wait(c, p.work, mesh_.timeout_ms);
+    } catch (...) {
+      // The receives still posted may yet be written into: their buffers stay.
+      for (size_t j = i; j < pending.size(); ++j) orphans_.push_back(std::move(pending[j].buf));
+      throw;
+    }
     const Tensor &t = g_.tensors[p.tensor];
     be_.iface->copy_h2d(be_.ctx, static_cast<char *>(inputs_) + t.offset + mb * t.bytes(), p.buf.data(),
                         p.buf.size(), 0);
@@ -568,9 +575,16 @@ void Step::pp_send(int64_t mb, bool grads) {
 void Step::finish_sends() {
   if (sends_.empty()) return;
   const Comm &c = mesh_.comm("pp");
-  std::vector<PendingSend> sends = std::move(sends_);
+  // A wait consumes its work, failed or not; the sends not yet waited for stay
+  // (with their bytes) for free_buffers.
+  size_t i = 0;
+  try {
+    for (; i < sends_.size(); ++i) comm_wait(c, sends_[i].work, mesh_.timeout_ms);
+  } catch (...) {
+    sends_.erase(sends_.begin(), sends_.begin() + static_cast<std::ptrdiff_t>(i + 1));
+    throw;
+  }
   sends_.clear();
-  for (PendingSend &p : sends) comm_wait(c, p.work, mesh_.timeout_ms);
 }
 
 const StageCut::Home *Step::pp_home(const std::string &name) const {
@@ -607,7 +621,13 @@ void Step::pp_sum_shared_grads() {
       works.push_back(c.iface->send(c.ctx, parts[mine].data(), n * 4, h.stages[i]));
       works.push_back(c.iface->recv(c.ctx, parts[i].data(), n * 4, h.stages[i]));
     }
-    for (CommWork *w : works) comm_wait(c, w, mesh_.timeout_ms);
+    try {
+      for (CommWork *w : works) comm_wait(c, w, mesh_.timeout_ms);
+    } catch (...) {
+      // Transfers a failure left posted may still touch these buffers: they stay.
+      for (std::vector<float> &part : parts) orphan_floats_.push_back(std::move(part));
+      throw;
+    }
     std::vector<float> sum = parts[0];
     for (size_t i = 1; i < parts.size(); ++i)
       for (size_t j = 0; j < n; ++j) sum[j] += parts[i][j];

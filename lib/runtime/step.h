@@ -163,6 +163,9 @@ class Step : private CheckpointState {
     std::vector<char> bytes;
   };
   std::vector<PendingSend> sends_;
+  // Buffers of transfers a failure left posted (kept: they may still be written or read).
+  std::vector<std::vector<char>> orphans_;
+  std::vector<std::vector<float>> orphan_floats_;
   BackendHandle backend_;
   Backend be_;
   // Transport "nccl": the device communicators of every axis, on be_.
