@@ -315,10 +315,12 @@ typedef struct ctr_step ctr_step;
  *   "micro_batches" int      gradient accumulation steps per ctr_step_run (1)
  *   "pp_schedule" string     order of the micro-batches' forwards and backwards
  *                            over the mesh's pp axis: "1f1b" (default; needs at
- *                            least as many micro-batches as pp stages) or "gpipe";
- *                            with pp = 1 only a schedule with one micro-batch in
- *                            flight runs (1f1b, or gpipe with one micro-batch), and
- *                            pp > 1 is refused (graphs are not cut into stages yet)
+ *                            least as many micro-batches as pp stages), "gpipe"
+ *                            (every forward, then every backward), or "zb" (zero
+ *                            bubble: each backward split into its input- and its
+ *                            weight-gradient part, the latter filling the
+ *                            pipeline's idle time; up to pp + 1 micro-batches'
+ *                            activations held per stage)
  *   "pp_stages" string       blocks per pipeline stage, in stage order ("2,3,3";
  *                            default: balanced by the blocks' forward FLOPs)
  *   "seed" int               parameter init seed (0)
@@ -448,7 +450,8 @@ CTR_API ctr_status ctr_step_comm_metrics(ctr_step *step, const char **json);
 /* Since 0.5. The tasks of the last ctr_step_run on this rank, as a JSON array in
  * the order they ran: each {"name", "cat", "stage", "micro_batch", "start_us",
  * "dur_us"}, where cat is "forward" or "backward" (a pipeline task, named "F3" or
- * "B0", its own work and its sends), "recv" (the wait for what the task receives
+ * "B0", its own work and its sends), "weight" (the weight-gradient half of a
+ * split backward, pp_schedule "zb", named "W0"), "recv" (the wait for what the task receives
  * from another pipeline stage, named "recv F3"; "pipeline drain" for the step's
  * last sends and the gradients of parameters several stages share) or
  * "optimizer" (micro_batch -1); start_us counts microseconds of the system clock

@@ -175,7 +175,9 @@ std::string dump_graph(const Graph &g) {
   }
   for (size_t n = 0; n < g.nodes.size(); ++n) {
     const Node &nd = g.nodes[n];
-    if (g.num_forward >= 0 && static_cast<int>(n) == g.num_forward) os << "  -- backward --\n";
+    if (g.num_forward >= 0 && static_cast<int>(n) == g.num_forward)
+      os << (g.num_input_grad >= 0 ? "  -- backward: input gradients --\n" : "  -- backward --\n");
+    if (g.num_input_grad >= 0 && static_cast<int>(n) == g.num_input_grad) os << "  -- backward: weight gradients --\n";
     os << "  [" << n << "] ";
     for (size_t i = 0; i < nd.outputs.size(); ++i) os << (i ? ", " : "") << tensor_str(nd.outputs[i]);
     os << " = " << nd.op << "(";

@@ -137,6 +137,10 @@ struct Graph {
 
   // Forward nodes are nodes[0, num_forward) once autodiff has run.
   int num_forward = -1;
+  // With a split backward (pass split_backward): nodes[num_forward,
+  // num_input_grad) compute the input gradients, the rest the weight
+  // gradients; -1 otherwise.
+  int num_input_grad = -1;
   // The Const tensor holding d(loss)/d(loss), made by autodiff (-1 on a
   // pipeline stage without the loss).
   int loss_seed = -1;

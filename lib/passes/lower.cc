@@ -181,7 +181,10 @@ Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel, 
   Program p;
   p.complete_at.assign(g.nodes.size(), -1);
   lower_phase(g, 0, g.num_forward, p.forward, p, has_kernel, overlap);
-  lower_phase(g, g.num_forward, static_cast<int>(g.nodes.size()), p.backward, p, has_kernel, overlap);
+  const int end = static_cast<int>(g.nodes.size());
+  const int split = g.num_input_grad >= 0 ? g.num_input_grad : end;
+  lower_phase(g, g.num_forward, split, p.backward, p, has_kernel, overlap);
+  if (split < end) lower_phase(g, split, end, p.weight, p, has_kernel, overlap);
   return p;
 }
 
@@ -208,6 +211,7 @@ std::string dump_program(const Graph &g, const Program &p) {
   };
   list("forward", p.forward);
   list("backward", p.backward);
+  if (!p.weight.empty()) list("weight gradients", p.weight);
   return os.str();
 }
 

@@ -77,6 +77,7 @@ void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }
 void run_bucket(PassContext &c) { pass_bucket(c.graph, c.opt); }
 void run_reorder(PassContext &c) { c.schedule = pass_reorder(c.graph, c.opt); }
 void run_epilogues(PassContext &c) { c.epilogues = pass_epilogues(c.graph, c.opt, c.has_kernel); }
+void run_split_backward(PassContext &c) { c.split = pass_split_backward(c.graph, c.opt); }
 void run_lower(PassContext &c) {
   c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap);
 }
@@ -94,12 +95,21 @@ std::string dump_reorder(const PassContext &c) { return c.schedule + "\n" + dump
 
 std::string dump_epilogues(const PassContext &c) { return c.epilogues + dump_graph(c.graph); }
 
+std::string dump_split_backward(const PassContext &c) {
+  return (c.split.empty() ? std::string("backward not split (only the zb schedule splits it)\n") : c.split) +
+         dump_graph(c.graph);
+}
+
 std::string dump_schedule(const PassContext &c) {
   const Schedule &s = c.pipeline;
   return strformat("pipeline schedule %s: %d stage(s), %lld micro-batch(es); each stage's tasks in order "
-                   "(F forward, B backward, by micro-batch)\n",
+                   "(F forward, B backward (with zb: its input gradients), W its weight gradients, by micro-batch)\n",
                    schedule_kind_name(s.kind), s.stages, static_cast<long long>(s.micro_batches)) +
-         schedule_text(s) + "\n" + dump_graph(c.graph);
+         schedule_text(s) +
+         strformat("bubble %.1f%% with tasks timed forward 1, backward 2 (split: B 1 and W 1; on stage 0, "
+                   "which has no input gradient, B 0 and W 2)\n",
+                   100.0 * schedule_bubble(s)) +
+         "\n" + dump_graph(c.graph);
 }
 
 std::string dump_stages(const PassContext &c) {
@@ -139,7 +149,7 @@ const std::vector<PassDef> &pass_list() {
       {"load", "the graph file as read", true, nullptr, run_nothing, nullptr},
       {"verify", "semantic checks and a topological order", true, nullptr, run_verify, nullptr},
       {"infer_shapes", "symbolic dims bound, every shape known", false, read_shapes, run_infer_shapes, nullptr},
-      {"schedule", "the step as pipeline tasks per stage over pp (options pp_schedule: gpipe or 1f1b, micro_batches)",
+      {"schedule", "the step as pipeline tasks per stage over pp (options pp_schedule: gpipe, 1f1b or zb, micro_batches)",
        false, read_schedule, run_schedule, dump_schedule},
       {"fuse", "exported primitive patterns rewritten to fused ops (attention, rmsnorm, swiglu, gelu, geglu, rope)", false,
        read_fuse_options, run_fuse, dump_fuse},
@@ -163,6 +173,9 @@ const std::vector<PassDef> &pass_list() {
        run_reorder, dump_reorder},
       {"epilogues", "GEMM epilogues fused where the backend has the kernels (bias gradient, GELU)", false,
        read_epilogue_options, run_epilogues, dump_epilogues},
+      {"split_backward", "with the zb schedule: the backward ordered as input-gradient nodes (B), then "
+                         "weight-gradient nodes (W)",
+       false, nullptr, run_split_backward, dump_split_backward},
       {"lower", "instruction lists per stream, with events", false, read_lower, run_lower, dump_lower},
       {"plan_memory", "lifetimes over the schedule and a static arena", false, read_plan, run_plan, dump_plan},
   };

@@ -74,7 +74,8 @@ struct Instr {
 
 struct Program {
   std::vector<Instr> forward;   // forward nodes, in order
-  std::vector<Instr> backward;  // backward nodes, in order
+  std::vector<Instr> backward;  // backward nodes, in order (with a split backward: the input gradients')
+  std::vector<Instr> weight;    // with a split backward: the weight gradients' nodes; else empty
   int num_streams = 1;          // stream 0 computes, stream 1 communicates
   int num_events = 0;
   // Per node: for a collective, the node position at which stream 0 has waited
@@ -98,6 +99,7 @@ struct PassContext {
   std::string placed;            // what place split over tp and what it left
   std::string precision;         // what precision chose
   std::string epilogues;         // what epilogues fused
+  std::string split;             // what split_backward split
   Schedule pipeline;             // schedule: per stage, its tasks in run order
   StageCut stage_cut;            // stages: this rank's stage and what crosses to the others
   uint32_t backend_flags = 0;    // the step's backend's CTR_BACKEND_* flags
@@ -269,6 +271,12 @@ void read_reorder_options(OptionReader &r, CompileOptions &opt);
 // Returns what it fused, for `inspect --after epilogues`.
 void read_epilogue_options(OptionReader &r, CompileOptions &opt);
 std::string pass_epilogues(Graph &g, const CompileOptions &opt, const std::function<bool(OpId)> &has_kernel);
+
+// split_backward.cc: for the zero-bubble schedule, the backward ordered as the
+// nodes the input gradients need, then the others (Graph::num_input_grad);
+// gradients written in the first part go through arena tensors copied in the
+// second. Returns what it split, for `inspect --after split_backward`.
+std::string pass_split_backward(Graph &g, const CompileOptions &opt);
 
 Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel, bool overlap = true);
 // Before lowering: tensors whose layout the backend decides (CTR_BACKEND_* flags):

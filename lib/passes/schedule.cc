@@ -16,16 +16,23 @@ namespace ctr {
 ScheduleKind schedule_kind_from_name(const std::string &name) {
   if (name == "gpipe") return ScheduleKind::GPipe;
   if (name == "1f1b") return ScheduleKind::OneFOneB;
+  if (name == "zb") return ScheduleKind::ZeroBubble;
   fail(CTR_STATUS_INVALID_OPTION,
-       strformat("option 'pp_schedule': unknown schedule '%s' (known: gpipe, 1f1b)", name.c_str()));
+       strformat("option 'pp_schedule': unknown schedule '%s' (known: gpipe, 1f1b, zb)", name.c_str()));
 }
 
 const char *schedule_kind_name(ScheduleKind kind) {
-  return kind == ScheduleKind::GPipe ? "gpipe" : "1f1b";
+  switch (kind) {
+    case ScheduleKind::GPipe: return "gpipe";
+    case ScheduleKind::OneFOneB: return "1f1b";
+    case ScheduleKind::ZeroBubble: return "zb";
+  }
+  return "?";
 }
 
 std::string task_text(const Task &t) {
-  return strformat("%c%lld", t.phase == TaskPhase::Forward ? 'F' : 'B', static_cast<long long>(t.micro_batch));
+  const char c = t.phase == TaskPhase::Forward ? 'F' : t.phase == TaskPhase::Backward ? 'B' : 'W';
+  return strformat("%c%lld", c, static_cast<long long>(t.micro_batch));
 }
 
 std::string schedule_text(const Schedule &s) {
@@ -163,6 +170,69 @@ std::vector<Task> one_f_one_b_order(int stage, int stages, int64_t m) {
 
 }  // namespace
 
+int64_t task_time(const Schedule &s, int stage, TaskPhase phase) {
+  if (phase == TaskPhase::Forward) return 1;
+  if (!s.split_backward()) return 2;
+  // Stage 0's inputs are the data: it has no input gradient to compute.
+  if (stage == 0) return phase == TaskPhase::Backward ? 0 : 2;
+  return 1;
+}
+
+namespace {
+
+// Plays the pipeline with the tasks' times of task_time: whenever a stage is
+// free it starts a ready B (its forward done, the next stage's B of the
+// micro-batch done), else a ready forward if fewer than p are without their B
+// and fewer than p + 1 without their W, else its oldest W whose B is done.
+// Each kind of task runs in micro-batch order on a stage.
+std::vector<std::vector<Task>> zero_bubble_order(const Schedule &s) {
+  const int p = s.stages;
+  const int64_t m = s.micro_batches;
+  const size_t P = static_cast<size_t>(p);
+  constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+  std::vector<std::vector<int64_t>> f_end(P, std::vector<int64_t>(static_cast<size_t>(m), kNever)), b_end = f_end;
+  std::vector<int64_t> nf(P, 0), nb(P, 0), nw(P, 0), busy(P, 0);
+  std::vector<std::vector<Task>> out(P);
+  for (int64_t t = 0;; ++t) {
+    bool all_done = true;
+    for (int i = 0; i < p; ++i) {
+      const size_t I = static_cast<size_t>(i);
+      while (busy[I] <= t) {  // (a task of no time lets the next start at once)
+        int64_t j = nb[I];
+        if (j < nf[I] && f_end[I][static_cast<size_t>(j)] <= t &&
+            (i == p - 1 || b_end[I + 1][static_cast<size_t>(j)] <= t)) {
+          b_end[I][static_cast<size_t>(j)] = busy[I] = t + task_time(s, i, TaskPhase::Backward);
+          ++nb[I];
+          out[I].push_back(bwd(i, j));
+          continue;
+        }
+        j = nf[I];
+        if (j < m && nf[I] - nb[I] < p && nf[I] - nw[I] < p + 1 &&
+            (i == 0 || f_end[I - 1][static_cast<size_t>(j)] <= t)) {
+          f_end[I][static_cast<size_t>(j)] = busy[I] = t + task_time(s, i, TaskPhase::Forward);
+          ++nf[I];
+          out[I].push_back(fwd(i, j));
+          continue;
+        }
+        if (nw[I] < nb[I] && b_end[I][static_cast<size_t>(nw[I])] <= t) {
+          busy[I] = t + task_time(s, i, TaskPhase::Weight);
+          out[I].push_back({i, nw[I]++, TaskPhase::Weight});
+          continue;
+        }
+        break;
+      }
+      if (nw[I] < m) all_done = false;
+    }
+    if (all_done) break;
+    // Some stage starts a task at least every 2 units (the play is a valid
+    // pipeline), so this ends within 6 * m * p units.
+    CTR_CHECK(t <= 6 * m * p + 6);
+  }
+  return out;
+}
+
+}  // namespace
+
 Schedule build_schedule(ScheduleKind kind, int stages, int64_t micro_batches) {
   CTR_REQUIRE(stages >= 1, CTR_STATUS_INVALID_OPTION, "pipeline: %d stages (at least 1 is needed)", stages);
   CTR_REQUIRE(micro_batches >= 1, CTR_STATUS_INVALID_OPTION,
@@ -175,11 +245,59 @@ Schedule build_schedule(ScheduleKind kind, int stages, int64_t micro_batches) {
   s.kind = kind;
   s.stages = stages;
   s.micro_batches = micro_batches;
-  for (int st = 0; st < stages; ++st)
-    s.order.push_back(kind == ScheduleKind::GPipe ? gpipe_order(st, micro_batches)
-                                                  : one_f_one_b_order(st, stages, micro_batches));
+  if (kind == ScheduleKind::ZeroBubble) {
+    s.order = zero_bubble_order(s);
+  } else {
+    for (int st = 0; st < stages; ++st)
+      s.order.push_back(kind == ScheduleKind::GPipe ? gpipe_order(st, micro_batches)
+                                                    : one_f_one_b_order(st, stages, micro_batches));
+  }
   check_schedule(s);
   return s;
+}
+
+double schedule_bubble(const Schedule &s) {
+  // Each stage starts its next task as soon as the stage is free and the task's
+  // inputs are there (check_schedule proved that every task gets them).
+  const int p = s.stages;
+  const size_t P = static_cast<size_t>(p), M = static_cast<size_t>(s.micro_batches);
+  std::vector<std::vector<std::vector<int64_t>>> end(3, std::vector<std::vector<int64_t>>(P, std::vector<int64_t>(M, -1)));
+  std::vector<size_t> next(P, 0);
+  std::vector<int64_t> free_at(P, 0);
+  int64_t work = 0, last = 0;
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int st = 0; st < p; ++st) {
+      const size_t S = static_cast<size_t>(st);
+      while (next[S] < s.order[S].size()) {
+        const Task &t = s.order[S][next[S]];
+        const size_t mb = static_cast<size_t>(t.micro_batch);
+        int64_t ready = free_at[S];
+        auto after = [&](TaskPhase ph, size_t stage) {
+          const int64_t e = end[static_cast<size_t>(ph)][stage][mb];
+          if (e < 0) return false;
+          ready = std::max(ready, e);
+          return true;
+        };
+        bool ok = true;
+        if (t.phase == TaskPhase::Forward) {
+          if (st > 0) ok = after(TaskPhase::Forward, S - 1);
+        } else if (t.phase == TaskPhase::Backward) {
+          ok = after(TaskPhase::Forward, S) && (st == p - 1 || after(TaskPhase::Backward, S + 1));
+        } else {
+          ok = after(TaskPhase::Backward, S);
+        }
+        if (!ok) break;
+        const int64_t cost = task_time(s, st, t.phase);
+        free_at[S] = end[static_cast<size_t>(t.phase)][S][mb] = ready + cost;
+        work += cost;
+        last = std::max(last, free_at[S]);
+        ++next[S];
+        moved = true;
+      }
+    }
+  }
+  return last > 0 ? 1.0 - static_cast<double>(work) / static_cast<double>(last * p) : 0.0;
 }
 
 Schedule pass_schedule(const Graph &g, const CompileOptions &opt) {
@@ -198,23 +316,27 @@ void check_schedule(Schedule &s) {
   const int64_t m = s.micro_batches;
   CTR_REQUIRE(static_cast<int>(s.order.size()) == p, CTR_STATUS_INVALID_OPTION,
               "pipeline schedule: %zu task lists for %d stages", s.order.size(), p);
+  const bool split = s.split_backward();
+  const int64_t per_mb = split ? 3 : 2;
   // done[phase][stage][mb]
   std::vector<std::vector<std::vector<char>>> done(
-      2, std::vector<std::vector<char>>(static_cast<size_t>(p), std::vector<char>(static_cast<size_t>(m), 0)));
+      3, std::vector<std::vector<char>>(static_cast<size_t>(p), std::vector<char>(static_cast<size_t>(m), 0)));
   auto is_done = [&](TaskPhase ph, int st, int64_t mb) {
     return done[static_cast<size_t>(ph)][static_cast<size_t>(st)][static_cast<size_t>(mb)] != 0;
   };
   for (int st = 0; st < p; ++st) {
     const auto &list = s.order[static_cast<size_t>(st)];
-    CTR_REQUIRE(static_cast<int64_t>(list.size()) == 2 * m, CTR_STATUS_INVALID_OPTION,
-                "pipeline schedule: stage %d has %zu tasks, not %lld (a forward and a backward per micro-batch)",
-                st, list.size(), static_cast<long long>(2 * m));
-    std::vector<char> seen(static_cast<size_t>(2 * m), 0);
+    CTR_REQUIRE(static_cast<int64_t>(list.size()) == per_mb * m, CTR_STATUS_INVALID_OPTION,
+                "pipeline schedule: stage %d has %zu tasks, not %lld (%s per micro-batch)", st, list.size(),
+                static_cast<long long>(per_mb * m),
+                split ? "a forward, a backward and a weight-gradient task" : "a forward and a backward");
+    std::vector<char> seen(static_cast<size_t>(3 * m), 0);
     for (const Task &t : list) {
-      CTR_REQUIRE(t.stage == st && t.micro_batch >= 0 && t.micro_batch < m, CTR_STATUS_INVALID_OPTION,
-                  "pipeline schedule: stage %d lists task %s of stage %d, out of place", st, task_text(t).c_str(),
-                  t.stage);
-      char &once = seen[static_cast<size_t>(t.micro_batch * 2 + (t.phase == TaskPhase::Backward))];
+      CTR_REQUIRE(t.stage == st && t.micro_batch >= 0 && t.micro_batch < m &&
+                      (split || t.phase != TaskPhase::Weight),
+                  CTR_STATUS_INVALID_OPTION, "pipeline schedule: stage %d lists task %s of stage %d, out of place", st,
+                  task_text(t).c_str(), t.stage);
+      char &once = seen[static_cast<size_t>(t.micro_batch * 3 + static_cast<int64_t>(t.phase))];
       CTR_REQUIRE(!once, CTR_STATUS_INVALID_OPTION, "pipeline schedule: stage %d lists %s twice", st,
                   task_text(t).c_str());
       once = 1;
@@ -231,14 +353,18 @@ void check_schedule(Schedule &s) {
       // Run every task of this stage whose inputs are there.
       while (i < list.size()) {
         const Task &t = list[i];
-        const bool ready = t.phase == TaskPhase::Forward
-                               ? st == 0 || is_done(TaskPhase::Forward, st - 1, t.micro_batch)
-                               : is_done(TaskPhase::Forward, st, t.micro_batch) &&
-                                     (st == p - 1 || is_done(TaskPhase::Backward, st + 1, t.micro_batch));
+        const bool ready =
+            t.phase == TaskPhase::Forward    ? st == 0 || is_done(TaskPhase::Forward, st - 1, t.micro_batch)
+            : t.phase == TaskPhase::Weight ? is_done(TaskPhase::Backward, st, t.micro_batch)
+                                             : is_done(TaskPhase::Forward, st, t.micro_batch) &&
+                                                   (st == p - 1 || is_done(TaskPhase::Backward, st + 1, t.micro_batch));
         if (!ready) break;
         done[static_cast<size_t>(t.phase)][static_cast<size_t>(st)][static_cast<size_t>(t.micro_batch)] = 1;
         int64_t &l = live[static_cast<size_t>(st)];
-        l += t.phase == TaskPhase::Forward ? 1 : -1;
+        // A micro-batch's activations are held from its forward to the task
+        // that reads them last: its W when the backward is split.
+        if (t.phase == TaskPhase::Forward) ++l;
+        if (t.phase == (split ? TaskPhase::Weight : TaskPhase::Backward)) --l;
         s.in_flight[static_cast<size_t>(st)] = std::max(s.in_flight[static_cast<size_t>(st)], l);
         ++i;
         moved = true;
@@ -256,6 +382,8 @@ void check_schedule(Schedule &s) {
     std::string on;
     if (t.phase == TaskPhase::Backward && !is_done(TaskPhase::Forward, st, t.micro_batch))
       on = "its own F" + std::to_string(t.micro_batch);
+    else if (t.phase == TaskPhase::Weight)
+      on = "its own B" + std::to_string(t.micro_batch);
     else
       on = strformat("stage %d", t.phase == TaskPhase::Forward ? st - 1 : st + 1);
     stuck += strformat("%sstage %d waits in %s for %s", stuck.empty() ? "" : "; ", st, task_text(t).c_str(),

@@ -1,15 +1,20 @@
 // Pipeline schedules as data: per stage, the order of its tasks.
 //
-// A task is one phase (forward or backward) of one micro-batch on one stage.
+// A task is one phase of one micro-batch on one stage: forward, backward, or,
+// in the zero-bubble schedule, the backward split in two — the input-gradient
+// part (B: what the previous stage waits for) and the weight-gradient part (W:
+// what only the optimizer waits for), which fills the pipeline's bubbles.
 // A schedule is built from its kind and the numbers of stages and micro-batches,
 // then checked by playing it: a forward needs the previous stage's forward of
 // the same micro-batch (its activations arrive by recv), a backward needs the
 // stage's own forward and the next stage's backward (its gradient arrives by
-// recv), and sends never block. A schedule that cannot run to the end is
+// recv), a weight-gradient task needs the stage's own backward, and sends
+// never block. A schedule that cannot run to the end is
 // refused when it is built, naming the stages and the tasks they would wait in,
 // instead of hanging at run time. Playing it also gives each stage's peak
-// number of micro-batches in flight (forwards whose backward has not run), the
-// activations the memory plan must hold.
+// number of micro-batches in flight (forwards whose backward — or, split,
+// whose weight-gradient task — has not run), the activations the memory plan
+// must hold.
 //
 // The graph is cut into stages at block boundaries (cut_stages): each stage a
 // run of whole blocks, the nodes before the first block (the embedding) on the
@@ -33,9 +38,16 @@ struct Graph;
 enum class ScheduleKind : uint8_t {
   GPipe,     // every forward, then every backward (in micro-batch order)
   OneFOneB,  // warm-up forwards, then one forward and one backward in turn
+  // Zero bubble (ZB-H1 style): the backward split into B and W; each stage
+  // runs, whenever it is free, a ready B first, else a forward (at most as
+  // many ahead as 1F1B's stage 0, p, without a B, and p + 1 without their W),
+  // else the oldest pending W. Built by playing the pipeline with the task
+  // times of task_time, so the order is fixed; its bubble there is near
+  // (p - 1) / (3m + p - 1) against 1F1B's (p - 1) / (m + p - 1).
+  ZeroBubble,
 };
 
-enum class TaskPhase : uint8_t { Forward, Backward };
+enum class TaskPhase : uint8_t { Forward, Backward, Weight };
 
 struct Task {
   int stage = 0;
@@ -59,9 +71,11 @@ struct Schedule {
   std::vector<std::vector<Task>> order;  // [stage] -> tasks in run order
   std::vector<int64_t> in_flight;        // [stage] -> peak micro-batches in flight
   std::vector<StageSpan> spans;          // [stage] -> its blocks (empty until cut_stages)
+  // Whether the backward is split into B (Backward) and W (Weight) tasks.
+  bool split_backward() const { return kind == ScheduleKind::ZeroBubble; }
 };
 
-// "gpipe" or "1f1b"; anything else fails with CTR_STATUS_INVALID_OPTION listing them.
+// "gpipe", "1f1b" or "zb"; anything else fails with CTR_STATUS_INVALID_OPTION listing them.
 ScheduleKind schedule_kind_from_name(const std::string &name);
 const char *schedule_kind_name(ScheduleKind kind);
 
@@ -70,6 +84,13 @@ const char *schedule_kind_name(ScheduleKind kind);
 // than stages (its warm-up would not fill the pipeline).
 Schedule build_schedule(ScheduleKind kind, int stages, int64_t micro_batches);
 
+// A task's time in the schedule's arithmetic: a forward 1, a backward 2; split,
+// B and W 1 each, except on stage 0, whose inputs are the data: B 0 and W 2.
+int64_t task_time(const Schedule &s, int stage, TaskPhase phase);
+
+// The bubble of s when tasks take task_time: the idle fraction of the stages'
+// time from the first forward to the last task.
+double schedule_bubble(const Schedule &s);
 // Plays s as described above; fills s.in_flight, or fails with
 // CTR_STATUS_INVALID_OPTION naming each stage that cannot go on and its task.
 void check_schedule(Schedule &s);
@@ -107,7 +128,7 @@ struct StageCut {
   std::vector<Home> params;
 };
 
-// "F3" or "B0": a task as the schedule printouts write it.
+// "F3", "B0" or "W1": a task as the schedule printouts write it.
 std::string task_text(const Task &t);
 // One line per stage: "stage 1: F0 F1 B0 B1 (2 in flight)", and with spans a
 // line per stage of its blocks and FLOPs.

@@ -214,6 +214,7 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
   };
   for (const Instr &in : prog.forward) resolve(in);
   for (const Instr &in : prog.backward) resolve(in);
+  for (const Instr &in : prog.weight) resolve(in);
 
   streams_.assign(static_cast<size_t>(prog.num_streams), 0);
   for (int s = 1; s < prog.num_streams; ++s) {
@@ -241,9 +242,9 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
   if (can_capture) {
     why_not_[0] = why_not(prog.forward);
     why_not_[1] = why_not(prog.backward);
+    why_not_[2] = why_not(prog.weight);
   }
-  capturable_[0] = can_capture && why_not_[0].empty();
-  capturable_[1] = can_capture && why_not_[1].empty();
+  for (int p = 0; p < 3; ++p) capturable_[p] = can_capture && why_not_[p].empty();
   for (int e = 0; e < prog.num_events; ++e) {
     int id = be_.iface->create_event(be_.ctx);
     CTR_REQUIRE(id >= 0, CTR_STATUS_INTERNAL, "backend '%s' cannot create an event", be_.iface->name);
@@ -267,7 +268,7 @@ void Executor::drop_graphs() {
 void Executor::rebind(int t, void *addr) {
   if (addr_[static_cast<size_t>(t)] == addr) return;
   // A captured graph has the old address baked in.
-  if (graph_[0] >= 0 || graph_[1] >= 0) {
+  if (graph_[0] >= 0 || graph_[1] >= 0 || graph_[2] >= 0) {
     drop_graphs();
     if (++recaptures_ == 4)
       std::fprintf(stderr, "ctr: graphs: no longer captured: the addresses they were captured with keep moving\n");
@@ -521,12 +522,21 @@ std::vector<std::pair<std::string, double>> Executor::take_comm_ms_by_axis() {
 
 double Executor::take_exposed_ms() { return static_cast<double>(std::exchange(exposed_ns_, 0)) / 1e6; }
 
+const char *Executor::phase_name(Phase phase) {
+  switch (phase) {
+    case Phase::Forward: return "forward";
+    case Phase::Backward: return "backward";
+    case Phase::Weight: return "weight-gradient";
+  }
+  return "?";
+}
+
 void Executor::run(Phase phase) {
-  const std::vector<Instr> &list = phase == Phase::Forward ? prog_.forward : prog_.backward;
+  const int p = static_cast<int>(phase);
+  const std::vector<Instr> &list = p == 0 ? prog_.forward : p == 1 ? prog_.backward : prog_.weight;
   const ctr_backend_iface *bi = be_.iface;
   void *ctx = be_.ctx;
-  const int p = phase == Phase::Forward ? 0 : 1;
-  const char *name = phase == Phase::Forward ? "forward" : "backward";
+  const char *name = phase_name(phase);
   constexpr int kMaxRecaptures = 3;
   if (graphs_on_ && !why_not_[p].empty() && !said_[p]) {
     std::fprintf(stderr, "ctr: graphs: the %s phase is not captured: %s\n", name, why_not_[p].c_str());
@@ -572,7 +582,7 @@ void Executor::check_device(int node, Phase phase, bool replay) const {
   if (!be_.iface->status) return;
   char msg[1024] = {0};
   if (be_.iface->status(be_.ctx, msg, sizeof msg) == 0) return;
-  const char *ph = phase == Phase::Forward ? "forward" : "backward";
+  const char *ph = phase_name(phase);
   if (node >= 0) {
     const Node &n = g_.nodes[static_cast<size_t>(node)];
     fail(CTR_STATUS_DEVICE_ERROR, strformat("device '%s' failed launching op %s '%s' (%s): %s", be_.iface->name,

@@ -46,7 +46,9 @@ class Executor {
   void rebind(int t, void *addr);
   void *addr(int t) const { return addr_[static_cast<size_t>(t)]; }
 
-  enum class Phase { Forward, Backward };
+  // Weight: the weight-gradient part of a split backward (Program::weight).
+  enum class Phase { Forward, Backward, Weight };
+  static const char *phase_name(Phase phase);
   // Runs one phase; returns once stream 0's work is issued and the comm stream
   // is drained. Throws the first collective failure.
   void run(Phase phase);
@@ -101,11 +103,11 @@ class Executor {
   Backend be_;
   bool staged_ = false;  // the backend's memory is not host memory: collectives stage it
   bool graphs_on_ = false;
-  int graph_[2] = {-1, -1};        // captured graph per phase, -1: none
-  bool capturable_[2] = {false, false};
-  std::string why_not_[2];           // why a phase cannot be captured ("": it can)
-  bool said_[2] = {false, false};    // why_not_ printed
-  int64_t runs_[2] = {0, 0};
+  int graph_[3] = {-1, -1, -1};    // captured graph per phase, -1: none
+  bool capturable_[3] = {false, false, false};
+  std::string why_not_[3];           // why a phase cannot be captured ("": it can)
+  bool said_[3] = {false, false, false};  // why_not_ printed
+  int64_t runs_[3] = {0, 0, 0};
   int64_t captures_ = 0;
   int recaptures_ = 0;
   int64_t graph_replays_ = 0;

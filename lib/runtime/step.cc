@@ -784,17 +784,25 @@ void Step::run(ctr_step_metrics *metrics) {
       read_moe(mb);
       pp_send(mb, false);
       event(name, "forward", mb, t_work, now_us());
-    } else {
+    } else if (task.phase == TaskPhase::Backward) {
       pp_receive(mb, true);
       const int64_t t_work = now_us();
       if (cut_.stages > 1 && stage_ + 1 < cut_.stages) event("recv " + name, "recv", mb, t_wait, t_work);
       bind_micro_batch(mb);
       auto tb = Clock::now();
       ex.run(Executor::Phase::Backward);
-      opt_->accumulate(mb);
+      // A split backward's gradients are whole after its W task.
+      if (!pipeline_.split_backward()) opt_->accumulate(mb);
       bwd_ms += ms_since(tb);
       pp_send(mb, true);
       event(name, "backward", mb, t_work, now_us());
+    } else {
+      bind_micro_batch(mb);
+      auto tb = Clock::now();
+      ex.run(Executor::Phase::Weight);
+      opt_->accumulate(mb);
+      bwd_ms += ms_since(tb);
+      event(name, "weight", mb, t_wait, now_us());
     }
   }
   {
@@ -1014,6 +1022,7 @@ double Step::forward_backward() {
   exec_->run(Executor::Phase::Forward);
   ran_forward_ = true;
   exec_->run(Executor::Phase::Backward);
+  if (!prog_.weight.empty()) exec_->run(Executor::Phase::Weight);
   return read_loss(0);
 }
 

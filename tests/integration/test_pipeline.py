@@ -48,12 +48,34 @@ def stages(dump):
     ("1f1b", 2, ["stage 0: F0 F1 B0 B1 (2 in flight)", "stage 1: F0 B0 F1 B1 (1 in flight)"]),
     ("1f1b", 4, ["stage 0: F0 F1 B0 F2 B1 F3 B2 B3 (2 in flight)",
                  "stage 1: F0 B0 F1 B1 F2 B2 F3 B3 (1 in flight)"]),
+    ("zb", 4, ["stage 0: F0 F1 B0 F2 W0 B1 F3 B2 W1 W2 B3 W3 (3 in flight)",
+               "stage 1: F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3 (3 in flight)"]),
 ])
 def test_inspect_prints_each_stage_order(ctr, graph, schedule, micro, want):
     out = run(ctr, "graph", "inspect", graph, "--after", "schedule", "--pp", "2", "--micro-batches", str(micro),
               "--pp-schedule", schedule).stdout
     assert f"pipeline schedule {schedule}: 2 stage(s), {micro} micro-batch(es)" in out
     assert stages(out)[:2] == want
+    bubble = {"gpipe": 1 / (micro + 1), "1f1b": 1 / (micro + 1), "zb": 1 / (3 * micro + 1)}[schedule]
+    assert f"bubble {100 * bubble:.1f}% with tasks timed" in out, out[:600]
+
+
+def test_zero_bubble_splits_the_backward_of_a_stage(ctr, graph):
+    """With zb, the last stage's backward is lowered as two phases: the nodes
+    its input gradient needs, then the weight gradients; a norm weight's
+    gradient written in the first goes through the micro-batch's own tensor."""
+    out = run(ctr, "graph", "inspect", graph, "--after", "split_backward", "--pp", "2", "--rank", "1",
+              "--pp-schedule", "zb", "--micro-batches", "2").stdout
+    head = out.splitlines()[0]
+    assert head.startswith("backward split: ") and "for the input gradients (B)" in head, head
+    assert "-- backward: input gradients --" in out and "-- backward: weight gradients --" in out
+    low = run(ctr, "graph", "inspect", graph, "--after", "lower", "--pp", "2", "--rank", "1", "--pp-schedule", "zb",
+              "--micro-batches", "2").stdout
+    assert "weight gradients: " in low and "linear_bwd_w" in low.split("weight gradients: ")[1]
+    assert "linear_bwd_w" not in low.split("backward: ")[1].split("weight gradients: ")[0]
+    plain = run(ctr, "graph", "inspect", graph, "--after", "split_backward", "--pp", "2", "--rank", "1",
+                "--micro-batches", "2").stdout
+    assert plain.startswith("backward not split")
 
 
 def test_inspect_prints_each_stage_blocks(ctr, graph):
@@ -161,25 +183,31 @@ def test_stages_train_as_one_rank(ctr, deep, tmp_path, preset):
     g = deep[preset]
     for micro in (1, 2, 4):
         want = train(ctr, g, str(tmp_path / f"one{micro}"), 1, "fsdp=1", "--micro-batches", str(micro))
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe", "1f1b", "zb"):
             if schedule == "1f1b" and micro < 2:
                 continue
             got = train(ctr, g, str(tmp_path / f"pp2{schedule}{micro}"), 2, "pp=2", "--micro-batches", str(micro),
                         "--pp-schedule", schedule)
             assert_same(got, want, f"{preset} pp=2 {schedule} with {micro} micro-batch(es)")
         if micro == 4:
-            got = train(ctr, g, str(tmp_path / "pp4"), 4, "pp=4", "--micro-batches", "4")
-            assert_same(got, want, f"{preset} pp=4 1f1b with 4 micro-batches")
+            for schedule in ("1f1b", "zb"):
+                got = train(ctr, g, str(tmp_path / f"pp4{schedule}"), 4, "pp=4", "--micro-batches", "4",
+                            "--pp-schedule", schedule)
+                assert_same(got, want, f"{preset} pp=4 {schedule} with 4 micro-batches")
 
 
-@pytest.mark.parametrize("preset,other", [("gpt", "fsdp=2"), ("llama", "tp=2"), ("gpt", "dp=2")])
-def test_stages_compose_with_other_axes(ctr, deep, tmp_path, preset, other):
+@pytest.mark.parametrize("preset,other,schedule", [("gpt", "fsdp=2", "1f1b"), ("llama", "tp=2", "1f1b"),
+                                                   ("gpt", "dp=2", "1f1b"), ("llama", "fsdp=2", "zb"),
+                                                   ("gpt", "tp=2", "zb")])
+def test_stages_compose_with_other_axes(ctr, deep, tmp_path, preset, other, schedule):
     """pp=2 beside another axis trains as that axis alone does (which the
-    equivalence test holds to one rank)."""
+    equivalence test holds to one rank), zb's split backward too (its weight
+    gradients' reduce-scatters and tp's reductions of input gradients)."""
     g = deep[preset]
     want = train(ctr, g, str(tmp_path / "alone"), 2, other, "--micro-batches", "2")
-    got = train(ctr, g, str(tmp_path / "with_pp"), 4, "pp=2," + other, "--micro-batches", "2")
-    assert_same(got, want, f"{preset} pp=2,{other}")
+    got = train(ctr, g, str(tmp_path / "with_pp"), 4, "pp=2," + other, "--micro-batches", "2", "--pp-schedule",
+                schedule)
+    assert_same(got, want, f"{preset} pp=2,{other} {schedule}")
 
 
 def test_stage_cut_refusals_name_what(ctr, deep, tmp_path):
@@ -258,21 +286,25 @@ def test_checkpoints_move_between_pipeline_meshes(ctr, deep, tmp_path):
     assert all(np_.array_equal(again[k], params[k]) for k in params)
 
 
-def test_trace_shows_each_rank_running_its_schedule(ctr, deep, tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_trace_shows_each_rank_running_its_schedule(ctr, deep, tmp_path, schedule):
     """`ctr run --trace` writes every rank's tasks as Chrome trace events: each
     rank runs its stage's tasks in the schedule's order every step, a later stage
     starts a micro-batch's forward after the earlier stage started it (and the
-    earlier stage its backward after the later one), and `ctr plot --timeline`
-    draws one row per rank and measures the bubble, which the test reports
-    beside the schedule's arithmetic, (p - 1) / (m + p - 1)."""
+    earlier stage its backward after the later one; a weight-gradient task after
+    its own backward), and `ctr plot --timeline` draws one row per rank and
+    measures the bubble, which the test reports beside the schedule's arithmetic
+    (`inspect --after schedule`)."""
     trace, svg = str(tmp_path / "trace.json"), str(tmp_path / "timeline.svg")
     steps, micro = 3, 4
     run(ctr, "launch", "-n", "2", "--", ctr, "run", deep["gpt"], "--mesh", "pp=2", "--steps", str(steps), "--batch",
-        "2", "--micro-batches", str(micro), "--log-every", "0", "--trace", trace, timeout=120)
+        "2", "--micro-batches", str(micro), "--log-every", "0", "--trace", trace, "--pp-schedule", schedule,
+        timeout=120)
     events = json.load(open(trace))["traceEvents"]
-    tasks = [e for e in events if e["ph"] == "X" and e["cat"] in ("forward", "backward")]
-    order = stages(run(ctr, "graph", "inspect", deep["gpt"], "--after", "schedule", "--pp", "2", "--micro-batches",
-                       str(micro)).stdout)
+    tasks = [e for e in events if e["ph"] == "X" and e["cat"] in ("forward", "backward", "weight")]
+    dump = run(ctr, "graph", "inspect", deep["gpt"], "--after", "schedule", "--pp", "2", "--micro-batches",
+               str(micro), "--pp-schedule", schedule).stdout
+    order = stages(dump)
     for rank in (0, 1):
         want = order[rank].split(": ")[1].split(" (")[0].split()
         for step in range(1, steps + 1):
@@ -283,14 +315,20 @@ def test_trace_shows_each_rank_running_its_schedule(ctr, deep, tmp_path):
         for mb in range(micro):
             assert start[(1, step, f"F{mb}")] >= start[(0, step, f"F{mb}")]
             assert start[(0, step, f"B{mb}")] >= start[(1, step, f"B{mb}")]
+            if schedule == "zb":
+                for rank in (0, 1):
+                    assert start[(rank, step, f"W{mb}")] >= start[(rank, step, f"B{mb}")]
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {"rank 0 (stage 0)", "rank 1 (stage 1)"}, names
     p = run(ctr, "plot", "--timeline", trace, "-o", svg)
     text = open(svg).read()
     assert "rank 0" in text and "rank 1" in text and "<title>F0: " in text and "<title>B3: " in text
+    if schedule == "zb":
+        assert "<title>W3: " in text
     bubble = float(p.stdout.split("bubble ")[1].split("%")[0]) / 100
     assert 0 <= bubble < 1, p.stdout
-    print(f"1f1b, 2 stages, {micro} micro-batches: measured bubble {bubble:.1%} "
-          f"(the schedule's arithmetic {1 / (micro + 1):.1%}; tiny tasks on a shared 2-core machine)")
+    arithmetic = float(dump.split("\nbubble ")[1].split("%")[0]) / 100
+    print(f"{schedule}, 2 stages, {micro} micro-batches: measured bubble {bubble:.1%} "
+          f"(the schedule's arithmetic {arithmetic:.1%}; tiny tasks on a shared 2-core machine)")
     r = run(ctr, "plot", "--timeline", str(tmp_path / "none.json"), "-o", svg, expect=1)
     assert "cannot open trace" in r.stderr

@@ -64,12 +64,58 @@ TEST(Schedule, OneFOneBWarmsUpByStage) {
 }
 
 TEST(Schedule, EveryKindAndSizeRunsToTheEnd) {
-  for (auto kind : {ScheduleKind::GPipe, ScheduleKind::OneFOneB})
+  for (auto kind : {ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::ZeroBubble})
     for (int p = 1; p <= 8; ++p)
       for (int64_t m = kind == ScheduleKind::OneFOneB ? p : 1; m <= 3 * p; ++m) {
         Schedule s = ctr::build_schedule(kind, p, m);
         ASSERT_EQ(static_cast<int>(s.order.size()), p);
       }
+}
+
+TEST(Schedule, OneFOneBBubbleIsItsArithmetic) {
+  for (int p = 1; p <= 8; ++p)
+    for (int64_t m = p; m <= 4 * p; ++m) {
+      const double want = static_cast<double>(p - 1) / static_cast<double>(m + p - 1);
+      EXPECT_NEAR(ctr::schedule_bubble(ctr::build_schedule(ScheduleKind::OneFOneB, p, m)), want, 1e-12) << p << " " << m;
+    }
+}
+
+// The backward split in two: stage 0 (no input gradient: B is empty, W the
+// whole backward) defers its Ws into the time it would wait for the later
+// stage's backwards.
+TEST(Schedule, ZeroBubbleSplitsEachBackwardAndFillsTheBubble) {
+  Schedule s = ctr::build_schedule(ScheduleKind::ZeroBubble, 2, 4);
+  EXPECT_EQ(order(s, 0), "F0 F1 B0 F2 W0 B1 F3 B2 W1 W2 B3 W3");
+  EXPECT_EQ(order(s, 1), "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3");
+  for (int p = 1; p <= 8; ++p)
+    for (int64_t m = 1; m <= 4 * p; ++m) {
+      Schedule z = ctr::build_schedule(ScheduleKind::ZeroBubble, p, m);
+      for (int st = 0; st < p; ++st) {
+        const auto &list = z.order[static_cast<size_t>(st)];
+        ASSERT_EQ(static_cast<int64_t>(list.size()), 3 * m);
+        // Each phase in micro-batch order; at most p + 1 micro-batches held.
+        int64_t next[3] = {0, 0, 0};
+        for (const auto &t : list) EXPECT_EQ(t.micro_batch, next[static_cast<int>(t.phase)]++) << ctr::task_text(t);
+        EXPECT_LE(z.in_flight[static_cast<size_t>(st)], p + 1);
+      }
+      if (m < p) continue;
+      // Never worse than 1F1B, and near (p - 1) / (3m + p - 1) (the bubble with
+      // every idle slot filled) once the micro-batches fill the pipeline.
+      const double zb = ctr::schedule_bubble(z);
+      const double one_f_one_b = ctr::schedule_bubble(ctr::build_schedule(ScheduleKind::OneFOneB, p, m));
+      EXPECT_LE(zb, one_f_one_b + 1e-12) << p << " " << m;
+      if (m >= 2 * p) EXPECT_LE(zb, 1.5 * (p - 1) / static_cast<double>(3 * m + p - 1) + 1e-12) << p << " " << m;
+    }
+  expect_refusal(
+      [] {
+        Schedule z = ctr::build_schedule(ScheduleKind::ZeroBubble, 2, 2);
+        std::swap(z.order[1][2], z.order[1][3]);  // "F0 B0 W0 F1 ..." with a W before its B
+        for (auto &t : z.order[1]) t.phase = t.phase == ctr::TaskPhase::Backward ? ctr::TaskPhase::Weight
+                                              : t.phase == ctr::TaskPhase::Weight ? ctr::TaskPhase::Backward
+                                                                                  : t.phase;
+        ctr::check_schedule(z);
+      },
+      CTR_STATUS_INVALID_OPTION, {"zb", "waits in W"});
 }
 
 TEST(Schedule, Refusals) {
@@ -78,7 +124,8 @@ TEST(Schedule, Refusals) {
   expect_refusal([] { ctr::build_schedule(ScheduleKind::GPipe, 0, 2); }, CTR_STATUS_INVALID_OPTION, {"0 stages"});
   expect_refusal([] { ctr::build_schedule(ScheduleKind::GPipe, 2, 0); }, CTR_STATUS_INVALID_OPTION,
                  {"0 micro-batches"});
-  expect_refusal([] { ctr::schedule_kind_from_name("zb"); }, CTR_STATUS_INVALID_OPTION, {"'zb'", "gpipe, 1f1b"});
+  expect_refusal([] { ctr::schedule_kind_from_name("zbv"); }, CTR_STATUS_INVALID_OPTION, {"'zbv'", "gpipe, 1f1b, zb"});
+  EXPECT_EQ(ctr::schedule_kind_from_name("zb"), ScheduleKind::ZeroBubble);
   EXPECT_EQ(ctr::schedule_kind_from_name("gpipe"), ScheduleKind::GPipe);
   EXPECT_EQ(ctr::schedule_kind_from_name("1f1b"), ScheduleKind::OneFOneB);
 }

@@ -316,10 +316,11 @@ struct ScheduleArgs {
                   "cuBLASLt's epilogues (cuda)");
     cmd->add_option("--pp-schedule", pp_schedule,
                     "Pipeline schedule over the pp axis: 1f1b (one forward and one backward in turn after a "
-                    "warm-up; needs at least as many micro-batches as stages) or gpipe (every forward, then "
-                    "every backward)")
+                    "warm-up; needs at least as many micro-batches as stages), gpipe (every forward, then "
+                    "every backward) or zb (zero bubble: each backward split into its input- and its weight-"
+                    "gradient part, the weight gradients filling the idle time)")
         ->capture_default_str()
-        ->check(CLI::IsMember({"1f1b", "gpipe"}));
+        ->check(CLI::IsMember({"1f1b", "gpipe", "zb"}));
     cmd->add_option("--pp-stages", pp_stages,
                     "Blocks per pipeline stage, in stage order (\"2,3,3\"; default: balanced by forward FLOPs)");
     cmd->add_flag("--sequence-parallel", sequence_parallel,

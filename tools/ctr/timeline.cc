@@ -1,12 +1,13 @@
 // `ctr plot --timeline TRACE -o FILE.svg`: the Chrome trace `ctr run --trace`
 // writes, drawn as a Gantt chart (one row per rank, its tasks as bars: forwards,
-// backwards, waits for other pipeline stages, the optimizer), and the pipeline
-// bubble measured from it.
+// backwards, weight-gradient tasks, waits for other pipeline stages, the
+// optimizer), and the pipeline bubble measured from it.
 //
 // The bubble of a step is the share of the step's span (from the first task any
 // rank starts to the last one any rank ends) that a rank spends outside its own
-// forwards and backwards, averaged over the ranks; the figure printed is over
-// every step but the first (warm-up) when there are several.
+// forwards, backwards and weight-gradient tasks, averaged over the ranks; the
+// figure printed is over every step but the first (warm-up) when there are
+// several.
 
 #include "timeline.h"
 
@@ -40,9 +41,13 @@ struct Bar {
   double start = 0, dur = 0;  // microseconds
 };
 
+// A stage's own work: what the bubble is measured against.
+bool is_task(const std::string &cat) { return cat == "forward" || cat == "backward" || cat == "weight"; }
+
 const char *bar_color(const std::string &cat) {
   if (cat == "forward") return "#4c78a8";
   if (cat == "backward") return "#59a14f";
+  if (cat == "weight") return "#b07aa1";
   if (cat == "recv") return "#c9c9c9";
   return "#f28e2b";  // optimizer
 }
@@ -86,7 +91,7 @@ TimelineStats read_timeline(const std::string &path, std::vector<TimelineBar> *b
   std::map<std::pair<int64_t, int>, double> busy;      // (step, rank) -> its forwards' and backwards' time
   for (const TimelineBar &b : bars) {
     st.ranks = std::max(st.ranks, b.rank + 1);
-    if (b.cat != "forward" && b.cat != "backward") continue;
+    if (!is_task(b.cat)) continue;
     auto it = span.find(b.step);
     if (it == span.end()) it = span.insert({b.step, {b.start, b.start + b.dur}}).first;
     it->second.first = std::min(it->second.first, b.start);
@@ -146,11 +151,13 @@ void write_timeline_svg(const std::string &trace, const std::string &output, con
                 st.measured_steps == 1 ? "" : "s");
   svg += strformat("<text x=\"%d\" y=\"22\" font-size=\"15\">%s</text>\n", left, svg::xml_escape(heading).c_str());
   int lx = left;
-  for (const char *cat : {"forward", "backward", "recv", "optimizer"}) {
+  for (const char *cat : {"forward", "backward", "weight", "recv", "optimizer"}) {
     svg += strformat("<rect x=\"%d\" y=\"32\" width=\"12\" height=\"12\" fill=\"%s\"/><text x=\"%d\" y=\"43\">%s</text>\n",
                      lx, bar_color(cat), lx + 16,
-                     std::strcmp(cat, "recv") == 0 ? "waiting for another stage" : cat);
-    lx += std::strcmp(cat, "recv") == 0 ? 190 : 100;
+                     std::strcmp(cat, "recv") == 0     ? "waiting for another stage"
+                     : std::strcmp(cat, "weight") == 0 ? "weight gradients (zb)"
+                                                        : cat);
+    lx += std::strcmp(cat, "recv") == 0 ? 190 : std::strcmp(cat, "weight") == 0 ? 170 : 100;
   }
   for (int r = 0; r < st.ranks; ++r)
     svg += strformat("<text x=\"8\" y=\"%d\">rank %d</text>\n", top + r * row + row / 2 + 4, r);
@@ -161,7 +168,7 @@ void write_timeline_svg(const std::string &trace, const std::string &output, con
     svg += strformat("<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"%d\" fill=\"%s\" stroke=\"white\" "
                      "stroke-width=\"0.5\"><title>%s: %.3f ms</title></rect>\n",
                      bx, y, bw, row - gap, bar_color(b.cat), svg::xml_escape(b.name).c_str(), b.dur / 1000.0);
-    if (bw > 22 && (b.cat == "forward" || b.cat == "backward"))
+    if (bw > 22 && is_task(b.cat))
       svg += strformat("<text x=\"%.2f\" y=\"%d\" fill=\"white\" text-anchor=\"middle\">%s</text>\n", bx + bw / 2,
                        y + (row - gap) / 2 + 4, svg::xml_escape(b.name).c_str());
   }

@@ -11,7 +11,7 @@ namespace ctr_tool {
 struct TimelineBar {
   int rank = 0;
   int64_t step = 0;
-  std::string name, cat;      // "F0", "recv B1", "optimizer"; forward, backward, recv, optimizer
+  std::string name, cat;      // "F0", "recv B1", "W2", "optimizer"; forward, backward, weight, recv, optimizer
   double start = 0, dur = 0;  // microseconds
 };
 

@@ -543,7 +543,7 @@ class Step(_Handle):
 
     def timeline(self):
         """The tasks of the last run on this rank, in the order they ran: a list of
-        {"name", "cat" (forward, backward, recv, optimizer), "stage", "micro_batch",
+        {"name", "cat" (forward, backward, weight, recv, optimizer), "stage", "micro_batch",
         "start_us", "dur_us"} (microseconds of the system clock)."""
         text = ctypes.c_char_p()
         _L.step_timeline(self._p(), ctypes.byref(text))
