@@ -4,15 +4,16 @@
     /usr/bin/python3 tools/bench/bench_pipeline.py             # gpt L=8 C=256 H=4 T=128, 8 micro-batches
     /usr/bin/python3 tools/bench/bench_pipeline.py --ctr build/tools/ctr --steps 6 --json out.json
 
-For pp=2 and pp=4 and each schedule (gpipe, the peer, and 1f1b) with --micro-batches
+For pp=2 and pp=4 and each schedule (gpipe, the peer, 1f1b and zb) with --micro-batches
 micro-batches of --batch rows, `ctr launch -n P -- ctr run --mesh pp=P --trace` runs
 --steps steps, one thread per rank. From the trace (every step but the first):
   - the measured bubble (the share of a step's span a rank is outside its own
-    forwards and backwards, mean over the ranks) beside the schedule's arithmetic,
-    (p - 1) / (m + p - 1) for both;
+    forwards, backwards and weight-gradient tasks, mean over the ranks) beside the
+    schedule's arithmetic as `ctr graph inspect --after schedule` prints it
+    ((p - 1) / (m + p - 1) for gpipe and 1f1b, near (p - 1) / (3m + p - 1) for zb);
   - the step time (span of a step's tasks over the ranks), and its ratio to gpipe's;
   - the simulated step time: the schedule played with each stage's median measured
-    forward and backward times, sends free (what the schedule costs on ranks that do
+    forward, backward and weight-gradient times, sends free (what the schedule costs on ranks that do
     not share cores);
   - the activation memory per stage: the planned arena times the micro-batches the
     schedule keeps in flight there (`ctr graph inspect --after schedule`, `--after
@@ -42,21 +43,23 @@ def schedule_orders(ctr, graph, pp, micro, schedule):
     out = subprocess.run([ctr, "graph", "inspect", graph, "--after", "schedule", "--pp", str(pp), "--micro-batches",
                           str(micro), "--pp-schedule", schedule], capture_output=True, text=True, check=True).stdout
     orders, in_flight = [], []
+    arithmetic = float(re.search(r"\nbubble ([\d.]+)%", out).group(1)) / 100
     for line in out.splitlines():
         m = re.match(r"stage (\d+): (.*) \((\d+) in flight\)", line)
         if m:
             orders.append(m.group(2).split())
             in_flight.append(int(m.group(3)))
-    return orders, in_flight
+    return orders, in_flight, arithmetic
 
 
-def arena_mib(ctr, graph, pp, rank, batch):
+def arena_mib(ctr, graph, pp, rank, batch, schedule):
     out = subprocess.run([ctr, "graph", "inspect", graph, "--after", "plan_memory", "--pp", str(pp), "--rank",
-                          str(rank), "--batch", str(batch), "--micro-batches", str(pp)], capture_output=True, text=True, check=True).stdout
+                          str(rank), "--batch", str(batch), "--micro-batches", str(pp), "--pp-schedule", schedule],
+                         capture_output=True, text=True, check=True).stdout
     return float(re.search(r"arena \d+ bytes \(([\d.]+) MiB", out).group(1))
 
 
-def simulate(orders, fwd, bwd):
+def simulate(orders, times):
     """Makespan of playing the schedule with per-stage task times (sends free)."""
     p = len(orders)
     done = {}
@@ -71,10 +74,12 @@ def simulate(orders, fwd, bwd):
                 need = [(s - 1, "F", mb)] if kind == "F" and s > 0 else []
                 if kind == "B":
                     need = [(s, "F", mb)] + ([(s + 1, "B", mb)] if s + 1 < p else [])
+                if kind == "W":
+                    need = [(s, "B", mb)]
                 if any(n not in done for n in need):
                     break
                 start = max([clock[s]] + [done[n] for n in need])
-                clock[s] = start + (fwd[s] if kind == "F" else bwd[s])
+                clock[s] = start + times[kind][s]
                 done[(s, kind, mb)] = clock[s]
                 pos[s] += 1
                 moved = True
@@ -91,28 +96,28 @@ def measure(ctr, graph, pp, micro, batch, steps, schedule, tmp):
                     "--log-every", "0", "--trace", trace], capture_output=True, text=True, check=True, env=env)
     events = [e for e in json.load(open(trace))["traceEvents"] if e["ph"] == "X"]
     spans, busy = {}, {}
-    fwd = {s: [] for s in range(pp)}
-    bwd = {s: [] for s in range(pp)}
+    kinds = {"forward": "F", "backward": "B", "weight": "W"}
+    durs = {k: {s: [] for s in range(pp)} for k in kinds.values()}
     for e in events:
         step = e["args"]["step"]
-        if step == 1 or e["cat"] not in ("forward", "backward"):
+        if step == 1 or e["cat"] not in kinds:
             continue
         lo, hi = spans.get(step, (e["ts"], e["ts"] + e["dur"]))
         spans[step] = (min(lo, e["ts"]), max(hi, e["ts"] + e["dur"]))
         busy[(step, e["pid"])] = busy.get((step, e["pid"]), 0) + e["dur"]
-        (fwd if e["cat"] == "forward" else bwd)[e["args"]["stage"]].append(e["dur"])
+        durs[kinds[e["cat"]]][e["args"]["stage"]].append(e["dur"])
     idle = total = 0.0
     for step, (lo, hi) in spans.items():
         for r in range(pp):
             idle += (hi - lo) - busy.get((step, r), 0)
             total += hi - lo
     step_ms = statistics.median(hi - lo for lo, hi in spans.values()) / 1000
-    orders, in_flight = schedule_orders(ctr, graph, pp, micro, schedule)
-    sim_ms = simulate(orders, [statistics.median(fwd[s]) / 1000 for s in range(pp)],
-                      [statistics.median(bwd[s]) / 1000 for s in range(pp)])
-    arena = [arena_mib(ctr, graph, pp, s, batch) for s in range(pp)]
+    orders, in_flight, arithmetic = schedule_orders(ctr, graph, pp, micro, schedule)
+    times = {k: [statistics.median(d[s]) / 1000 if d[s] else 0.0 for s in range(pp)] for k, d in durs.items()}
+    sim_ms = simulate(orders, times)
+    arena = [arena_mib(ctr, graph, pp, s, batch, schedule) for s in range(pp)]
     return {"pp": pp, "schedule": schedule, "micro_batches": micro, "bubble": idle / total,
-            "bubble_arithmetic": (pp - 1) / (micro + pp - 1), "step_ms": step_ms, "simulated_ms": sim_ms,
+            "bubble_arithmetic": arithmetic, "step_ms": step_ms, "simulated_ms": sim_ms,
             "activations_mib": [a * k for a, k in zip(arena, in_flight)], "in_flight": in_flight}
 
 
@@ -142,7 +147,7 @@ def main():
               f"{'simulated':>9} {'vs gpipe':>8}  activations per stage (MiB)")
         for pp in (2, 4):
             peer = None
-            for schedule in ("gpipe", "1f1b"):
+            for schedule in ("gpipe", "1f1b", "zb"):
                 r = measure(ctr, graph, pp, a.micro_batches, a.batch, a.steps, schedule, tmp)
                 peer = peer or r
                 rows.append(r)
