@@ -19,9 +19,10 @@
 //
 // Load balance over the global batch (any mesh of more than one rank): the
 // load-balancing loss is computed from the statistics of every rank's tokens
-// (summed over the world by an all-reduce), so it does not depend on how the
-// batch is split between ranks and a run on N ranks trains as one rank with
-// the whole batch does.
+// (summed over the world by an all-reduce — over the ranks of this rank's
+// pipeline stage, axis "stage", when there are several stages), so it does
+// not depend on how the batch is split between ranks and a run on N ranks
+// trains as one rank with the whole batch does.
 
 #include <set>
 
@@ -46,7 +47,11 @@ void pass_expert(Graph &g, const CompileOptions &opt) {
   for (const MeshPlacement::Axis &a : opt.mesh.axes) world *= a.size;
   bool has_moe = false;
   for (const Node &n : g.nodes) has_moe |= n.op == "moe_permute" || n.op == "moe_aux_loss";
-  if (!has_moe || world <= 1) return;
+  // The statistics sum over the ranks that run the layer: with pipeline stages,
+  // those of this rank's stage (one rank per stage: nothing to sum).
+  const int64_t pp = opt.mesh.size("pp");
+  if (!has_moe || world / pp <= 1) return;
+  const std::string stage_axis = pp > 1 ? "stage" : "world";
 
   std::vector<std::vector<Node>> before(g.nodes.size()), after(g.nodes.size());
   std::set<int> expert_params;
@@ -60,7 +65,7 @@ void pass_expert(Graph &g, const CompileOptions &opt) {
       before[ni].push_back(Node::make("moe_aux_stats", n.name + ".stats", {n.inputs[0], n.inputs[1]}, {stats},
                                      n.block, {}));
       before[ni].push_back(Node::make("all_reduce", n.name + ".stats_all", {stats}, {global}, n.block,
-                                     {{"axis", Attr::of_string("world")}, {"reduce", Attr::of_string("sum")}}));
+                                     {{"axis", Attr::of_string(stage_axis)}, {"reduce", Attr::of_string("sum")}}));
       n.op = "moe_aux_loss_global";
       g.nodes[ni].inputs.push_back(global);
       continue;

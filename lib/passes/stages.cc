@@ -35,11 +35,6 @@ StageCut pass_stages(Graph &g, const CompileOptions &opt, const Schedule &s) {
   cut.stages = p;
   const int nn = static_cast<int>(g.nodes.size());
   const int nt = static_cast<int>(g.tensors.size());
-  for (const Node &n : g.nodes)
-    CTR_REQUIRE(n.op.rfind("moe_", 0) != 0, CTR_STATUS_UNSUPPORTED,
-                "pipeline: node '%s' (%s) is a mixture-of-experts op, and experts do not run on pipeline stages "
-                "yet; use pp=1 with this graph",
-                n.name.c_str(), n.op.c_str());
 
   int nblocks = 0, last_block_node = -1;
   for (int ni = 0; ni < nn; ++ni)

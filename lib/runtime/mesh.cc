@@ -61,10 +61,12 @@ int Mesh::axis_size(const std::string &name) const {
   return 1;
 }
 
-int Mesh::axis_index(const std::string &name) const {
+int Mesh::axis_index(const std::string &name) const { return rank_index(rank, name); }
+
+int Mesh::rank_index(int r, const std::string &name) const {
   int stride = 1;
   for (auto it = axes.rbegin(); it != axes.rend(); ++it) {
-    if (it->first == name) return (rank / stride) % it->second;
+    if (it->first == name) return (r / stride) % it->second;
     stride *= it->second;
   }
   return 0;
@@ -143,6 +145,13 @@ void Mesh::connect(const RendezvousConfig &rc) {
   store = store_join(rc);
   world_comm = comm_create(host_transport(transport), *store, rank, world, timeout_ms);
   for (const auto &a : axes) axis_comm[a.first] = world_comm.iface->split(world_comm.ctx, axis_group(a.first));
+  // The ranks of this rank's pipeline stage: every rank with its pp index.
+  if (axis_size("pp") > 1 && world > axis_size("pp")) {
+    std::vector<int> stage;
+    for (int r = 0; r < world; ++r)
+      if (rank_index(r, "pp") == axis_index("pp")) stage.push_back(r);
+    axis_comm["stage"] = world_comm.iface->split(world_comm.ctx, stage);
+  }
   // The first heartbeat goes before the mesh is handed out, so rank 0 watches this
   // rank from the moment its host can use the mesh.
   async_error_ = store->heartbeat();

@@ -46,8 +46,9 @@ class Mesh {
   std::map<std::string, Comm> axis_comm;
 
   int axis_size(const std::string &name) const;
-  // This rank's index along the named axis.
+  // This rank's index along the named axis, and rank r's.
   int axis_index(const std::string &name) const;
+  int rank_index(int r, const std::string &name) const;
   // This rank's index over every axis but tp and cp (the ranks that read
   // distinct data: a tp group shares its rows, a cp group its sequences).
   int data_rank() const;
@@ -55,8 +56,9 @@ class Mesh {
   int data_size() const;
   // Global ranks of this rank's group along the named axis, in axis order.
   std::vector<int> axis_group(const std::string &name) const;
-  // The communicator of an axis ("world": every rank); fails naming the axis
-  // when the mesh has none.
+  // The communicator of an axis ("world": every rank; "stage", with pp > 1 and
+  // other axes beside it: the ranks of this rank's pipeline stage); fails naming the axis when the
+  // mesh has none.
   const Comm &comm(const std::string &axis) const;
   MeshPlacement placement() const;
   // Agreement across the world: true on every rank if any rank passes true

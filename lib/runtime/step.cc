@@ -178,6 +178,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     pipeline_ = std::move(ctx.pipeline);
     stage_ = static_cast<int>(copt_.mesh.index("pp"));
     cut_ = std::move(ctx.stage_cut);
+    place_moe_layers();
     // Each micro-batch in flight on this stage (forward run, backward not yet)
     // keeps its activations in its own copy of the arena.
     slots_in_flight_ = std::max<int64_t>(1, pipeline_.in_flight[static_cast<size_t>(stage_)]);
@@ -656,26 +657,43 @@ void Step::find_moe_layers() {
     }
     for (int t : {l.counts, l.aux, l.z})
       if (t >= 0) g_.tensors[t].keep = true;
+    auto name = [&](int t) { return t >= 0 ? g_.tensors[static_cast<size_t>(t)].name : std::string(); };
+    moe_names_.push_back({name(l.counts), name(l.aux), name(l.z)});
     moe_.push_back(std::move(l));
   }
 }
 
+void Step::place_moe_layers() {
+  if (cut_.stages <= 1) return;
+  // The tensors' names, from the graph as built (kept aside before the cut).
+  auto find = [&](const std::string &name) { return name.empty() ? -1 : g_.find_tensor(name); };
+  for (size_t i = 0; i < moe_.size(); ++i) {
+    MoeLayer &l = moe_[i];
+    l.counts = find(moe_names_[i][0]);
+    l.aux = find(moe_names_[i][1]);
+    l.z = find(moe_names_[i][2]);
+    l.here = l.counts >= 0;
+  }
+}
+
 void Step::read_moe(int64_t mb) {
+  Executor &ex = exec_for(mb);
   for (MoeLayer &l : moe_) {
-    std::vector<int32_t> c(static_cast<size_t>(l.experts));
-    be_.iface->copy_d2h(be_.ctx, c.data(), exec_->addr(l.counts), c.size() * 4, 0);
     if (mb == 0) {
-      l.tokens.assign(c.size(), 0);
+      l.tokens.assign(static_cast<size_t>(l.experts), 0);
       l.aux_loss = l.z_loss = 0;
     }
+    if (!l.here) continue;  // another pipeline stage's layer: it counts there
+    std::vector<int32_t> c(static_cast<size_t>(l.experts));
+    be_.iface->copy_d2h(be_.ctx, c.data(), ex.addr(l.counts), c.size() * 4, 0);
     for (size_t e = 0; e < c.size(); ++e) l.tokens[e] += c[e];
     float v = 0;
     if (l.aux >= 0) {
-      be_.iface->copy_d2h(be_.ctx, &v, exec_->addr(l.aux), 4, 0);
+      be_.iface->copy_d2h(be_.ctx, &v, ex.addr(l.aux), 4, 0);
       l.aux_loss += v;
     }
     if (l.z >= 0) {
-      be_.iface->copy_d2h(be_.ctx, &v, exec_->addr(l.z), 4, 0);
+      be_.iface->copy_d2h(be_.ctx, &v, ex.addr(l.z), 4, 0);
       l.z_loss += v;
     }
   }
@@ -685,8 +703,10 @@ void Step::read_moe(int64_t mb) {
 void Step::reduce_moe() {
   if (moe_.empty()) return;
   // Token counts sum over the ranks (each routed its own tokens); the losses
-  // are means over micro-batches and ranks, as the step's loss is.
-  const double k = static_cast<double>(copt_.micro_batches), w = static_cast<double>(mesh_.world);
+  // are means over micro-batches and the ranks of the layer's pipeline stage,
+  // as the step's loss is (the other stages count 0).
+  const double k = static_cast<double>(copt_.micro_batches),
+               w = static_cast<double>(mesh_.world / std::max(1, cut_.stages));
   std::vector<double> v;
   for (const MoeLayer &l : moe_) {
     for (int64_t t : l.tokens) v.push_back(static_cast<double>(t));
@@ -705,8 +725,9 @@ void Step::reduce_moe() {
     l.aux_loss = v[i++];
     l.z_loss = v[i++];
     nlohmann::json j = {{"layer", l.name}, {"tokens_per_expert", l.tokens}};
-    if (l.aux >= 0) j["aux_loss"] = l.aux_loss;
-    if (l.z >= 0) j["z_loss"] = l.z_loss;
+    const size_t at = static_cast<size_t>(&l - moe_.data());
+    if (!moe_names_[at][1].empty()) j["aux_loss"] = l.aux_loss;  // (the graph's, wherever its stage is)
+    if (!moe_names_[at][2].empty()) j["z_loss"] = l.z_loss;
     layers.push_back(std::move(j));
   }
   moe_json_ = layers.dump();

@@ -9,6 +9,7 @@
 // through backend copies: the host never dereferences step memory.
 #pragma once
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <string>
@@ -209,6 +210,7 @@ class Step : private CheckpointState {
     std::string name;       // "layers.N.moe" (the permute node's name less its last part)
     int counts = -1;        // moe_permute's row counts per expert [E] (i32)
     int aux = -1, z = -1;   // the layer's auxiliary losses (scalars), -1 when absent
+    bool here = true;       // on this rank's pipeline stage
     int64_t experts = 0;
     std::vector<int64_t> tokens;  // of the last step, summed over micro-batches and ranks
     double aux_loss = 0, z_loss = 0;
@@ -218,6 +220,10 @@ class Step : private CheckpointState {
   std::string comm_json_ = "{}";
   std::string timeline_json_ = "[]";
   void find_moe_layers();
+  // After the stage cut renumbered the tensors: the layers' tensors by name, and
+  // whether the layer is on this stage.
+  void place_moe_layers();
+  std::vector<std::array<std::string, 3>> moe_names_;  // per layer: counts, aux, z tensor names
   void read_moe(int64_t mb);   // after micro-batch mb's forward
   void reduce_moe();           // after the step: over the ranks, into moe_json_
 

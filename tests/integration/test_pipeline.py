@@ -212,8 +212,7 @@ def test_stages_compose_with_other_axes(ctr, deep, tmp_path, preset, other, sche
 
 def test_stage_cut_refusals_name_what(ctr, deep, tmp_path):
     """A stage with no block, and what stages do not run yet (bf16 activations
-    between them, experts), are refused at step creation on every rank, without
-    a hang."""
+    between them), are refused at step creation on every rank, without a hang."""
     r = run(ctr, "launch", "-n", "2", "--", ctr, "run", deep["gpt"], "--mesh", "pp=2", "--micro-batches", "2",
             "--steps", "1", "--batch", "2", "--pp-stages", "4,0", expect=1, timeout=60)
     assert "option 'pp_stages': stage 1 gets 0 blocks" in r.stdout + r.stderr
@@ -222,12 +221,31 @@ def test_stage_cut_refusals_name_what(ctr, deep, tmp_path):
     if "AVX512_BF16" not in r.stdout + r.stderr:  # (a CPU without bf16 refuses it before the stages are cut)
         assert "pipeline: bf16 activations are not yet sent between stages (precision bf16 with pp=2)" in \
             r.stdout + r.stderr
-    moe = str(tmp_path / "moe.ctrg")
-    run(ctr, "graph", "build", "--preset", "moe", "--layers", "2", "--dim", "32", "--heads", "2", "--seq", "16",
-        "--experts", "2", "--top-k", "1", "-o", moe)
-    r = run(ctr, "launch", "-n", "2", "--", ctr, "run", moe, "--mesh", "pp=2", "--micro-batches", "2", "--steps", "1",
-            "--batch", "2", expect=1, timeout=60)
-    assert "(moe_router) is a mixture-of-experts op, and experts do not run on pipeline stages yet" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("other,schedule", [("", "1f1b"), ("", "zb"), ("ep=2", "1f1b"), ("ep=2", "zb")])
+def test_experts_on_stages_train_as_without_stages(ctr, tmp_path, other, schedule):
+    """moe on pp=2 (and pp=2 x ep=2) trains as one rank (as ep=2) does, within
+    1e-5 in losses and final parameters, and reports the same expert metrics:
+    each layer's tokens per expert and auxiliary losses, counted on its stage and
+    summed over the stage's ranks (its load-balancing statistics too)."""
+    g = str(tmp_path / "moe.ctrg")
+    run(ctr, "graph", "build", "--preset", "moe", "--layers", "4", "--dim", "32", "--heads", "2", "--seq", "16",
+        "--experts", "4", "--top-k", "2", "-o", g)
+    n = 2 if other else 1
+    want = train(ctr, g, str(tmp_path / "alone"), n, other or "fsdp=1", "--micro-batches", "4")
+    got = train(ctr, g, str(tmp_path / "staged"), 2 * n, ",".join(filter(None, ["pp=2", other])), "--micro-batches",
+                "4", "--pp-schedule", schedule)
+    assert_same(got, want, f"moe pp=2 {other} {schedule}")
+
+    def moe(d):
+        return [json.loads(line)["moe"] for line in open(os.path.join(d, "m.jsonl"))]
+    a, b = moe(str(tmp_path / "staged")), moe(str(tmp_path / "alone"))
+    assert len(a[-1]) == 4 and all("aux_loss" in layer for layer in a[-1]), a[-1]
+    for step_a, step_b in zip(a, b):
+        for la, lb in zip(step_a, step_b):
+            assert la["layer"] == lb["layer"] and la["tokens_per_expert"] == lb["tokens_per_expert"], (la, lb)
+            assert abs(la["aux_loss"] - lb["aux_loss"]) <= 1e-6 * abs(lb["aux_loss"]), (la, lb)
 
 
 def test_evaluation_on_stages_equals_one_rank(ctr, deep):
