@@ -81,7 +81,11 @@ void run_split_backward(PassContext &c) { c.split = pass_split_backward(c.graph,
 void run_lower(PassContext &c) {
   c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap);
 }
-void run_plan(PassContext &c) { c.plan = pass_plan_memory(c.graph, c.opt, c.program); }
+void run_plan(PassContext &c) {
+  const auto &in_flight = c.pipeline.in_flight;
+  const size_t stage = static_cast<size_t>(c.stage_cut.stage);
+  c.plan = pass_plan_memory(c.graph, c.opt, c.program, stage < in_flight.size() ? in_flight[stage] : 1);
+}
 void run_schedule(PassContext &c) { c.pipeline = pass_schedule(c.graph, c.opt); }
 
 std::string dump_place(const PassContext &c) { return c.placed + dump_graph(c.graph); }
@@ -134,11 +138,19 @@ std::string dump_stages(const PassContext &c) {
 
 std::string dump_plan(const PassContext &c) {
   const MemoryPlan &p = c.plan;
+  std::string held;
+  const auto &in_flight = c.pipeline.in_flight;
+  const size_t stage = static_cast<size_t>(c.stage_cut.stage);
+  if (p.held_bytes < p.arena_bytes && stage < in_flight.size())
+    held = strformat("; %lld bytes of it held from task to task, a copy per micro-batch in flight: %lld bytes for "
+                     "%lld in flight",
+                     static_cast<long long>(p.held_bytes), static_cast<long long>(p.arena_for(in_flight[stage])),
+                     static_cast<long long>(in_flight[stage]));
   return strformat(
-             "memory plan: arena %lld bytes (%.2f MiB; %.2f MiB without reuse), params %lld bytes "
+             "memory plan: arena %lld bytes (%.2f MiB; %.2f MiB without reuse%s), params %lld bytes "
              "(and as many for gradients), inputs %lld bytes\n",
              static_cast<long long>(p.arena_bytes), p.arena_bytes / 1048576.0, p.naive_bytes / 1048576.0,
-             static_cast<long long>(p.param_bytes), static_cast<long long>(p.input_bytes)) +
+             held.c_str(), static_cast<long long>(p.param_bytes), static_cast<long long>(p.input_bytes)) +
          dump_graph(c.graph);
 }
 

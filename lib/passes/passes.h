@@ -47,6 +47,13 @@ struct CompileOptions {
 
 struct MemoryPlan {
   int64_t arena_bytes = 0;   // peak of the activation arena
+  // With several micro-batches in flight (plan_memory's split): the arena's
+  // first held_bytes hold what lives from one task to another (saved
+  // activations, kept tensors), of which each micro-batch in flight needs a
+  // copy; the rest lives within one task and is shared. Else arena_bytes.
+  int64_t held_bytes = 0;
+  // Bytes of an arena for `slots` micro-batches in flight.
+  int64_t arena_for(int64_t slots) const { return held_bytes * slots + (arena_bytes - held_bytes); }
   int64_t param_bytes = 0;   // parameters (fp32); gradients use the same layout
   int64_t input_bytes = 0;   // host inputs for all micro-batches
   int64_t const_bytes = 0;
@@ -287,7 +294,9 @@ void apply_backend_layouts(Graph &g, uint32_t backend_flags);
 // plan_memory.cc: liveness over the lowered schedule (a collective's buffers live
 // until stream 0 has waited for it) and a static arena; parameters, gradients,
 // inputs and constants in their own regions.
-MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &prog);
+// slots: the micro-batches in flight on this stage; with several, the arena is
+// split in two parts (MemoryPlan::held_bytes) where that needs fewer bytes.
+MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &prog, int64_t slots = 1);
 
 // schedule.cc: the step's pipeline schedule over the mesh's pp axis (one stage
 // without one) and option micro_batches, and with several stages (or option

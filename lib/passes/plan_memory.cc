@@ -16,8 +16,16 @@
 // a region laid out exactly like the parameters (same offsets), so the
 // optimizer runs over three flat buffers — parameters, gradients, moments — in
 // one pass.
+//
+// A pipeline stage with several micro-batches in flight keeps a copy of the
+// activations each holds from one task to the next (saved for the backward,
+// kept, or passed from B to W), while what lives within one task is needed by
+// one task at a time: the plan places the held tensors first ([0, held_bytes))
+// and the others after them, when the arena for that many micro-batches is
+// then smaller (mostly under recompute, where little is held).
 
 #include <algorithm>
+#include <tuple>
 
 #include "core/status.h"
 #include "passes/passes.h"
@@ -31,7 +39,7 @@ int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
 
-MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &prog) {
+MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &prog, int64_t slots) {
   MemoryPlan plan;
   const int nt = static_cast<int>(g.tensors.size());
   const int nn = static_cast<int>(g.nodes.size());
@@ -115,29 +123,59 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &
     order.push_back(i);
     plan.naive_bytes += align_up(t.alloc_size());
   }
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-    return g.tensors[a].alloc_size() > g.tensors[b].alloc_size();
-  });
-
-  std::vector<int> placed;
-  std::vector<std::pair<int64_t, int64_t>> busy;  // [offset, end) of overlapping tensors
-  for (int i : order) {
-    Tensor &t = g.tensors[i];
-    int64_t size = align_up(std::max<int64_t>(t.alloc_size(), 1));
-    busy.clear();
-    for (int p : placed)
-      if (first[p] <= last[i] && first[i] <= last[p])
-        busy.emplace_back(g.tensors[p].offset,
-                          g.tensors[p].offset + align_up(std::max<int64_t>(g.tensors[p].alloc_size(), 1)));
-    std::sort(busy.begin(), busy.end());
-    int64_t off = 0;
-    for (const auto &r : busy) {
-      if (r.first - off >= size) break;
-      off = std::max(off, r.second);
+  // Placement, largest first at the lowest offset free for its lifetime. With
+  // `scratch` flags, the held tensors are placed from offset 0 and the scratch
+  // ones after them; returns (arena, held) bytes.
+  auto place = [&](std::vector<int> order, const std::vector<char> &scratch) {
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      if (scratch[static_cast<size_t>(a)] != scratch[static_cast<size_t>(b)])
+        return scratch[static_cast<size_t>(a)] < scratch[static_cast<size_t>(b)];
+      return g.tensors[a].alloc_size() > g.tensors[b].alloc_size();
+    });
+    std::vector<int> placed;
+    std::vector<std::pair<int64_t, int64_t>> busy;  // [offset, end) of overlapping tensors
+    int64_t arena = 0, held = -1, base = 0;
+    for (int i : order) {
+      Tensor &t = g.tensors[i];
+      if (scratch[static_cast<size_t>(i)] && held < 0) {
+        base = held = arena;
+        placed.clear();  // the two parts never share bytes
+      }
+      const int64_t size = align_up(std::max<int64_t>(t.alloc_size(), 1));
+      busy.clear();
+      for (int p : placed)
+        if (first[p] <= last[i] && first[i] <= last[p])
+          busy.emplace_back(g.tensors[p].offset,
+                            g.tensors[p].offset + align_up(std::max<int64_t>(g.tensors[p].alloc_size(), 1)));
+      std::sort(busy.begin(), busy.end());
+      int64_t off = base;
+      for (const auto &r : busy) {
+        if (r.first - off >= size) break;
+        off = std::max(off, r.second);
+      }
+      t.offset = off;
+      arena = std::max(arena, off + size);
+      placed.push_back(i);
     }
-    t.offset = off;
-    plan.arena_bytes = std::max(plan.arena_bytes, off + size);
-    placed.push_back(i);
+    return std::make_pair(arena, held < 0 ? arena : held);
+  };
+  std::vector<char> none(static_cast<size_t>(nt), 0);
+  std::tie(plan.arena_bytes, plan.held_bytes) = place(order, none);
+  if (slots > 1) {
+    // A tensor written and last read within one phase (forward, backward,
+    // weight gradients) is scratch, shared by the micro-batches in flight; one
+    // that outlives its phase (or is kept, or is the loss) is held. Split when
+    // that makes the arena for `slots` smaller.
+    const int nf = g.num_forward, ni = g.num_input_grad >= 0 ? g.num_input_grad : nn;
+    auto phase = [&](int pos) { return pos < nf ? 0 : pos < ni ? 1 : pos < nn ? 2 : 3; };
+    std::vector<char> scratch(static_cast<size_t>(nt), 0);
+    for (int i : order) scratch[static_cast<size_t>(i)] = phase(first[i]) == phase(last[i]) ? 1 : 0;
+    const MemoryPlan whole = plan;
+    std::tie(plan.arena_bytes, plan.held_bytes) = place(order, scratch);
+    if (plan.arena_for(slots) >= whole.arena_for(slots)) {
+      plan = whole;
+      place(order, none);
+    }
   }
   for (int i = 0; i < nt; ++i) {
     if (root[i] < 0 || first[i] < 0) continue;

@@ -179,8 +179,8 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     stage_ = static_cast<int>(copt_.mesh.index("pp"));
     cut_ = std::move(ctx.stage_cut);
     place_moe_layers();
-    // Each micro-batch in flight on this stage (forward run, backward not yet)
-    // keeps its activations in its own copy of the arena.
+    // Each micro-batch in flight on this stage (forward run, its last task not
+    // yet) keeps its own copy of the arena's held part (MemoryPlan::held_bytes).
     slots_in_flight_ = std::max<int64_t>(1, pipeline_.in_flight[static_cast<size_t>(stage_)]);
     CTR_REQUIRE(pipeline_.stages == 1 || kept_.empty(), CTR_STATUS_UNSUPPORTED,
                 "ctr_step_create: option 'keep' is not available with pipeline stages (pp=%d) yet",
@@ -201,7 +201,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
 
   {
     const int64_t opt = plan_.param_bytes * (copt_.micro_batches > 1 ? 3 : 2);
-    const int64_t arena = plan_.arena_bytes * slots_in_flight_;
+    const int64_t arena = plan_.arena_for(slots_in_flight_);
     const int64_t total = arena + 2 * plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + opt;
     CTR_REQUIRE(total <= memory_limit, CTR_STATUS_OUT_OF_MEMORY,
                 "ctr_step_create: the plan needs %.2f GiB (activations %.2f, parameters %.2f and as much for "
@@ -218,7 +218,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
       if (armed) s->free_buffers();
     }
   } free_on_throw{this};
-  arena_ = must_alloc(be_, plan_.arena_bytes * slots_in_flight_, "the activation arena");
+  arena_ = must_alloc(be_, plan_.arena_for(slots_in_flight_), "the activation arena");
   params_ = must_alloc(be_, plan_.param_bytes, "parameters");
   grads_ = must_alloc(be_, plan_.param_bytes, "gradients");
   inputs_ = must_alloc(be_, plan_.input_bytes, "inputs");
@@ -228,7 +228,11 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   for (size_t i = 0; i < g_.tensors.size(); ++i) {
     const Tensor &t = g_.tensors[i];
     switch (t.storage) {
-      case Storage::Arena: addr[i] = static_cast<char *>(arena_) + t.offset; break;
+      case Storage::Arena:
+        // [held copy 0 | ... | held copy k-1 | scratch]: the scratch part follows every held copy.
+        addr[i] = static_cast<char *>(arena_) + t.offset +
+                  (t.offset >= plan_.held_bytes ? (slots_in_flight_ - 1) * plan_.held_bytes : 0);
+        break;
       case Storage::Param: addr[i] = static_cast<char *>(params_) + t.offset; break;
       case Storage::Grad: addr[i] = static_cast<char *>(grads_) + t.offset; break;
       case Storage::Input: addr[i] = static_cast<char *>(inputs_) + t.offset; break;
@@ -344,7 +348,8 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     // The same program over the k-th copy of the arena.
     std::vector<void *> a = addr;
     for (size_t i = 0; i < g_.tensors.size(); ++i)
-      if (g_.tensors[i].storage == Storage::Arena) a[i] = static_cast<char *>(a[i]) + k * plan_.arena_bytes;
+      if (g_.tensors[i].storage == Storage::Arena && g_.tensors[i].offset < plan_.held_bytes)
+        a[i] = static_cast<char *>(a[i]) + k * plan_.held_bytes;
     more_exec_.push_back(std::make_unique<Executor>(g_, prog_, mesh_, be_, std::move(a), device_comms_.get()));
     more_exec_.back()->enable_graphs(graphs);
   }
@@ -431,7 +436,7 @@ void Step::init_params(uint64_t seed) {
 int64_t Step::optimizer_bytes() const { return opt_->state_bytes(); }
 
 int64_t Step::peak_bytes() const {
-  return plan_.arena_bytes * slots_in_flight_ + 2 * plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + optimizer_bytes();
+  return plan_.arena_for(slots_in_flight_) + 2 * plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + optimizer_bytes();
 }
 
 void Step::set_input(const std::string &name, const void *data, size_t bytes) {

@@ -49,7 +49,7 @@ class Step : private CheckpointState {
   int64_t count() const { return step_; }
   const MemoryPlan &plan() const { return plan_; }
   // The activations allocated: the planned arena, once per micro-batch in flight.
-  int64_t arena_bytes() const { return plan_.arena_bytes * slots_in_flight_; }
+  int64_t arena_bytes() const { return plan_.arena_for(slots_in_flight_); }
   int64_t optimizer_bytes() const;
   int64_t peak_bytes() const;
   // Names of the passes that compiled this step, in order.

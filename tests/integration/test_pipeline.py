@@ -196,6 +196,26 @@ def test_stages_train_as_one_rank(ctr, deep, tmp_path, preset):
                 assert_same(got, want, f"{preset} pp=4 {schedule} with 4 micro-batches")
 
 
+def test_micro_batches_in_flight_share_what_lives_within_a_task(ctr, deep, tmp_path):
+    """Under recompute a stage holds little from task to task: the plan keeps a
+    copy per micro-batch in flight of that part only (the rest of the arena is
+    shared), and gpipe and zb still train as one rank."""
+    import re
+    g = deep["gpt"]
+    out = run(ctr, "graph", "inspect", g, "--after", "plan_memory", "--pp", "2", "--rank", "0", "--micro-batches",
+              "4", "--pp-schedule", "gpipe", "--recompute", "all").stdout.splitlines()[0]
+    m = re.search(r"arena (\d+) bytes .*; (\d+) bytes of it held from task to task, a copy per micro-batch in "
+                  r"flight: (\d+) bytes for 4 in flight", out)
+    assert m, out
+    arena, held, total = (int(x) for x in m.groups())
+    assert held < arena and total == 4 * held + (arena - held) and total < 4 * arena, out
+    want = train(ctr, g, str(tmp_path / "one"), 1, "fsdp=1", "--micro-batches", "4", "--recompute", "all")
+    for schedule in ("gpipe", "zb"):
+        got = train(ctr, g, str(tmp_path / schedule), 2, "pp=2", "--micro-batches", "4", "--pp-schedule", schedule,
+                    "--recompute", "all")
+        assert_same(got, want, f"gpt pp=2 {schedule} with recompute all")
+
+
 @pytest.mark.parametrize("preset,other,schedule", [("gpt", "fsdp=2", "1f1b"), ("llama", "tp=2", "1f1b"),
                                                    ("gpt", "dp=2", "1f1b"), ("llama", "fsdp=2", "zb"),
                                                    ("gpt", "tp=2", "zb")])
