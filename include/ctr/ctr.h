@@ -301,6 +301,39 @@ CTR_API ctr_status ctr_graph_param_count(const ctr_graph *graph, int64_t *count)
 CTR_API ctr_status ctr_graph_flops_per_token(const ctr_graph *graph, int64_t seq,
                                              double *flops);
 
+/* Since 0.7. Plans the graph's training step on a cluster: every mesh of the
+ * world over pp, dp, ep (graphs with experts), fsdp, cp and tp, with
+ * micro-batch counts, pipeline schedules and recompute policies, each compiled
+ * by the passes a step runs (once per pipeline stage) and priced from the
+ * cluster profile: its instruction lists played on the compute and comm
+ * streams, its schedule played with those task times, its memory exactly as
+ * step creation plans it. Options:
+ *   "world" int (required)          devices
+ *   "global_batch" int (required)   sequences per step (all data ranks and
+ *                                   micro-batches)
+ *   "seq" int                       sequence length (default: graph max)
+ *   "cluster" string (required)     the cluster profile: JSON text, or the path
+ *                                   of a file holding it ({"name",
+ *                                   "devices_per_host", "device": {"name",
+ *                                   "memory_bytes", "flops", "bytes_per_s",
+ *                                   "launch_us"}, "links": {"host", "network":
+ *                                   {"latency_us", "bytes_per_s"}}, "sources"})
+ *   "recompute" string              policies tried, comma-separated ("none,all")
+ *   "top" int                       plans listed (0 = all, the default)
+ * *json (owned by the graph, valid until its next ctr_plan or its free) gets
+ * {"world", "global_batch", "seq", "cluster", "device", "sources",
+ * "candidates", "feasible", "search_s", "plans": [...]}, each plan {"mesh",
+ * "schedule", "micro_batches", "batch", "recompute", "feasible", "why" (when
+ * not), "step_ms", "tokens_per_s", "mfu", "memory_bytes" (per device, the
+ * largest stage's), "bubble", "comm_ms" (per axis), "exposed_comm_ms",
+ * "stages": [{"forward_ms", "backward_ms", "weight_ms", "memory_bytes"}]},
+ * ranked by predicted step time, infeasible plans last with the reason (a mesh
+ * the model cannot take, or more memory than the device has). The ranking is
+ * deterministic. Predictions come from the profile: as good as its numbers,
+ * whose sources it names. CTR_STATUS_INVALID_OPTION / INVALID_ARGUMENT naming
+ * a bad option or profile field. */
+CTR_API ctr_status ctr_plan(const ctr_graph *graph, const ctr_options *options, const char **json);
+
 /* ------------------------------------------------------------------------ */
 /* Step: the compiled, runnable training step and its state                  */
 

@@ -15,6 +15,7 @@
 #include "ckpt/directory.h"
 #include "ckpt/safetensors.h"
 #include "comm/launch_env.h"
+#include "core/files.h"
 #include "core/options.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
@@ -22,6 +23,7 @@
 #include "graph/ops.h"
 #include "graph/presets.h"
 #include "passes/passes.h"
+#include "plan/plan.h"
 #include "runtime/step.h"
 
 namespace ctr {
@@ -471,6 +473,41 @@ extern "C" ctr_status ctr_graph_param_count(const ctr_graph *graph, int64_t *cou
     n += e;
   }
   *count = n;
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_plan(const ctr_graph *graph, const ctr_options *options, const char **json) {
+  CTR_API_BEGIN
+  check_graph(graph, "ctr_plan");
+  REQUIRE_ARG(json != nullptr, "ctr_plan: json is NULL");
+  ctr::OptionReader r(options, "ctr_plan");
+  for (const char *key : {"world", "global_batch", "cluster"})
+    CTR_REQUIRE(r.has(key), CTR_STATUS_INVALID_OPTION, "ctr_plan: option '%s' is required", key);
+  ctr::PlanRequest req;
+  req.world = r.get_int("world", 0, 1, 1 << 20);
+  req.global_batch = r.get_int("global_batch", 0, 1, int64_t{1} << 40);
+  req.seq = r.get_int("seq", 0, 0, 1 << 24);
+  req.top = r.get_int("top", 0, 0, 1 << 20);
+  const std::string recompute = r.get_string("recompute", "none,all");
+  const std::string cluster = r.get_string("cluster", "");
+  r.finish();
+  req.recompute.clear();
+  for (size_t pos = 0; pos <= recompute.size();) {
+    const size_t comma = std::min(recompute.find(',', pos), recompute.size());
+    const std::string one = recompute.substr(pos, comma - pos);
+    CTR_REQUIRE(one == "none" || one == "all" || one == "selective", CTR_STATUS_INVALID_OPTION,
+                "ctr_plan: option 'recompute': '%s' is not a policy (none, all, selective)", one.c_str());
+    req.recompute.push_back(one);
+    pos = comma + 1;
+  }
+  std::string text = cluster, what = "ctr_plan: the cluster profile";
+  if (cluster.find('{') == std::string::npos) {
+    text = ctr::read_regular_file(cluster, "cluster profile", CTR_STATUS_INVALID_ARGUMENT, size_t{1} << 20);
+    what = "ctr_plan: cluster profile '" + cluster + "'";
+  }
+  const ctr::ClusterProfile c = ctr::parse_cluster_profile(text, what);
+  graph->plan_json = ctr::plan_json(graph->graph, req, c);
+  *json = graph->plan_json.c_str();
   CTR_API_END
 }
 

@@ -44,6 +44,7 @@
 #include "check_cmd.h"
 #include "data_cmd.h"
 #include "launch.h"
+#include "plan_cmd.h"
 #include "plot_cmd.h"
 
 namespace {
@@ -413,7 +414,7 @@ int cmd_graph_inspect(const InspectArgs &a) {
 struct RunArgs {
   std::string graph, data, schedule = "cosine", metrics, device, mesh, transport, trace;
   std::string save_dir = "checkpoints", resume, export_safetensors, init_safetensors;
-  int64_t save_every = 0, keep = 3, stop_after = 0;
+  int64_t save_every = 0, keep = 3, stop_after = 0, memory_limit = 0;
   bool async_save = false;
   int64_t steps = 0, batch = 8, seq = 0, micro_batches = 1, warmup = 0, seed = 0, data_seed = 0;
   int64_t log_every = 10, eval_every = 0, eval_batches = 4, threads = 0;
@@ -714,6 +715,7 @@ int cmd_run(const RunArgs &a) {
     set_string(step_opts.get(), "schedule", a.schedule);
   if (a.on_nonfinite == "skip") set_string(step_opts.get(), "on_nonfinite", "skip");
     if (a.no_graphs) set_int(step_opts.get(), "graphs", 0);
+    if (a.memory_limit > 0) set_int(step_opts.get(), "memory_limit", a.memory_limit);
     set_float(step_opts.get(), "weight_decay", a.weight_decay);
     if (a.beta1_opt->count() > 0) set_float(step_opts.get(), "beta1", a.beta1);
     if (a.beta2_opt->count() > 0) set_float(step_opts.get(), "beta2", a.beta2);
@@ -1361,6 +1363,10 @@ int run_main(int argc, char **argv) {
                       "Peak FLOP/s of one rank that MFU is reported against (default on the CPU: "
                       "the fp32 FMA peak of this process's threads, measured once)")
       ->check(CLI::PositiveNumber);
+  run_cmd->add_option("--memory-limit", run.memory_limit,
+                      "Bytes of device memory a rank may plan for; step creation refuses a plan that needs more "
+                      "(default: the machine's memory on the CPU)")
+      ->check(CLI::PositiveNumber);
   run.timeout_opt = run_cmd->add_option("--timeout", run.timeout,
                                         "Seconds a rank waits for its peers before the job "
                                         "fails naming the missing rank (60)")
@@ -1423,6 +1429,7 @@ int run_main(int argc, char **argv) {
 
   // plot, check -----------------------------------------------------------------------------
   ctr_tool::PlotCommand plot_cmd(app);
+  ctr_tool::PlanCommand plan_cmd(app);
   ctr_tool::CheckCommand check_cmd(app);
 
   CLI::App *version_cmd = app.add_subcommand("version", "Print the library and ABI version");
@@ -1443,6 +1450,7 @@ int run_main(int argc, char **argv) {
   if (launch_cmd->parsed()) return ctr_tool::launch(launch);
   if (data_cmd.parsed()) return data_cmd.run();
   if (plot_cmd.parsed()) return plot_cmd.run();
+  if (plan_cmd.parsed()) return plan_cmd.run();
   if (check_cmd.parsed()) return check_cmd.run();
   if (export_cmd->parsed()) return cmd_export(exp);
   return 2;

@@ -369,6 +369,20 @@ class Graph(_Handle):
         _L.graph_flops_per_token(self._p(), seq, ctypes.byref(f))
         return f.value
 
+    def plan(self, world, global_batch, cluster, **options):
+        """The planner's layouts of this graph's step on `world` devices of a cluster
+        (`cluster`: a profile's JSON text or file path, or a dict), ranked by predicted step
+        time: the dict ctr_plan returns ({"plans": [{"mesh", "schedule", "micro_batches",
+        "batch", "recompute", "feasible", "step_ms", "memory_bytes", ...}], ...}). Options:
+        seq, recompute ("none,all"), top."""
+        if isinstance(cluster, dict):
+            cluster = json.dumps(cluster)
+        text = ctypes.c_char_p()
+        opts = dict(options, world=world, global_batch=global_batch, cluster=str(cluster))
+        with _Options(opts) as o:
+            _L.plan(self._p(), o, ctypes.byref(text))
+        return json.loads(_dec(text.value))
+
     def metadata(self, key):
         """The graph file's metadata entry `key` ("max_seq", "vocab", ...) as a string, or None
         when the graph has none."""

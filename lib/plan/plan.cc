@@ -1,0 +1,496 @@
+// The planner (see plan.h): candidates, each compiled by the step's passes
+// and priced by playing its programs and its schedule.
+
+#include "plan/plan.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <memory>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "graph/ir.h"
+#include "graph/ops.h"
+#include "passes/passes.h"
+
+namespace ctr {
+namespace {
+
+using nlohmann::json;
+
+const char *const kAxes[] = {"pp", "dp", "ep", "fsdp", "cp", "tp"};  // the mesh order, tp innermost
+
+double num(const json &j, const char *key, const std::string &what, bool positive = true) {
+  CTR_REQUIRE(j.is_object() && j.contains(key) && j[key].is_number(), CTR_STATUS_INVALID_ARGUMENT,
+              "%s: field '%s' (a number) is missing", what.c_str(), key);
+  const double v = j[key].get<double>();
+  CTR_REQUIRE(std::isfinite(v) && (positive ? v > 0 : v >= 0), CTR_STATUS_INVALID_ARGUMENT,
+              "%s: field '%s' is %g (%s)", what.c_str(), key, v, positive ? "must be > 0" : "must be >= 0");
+  return v;
+}
+
+// ------------------------------------------------------------------------------------------
+// Pricing one compiled stage
+
+struct Priced {
+  double ms = 0, comm_ms = 0, exposed_ms = 0;
+  std::map<std::string, double> comm_by_axis;
+};
+
+int64_t numel_of(const Graph &g, int t) {
+  int64_t n = 1;
+  for (int64_t d : g.tensors[static_cast<size_t>(t)].shape) n *= d;
+  return n;
+}
+
+const std::vector<int64_t> &shape_of(const Graph &g, const Node &n, size_t input) {
+  return g.tensors[static_cast<size_t>(n.inputs[input])].shape;
+}
+
+// FLOPs of a kernel: the registry's, and for the backward ops it leaves out,
+// from their shapes (a GEMM's backward: two GEMMs; attention's: 2.5 forwards).
+double kernel_flops(const Graph &g, const Node &n) {
+  const OpDef *def = find_op(n.op);
+  if (def && def->flops) return def->flops(g, n);
+  const std::string &op = n.op;
+  auto last = [](const std::vector<int64_t> &s) { return s.empty() ? 1.0 : static_cast<double>(s.back()); };
+  if ((op == "linear_bwd_x" || op == "linear_bwd_x_dgelu") && !n.outputs.empty())
+    return 2.0 * static_cast<double>(numel_of(g, n.outputs[0])) * last(shape_of(g, n, 0));
+  if ((op == "linear_bwd_w" || op == "linear_bwd_wb") && !n.outputs.empty()) {
+    const double rows = static_cast<double>(numel_of(g, n.inputs[0])) / last(shape_of(g, n, 0));
+    return 2.0 * static_cast<double>(numel_of(g, n.outputs[0])) * rows;
+  }
+  if (op == "matmul_bwd" && n.inputs.size() >= 3)
+    return 4.0 * static_cast<double>(numel_of(g, n.inputs[1])) * last(shape_of(g, n, 2));
+  if (op == "moe_grouped_linear_bwd" && n.inputs.size() >= 3) {
+    const auto &w = shape_of(g, n, 2);
+    return 4.0 * static_cast<double>(numel_of(g, n.inputs[1])) * (w.size() > 1 ? static_cast<double>(w[1]) : 1.0);
+  }
+  if ((op == "attention_bwd" || op == "cp_attention_bwd") && n.inputs.size() >= 3) {
+    const auto &q = shape_of(g, n, 1), &k = shape_of(g, n, 2);
+    if (q.size() >= 3 && k.size() >= 2)
+      return 2.5 * 4.0 * static_cast<double>(q[0]) * static_cast<double>(q[1]) * static_cast<double>(k[1]) *
+             static_cast<double>(q[2]);
+  }
+  return 0;
+}
+
+double kernel_bytes(const Graph &g, const Node &n) {
+  double b = 0;
+  for (int t : n.inputs) b += static_cast<double>(g.tensors[static_cast<size_t>(t)].bytes());
+  for (int t : n.outputs) b += static_cast<double>(g.tensors[static_cast<size_t>(t)].bytes());
+  return b;
+}
+
+struct Layout {
+  MeshPlacement mesh;
+  int64_t world = 1;
+};
+
+// Ranks of the axis's group of rank 0 and whether they span hosts.
+std::pair<int64_t, bool> axis_reach(const Layout &l, const std::string &axis, int64_t per_host) {
+  if (axis == "world") return {l.world, l.world > per_host};
+  if (axis == "stage") {
+    const int64_t n = l.world / l.mesh.size("pp");
+    return {n, n > per_host};
+  }
+  int64_t stride = 1, size = 1;
+  bool found = false;
+  for (auto it = l.mesh.axes.rbegin(); it != l.mesh.axes.rend(); ++it) {
+    if (it->name == axis) {
+      size = it->size;
+      found = true;
+      break;
+    }
+    stride *= it->size;
+  }
+  if (!found) return {1, false};
+  return {size, (size - 1) * stride >= per_host};
+}
+
+double collective_ms(const Graph &g, const Node &n, const Layout &l, const ClusterProfile &c, std::string *axis_out) {
+  const std::string axis = n.attr_string("axis", "");
+  *axis_out = axis;
+  const auto [ranks, across] = axis_reach(l, axis, c.devices_per_host);
+  if (ranks <= 1) return 0;
+  const ClusterProfile::Link &link = across ? c.network : c.host;
+  double bytes = 0;
+  const CollKind kind = collective_kind(n);
+  if (kind == CollKind::AllGather) {
+    for (int t : n.outputs) bytes += static_cast<double>(g.tensors[static_cast<size_t>(t)].bytes());
+  } else {
+    for (int t : n.inputs) bytes += static_cast<double>(g.tensors[static_cast<size_t>(t)].bytes());
+  }
+  const double share = static_cast<double>(ranks - 1) / static_cast<double>(ranks);
+  const double wire = bytes * share * (kind == CollKind::AllReduce ? 2.0 : 1.0);
+  return (static_cast<double>(ranks - 1) * link.latency_us * 1e-3) + wire / link.bytes_per_s * 1e3;
+}
+
+Priced price_phase(const Graph &g, const std::vector<Instr> &list, const Layout &l, const ClusterProfile &c) {
+  Priced p;
+  double t0 = 0, t1 = 0;  // compute stream, comm stream (ms)
+  std::map<int, double> ev;
+  for (const Instr &in : list) {
+    double &ts = in.stream == 0 ? t0 : t1;
+    switch (in.kind) {
+      case Instr::Kernel: {
+        const Node &n = g.nodes[static_cast<size_t>(in.node)];
+        if ((n.op == "reshape" || n.op == "fanout") && n.outputs.size() == 1 &&
+            g.tensors[static_cast<size_t>(n.outputs[0])].offset == g.tensors[static_cast<size_t>(n.inputs[0])].offset &&
+            g.tensors[static_cast<size_t>(n.outputs[0])].storage == g.tensors[static_cast<size_t>(n.inputs[0])].storage)
+          break;  // a view: the executor drops it
+        ts += c.launch_us * 1e-3 +
+              std::max(kernel_flops(g, n) / c.flops, kernel_bytes(g, n) / c.bytes_per_s) * 1e3;
+        break;
+      }
+      case Instr::Collective: {
+        std::string axis;
+        const double ms = collective_ms(g, g.nodes[static_cast<size_t>(in.node)], l, c, &axis);
+        ts += ms;
+        p.comm_ms += ms;
+        p.comm_by_axis[axis] += ms;
+        break;
+      }
+      case Instr::Fill: ts += static_cast<double>(in.bytes) / c.bytes_per_s * 1e3; break;
+      case Instr::Record: ev[in.event] = ts; break;
+      case Instr::Wait: {
+        const double at = ev.count(in.event) ? ev[in.event] : 0.0;
+        if (in.stream == 0 && at > t0) p.exposed_ms += at - t0;
+        ts = std::max(ts, at);
+        break;
+      }
+    }
+  }
+  if (t1 > t0) p.exposed_ms += t1 - t0;
+  p.ms = std::max(t0, t1);
+  return p;
+}
+
+// ------------------------------------------------------------------------------------------
+// Candidates
+
+struct Candidate {
+  std::map<std::string, int64_t> axes;
+  int64_t micro_batches = 1, batch = 1;
+  ScheduleKind schedule = ScheduleKind::OneFOneB;
+  std::string recompute = "none";
+  std::string mesh_text() const {
+    std::string s;
+    for (const char *a : kAxes)
+      if (axes.at(a) > 1) s += (s.empty() ? "" : ",") + std::string(a) + "=" + std::to_string(axes.at(a));
+    return s.empty() ? "single" : s;
+  }
+};
+
+struct StageCost {
+  double f = 0, b = 0, w = 0;  // per micro-batch (ms)
+  double comm_ms = 0, exposed_ms = 0;
+  std::map<std::string, double> comm_by_axis;
+  int64_t memory = 0, param_bytes = 0;
+  double send_bytes = 0;  // activations sent forward per micro-batch
+};
+
+void factorizations(int64_t n, size_t axis, std::map<std::string, int64_t> &cur, bool moe,
+                    std::vector<std::map<std::string, int64_t>> &out) {
+  if (axis == std::size(kAxes)) {
+    if (n == 1) out.push_back(cur);
+    return;
+  }
+  for (int64_t d = 1; d <= n; ++d) {
+    if (n % d != 0) continue;
+    if (std::string(kAxes[axis]) == "ep" && d > 1 && !moe) continue;
+    cur[kAxes[axis]] = d;
+    factorizations(n / d, axis + 1, cur, moe, out);
+  }
+}
+
+// Plays the schedule with the stages' task times; a task that receives waits
+// for its sender's task end plus the transfer. Returns the makespan and the bubble.
+std::pair<double, double> play(const Schedule &s, const std::vector<StageCost> &st, double transfer_ms) {
+  const int p = s.stages;
+  const size_t P = static_cast<size_t>(p), M = static_cast<size_t>(s.micro_batches);
+  std::vector<std::vector<std::vector<double>>> end(3, std::vector<std::vector<double>>(P, std::vector<double>(M, -1)));
+  std::vector<size_t> next(P, 0);
+  std::vector<double> free_at(P, 0);
+  double busy = 0;
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int i = 0; i < p; ++i) {
+      const size_t I = static_cast<size_t>(i);
+      while (next[I] < s.order[I].size()) {
+        const Task &t = s.order[I][next[I]];
+        const size_t mb = static_cast<size_t>(t.micro_batch);
+        double ready = free_at[I];
+        bool ok = true;
+        auto after = [&](TaskPhase ph, size_t stage, double extra) {
+          const double e = end[static_cast<size_t>(ph)][stage][mb];
+          if (e < 0) return false;
+          ready = std::max(ready, e + extra);
+          return true;
+        };
+        if (t.phase == TaskPhase::Forward) {
+          if (i > 0) ok = after(TaskPhase::Forward, I - 1, transfer_ms);
+        } else if (t.phase == TaskPhase::Backward) {
+          ok = after(TaskPhase::Forward, I, 0) && (i == p - 1 || after(TaskPhase::Backward, I + 1, transfer_ms));
+        } else {
+          ok = after(TaskPhase::Backward, I, 0);
+        }
+        if (!ok) break;
+        const double cost = t.phase == TaskPhase::Forward ? st[I].f : t.phase == TaskPhase::Backward ? st[I].b : st[I].w;
+        free_at[I] = end[static_cast<size_t>(t.phase)][I][mb] = ready + cost;
+        busy += cost;
+        ++next[I];
+        moved = true;
+      }
+    }
+  }
+  const double span = *std::max_element(free_at.begin(), free_at.end());
+  return {span, span > 0 ? 1.0 - busy / (span * p) : 0.0};
+}
+
+}  // namespace
+
+ClusterProfile parse_cluster_profile(const std::string &text, const std::string &what) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const std::exception &e) {
+    fail(CTR_STATUS_INVALID_ARGUMENT, strformat("%s: not JSON: %s", what.c_str(), e.what()));
+  }
+  CTR_REQUIRE(j.is_object(), CTR_STATUS_INVALID_ARGUMENT, "%s: not a JSON object", what.c_str());
+  ClusterProfile c;
+  c.name = j.value("name", std::string("unnamed"));
+  c.devices_per_host = static_cast<int64_t>(num(j, "devices_per_host", what));
+  CTR_REQUIRE(j.contains("device") && j["device"].is_object(), CTR_STATUS_INVALID_ARGUMENT,
+              "%s: field 'device' (an object) is missing", what.c_str());
+  const json &d = j["device"];
+  const std::string dw = what + ": device";
+  c.device_name = d.value("name", std::string("device"));
+  c.memory_bytes = static_cast<int64_t>(num(d, "memory_bytes", dw));
+  c.flops = num(d, "flops", dw);
+  c.bytes_per_s = num(d, "bytes_per_s", dw);
+  c.launch_us = num(d, "launch_us", dw, false);
+  CTR_REQUIRE(j.contains("links") && j["links"].is_object(), CTR_STATUS_INVALID_ARGUMENT,
+              "%s: field 'links' (an object with 'host' and 'network') is missing", what.c_str());
+  for (const char *level : {"host", "network"}) {
+    const std::string lw = what + ": links." + level;
+    CTR_REQUIRE(j["links"].contains(level), CTR_STATUS_INVALID_ARGUMENT, "%s is missing", lw.c_str());
+    ClusterProfile::Link &l = std::string(level) == "host" ? c.host : c.network;
+    l.latency_us = num(j["links"][level], "latency_us", lw, false);
+    l.bytes_per_s = num(j["links"][level], "bytes_per_s", lw);
+  }
+  if (j.contains("sources") && j["sources"].is_object())
+    for (const auto &[k, v] : j["sources"].items())
+      if (v.is_string()) c.sources[k] = v.get<std::string>();
+  return c;
+}
+
+std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterProfile &c) {
+  const auto t_start = std::chrono::steady_clock::now();
+  CTR_REQUIRE(req.world >= 1 && req.world <= (1 << 20), CTR_STATUS_INVALID_OPTION, "plan: world %lld",
+              static_cast<long long>(req.world));
+  CTR_REQUIRE(req.global_batch >= 1, CTR_STATUS_INVALID_OPTION, "plan: global_batch %lld (at least 1)",
+              static_cast<long long>(req.global_batch));
+  bool moe = false;
+  for (const Node &n : graph.nodes) moe |= n.op.rfind("moe_", 0) == 0;
+  std::vector<std::map<std::string, int64_t>> meshes;
+  std::map<std::string, int64_t> cur;
+  factorizations(req.world, 0, cur, moe, meshes);
+
+  Backend be = cpu_backend_create(false);
+  std::unique_ptr<Backend, void (*)(Backend *)> owner(new Backend(be), [](Backend *b) {
+    b->iface->destroy(b->ctx);
+    delete b;
+  });
+
+  // Model FLOPs per step for the MFU: the forward's registry FLOPs, times 3.
+  double model_flops = 0;
+  int64_t seq_used = req.seq;
+  {
+    Graph g = graph;
+    CompileOptions o;
+    o.batch = 1;
+    o.seq = req.seq;
+    pass_infer_shapes(g, o);
+    for (const Node &n : g.nodes)
+      if (const OpDef *d = find_op(n.op); d && d->flops) model_flops += d->flops(g, n);
+    model_flops *= 3.0 * static_cast<double>(req.global_batch);
+    if (seq_used == 0 && g.symbols.count("seq")) seq_used = g.symbols.at("seq");
+  }
+
+  json plans = json::array();
+  int64_t candidates = 0, feasible = 0;
+  for (const auto &axes : meshes) {
+    const int64_t data = axes.at("dp") * axes.at("fsdp") * axes.at("ep");
+    const int64_t pp = axes.at("pp");
+    std::vector<Candidate> cands;
+    if (req.global_batch % data == 0) {
+      const int64_t rows = req.global_batch / data;
+      std::vector<int64_t> micro;
+      for (int64_t m = 1; m <= rows; m *= 2)
+        if (rows % m == 0) micro.push_back(m);
+      for (int64_t m : {pp, 2 * pp})
+        if (rows % m == 0 && std::find(micro.begin(), micro.end(), m) == micro.end()) micro.push_back(m);
+      std::sort(micro.begin(), micro.end());
+      // Micro-batch counts: powers of two (fewer rows per micro-batch: less
+      // activation memory), and with stages at least one per stage, the
+      // pipeline depth and its double among them.
+      std::vector<int64_t> keep;
+      for (int64_t m : micro)
+        if (m >= pp) keep.push_back(m);
+      for (int64_t m : keep)
+        for (ScheduleKind k : pp > 1 ? std::vector<ScheduleKind>{ScheduleKind::OneFOneB, ScheduleKind::ZeroBubble}
+                                     : std::vector<ScheduleKind>{ScheduleKind::OneFOneB})
+          for (const std::string &rc : req.recompute) {
+            Candidate cd;
+            cd.axes = axes;
+            cd.micro_batches = m;
+            cd.batch = rows / m;
+            cd.schedule = k;
+            cd.recompute = rc;
+            cands.push_back(cd);
+          }
+    } else {
+      Candidate cd;
+      cd.axes = axes;
+      json row = {{"mesh", cd.mesh_text()}, {"feasible", false},
+                  {"why", strformat("the global batch of %lld does not split over %lld data ranks",
+                                    static_cast<long long>(req.global_batch), static_cast<long long>(data))}};
+      plans.push_back(row);
+      ++candidates;
+    }
+    for (const Candidate &cd : cands) {
+      ++candidates;
+      json row = {{"mesh", cd.mesh_text()},
+                  {"schedule", schedule_kind_name(cd.schedule)},
+                  {"micro_batches", cd.micro_batches},
+                  {"batch", cd.batch},
+                  {"recompute", cd.recompute}};
+      std::vector<StageCost> stages;
+      Schedule sched;
+      std::string why;
+      Layout layout;
+      layout.world = req.world;
+      try {
+        for (int64_t s = 0; s < pp; ++s) {
+          CompileOptions o;
+          o.batch = cd.batch;
+          o.seq = req.seq;
+          o.micro_batches = cd.micro_batches;
+          o.pp_schedule = cd.schedule;
+          o.recompute = cd.recompute;
+          o.precision = "fp32";
+          for (const char *a : kAxes) o.mesh.axes.push_back({a, cd.axes.at(a), std::string(a) == "pp" ? s : 0});
+          layout.mesh = o.mesh;
+          Graph g = graph;
+          PassContext ctx(g, o, [&](OpId op) { return backend_has_kernel(be, op); });
+          ctx.backend_flags = be.iface->flags;
+          run_passes(ctx);
+          StageCost sc;
+          const Priced f = price_phase(g, ctx.program.forward, layout, c);
+          const Priced b = price_phase(g, ctx.program.backward, layout, c);
+          const Priced w = price_phase(g, ctx.program.weight, layout, c);
+          sc.f = f.ms;
+          sc.b = b.ms;
+          sc.w = w.ms;
+          sc.comm_ms = f.comm_ms + b.comm_ms + w.comm_ms;
+          sc.exposed_ms = f.exposed_ms + b.exposed_ms + w.exposed_ms;
+          for (const Priced *ph : {&f, &b, &w})
+            for (const auto &[axis, ms] : ph->comm_by_axis) sc.comm_by_axis[axis] += ms;
+          const size_t st = static_cast<size_t>(s);
+          const int64_t slots = std::max<int64_t>(1, ctx.pipeline.in_flight[st]);
+          const MemoryPlan &mp = ctx.plan;
+          sc.param_bytes = mp.param_bytes;
+          // As step creation sizes it (Step::peak_bytes).
+          sc.memory = mp.arena_for(slots) + 2 * mp.param_bytes + mp.input_bytes + mp.const_bytes +
+                      mp.param_bytes * (cd.micro_batches > 1 ? 3 : 2);
+          for (const StageCut::Boundary &bd : ctx.stage_cut.send)
+            sc.send_bytes += static_cast<double>(g.tensors[static_cast<size_t>(bd.tensor)].bytes());
+          stages.push_back(sc);
+          sched = ctx.pipeline;
+        }
+      } catch (const Error &e) {
+        why = e.message();
+      }
+      if (!why.empty()) {
+        row["feasible"] = false;
+        row["why"] = why.substr(0, why.find('\n'));
+        plans.push_back(row);
+        continue;
+      }
+      int64_t memory = 0;
+      for (const StageCost &sc : stages) memory = std::max(memory, sc.memory);
+      double send = 0;
+      for (const StageCost &sc : stages) send = std::max(send, sc.send_bytes);
+      const auto [pp_ranks, pp_across] = axis_reach(layout, "pp", c.devices_per_host);
+      const ClusterProfile::Link &pl = pp_across ? c.network : c.host;
+      const double transfer = pp_ranks > 1 ? pl.latency_us * 1e-3 + send / pl.bytes_per_s * 1e3 : 0.0;
+      auto [span, bubble] = play(sched, stages, transfer);
+      // Gradient accumulation (a copy or an add per micro-batch) and AdamW
+      // (reads parameters, gradients and two moments, writes three), memory-bound.
+      double tail = 0;
+      for (const StageCost &sc : stages) {
+        const double pb = static_cast<double>(sc.param_bytes);
+        const double acc = cd.micro_batches > 1 ? static_cast<double>(cd.micro_batches) * 3.0 * pb : 0.0;
+        tail = std::max(tail, (acc + 7.0 * pb) / c.bytes_per_s * 1e3);
+      }
+      const double step_ms = span + tail;
+      json comm = json::object();
+      double comm_total = 0, exposed = 0;
+      for (const StageCost &sc : stages) {
+        for (const auto &[axis, ms] : sc.comm_by_axis)
+          comm[axis] = std::max(comm.value(axis, 0.0), ms * static_cast<double>(cd.micro_batches));
+        comm_total = std::max(comm_total, sc.comm_ms * static_cast<double>(cd.micro_batches));
+        exposed = std::max(exposed, sc.exposed_ms * static_cast<double>(cd.micro_batches));
+      }
+      json st = json::array();
+      for (const StageCost &sc : stages)
+        st.push_back({{"forward_ms", sc.f}, {"backward_ms", sc.b}, {"weight_ms", sc.w}, {"memory_bytes", sc.memory}});
+      row["memory_bytes"] = memory;
+      row["stages"] = st;
+      row["step_ms"] = step_ms;
+      row["bubble"] = pp > 1 ? bubble : 0.0;
+      row["comm_ms"] = comm;
+      row["exposed_comm_ms"] = exposed;
+      row["tokens_per_s"] = static_cast<double>(req.global_batch * seq_used) / (step_ms * 1e-3);
+      row["mfu"] = model_flops / (step_ms * 1e-3) / (c.flops * static_cast<double>(req.world));
+      if (memory > c.memory_bytes) {
+        row["feasible"] = false;
+        row["why"] = strformat("needs %.3f GiB per device, more than the %.3f GiB of %s", memory / 1073741824.0,
+                               c.memory_bytes / 1073741824.0, c.device_name.c_str());
+      } else {
+        row["feasible"] = true;
+        ++feasible;
+      }
+      plans.push_back(row);
+    }
+  }
+  std::vector<json> rows(plans.begin(), plans.end());
+  std::stable_sort(rows.begin(), rows.end(), [](const json &a, const json &b) {
+    const bool fa = a["feasible"].get<bool>(), fb = b["feasible"].get<bool>();
+    if (fa != fb) return fa;
+    const double sa = a.value("step_ms", std::numeric_limits<double>::infinity()),
+                 sb = b.value("step_ms", std::numeric_limits<double>::infinity());
+    if (sa != sb) return sa < sb;
+    return a["mesh"].get<std::string>() < b["mesh"].get<std::string>();
+  });
+  if (req.top > 0 && static_cast<int64_t>(rows.size()) > req.top) rows.resize(static_cast<size_t>(req.top));
+  json out = {{"world", req.world},
+              {"global_batch", req.global_batch},
+              {"seq", seq_used},
+              {"cluster", c.name},
+              {"device", c.device_name},
+              {"sources", c.sources},
+              {"candidates", candidates},
+              {"feasible", feasible},
+              {"plans", rows}};
+  out["search_s"] =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  return out.dump();
+}
+
+}  // namespace ctr

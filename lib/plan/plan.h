@@ -1,0 +1,79 @@
+// The planner: candidate layouts of a training step on a cluster, each
+// compiled as a step would compile it and priced from profiles.
+//
+// A candidate is a mesh (pp, dp, ep, fsdp, cp, tp over the world), a
+// micro-batch count, a pipeline schedule and a recompute policy. It is compiled
+// by the step's own passes, once per pipeline stage (the rank of that stage
+// with every other index 0), so what is priced is the program the step would
+// run: its instruction lists on the compute and comm streams with their events,
+// its memory plan, its schedule of tasks. Pricing:
+//   - a kernel takes launch + max(FLOPs / flops, bytes / bytes_per_s): the op
+//     registry's FLOPs (backward GEMMs and attention from their shapes), the
+//     bytes it reads and writes;
+//   - a collective over an axis of n ranks takes (n - 1) latency plus its bytes
+//     on the wire ((n - 1)/n of the whole for a gather or a reduce-scatter,
+//     twice that for an all-reduce) over the link of the level the axis spans
+//     (the ranks of a host, or the network);
+//   - each phase is played on the two streams, a wait holding stream 0 until
+//     the event's collective is done, so the communication compute hides is
+//     not counted twice;
+//   - the stages' tasks are played in the schedule's order, a received
+//     activation or gradient arriving a transfer after its sender's task ends;
+//     then gradient accumulation and the optimizer, memory-bound;
+//   - memory per device is exactly what step creation plans: the arena for the
+//     micro-batches in flight, parameters, gradients, inputs, constants and
+//     optimizer state.
+// A candidate that does not compile (a mesh the model cannot take) or does not
+// fit the device's memory is listed as infeasible with the reason.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace ctr {
+
+struct Graph;
+
+// A cluster as the planner prices it: the devices, how many per host, and the
+// links within a host and between hosts. Each number names its source
+// (`sources`: "measured ..." or "specification ..."), carried into the plan.
+struct ClusterProfile {
+  std::string name;
+  int64_t devices_per_host = 1;
+  std::string device_name;
+  int64_t memory_bytes = 0;  // per device
+  double flops = 0;          // sustained FLOP/s of the GEMM-class kernels, per device
+  double bytes_per_s = 0;    // device memory bandwidth
+  double launch_us = 0;      // per kernel launch
+  struct Link {
+    double latency_us = 0;
+    double bytes_per_s = 0;  // per device, each way
+  };
+  Link host, network;
+  std::map<std::string, std::string> sources;
+};
+
+// Parses a profile (JSON text; `what` names it in errors). Fails with
+// CTR_STATUS_INVALID_ARGUMENT naming the missing or bad field.
+ClusterProfile parse_cluster_profile(const std::string &json, const std::string &what);
+
+struct PlanRequest {
+  int64_t world = 1;
+  int64_t global_batch = 1;  // sequences per step, over all data ranks and micro-batches
+  int64_t seq = 0;           // 0: the graph's maximum
+  std::vector<std::string> recompute = {"none", "all"};
+  int64_t top = 0;  // plans listed (feasible first); 0: all
+};
+
+// Plans every candidate of g for req on cluster c and returns the result as JSON:
+// {"world", "global_batch", "seq", "cluster", "sources", "candidates", "feasible",
+//  "search_s", "plans": [{"mesh", "schedule", "micro_batches", "batch",
+//  "recompute", "feasible", "why" (infeasible), "step_ms", "tokens_per_s",
+//  "mfu", "memory_bytes", "bubble", "comm_ms" {axis: ms}, "exposed_comm_ms",
+//  "stages": [{"forward_ms", "backward_ms", "weight_ms", "memory_bytes"}]}]},
+// plans ranked by predicted step time (infeasible last), ties by mesh text.
+std::string plan_json(const Graph &g, const PlanRequest &req, const ClusterProfile &c);
+
+}  // namespace ctr

@@ -1,0 +1,134 @@
+"""The planner through `ctr plan` (the C ABI's ctr_plan): every layout of a
+graph's step on a world of devices, compiled by the step's passes and priced
+from a cluster profile. Checked here: the ranking is deterministic; the memory
+each plan predicts is what step creation plans (rank 0's peak_bytes, byte for
+byte); a plan the planner calls infeasible for memory is refused by step
+creation under that memory, and a feasible one runs; meshes the model cannot
+take are listed with the reason; bad profiles and options are named. The
+predicted step times beside the measured ones are in tools/bench/bench_plan.py.
+
+usage: CTR=PATH_TO_CTR pytest test_plan.py
+"""
+import json
+import os
+import subprocess
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROFILE = os.path.join(HERE, "..", "..", "profiles", "cpu-2core.json")
+
+
+@pytest.fixture(scope="module")
+def ctr():
+    path = os.environ.get("CTR")
+    if not path:
+        pytest.skip("no ctr tool given (CTR)")
+    return os.path.abspath(path)
+
+
+def run(ctr, *args, expect=0, timeout=120):
+    p = subprocess.run([ctr, *args], capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == expect, (f"`ctr {' '.join(args)}` exited {p.returncode}, expected {expect}\n"
+                                    f"stdout: {p.stdout[-2000:]}\nstderr: {p.stderr[-2000:]}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def graph(ctr, tmp_path_factory):
+    g = str(tmp_path_factory.mktemp("plan") / "gpt.ctrg")
+    run(ctr, "graph", "build", "--preset", "gpt", "--layers", "4", "--dim", "64", "--heads", "2", "--seq", "32",
+        "-o", g)
+    return g
+
+
+def plan(ctr, graph, *args, world=2, batch=8, profile=PROFILE):
+    out = run(ctr, "plan", graph, "--cluster", profile, "--world", str(world), "--global-batch", str(batch), "--json",
+              *args).stdout
+    return json.loads(out)
+
+
+def test_the_ranking_is_deterministic_and_covers_every_axis(ctr, graph):
+    a, b = plan(ctr, graph), plan(ctr, graph)
+    strip = [{k: v for k, v in p.items()} for p in a["plans"]]
+    assert strip == b["plans"]
+    meshes = {p["mesh"] for p in a["plans"]}
+    assert {"fsdp=2", "dp=2", "tp=2", "cp=2", "pp=2"} <= meshes, meshes
+    assert {p["schedule"] for p in a["plans"] if p["mesh"] == "pp=2"} == {"1f1b", "zb"}
+    assert a["candidates"] == len(a["plans"]) and a["feasible"] == sum(p["feasible"] for p in a["plans"])
+    steps = [p["step_ms"] for p in a["plans"] if p["feasible"]]
+    assert steps == sorted(steps) and all(s > 0 for s in steps)
+    for p in a["plans"]:
+        assert 0 < p["mfu"] < 1 and p["memory_bytes"] > 0, p
+    table = run(ctr, "plan", graph, "--cluster", PROFILE, "--world", "2", "--global-batch", "8", "--explain", "1").stdout
+    assert "rank  mesh" in table and "plan 1: " in table, table
+
+
+@pytest.mark.parametrize("mesh,schedule,micro,recompute", [
+    ("single", "1f1b", 1, "none"), ("fsdp=2", "1f1b", 1, "all"), ("tp=2", "1f1b", 1, "none"),
+    ("pp=2", "1f1b", 4, "all"), ("pp=2", "zb", 2, "none"), ("cp=2", "1f1b", 1, "none")])
+def test_predicted_memory_is_what_step_creation_plans(ctr, graph, tmp_path, mesh, schedule, micro, recompute):
+    world = 1 if mesh == "single" else 2
+    got = plan(ctr, graph, world=world)
+    [p] = [p for p in got["plans"] if (p["mesh"], p["schedule"], p["micro_batches"], p["recompute"]) ==
+           (mesh, schedule, micro, recompute)]
+    metrics = str(tmp_path / "m.jsonl")
+    args = ["run", graph, "--mesh", "fsdp=1" if mesh == "single" else mesh, "--steps", "1", "--batch", str(p["batch"]),
+            "--micro-batches", str(micro), "--recompute", recompute, "--pp-schedule", schedule, "--log-every", "0",
+            "--metrics", metrics]
+    run(ctr, *(["launch", "-n", "2", "--", ctr] + args if world > 1 else args), timeout=120)
+    peak = json.loads(open(metrics).readline())["peak_bytes"]  # rank 0's: stage 0's
+    assert p["stages"][0]["memory_bytes"] == peak, (p, peak)
+    assert p["memory_bytes"] == max(s["memory_bytes"] for s in p["stages"])
+
+
+def test_a_plan_infeasible_for_memory_is_refused_by_step_creation(ctr, graph, tmp_path):
+    everything = plan(ctr, graph)["plans"]
+    sizes = sorted({p["memory_bytes"] for p in everything})
+    limit = (sizes[0] + sizes[-1]) // 2
+    prof = json.load(open(PROFILE))
+    prof["device"]["memory_bytes"] = limit
+    small = str(tmp_path / "small.json")
+    json.dump(prof, open(small, "w"))
+    got = plan(ctr, graph, profile=small)["plans"]
+    too_big = [p for p in got if not p["feasible"] and p.get("memory_bytes", 0) > limit]
+    fits = [p for p in got if p["feasible"]]
+    assert too_big and fits and all(p["memory_bytes"] <= limit for p in fits)
+    assert "more than the" in too_big[0]["why"] and "GiB of one Xeon core" in too_big[0]["why"], too_big[0]
+    for p, expect in ((too_big[0], 1), (fits[0], 0)):
+        world = 1 if p["mesh"] == "single" else 2
+        args = ["run", graph, "--mesh", "fsdp=1" if p["mesh"] == "single" else p["mesh"], "--steps", "1", "--batch",
+                str(p["batch"]), "--micro-batches", str(p["micro_batches"]), "--recompute", p["recompute"],
+                "--pp-schedule", p["schedule"], "--log-every", "0", "--memory-limit", str(limit)]
+        r = run(ctr, *(["launch", "-n", str(world), "--", ctr] + args if world > 1 else args), expect=expect,
+                timeout=120)
+        if expect:
+            assert "more than the memory limit" in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
+
+
+def test_meshes_the_model_cannot_take_are_named(ctr, graph):
+    got = plan(ctr, graph, world=3, batch=3)
+    why = {p["mesh"]: p["why"] for p in got["plans"] if not p["feasible"]}
+    assert "tp=3" in why and "3" in why["tp=3"], why
+    assert any(p["feasible"] for p in got["plans"]), got["plans"]
+    odd = plan(ctr, graph, world=2, batch=3)
+    assert "the global batch of 3 does not split over 2 data ranks" in {p["mesh"]: p.get("why", "") for p in
+                                                                        odd["plans"]}["fsdp=2"]
+
+
+def test_bad_profiles_and_options_are_named(ctr, graph, tmp_path):
+    bad = str(tmp_path / "bad.json")
+    prof = json.load(open(PROFILE))
+    del prof["device"]["flops"]
+    json.dump(prof, open(bad, "w"))
+    r = run(ctr, "plan", graph, "--cluster", bad, "--world", "2", "--global-batch", "8", expect=1)
+    assert "device: field 'flops' (a number) is missing" in r.stderr, r.stderr
+    open(bad, "w").write("{not json")
+    r = run(ctr, "plan", graph, "--cluster", bad, "--world", "2", "--global-batch", "8", expect=1)
+    assert "not JSON" in r.stderr, r.stderr
+    r = run(ctr, "plan", graph, "--cluster", str(tmp_path / "none.json"), "--world", "2", "--global-batch", "8",
+            expect=1)
+    assert "none.json" in r.stderr, r.stderr
+    r = run(ctr, "plan", graph, "--cluster", PROFILE, "--world", "2", "--global-batch", "8", "--recompute", "some",
+            expect=1)
+    assert "'some' is not a policy" in r.stderr, r.stderr
