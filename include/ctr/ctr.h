@@ -354,6 +354,7 @@ typedef struct ctr_step ctr_step;
  *                            weight-gradient part, the latter filling the
  *                            pipeline's idle time; up to pp + 1 micro-batches'
  *                            activations held per stage)
+ *   "profile_kernels" int    1: time each kernel on its own (ctr_step_kernel_profile)
  *   "pp_stages" string       blocks per pipeline stage, in stage order ("2,3,3";
  *                            default: balanced by the blocks' forward FLOPs)
  *   "seed" int               parameter init seed (0)
@@ -492,6 +493,15 @@ CTR_API ctr_status ctr_step_comm_metrics(ctr_step *step, const char **json);
  * before the first run. *json belongs to the step and stays valid until its next
  * mutating call. */
 CTR_API ctr_status ctr_step_timeline(ctr_step *step, const char **json);
+
+/* Since 0.7. With step option "profile_kernels" 1 (each kernel timed on its own,
+ * stream 0 synchronised around it: slower steps, for calibration), the kernels
+ * of this rank's program as a JSON array: each {"node", "op", "phase" (forward,
+ * backward, weight), "flops", "bytes" (read and written), "runs", "us" (mean
+ * microseconds per run)} over every run so far but each phase's first. *json belongs to the step and
+ * stays valid until its next mutating call. CTR_STATUS_INVALID_STATE without
+ * the option. */
+CTR_API ctr_status ctr_step_kernel_profile(ctr_step *step, const char **json);
 
 /* Replaces the learning-rate schedule by a constant lr from the next run on
  * (lr >= 0 and finite). */

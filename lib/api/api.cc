@@ -676,6 +676,14 @@ extern "C" ctr_status ctr_step_timeline(ctr_step *step, const char **json) {
   CTR_API_END
 }
 
+extern "C" ctr_status ctr_step_kernel_profile(ctr_step *step, const char **json) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_kernel_profile");
+  REQUIRE_ARG(json != nullptr, "ctr_step_kernel_profile: json is NULL");
+  *json = step->impl->kernel_profile().c_str();
+  CTR_API_END
+}
+
 extern "C" ctr_status ctr_step_moe_metrics(ctr_step *step, const char **json) {
   CTR_API_BEGIN
   STEP_ARG("ctr_step_moe_metrics");

@@ -53,7 +53,7 @@ const std::vector<int64_t> &shape_of(const Graph &g, const Node &n, size_t input
 
 // FLOPs of a kernel: the registry's, and for the backward ops it leaves out,
 // from their shapes (a GEMM's backward: two GEMMs; attention's: 2.5 forwards).
-double kernel_flops(const Graph &g, const Node &n) {
+double flops_of(const Graph &g, const Node &n) {
   const OpDef *def = find_op(n.op);
   if (def && def->flops) return def->flops(g, n);
   const std::string &op = n.op;
@@ -79,7 +79,7 @@ double kernel_flops(const Graph &g, const Node &n) {
   return 0;
 }
 
-double kernel_bytes(const Graph &g, const Node &n) {
+double bytes_of(const Graph &g, const Node &n) {
   double b = 0;
   for (int t : n.inputs) b += static_cast<double>(g.tensors[static_cast<size_t>(t)].bytes());
   for (int t : n.outputs) b += static_cast<double>(g.tensors[static_cast<size_t>(t)].bytes());
@@ -143,8 +143,13 @@ Priced price_phase(const Graph &g, const std::vector<Instr> &list, const Layout 
             g.tensors[static_cast<size_t>(n.outputs[0])].offset == g.tensors[static_cast<size_t>(n.inputs[0])].offset &&
             g.tensors[static_cast<size_t>(n.outputs[0])].storage == g.tensors[static_cast<size_t>(n.inputs[0])].storage)
           break;  // a view: the executor drops it
-        ts += c.launch_us * 1e-3 +
-              std::max(kernel_flops(g, n) / c.flops, kernel_bytes(g, n) / c.bytes_per_s) * 1e3;
+        if (auto it = c.ops.find(n.op); it != c.ops.end()) {
+          const ClusterProfile::OpRate &r = it->second;
+          ts += r.launch_us * 1e-3 + (r.flops > 0 ? flops_of(g, n) / r.flops : bytes_of(g, n) / r.bytes_per_s) * 1e3;
+        } else {
+          ts += c.launch_us * 1e-3 +
+                std::max(flops_of(g, n) / c.flops, bytes_of(g, n) / c.bytes_per_s) * 1e3;
+        }
         break;
       }
       case Instr::Collective: {
@@ -254,6 +259,9 @@ std::pair<double, double> play(const Schedule &s, const std::vector<StageCost> &
 
 }  // namespace
 
+double kernel_flops(const Graph &g, const Node &n) { return flops_of(g, n); }
+double kernel_bytes(const Graph &g, const Node &n) { return bytes_of(g, n); }
+
 ClusterProfile parse_cluster_profile(const std::string &text, const std::string &what) {
   json j;
   try {
@@ -282,6 +290,20 @@ ClusterProfile parse_cluster_profile(const std::string &text, const std::string 
     ClusterProfile::Link &l = std::string(level) == "host" ? c.host : c.network;
     l.latency_us = num(j["links"][level], "latency_us", lw, false);
     l.bytes_per_s = num(j["links"][level], "bytes_per_s", lw);
+  }
+  if (j.contains("ops")) {
+    CTR_REQUIRE(j["ops"].is_object(), CTR_STATUS_INVALID_ARGUMENT, "%s: field 'ops' is not an object", what.c_str());
+    for (const auto &[op, v] : j["ops"].items()) {
+      const std::string ow = what + ": ops." + op;
+      ClusterProfile::OpRate r;
+      r.launch_us = num(v, "launch_us", ow, false);
+      if (v.contains("flops")) {
+        r.flops = num(v, "flops", ow);
+      } else {
+        r.bytes_per_s = num(v, "bytes_per_s", ow);
+      }
+      c.ops[op] = r;
+    }
   }
   if (j.contains("sources") && j["sources"].is_object())
     for (const auto &[k, v] : j["sources"].items())

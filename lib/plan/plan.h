@@ -35,6 +35,7 @@
 namespace ctr {
 
 struct Graph;
+struct Node;
 
 // A cluster as the planner prices it: the devices, how many per host, and the
 // links within a host and between hosts. Each number names its source
@@ -52,8 +53,20 @@ struct ClusterProfile {
     double bytes_per_s = 0;  // per device, each way
   };
   Link host, network;
+  // Measured per op (ctr calibrate): a kernel of the op takes launch_us plus
+  // its FLOPs over flops when flops > 0, else its bytes over bytes_per_s. Ops
+  // not listed take the device's roofline above.
+  struct OpRate {
+    double launch_us = 0, flops = 0, bytes_per_s = 0;
+  };
+  std::map<std::string, OpRate> ops;
   std::map<std::string, std::string> sources;
 };
+
+// A kernel's FLOPs (the op registry's; the backward GEMMs and attention, which
+// it leaves out, from their shapes) and the bytes it reads and writes.
+double kernel_flops(const Graph &g, const Node &n);
+double kernel_bytes(const Graph &g, const Node &n);
 
 // Parses a profile (JSON text; `what` names it in errors). Fails with
 // CTR_STATUS_INVALID_ARGUMENT naming the missing or bad field.

@@ -546,7 +546,8 @@ void Executor::run(Phase phase) {
   // heuristics, lazy module loading and first-touch allocations happen there,
   // not inside a capture. Capture is from the second run on.
   const bool warm = runs_[p]++ > 0;
-  if (graphs_on_ && capturable_[p] && warm && recaptures_ <= kMaxRecaptures) {
+  counting_ = warm;  // kernel profiles leave out each phase's first run (first touches, library set-up)
+  if (graphs_on_ && !profile_ && capturable_[p] && warm && recaptures_ <= kMaxRecaptures) {
     if (graph_[p] < 0 && bi->capture_begin(ctx, 0) == 0) {
       issue(list, phase);
       graph_[p] = bi->capture_end(ctx, 0);
@@ -612,6 +613,21 @@ void Executor::issue(const std::vector<Instr> &list, Phase phase) {
       case Instr::Kernel: {
         const Call &c = *calls_[static_cast<size_t>(in.node)];
         if (c.skip) break;
+        if (profile_ && counting_) {
+          if (kernel_us_.empty()) {
+            kernel_us_.assign(g_.nodes.size(), 0.0);
+            kernel_runs_.assign(g_.nodes.size(), 0);
+          }
+          bi->synchronize(ctx, stream);
+          const auto t0 = Clock::now();
+          bi->launch(ctx, c.fn, &c.args, stream);
+          bi->synchronize(ctx, stream);
+          kernel_us_[static_cast<size_t>(in.node)] += static_cast<double>(ns_since(t0)) / 1e3;
+          ++kernel_runs_[static_cast<size_t>(in.node)];
+          last_node_ = in.node;
+          if (checked) check_device(in.node, phase);
+          break;
+        }
         bi->launch(ctx, c.fn, &c.args, stream);
         last_node_ = in.node;
         if (checked) check_device(in.node, phase);

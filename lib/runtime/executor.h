@@ -75,6 +75,13 @@ class Executor {
   int64_t graph_replays() const { return graph_replays_; }
   int64_t graph_captures() const { return captures_; }
 
+  // Time each kernel on its own (stream 0 synchronised after each launch; no
+  // captured graphs), for calibration: per node, the runs and the total
+  // microseconds, leaving out each phase's first run. Off by default.
+  void profile_kernels(bool on) { profile_ = on; }
+  const std::vector<double> &kernel_us() const { return kernel_us_; }
+  const std::vector<int64_t> &kernel_runs() const { return kernel_runs_; }
+
   // Fault injection for the failure tests: the process exits (status 87) right
   // after issuing its n-th collective from now, leaving it in flight.
   void exit_after_collectives(int n) { exit_countdown_ = n; }
@@ -129,6 +136,9 @@ class Executor {
   std::vector<std::string> axis_names_;
   std::unique_ptr<std::atomic<int64_t>[]> axis_ns_;
   int64_t exposed_ns_ = 0;
+  bool profile_ = false, counting_ = false;
+  std::vector<double> kernel_us_;
+  std::vector<int64_t> kernel_runs_;
   std::atomic<int> exit_countdown_{0};
 };
 

@@ -31,6 +31,7 @@
 #include "core/thread_pool.h"
 #include "cpu/kernels.h"
 #include "graph/ops.h"
+#include "plan/plan.h"
 #include "runtime/executor.h"
 #include "runtime/mesh.h"
 
@@ -106,6 +107,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   async_save_lag_ = r.get_int("async_save_lag", 2, 1, 1 << 20);
   // Replay phases as captured graphs where the backend can (CUDA graphs).
   const bool graphs = r.get_int("graphs", 1, 0, 1) != 0;
+  profile_kernels_ = r.get_int("profile_kernels", 0, 0, 1) != 0;
   // Refuse a plan larger than the machine before touching any of it: allocation
   // may succeed lazily and the first write would then end the process.
   const int64_t phys = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
@@ -352,9 +354,11 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
         a[i] = static_cast<char *>(a[i]) + k * plan_.held_bytes;
     more_exec_.push_back(std::make_unique<Executor>(g_, prog_, mesh_, be_, std::move(a), device_comms_.get()));
     more_exec_.back()->enable_graphs(graphs);
+    more_exec_.back()->profile_kernels(profile_kernels_);
   }
   exec_ = std::make_unique<Executor>(g_, prog_, mesh_, be_, std::move(addr), device_comms_.get());
   exec_->enable_graphs(graphs);
+  exec_->profile_kernels(profile_kernels_);
   ckpt_ = std::make_unique<Checkpointer>(mesh_, async_save_lag_);
   init_params(seed);
   free_on_throw.armed = false;
@@ -503,6 +507,36 @@ void Step::bind_micro_batch(int64_t mb) {
     else
       ex.rebind(s.tensor, from);
   }
+}
+
+const std::string &Step::kernel_profile() {
+  CTR_REQUIRE(profile_kernels_, CTR_STATUS_INVALID_STATE,
+              "ctr_step_kernel_profile: the step was created without option profile_kernels 1");
+  nlohmann::json out = nlohmann::json::array();
+  std::vector<const Executor *> all{exec_.get()};
+  for (const auto &e : more_exec_) all.push_back(e.get());
+  const int ni = g_.num_input_grad >= 0 ? g_.num_input_grad : static_cast<int>(g_.nodes.size());
+  for (size_t n = 0; n < g_.nodes.size(); ++n) {
+    double us = 0;
+    int64_t runs = 0;
+    for (const Executor *e : all) {
+      if (e->kernel_runs().empty()) continue;
+      us += e->kernel_us()[n];
+      runs += e->kernel_runs()[n];
+    }
+    if (runs == 0) continue;
+    const Node &nd = g_.nodes[n];
+    const int pos = static_cast<int>(n);
+    out.push_back({{"node", nd.name},
+                   {"op", nd.op},
+                   {"phase", pos < g_.num_forward ? "forward" : pos < ni ? "backward" : "weight"},
+                   {"flops", kernel_flops(g_, nd)},
+                   {"bytes", kernel_bytes(g_, nd)},
+                   {"runs", runs},
+                   {"us", us / static_cast<double>(runs)}});
+  }
+  kernel_profile_json_ = out.dump();
+  return kernel_profile_json_;
 }
 
 Executor &Step::exec_for(int64_t mb) const {

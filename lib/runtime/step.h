@@ -140,6 +140,9 @@ class Step : private CheckpointState {
   const std::string &comm_metrics() const { return comm_json_; }
   // The tasks of the last run on this rank, as JSON (ctr_step_timeline).
   const std::string &timeline() const { return timeline_json_; }
+  // With step option profile_kernels: per kernel node of this rank's program,
+  // its op, phase, FLOPs, bytes, runs and mean microseconds, as JSON.
+  const std::string &kernel_profile();
 
  private:
   // Writes host rows into a param's shard (its padding rows zero).
@@ -219,6 +222,8 @@ class Step : private CheckpointState {
   std::string moe_json_;
   std::string comm_json_ = "{}";
   std::string timeline_json_ = "[]";
+  std::string kernel_profile_json_;
+  bool profile_kernels_ = false;
   void find_moe_layers();
   // After the stage cut renumbered the tensors: the layers' tensors by name, and
   // whether the layer is on this stage.

@@ -570,6 +570,47 @@ def moe_metrics():
         assert step.moe_metrics() == []
 
 
+@test
+def plan_and_kernel_profile():
+    # ctr_plan through Graph.plan: layouts ranked, memory as the step plans it; a step with
+    # profile_kernels reports each kernel's time, refused without the option.
+    import numpy as np
+    prof = {"name": "test", "devices_per_host": 2,
+            "device": {"name": "core", "memory_bytes": 1 << 34, "flops": 1e11, "bytes_per_s": 1e10, "launch_us": 5},
+            "links": {"host": {"latency_us": 3, "bytes_per_s": 4e9}, "network": {"latency_us": 50, "bytes_per_s": 1e8}}}
+    with ctr.Graph.preset("gpt", **PRESET) as g:
+        out = g.plan(2, 4, prof, recompute="none")
+        meshes = [p["mesh"] for p in out["plans"]]
+        assert "fsdp=2" in meshes and "pp=2" in meshes, meshes
+        steps = [p["step_ms"] for p in out["plans"] if p["feasible"]]
+        assert steps == sorted(steps) and steps[0] > 0, steps
+        single = g.plan(1, 2, prof, recompute="none")["plans"][0]
+        with ctr.Mesh() as mesh, ctr.Step(mesh, g, batch=single["batch"], seq=PRESET["seq"],
+                                          micro_batches=single["micro_batches"], profile_kernels=1) as step:
+            assert step.memory["arena_bytes"] > 0
+            ids = np.zeros((single["micro_batches"] * single["batch"], PRESET["seq"]), dtype=np.int32)
+            for _ in range(2):
+                step.set_input("tokens", ids)
+                step.set_input("targets", ids)
+                step.run()
+            kernels = step.kernel_profile()
+            ops = {k["op"] for k in kernels}
+            assert "linear" in ops and "linear_bwd_w" in ops, ops
+            assert all(k["us"] > 0 and k["runs"] >= 1 for k in kernels), kernels[:3]
+            assert any(k["flops"] > 0 for k in kernels if k["op"] == "linear")
+        with ctr.Mesh() as mesh, ctr.Step(mesh, g, **STEP_OPTS) as step:
+            try:
+                step.kernel_profile()
+                raise AssertionError("no refusal")
+            except ctr.CtrError as e:
+                assert "profile_kernels" in str(e), e
+        try:
+            g.plan(2, 4, {"name": "x"})
+            raise AssertionError("no refusal")
+        except ctr.CtrError as e:
+            assert "devices_per_host" in str(e), e
+
+
 # ------------------------------------------------------------------------------------------------
 
 

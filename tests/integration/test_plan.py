@@ -132,3 +132,23 @@ def test_bad_profiles_and_options_are_named(ctr, graph, tmp_path):
     r = run(ctr, "plan", graph, "--cluster", PROFILE, "--world", "2", "--global-batch", "8", "--recompute", "some",
             expect=1)
     assert "'some' is not a policy" in r.stderr, r.stderr
+
+
+def test_calibrate_measures_the_kernels_into_a_profile_the_planner_reads(ctr, graph, tmp_path):
+    out = str(tmp_path / "cal.json")
+    p = subprocess.run([ctr, "calibrate", "--base", PROFILE, "-o", out, "--steps", "3"], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, CTR_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    prof = json.load(open(out))
+    base = json.load(open(PROFILE))
+    assert prof["links"] == base["links"] and prof["devices_per_host"] == base["devices_per_host"]
+    for op in ("linear", "linear_bwd_x", "linear_bwd_w"):
+        assert prof["ops"][op]["flops"] > 1e8, prof["ops"][op]
+    assert any("bytes_per_s" in v for v in prof["ops"].values())
+    assert prof["device"]["flops"] == prof["ops"]["linear"]["flops"]
+    assert prof["sources"]["ops"].startswith("measured by ctr calibrate on ")
+    assert "CTR_NUM_THREADS=1" in prof["sources"]["device.flops"]
+    got = plan(ctr, graph, profile=out)
+    assert got["feasible"] > 0 and got["sources"]["ops"] == prof["sources"]["ops"]
+    r = run(ctr, "calibrate", "--base", str(tmp_path / "none.json"), "-o", out, expect=1)
+    assert "cannot open the base profile" in r.stderr, r.stderr

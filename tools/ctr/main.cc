@@ -44,6 +44,7 @@
 #include "check_cmd.h"
 #include "data_cmd.h"
 #include "launch.h"
+#include "calibrate_cmd.h"
 #include "plan_cmd.h"
 #include "plot_cmd.h"
 
@@ -1430,6 +1431,7 @@ int run_main(int argc, char **argv) {
   // plot, check -----------------------------------------------------------------------------
   ctr_tool::PlotCommand plot_cmd(app);
   ctr_tool::PlanCommand plan_cmd(app);
+  ctr_tool::CalibrateCommand calibrate_cmd(app);
   ctr_tool::CheckCommand check_cmd(app);
 
   CLI::App *version_cmd = app.add_subcommand("version", "Print the library and ABI version");
@@ -1451,6 +1453,7 @@ int run_main(int argc, char **argv) {
   if (data_cmd.parsed()) return data_cmd.run();
   if (plot_cmd.parsed()) return plot_cmd.run();
   if (plan_cmd.parsed()) return plan_cmd.run();
+  if (calibrate_cmd.parsed()) return calibrate_cmd.run();
   if (check_cmd.parsed()) return check_cmd.run();
   if (export_cmd->parsed()) return cmd_export(exp);
   return 2;

@@ -563,6 +563,14 @@ class Step(_Handle):
         _L.step_timeline(self._p(), ctypes.byref(text))
         return json.loads(_dec(text.value))
 
+    def kernel_profile(self):
+        """With step option profile_kernels=1: each kernel of this rank's program, as a list of
+        {"node", "op", "phase", "flops", "bytes", "runs", "us" (mean per run)} over every run
+        but each phase's first."""
+        text = ctypes.c_char_p()
+        _L.step_kernel_profile(self._p(), ctypes.byref(text))
+        return json.loads(_dec(text.value))
+
     def get_output(self, name, shape=None):
         """A forward activation kept with the step option keep= (e.g. "logits"), as of the
         last run or evaluate (its last micro-batch).

@@ -204,6 +204,7 @@ _FUNCTIONS = {
     "ctr_graph_flops_per_token": (_STATUS, [c_void_p, c_int64, P(c_double)]),
     "ctr_graph_metadata": (_STATUS, [c_void_p, c_char_p, P(c_char_p)]),
     "ctr_plan": (_STATUS, [c_void_p, c_void_p, P(c_char_p)]),
+    "ctr_step_kernel_profile": (_STATUS, [c_void_p, P(c_char_p)]),
     "ctr_step_create": (_STATUS, [c_void_p, c_void_p, c_void_p, P(c_void_p)]),
     "ctr_step_free": ("void", [c_void_p]),
     "ctr_step_set_input": (_STATUS, [c_void_p, c_char_p, c_void_p, c_size_t]),
