@@ -102,6 +102,24 @@ func TestABIAndVersion(t *testing.T) {
 	}
 }
 
+// testProfile is a cluster profile for the planner: two devices per host.
+const testProfile = `{"name": "t", "devices_per_host": 2, "device": {"name": "core", "memory_bytes": 17179869184, "flops": 1e11, "bytes_per_s": 1e10, "launch_us": 5}, "links": {"host": {"latency_us": 3, "bytes_per_s": 4e9}, "network": {"latency_us": 50, "bytes_per_s": 1e8}}}`
+
+func TestPlanRanksTheLayouts(t *testing.T) {
+	g := testGraph(t)
+	text, err := g.Plan(NewOptions().SetInt("world", 2).SetInt("global_batch", 4).SetString("cluster", testProfile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(text, `"mesh":"fsdp=2"`) || !strings.Contains(text, `"step_ms"`) {
+		t.Fatalf("plan: %s", text)
+	}
+	_, err = g.Plan(NewOptions().SetInt("world", 2).SetInt("global_batch", 4))
+	if e := wantStatus(t, err, StatusInvalidOption); !strings.Contains(e.Message, "'cluster'") {
+		t.Fatalf("error: %v", e)
+	}
+}
+
 func TestGraphAndMesh(t *testing.T) {
 	g := testGraph(t)
 	inputs, err := g.InputNames()

@@ -214,6 +214,32 @@ func (g *Graph) ParamCount() (int64, error) {
 	return int64(n), err
 }
 
+// Plan is ctr_plan: the planner's layouts of this graph's step as JSON text.
+// Keys: "world", "global_batch", "cluster" (a profile's JSON text or file),
+// and optionally "seq", "recompute", "top".
+func (g *Graph) Plan(opts *Options) (string, error) {
+	h, err := g.acquire()
+	if err != nil {
+		return "", err
+	}
+	defer g.ref.release()
+	co, err := opts.toC()
+	if err != nil {
+		return "", err
+	}
+	defer C.ctr_options_free(co)
+	var out string
+	err = call(func() C.ctr_status {
+		var text *C.char
+		st := C.ctr_plan(h, co, &text)
+		if st == C.CTR_STATUS_OK {
+			out = C.GoString(text) // (the library's copy belongs to this OS thread)
+		}
+		return st
+	})
+	return out, err
+}
+
 // FlopsPerToken is the training FLOPs per token at sequence length seq
 // (0 = the graph's maximum).
 func (g *Graph) FlopsPerToken(seq int64) (float64, error) {

@@ -357,6 +357,22 @@ func (s *Step) Timeline() (string, error) {
 	return C.GoString(text), nil
 }
 
+// KernelProfile returns, with step option "profile_kernels" 1, each kernel of
+// this rank's program as JSON text: an array of {"node", "op", "phase",
+// "flops", "bytes", "runs", "us"}.
+func (s *Step) KernelProfile() (string, error) {
+	h, err := s.lock()
+	if err != nil {
+		return "", err
+	}
+	defer s.mu.Unlock()
+	var text *C.char
+	if err := call(func() C.ctr_status { return C.ctr_step_kernel_profile(h, &text) }); err != nil {
+		return "", err
+	}
+	return C.GoString(text), nil
+}
+
 // SetLR replaces the schedule by a constant learning rate from the next run.
 func (s *Step) SetLR(lr float64) error {
 	h, err := s.lock()

@@ -320,7 +320,8 @@ CTR_API ctr_status ctr_graph_flops_per_token(const ctr_graph *graph, int64_t seq
  *                                   {"latency_us", "bytes_per_s"}}, "sources"})
  *   "recompute" string              policies tried, comma-separated ("none,all")
  *   "top" int                       plans listed (0 = all, the default)
- * *json (owned by the graph, valid until its next ctr_plan or its free) gets
+ * *json (owned by the library, valid until this thread's next ctr_plan; the
+ * graph is only read, so threads may plan one graph at once) gets
  * {"world", "global_batch", "seq", "cluster", "device", "sources",
  * "candidates", "feasible", "search_s", "plans": [...]}, each plan {"mesh",
  * "schedule", "micro_batches", "batch", "recompute", "feasible", "why" (when

@@ -506,8 +506,9 @@ extern "C" ctr_status ctr_plan(const ctr_graph *graph, const ctr_options *option
     what = "ctr_plan: cluster profile '" + cluster + "'";
   }
   const ctr::ClusterProfile c = ctr::parse_cluster_profile(text, what);
-  graph->plan_json = ctr::plan_json(graph->graph, req, c);
-  *json = graph->plan_json.c_str();
+  thread_local std::string result;  // the graph stays read-only (shared between threads)
+  result = ctr::plan_json(graph->graph, req, c);
+  *json = result.c_str();
   CTR_API_END
 }
 

@@ -17,7 +17,6 @@ struct ctr_graph {
   ctr::Graph graph;  // verified, nodes in topological order
   std::vector<int> inputs;
   std::vector<int> params;
-  mutable std::string plan_json;  // the last ctr_plan's result
 };
 
 namespace ctr {

@@ -21,8 +21,9 @@ using Libdl
 # Mesh accessors (rank, world_size, data_rank, data_size, axis_size, device) are not exported: `rank`
 # would clash with LinearAlgebra's. Call them as Ctr.rank(mesh).
 export CtrError, Options, Mesh, Graph, Step, Loader, Metrics, TensorInfo,
-       preset_graph, input_names, param_names, tensor_info, param_count, flops_per_token, save_file,
+       preset_graph, input_names, param_names, tensor_info, param_count, flops_per_token, plan, save_file,
        set_input!, run!, evaluate!, get_param!, param, set_param!, get_output!, set_lr!, moe_metrics, comm_metrics, timeline,
+       kernel_profile,
        memory, step_count, save, load!, save_checkpoint, resume!, export_safetensors, import_safetensors!,
        attach_loader!, detach_loader!, next!, next_slice!, next_batch, loader_info
 
@@ -385,6 +386,18 @@ function flops_per_token(g::Graph, seq::Integer = 0)
     return f[]
 end
 
+"""The planner's layouts of this graph's step (ctr_plan) as JSON text. Keys: world,
+global_batch, cluster (a profile's JSON text or file), and optionally seq, recompute, top."""
+function plan(g::Graph, opts::Options)
+    text = Ref{Cstring}(C_NULL)
+    with_coptions(opts) do co
+        check(ccall((:ctr_plan, libctr), Cint, (Ptr{Cvoid}, Ptr{Cvoid}, Ref{Cstring}),
+                    live(g, "graph"), co, text))
+    end
+    return unsafe_string(text[])
+end
+plan(g::Graph; kw...) = plan(g, Options(; kw...))
+
 # ---------------------------------------------------------------------------
 # Loader
 
@@ -643,6 +656,13 @@ end
 function timeline(s::Step)
     text = Ref{Cstring}(C_NULL)
     check(ccall((:ctr_step_timeline, libctr), Cint, (Ptr{Cvoid}, Ref{Cstring}), sptr(s), text))
+    return unsafe_string(text[])
+end
+
+"""With step option profile_kernels = 1: each kernel of this rank's program as JSON text."""
+function kernel_profile(s::Step)
+    text = Ref{Cstring}(C_NULL)
+    check(ccall((:ctr_step_kernel_profile, libctr), Cint, (Ptr{Cvoid}, Ref{Cstring}), sptr(s), text))
     return unsafe_string(text[])
 end
 

@@ -55,6 +55,9 @@ end
         @test sum(Ctr.numel(tensor_info(g, p)) for p in params) == param_count(g)
         @test tensor_info(g, "tokens").dtype == Ctr.DType.I32
         @test flops_per_token(g) > 0
+        prof = """{"name": "t", "devices_per_host": 2, "device": {"name": "core", "memory_bytes": 17179869184, "flops": 1e11, "bytes_per_s": 1e10, "launch_us": 5}, "links": {"host": {"latency_us": 3, "bytes_per_s": 4e9}, "network": {"latency_us": 50, "bytes_per_s": 1e8}}}"""
+        p = plan(g; world = 2, global_batch = 4, cluster = prof)
+        @test occursin("\"mesh\":\"fsdp=2\"", p) && occursin("\"step_ms\"", p)
         dir = mktempdir()
         path = joinpath(dir, "g.ctrg")
         save_file(g, path)

@@ -222,6 +222,12 @@ extern "C" {
     pub fn ctr_step_moe_metrics(step: *mut ctr_step, json: *mut *const c_char) -> ctr_status;
     pub fn ctr_step_comm_metrics(step: *mut ctr_step, json: *mut *const c_char) -> ctr_status;
     pub fn ctr_step_timeline(step: *mut ctr_step, json: *mut *const c_char) -> ctr_status;
+    pub fn ctr_step_kernel_profile(step: *mut ctr_step, json: *mut *const c_char) -> ctr_status;
+    pub fn ctr_plan(
+        graph: *const ctr_graph,
+        options: *const ctr_options,
+        json: *mut *const c_char,
+    ) -> ctr_status;
     pub fn ctr_step_memory(
         step: *const ctr_step,
         arena_bytes: *mut i64,

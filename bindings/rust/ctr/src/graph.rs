@@ -168,6 +168,16 @@ impl Graph {
         check(unsafe { sys::ctr_graph_flops_per_token(self.as_ptr(), seq, &mut flops) })?;
         Ok(flops)
     }
+
+    /// The planner's layouts of this graph's step (ctr_plan) as JSON text; options: world,
+    /// global_batch, cluster (a profile's JSON text or file), and optionally seq, recompute, top.
+    pub fn plan(&self, options: &Options) -> Result<String> {
+        let raw = options.to_raw()?;
+        let mut text: *const std::os::raw::c_char = ptr::null();
+        // SAFETY: live handle, options live for the call; the string is copied at once.
+        check(unsafe { sys::ctr_plan(self.as_ptr(), raw.as_ptr(), &mut text) })?;
+        Ok(unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned())
+    }
 }
 
 impl std::fmt::Debug for Graph {

@@ -227,6 +227,15 @@ impl Step {
         Ok(unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned())
     }
 
+    /// With step option profile_kernels = 1: each kernel of this rank's program as JSON
+    /// text, an array of {"node", "op", "phase", "flops", "bytes", "runs", "us"}.
+    pub fn kernel_profile(&mut self) -> Result<String> {
+        let mut text: *const std::os::raw::c_char = std::ptr::null();
+        // SAFETY: live handle; the string is owned by the step and copied at once.
+        check(unsafe { sys::ctr_step_kernel_profile(self.as_ptr(), &mut text) })?;
+        Ok(unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned())
+    }
+
     /// Replaces the schedule by a constant learning rate from the next run on.
     pub fn set_lr(&mut self, lr: f64) -> Result<()> {
         // SAFETY: live handle.

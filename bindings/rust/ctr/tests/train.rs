@@ -58,6 +58,9 @@ impl Drop for TempDir {
     }
 }
 
+// A cluster profile for the planner: two devices per host.
+const PROFILE: &str = r#"{"name": "t", "devices_per_host": 2, "device": {"name": "core", "memory_bytes": 17179869184, "flops": 1e11, "bytes_per_s": 1e10, "launch_us": 5}, "links": {"host": {"latency_us": 3, "bytes_per_s": 4e9}, "network": {"latency_us": 50, "bytes_per_s": 1e8}}}"#;
+
 #[test]
 fn abi_and_version() {
     ctr::check_abi().expect("the loaded libctr speaks this binding's ABI");
@@ -76,6 +79,12 @@ fn graph_and_mesh_introspection() {
     let total: usize = params.iter().map(|p| g.tensor_info(p).unwrap().numel().unwrap()).sum();
     assert_eq!(total as i64, g.param_count().unwrap());
     assert!(g.flops_per_token(0).unwrap() > 0.0);
+    let plan = g
+        .plan(&Options::new().int("world", 2).int("global_batch", 4).string("cluster", PROFILE))
+        .unwrap();
+    assert!(plan.contains("\"mesh\":\"fsdp=2\"") && plan.contains("\"step_ms\""), "{plan}");
+    let err = g.plan(&Options::new().int("world", 2).int("global_batch", 4)).unwrap_err();
+    assert!(err.to_string().contains("'cluster'"), "{err}");
     let info = g.tensor_info("tokens").unwrap();
     assert_eq!(info.dtype, ctr::DType::I32);
 
