@@ -256,15 +256,14 @@ Schedule build_schedule(ScheduleKind kind, int stages, int64_t micro_batches) {
   return s;
 }
 
-double schedule_bubble(const Schedule &s) {
-  // Each stage starts its next task as soon as the stage is free and the task's
-  // inputs are there (check_schedule proved that every task gets them).
+SchedulePlay play_schedule(const Schedule &s, const std::function<double(int, TaskPhase)> &time, double transfer) {
   const int p = s.stages;
   const size_t P = static_cast<size_t>(p), M = static_cast<size_t>(s.micro_batches);
-  std::vector<std::vector<std::vector<int64_t>>> end(3, std::vector<std::vector<int64_t>>(P, std::vector<int64_t>(M, -1)));
+  // end[phase][stage][micro-batch], -1 until the task ran
+  std::vector<std::vector<std::vector<double>>> end(3, std::vector<std::vector<double>>(P, std::vector<double>(M, -1)));
   std::vector<size_t> next(P, 0);
-  std::vector<int64_t> free_at(P, 0);
-  int64_t work = 0, last = 0;
+  std::vector<double> free_at(P, 0);
+  SchedulePlay out;
   for (bool moved = true; moved;) {
     moved = false;
     for (int st = 0; st < p; ++st) {
@@ -272,32 +271,38 @@ double schedule_bubble(const Schedule &s) {
       while (next[S] < s.order[S].size()) {
         const Task &t = s.order[S][next[S]];
         const size_t mb = static_cast<size_t>(t.micro_batch);
-        int64_t ready = free_at[S];
-        auto after = [&](TaskPhase ph, size_t stage) {
-          const int64_t e = end[static_cast<size_t>(ph)][stage][mb];
+        double ready = free_at[S];
+        auto after = [&](TaskPhase ph, size_t stage, double extra) {
+          const double e = end[static_cast<size_t>(ph)][stage][mb];
           if (e < 0) return false;
-          ready = std::max(ready, e);
+          ready = std::max(ready, e + extra);
           return true;
         };
         bool ok = true;
         if (t.phase == TaskPhase::Forward) {
-          if (st > 0) ok = after(TaskPhase::Forward, S - 1);
+          if (st > 0) ok = after(TaskPhase::Forward, S - 1, transfer);
         } else if (t.phase == TaskPhase::Backward) {
-          ok = after(TaskPhase::Forward, S) && (st == p - 1 || after(TaskPhase::Backward, S + 1));
+          ok = after(TaskPhase::Forward, S, 0) && (st == p - 1 || after(TaskPhase::Backward, S + 1, transfer));
         } else {
-          ok = after(TaskPhase::Backward, S);
+          ok = after(TaskPhase::Backward, S, 0);
         }
         if (!ok) break;
-        const int64_t cost = task_time(s, st, t.phase);
+        const double cost = time(st, t.phase);
         free_at[S] = end[static_cast<size_t>(t.phase)][S][mb] = ready + cost;
-        work += cost;
-        last = std::max(last, free_at[S]);
+        out.busy += cost;
+        out.span = std::max(out.span, free_at[S]);
         ++next[S];
         moved = true;
       }
     }
   }
-  return last > 0 ? 1.0 - static_cast<double>(work) / static_cast<double>(last * p) : 0.0;
+  return out;
+}
+
+double schedule_bubble(const Schedule &s) {
+  const SchedulePlay r =
+      play_schedule(s, [&](int stage, TaskPhase ph) { return static_cast<double>(task_time(s, stage, ph)); });
+  return r.span > 0 ? 1.0 - r.busy / (r.span * s.stages) : 0.0;
 }
 
 Schedule pass_schedule(const Graph &g, const CompileOptions &opt) {

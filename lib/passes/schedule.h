@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -87,6 +88,17 @@ Schedule build_schedule(ScheduleKind kind, int stages, int64_t micro_batches);
 // A task's time in the schedule's arithmetic: a forward 1, a backward 2; split,
 // B and W 1 each, except on stage 0, whose inputs are the data: B 0 and W 2.
 int64_t task_time(const Schedule &s, int stage, TaskPhase phase);
+
+// Plays s (proved runnable by check_schedule): each stage starts its next task
+// when it is free and the task's inputs are there, a task taking time(stage,
+// phase), an activation or gradient from another stage arriving `transfer`
+// after its sender's task ends. Returns the makespan and the stages' summed
+// busy time.
+struct SchedulePlay {
+  double span = 0, busy = 0;
+};
+SchedulePlay play_schedule(const Schedule &s, const std::function<double(int, TaskPhase)> &time,
+                           double transfer = 0);
 
 // The bubble of s when tasks take task_time: the idle fraction of the stages'
 // time from the first forward to the last task.

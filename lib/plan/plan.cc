@@ -213,50 +213,6 @@ void factorizations(int64_t n, size_t axis, std::map<std::string, int64_t> &cur,
   }
 }
 
-// Plays the schedule with the stages' task times; a task that receives waits
-// for its sender's task end plus the transfer. Returns the makespan and the bubble.
-std::pair<double, double> play(const Schedule &s, const std::vector<StageCost> &st, double transfer_ms) {
-  const int p = s.stages;
-  const size_t P = static_cast<size_t>(p), M = static_cast<size_t>(s.micro_batches);
-  std::vector<std::vector<std::vector<double>>> end(3, std::vector<std::vector<double>>(P, std::vector<double>(M, -1)));
-  std::vector<size_t> next(P, 0);
-  std::vector<double> free_at(P, 0);
-  double busy = 0;
-  for (bool moved = true; moved;) {
-    moved = false;
-    for (int i = 0; i < p; ++i) {
-      const size_t I = static_cast<size_t>(i);
-      while (next[I] < s.order[I].size()) {
-        const Task &t = s.order[I][next[I]];
-        const size_t mb = static_cast<size_t>(t.micro_batch);
-        double ready = free_at[I];
-        bool ok = true;
-        auto after = [&](TaskPhase ph, size_t stage, double extra) {
-          const double e = end[static_cast<size_t>(ph)][stage][mb];
-          if (e < 0) return false;
-          ready = std::max(ready, e + extra);
-          return true;
-        };
-        if (t.phase == TaskPhase::Forward) {
-          if (i > 0) ok = after(TaskPhase::Forward, I - 1, transfer_ms);
-        } else if (t.phase == TaskPhase::Backward) {
-          ok = after(TaskPhase::Forward, I, 0) && (i == p - 1 || after(TaskPhase::Backward, I + 1, transfer_ms));
-        } else {
-          ok = after(TaskPhase::Backward, I, 0);
-        }
-        if (!ok) break;
-        const double cost = t.phase == TaskPhase::Forward ? st[I].f : t.phase == TaskPhase::Backward ? st[I].b : st[I].w;
-        free_at[I] = end[static_cast<size_t>(t.phase)][I][mb] = ready + cost;
-        busy += cost;
-        ++next[I];
-        moved = true;
-      }
-    }
-  }
-  const double span = *std::max_element(free_at.begin(), free_at.end());
-  return {span, span > 0 ? 1.0 - busy / (span * p) : 0.0};
-}
-
 }  // namespace
 
 double kernel_flops(const Graph &g, const Node &n) { return flops_of(g, n); }
@@ -451,7 +407,15 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
       const auto [pp_ranks, pp_across] = axis_reach(layout, "pp", c.devices_per_host);
       const ClusterProfile::Link &pl = pp_across ? c.network : c.host;
       const double transfer = pp_ranks > 1 ? pl.latency_us * 1e-3 + send / pl.bytes_per_s * 1e3 : 0.0;
-      auto [span, bubble] = play(sched, stages, transfer);
+      const SchedulePlay played = play_schedule(
+          sched,
+          [&](int st, TaskPhase ph) {
+            const StageCost &sc = stages[static_cast<size_t>(st)];
+            return ph == TaskPhase::Forward ? sc.f : ph == TaskPhase::Backward ? sc.b : sc.w;
+          },
+          transfer);
+      const double span = played.span;
+      const double bubble = span > 0 ? 1.0 - played.busy / (span * static_cast<double>(pp)) : 0.0;
       // Gradient accumulation (a copy or an add per micro-batch) and AdamW
       // (reads parameters, gradients and two moments, writes three), memory-bound.
       double tail = 0;

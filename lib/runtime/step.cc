@@ -697,20 +697,20 @@ void Step::find_moe_layers() {
     for (int t : {l.counts, l.aux, l.z})
       if (t >= 0) g_.tensors[t].keep = true;
     auto name = [&](int t) { return t >= 0 ? g_.tensors[static_cast<size_t>(t)].name : std::string(); };
-    moe_names_.push_back({name(l.counts), name(l.aux), name(l.z)});
+    l.counts_name = name(l.counts);
+    l.aux_name = name(l.aux);
+    l.z_name = name(l.z);
     moe_.push_back(std::move(l));
   }
 }
 
 void Step::place_moe_layers() {
   if (cut_.stages <= 1) return;
-  // The tensors' names, from the graph as built (kept aside before the cut).
   auto find = [&](const std::string &name) { return name.empty() ? -1 : g_.find_tensor(name); };
-  for (size_t i = 0; i < moe_.size(); ++i) {
-    MoeLayer &l = moe_[i];
-    l.counts = find(moe_names_[i][0]);
-    l.aux = find(moe_names_[i][1]);
-    l.z = find(moe_names_[i][2]);
+  for (MoeLayer &l : moe_) {
+    l.counts = find(l.counts_name);
+    l.aux = find(l.aux_name);
+    l.z = find(l.z_name);
     l.here = l.counts >= 0;
   }
 }
@@ -764,9 +764,8 @@ void Step::reduce_moe() {
     l.aux_loss = v[i++];
     l.z_loss = v[i++];
     nlohmann::json j = {{"layer", l.name}, {"tokens_per_expert", l.tokens}};
-    const size_t at = static_cast<size_t>(&l - moe_.data());
-    if (!moe_names_[at][1].empty()) j["aux_loss"] = l.aux_loss;  // (the graph's, wherever its stage is)
-    if (!moe_names_[at][2].empty()) j["z_loss"] = l.z_loss;
+    if (!l.aux_name.empty()) j["aux_loss"] = l.aux_loss;  // (the graph's, wherever its stage is)
+    if (!l.z_name.empty()) j["z_loss"] = l.z_loss;
     layers.push_back(std::move(j));
   }
   moe_json_ = layers.dump();

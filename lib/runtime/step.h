@@ -9,7 +9,6 @@
 // through backend copies: the host never dereferences step memory.
 #pragma once
 
-#include <array>
 #include <functional>
 #include <memory>
 #include <string>
@@ -214,6 +213,9 @@ class Step : private CheckpointState {
     int counts = -1;        // moe_permute's row counts per expert [E] (i32)
     int aux = -1, z = -1;   // the layer's auxiliary losses (scalars), -1 when absent
     bool here = true;       // on this rank's pipeline stage
+    // The tensors' names in the graph as built, to find them again after the
+    // stage cut renumbers the tensors ("" for an absent loss).
+    std::string counts_name, aux_name, z_name;
     int64_t experts = 0;
     std::vector<int64_t> tokens;  // of the last step, summed over micro-batches and ranks
     double aux_loss = 0, z_loss = 0;
@@ -228,7 +230,6 @@ class Step : private CheckpointState {
   // After the stage cut renumbered the tensors: the layers' tensors by name, and
   // whether the layer is on this stage.
   void place_moe_layers();
-  std::vector<std::array<std::string, 3>> moe_names_;  // per layer: counts, aux, z tensor names
   void read_moe(int64_t mb);   // after micro-batch mb's forward
   void reduce_moe();           // after the step: over the ranks, into moe_json_
 
