@@ -356,6 +356,12 @@ typedef struct ctr_step ctr_step;
  *                            pipeline's idle time; up to pp + 1 micro-batches'
  *                            activations held per stage)
  *   "profile_kernels" int    1: time each kernel on its own (ctr_step_kernel_profile)
+ *   "sequence_parallel" int  1: with tp, the activations between tensor-parallel
+ *                            regions split by tokens over tp (0)
+ *   "cp_mode" string         attention over the mesh's cp axis: "gather" (default;
+ *                            every rank's keys and values all-gathered) or
+ *                            "ulysses" (heads exchanged for positions all-to-all;
+ *                            cp must divide the heads and kv heads)
  *   "pp_stages" string       blocks per pipeline stage, in stage order ("2,3,3";
  *                            default: balanced by the blocks' forward FLOPs)
  *   "seed" int               parameter init seed (0)

@@ -48,7 +48,9 @@ typedef struct ctr_attention_params {
                              capped to softcap * tanh(s / softcap) before the mask */
   int64_t cp_ranks;       /* cp_attention: "cp_ranks", default 1; > 1: the query rows are this
                              rank's two chunks, the key rows every rank's in rank order */
-  int64_t cp_index;       /* cp_attention: "cp_index", default 0: this rank's place on cp */
+  int64_t cp_index;       /* cp_attention: "cp_index", default 0: this rank's place on cp;
+                             -1: the query rows are every rank's chunks in rank order too,
+                             keys and values as many (heads exchanged all-to-all) */
 } ctr_attention_params;
 
 /* Context parallelism splits a sequence of T positions into 2 * ranks chunks of

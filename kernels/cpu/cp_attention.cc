@@ -1,9 +1,11 @@
 // Context-parallel attention, forward and backward: this rank's query rows (two
 // chunks of the sequence, see ctr_cp_position) against every rank's keys and
-// values, gathered over the cp axis in rank order.
+// values, gathered over the cp axis in rank order. With index -1 (the heads
+// exchanged all-to-all over cp) the query rows are every rank's chunks too, in
+// rank order: the whole sequence, permuted, for this rank's share of the heads.
 //
-// The rows are chunks of L positions: the query rows are this rank's two, the
-// key rows every rank's two in rank order. Under a causal mask a query chunk
+// The rows are chunks of L positions: the query rows are this rank's two (or
+// every rank's), the key rows every rank's two in rank order. Under a causal mask a query chunk
 // sees the key chunks before it whole, its own one up to the diagonal and none
 // after it, so the products run per (query chunk, key chunk) block and skip the
 // blocks after the diagonal: each rank does about half the [Tq, Tk] products,
@@ -35,13 +37,14 @@ struct CpDims {
   bool causal;
   int64_t window;
   float softcap;
-  int64_t ranks, index;
+  int64_t ranks, index;         // index -1: the query rows are the key rows
   const int64_t *kp = nullptr;  // the key rows' global positions, [Tk]
 
-  int64_t qpos(int64_t t) const { return ctr_cp_position(t, Tq, ranks, index); }
+  int64_t qpos(int64_t t) const { return index < 0 ? kp[t] : ctr_cp_position(t, Tq, ranks, index); }
   int64_t kpos(int64_t j) const { return kp[j]; }
-  int64_t L() const { return Tq / 2; }
-  // Whether query chunk qb (0 or 1) sees any key of key chunk kb (0 .. 2 * ranks - 1).
+  int64_t L() const { return Tk / (2 * ranks); }
+  int64_t query_chunks() const { return Tq / L(); }
+  // Whether query chunk qb sees any key of key chunk kb (0 .. 2 * ranks - 1).
   bool sees(int64_t qb, int64_t kb) const { return !causal || kpos(kb * L()) <= qpos(qb * L()); }
   bool visible(int64_t qp, int64_t kp) const {
     if (!causal) return true;
@@ -62,7 +65,7 @@ float *scores_scratch(int64_t n) {
 
 void forward_head(const CpDims &d, const float *q, const float *k, const float *v, float *out, float *P) {
   const int64_t Tq = d.Tq, Tk = d.Tk, L = d.L();
-  for (int64_t qb = 0; qb < 2; ++qb)
+  for (int64_t qb = 0; qb < d.query_chunks(); ++qb)
     for (int64_t kb = 0; kb < Tk / L; ++kb) {
       float *blk = P + qb * L * Tk + kb * L;
       if (d.sees(qb, kb))
@@ -99,7 +102,7 @@ void forward_head(const CpDims &d, const float *q, const float *k, const float *
       if (d.sees(qb, kb))
         for (int64_t j = kb * L; j < (kb + 1) * L; ++j) p[j] *= inv;
   }
-  for (int64_t qb = 0; qb < 2; ++qb) {
+  for (int64_t qb = 0; qb < d.query_chunks(); ++qb) {
     float beta = 0.0f;
     for (int64_t kb = 0; kb < Tk / L; ++kb) {
       if (!d.sees(qb, kb)) continue;
@@ -116,7 +119,7 @@ void backward_head(const CpDims &d, const float *dout, const float *q, const flo
   // dP = dout v^T, then dS = P * (dP - rowsum(P * dP)); masked entries have P = 0,
   // and the skipped blocks are zeroed so that the row sums may run over them.
   float *raw = d.softcap > 0.0f ? scores_scratch(Tq * Tk) : nullptr;
-  for (int64_t qb = 0; qb < 2; ++qb)
+  for (int64_t qb = 0; qb < d.query_chunks(); ++qb)
     for (int64_t kb = 0; kb < Tk / L; ++kb) {
       float *blk = dS + qb * L * Tk + kb * L;
       if (!d.sees(qb, kb)) {
@@ -146,7 +149,7 @@ void backward_head(const CpDims &d, const float *dout, const float *q, const flo
       std::fill(dk + j * d.ldkv, dk + j * d.ldkv + d.D, 0.0f);
       std::fill(dv + j * d.ldkv, dv + j * d.ldkv + d.D, 0.0f);
     }
-  for (int64_t qb = 0; qb < 2; ++qb) {
+  for (int64_t qb = 0; qb < d.query_chunks(); ++qb) {
     float dq_beta = 0.0f;
     for (int64_t kb = 0; kb < Tk / L; ++kb) {
       if (!d.sees(qb, kb)) continue;
@@ -162,14 +165,16 @@ void backward_head(const CpDims &d, const float *dout, const float *q, const flo
 
 CpDims make_dims(int64_t B, int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
                  int64_t window, float softcap, int64_t ranks, int64_t index) {
-  return CpDims{B,      Tq,     ranks * Tq, Hq,    Hkv, D, Hq / Hkv, Hq * D, Hkv * D, scale, causal,
+  const int64_t Tk = index < 0 ? Tq : ranks * Tq;
+  return CpDims{B,      Tq,     Tk, Hq,    Hkv, D, Hq / Hkv, Hq * D, Hkv * D, scale, causal,
                 causal && window > 0 ? window : 0, softcap > 0.0f ? softcap : 0.0f, ranks, index};
 }
 
-// Key row j is row j % Tq of rank j / Tq.
+// Key row j is row j % rows of rank j / rows (rows = 2L per rank).
 std::vector<int64_t> key_positions(const CpDims &d) {
+  const int64_t rows = 2 * d.L();
   std::vector<int64_t> kp(static_cast<size_t>(d.Tk));
-  for (int64_t j = 0; j < d.Tk; ++j) kp[static_cast<size_t>(j)] = ctr_cp_position(j % d.Tq, d.Tq, d.ranks, j / d.Tq);
+  for (int64_t j = 0; j < d.Tk; ++j) kp[static_cast<size_t>(j)] = ctr_cp_position(j % rows, rows, d.ranks, j / rows);
   return kp;
 }
 

@@ -270,28 +270,33 @@ void attention_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
 // cp_attention(q[B,Tq,Hq*D], k[B,R*Tq,Hkv*D], v) attrs those of attention and
 // cp_ranks R, cp_index: this rank's two chunks of the sequence against every
 // rank's keys (placed by the place pass, see ctr_cp_position) -> out[B,Tq,Hq*D],
-// saved probs[B,Hq,Tq,R*Tq].
+// saved probs[B,Hq,Tq,R*Tq]. cp_index -1 (all-to-all over heads): the query
+// rows are every rank's chunks in rank order too, k and v [B,Tq,Hkv*D].
 void cp_attention_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
-  const int64_t R = n.attr_int("cp_ranks", 0), index = n.attr_int("cp_index", -1);
+  const int64_t R = n.attr_int("cp_ranks", 0), index = n.attr_int("cp_index", -2);
   const auto &q = S(g, n, 0);
-  if (R < 1 || index < 0 || index >= R)
-    bad_node(g, n, strformat("attributes cp_ranks=%lld and cp_index=%lld do not name a rank",
+  if (R < 1 || index < -1 || index >= R)
+    bad_node(g, n, strformat("attributes cp_ranks=%lld and cp_index=%lld do not name a rank (or -1: every rank)",
                              static_cast<long long>(R), static_cast<long long>(index)));
-  if (q.size() != 3 || q[1] % 2 != 0) shape_mismatch(g, n, 0, "[batch, 2 chunks of seq, heads*head_dim]");
+  const bool all = index < 0;
+  if (q.size() != 3 || q[1] % (all ? 2 * R : 2) != 0)
+    shape_mismatch(g, n, 0, all ? "[batch, 2 chunks of seq per rank, heads*head_dim]"
+                                : "[batch, 2 chunks of seq, heads*head_dim]");
+  const int64_t Tk = all ? q[1] : R * q[1];
   Node whole = n;
   Graph local;  // the shape rule of attention on q and k, v of q's rows
   for (int i = 0; i < 3; ++i) {
     Tensor t = g.tensors[n.inputs[static_cast<size_t>(i)]];
     if (i > 0) {
-      if (t.shape.size() != 3 || t.shape[0] != q[0] || t.shape[1] != R * q[1])
+      if (t.shape.size() != 3 || t.shape[0] != q[0] || t.shape[1] != Tk)
         shape_mismatch(g, n, i, strformat("[%lld, %lld, kv_heads*head_dim]", static_cast<long long>(q[0]),
-                                          static_cast<long long>(R * q[1])));
+                                          static_cast<long long>(Tk)));
       t.shape[1] = q[1];
     }
     whole.inputs[static_cast<size_t>(i)] = local.add_tensor(std::move(t));
   }
   attention_infer(local, whole, out);
-  out[1].shape[3] = R * q[1];
+  out[1].shape[3] = Tk;
 }
 
 double cp_attention_flops(const Graph &g, const Node &n) {
@@ -892,7 +897,8 @@ std::vector<OpDef> library_ops() {
   // pass merges several into one node); the executor runs them on the comm stream.
   const std::pair<const char *, CollKind> colls[] = {{"all_gather", CollKind::AllGather},
                                                       {"reduce_scatter", CollKind::ReduceScatter},
-                                                      {"all_reduce", CollKind::AllReduce}};
+                                                      {"all_reduce", CollKind::AllReduce},
+                                                      {"all_to_all", CollKind::AllToAll}};
   for (const auto &[name, kind] : colls) {
     OpDef c = internal(name, 1, 1);
     c.max_inputs = 1 << 20;

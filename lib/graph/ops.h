@@ -73,6 +73,7 @@ enum class CollKind : uint8_t {
   Dispatch,       // expert exchange: tokens to the ranks holding their experts
   Combine,        // expert exchange: expert outputs back to the tokens' ranks
   DispatchRows,   // expert exchange: gradient rows along a dispatch's routes
+  AllToAll,       // dim-0 block j to member j; block i of the output from member i
 };
 
 // One tensor's placement along one mesh axis, as sharding rules see it.

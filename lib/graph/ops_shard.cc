@@ -183,10 +183,32 @@ void reduce_scatter_infer(const Graph &g, const Node &n, std::vector<OutInfo> &o
   out = {OutInfo{g.tensors[n.inputs[0]].dtype, s}};
 }
 
+// all_to_all attr ranks: dim 0 holds one block per member of the axis; the
+// output has the same shape (block i now from member i).
+void all_to_all_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  if (n.inputs.size() != 1) bad_node(g, n, "an activation all_to_all has one input");
+  auto s = S(g, n, 0);
+  const int64_t ranks = n.attr_int("ranks", 0);
+  if (s.empty() || ranks <= 0 || s[0] % ranks != 0)
+    bad_node(g, n, strformat("dim 0 of the input is not one block for each of %lld ranks",
+                             static_cast<long long>(ranks)));
+  out = {OutInfo{g.tensors[n.inputs[0]].dtype, s}};
+}
+
 std::map<std::string, Attr> activation_collective(const Node &n) {
   return {{"axis", Attr::of_string(n.attr_string("axis", ""))},
           {"ranks", Attr::of_int(n.attr_int("ranks", 1))},
           {"activation", Attr::of_int(1)}};
+}
+
+// The exchange undone is the same exchange: block j of member i went to member
+// j's block i, so member i's block j of the output gradient goes back there.
+void all_to_all_vjp(VjpBuilder &b, const Node &n) {
+  const int gy = b.grad(n.outputs[0]);
+  if (gy < 0 || !b.needs(n.inputs[0])) return;
+  const int gx = b.new_grad_tensor(n.inputs[0], "grad");
+  b.emit("all_to_all", {gy}, {gx}, activation_collective(n), n.block);
+  b.accumulate(n.inputs[0], gx);
 }
 
 // The gradient of an activation gather: where the gathered rows feed compute
@@ -339,6 +361,10 @@ void append_placement_ops(std::vector<OpDef> &v) {
     if (d.name == "all_gather") {
       d.infer = all_gather_infer;
       d.vjp = all_gather_vjp;
+    }
+    if (d.name == "all_to_all") {
+      d.infer = all_to_all_infer;
+      d.vjp = all_to_all_vjp;
     }
     if (d.name == "reduce_scatter") {
       d.infer = reduce_scatter_infer;

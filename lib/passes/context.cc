@@ -43,8 +43,8 @@ const char *kCp = "cp";
 
 class ContextSplit {
  public:
-  ContextSplit(Graph &g, int64_t ranks, int64_t index, const std::function<bool(OpId)> &has_kernel)
-      : g_(g), R_(ranks), r_(index), has_kernel_(has_kernel) {
+  ContextSplit(Graph &g, int64_t ranks, int64_t index, bool ulysses, const std::function<bool(OpId)> &has_kernel)
+      : g_(g), R_(ranks), r_(index), ulysses_(ulysses), has_kernel_(has_kernel) {
     seq_.assign(g.tensors.size(), 0);
   }
 
@@ -98,25 +98,28 @@ class ContextSplit {
     return strformat(
         "place: cp=%lld, sequences of %lld positions in %lld chunks of %lld; this rank (cp index %lld) holds "
         "chunks %lld and %lld\n"
-        "  %d attentions gather keys and values over cp (%lld bytes per micro-batch gathered forward, as many "
-        "reduce-scattered backward), %d ropes and %d position tables at global positions, %d token-wise nodes "
-        "on this rank's positions\n",
+        "  %d attentions %s (%lld bytes per micro-batch %s forward, as many %s backward), %d ropes and %d "
+        "position tables at global positions, %d token-wise nodes on this rank's positions\n",
         static_cast<long long>(R_), static_cast<long long>(T_), static_cast<long long>(2 * R_),
         static_cast<long long>(L_), static_cast<long long>(r_), static_cast<long long>(r_),
-        static_cast<long long>(2 * R_ - 1 - r_), attentions_, static_cast<long long>(gathered_bytes_), ropes_,
-        tables_, token_wise);
+        static_cast<long long>(2 * R_ - 1 - r_), attentions_,
+        ulysses_ ? "exchange heads for positions all-to-all over cp (q, k, v in, the output back)"
+                 : "gather keys and values over cp",
+        static_cast<long long>(moved_bytes_), ulysses_ ? "sent to other ranks" : "gathered",
+        ulysses_ ? "exchanged" : "reduce-scattered", ropes_, tables_, token_wise);
   }
 
  private:
   Graph &g_;
   int64_t R_, r_;
+  bool ulysses_;
   const std::function<bool(OpId)> &has_kernel_;
   int64_t T_ = -1, L_ = 0;
   std::vector<char> seq_;                        // tensors that carry this rank's chunks
   std::map<int, int> chunks_;                    // whole input -> this rank's chunks
   std::vector<std::vector<Node>> before_, after_;
   int attentions_ = 0, ropes_ = 0, tables_ = 0;
-  int64_t gathered_bytes_ = 0;
+  int64_t moved_bytes_ = 0;  // per micro-batch, forward, leaving this rank
 
   void mark(int t) {
     if (static_cast<size_t>(t) >= seq_.size()) seq_.resize(static_cast<size_t>(t) + 1, 0);
@@ -239,11 +242,7 @@ class ContextSplit {
                 at.name.c_str(), name.c_str(), static_cast<int>(s.size()));
     const int t = add_tensor(name + ".cp_seq_first", x), gt = add_tensor(name + ".cp_gathered_rows", x);
     const int y = add_tensor(name + ".cp_gathered", x);
-    int p = -1;
-    for (int m = 0; m < ni; ++m)
-      for (int o : g_.nodes[static_cast<size_t>(m)].outputs)
-        if (o == x) p = m;
-    auto &issue = p >= 0 ? after_[static_cast<size_t>(p)] : before_[static_cast<size_t>(ni)];
+    auto &issue = issue_after(x, ni);
     issue.push_back(Node::make("transpose", name + ".cp_seq_first", {x}, {t}, at.block,
                                {{"perm", Attr::of_ints({1, 0, 2})}}));
     issue.push_back(Node::make("all_gather", name + ".cp_all_gather", {t}, {gt}, at.block,
@@ -254,8 +253,94 @@ class ContextSplit {
     before_[static_cast<size_t>(ni)].push_back(Node::make("transpose", name + ".cp_gathered", {gt}, {y}, at.block,
                                                           {{"perm", Attr::of_ints({1, 0, 2})}}));
     // Whole-sequence bytes: the gathered tensor's (every rank's rows).
-    gathered_bytes_ += g_.tensors[static_cast<size_t>(x)].bytes();
+    moved_bytes_ += g_.tensors[static_cast<size_t>(x)].bytes();
     return y;
+  }
+
+  // Where the collectives reading x are issued: right after x is computed.
+  std::vector<Node> &issue_after(int x, int ni) {
+    int p = -1;
+    for (int m = 0; m < ni; ++m)
+      for (int o : g_.nodes[static_cast<size_t>(m)].outputs)
+        if (o == x) p = m;
+    return p >= 0 ? after_[static_cast<size_t>(p)] : before_[static_cast<size_t>(ni)];
+  }
+
+  std::map<std::string, Attr> exchange_attrs() const {
+    return {{"axis", Attr::of_string(kCp)}, {"ranks", Attr::of_int(R_)}, {"activation", Attr::of_int(1)}};
+  }
+
+  // x [B, 2L, R*W] (this rank's positions of every head) -> [B, R*2L, W] (every
+  // rank's positions, in rank order, of this rank's 1/R of the heads): the
+  // blocks of heads put first, exchanged all-to-all, then every rank's rows.
+  int heads_to_ranks(int x, const Node &at, int ni) {
+    const std::string &name = g_.tensors[static_cast<size_t>(x)].name;
+    const int a = add_tensor(name + ".cp_heads", x), b = add_tensor(name + ".cp_heads_first", x);
+    const int c = add_tensor(name + ".cp_exchanged", x), d = add_tensor(name + ".cp_ranks_second", x);
+    const int y = add_tensor(name + ".cp_sequence", x);
+    auto &issue = issue_after(x, ni);
+    issue.push_back(Node::make("reshape", name + ".cp_heads", {x}, {a}, at.block,
+                               {{"shape", Attr::of_ints({0, 0, R_, -1})}}));
+    issue.push_back(Node::make("transpose", name + ".cp_heads_first", {a}, {b}, at.block,
+                               {{"perm", Attr::of_ints({2, 0, 1, 3})}}));
+    issue.push_back(Node::make("all_to_all", name + ".cp_all_to_all", {b}, {c}, at.block, exchange_attrs()));
+    auto &wait = before_[static_cast<size_t>(ni)];
+    wait.push_back(Node::make("transpose", name + ".cp_ranks_second", {c}, {d}, at.block,
+                              {{"perm", Attr::of_ints({1, 0, 2, 3})}}));
+    wait.push_back(Node::make("reshape", name + ".cp_sequence", {d}, {y}, at.block,
+                              {{"shape", Attr::of_ints({0, -1, g_.tensors[static_cast<size_t>(x)].shape[2] / R_})}}));
+    moved_bytes_ += sent_bytes(x);
+    return y;
+  }
+
+  // The inverse, written into y: [B, R*2L, W] -> [B, 2L, R*W].
+  void ranks_to_heads(int x, int y, const Node &at, int ni) {
+    const std::string &name = g_.tensors[static_cast<size_t>(y)].name;
+    const int64_t W = g_.tensors[static_cast<size_t>(y)].shape[2] / R_;
+    const int a = add_tensor(name + ".cp_ranks", y), b = add_tensor(name + ".cp_ranks_first", y);
+    const int c = add_tensor(name + ".cp_exchanged", y), d = add_tensor(name + ".cp_heads_second", y);
+    auto &list = after_[static_cast<size_t>(ni)];
+    list.push_back(Node::make("reshape", name + ".cp_ranks", {x}, {a}, at.block,
+                              {{"shape", Attr::of_ints({0, R_, -1, W})}}));
+    list.push_back(Node::make("transpose", name + ".cp_ranks_first", {a}, {b}, at.block,
+                              {{"perm", Attr::of_ints({1, 0, 2, 3})}}));
+    list.push_back(Node::make("all_to_all", name + ".cp_all_to_all", {b}, {c}, at.block, exchange_attrs()));
+    list.push_back(Node::make("transpose", name + ".cp_heads_second", {c}, {d}, at.block,
+                              {{"perm", Attr::of_ints({1, 2, 0, 3})}}));
+    list.push_back(Node::make("reshape", name + ".cp_positions", {d}, {y}, at.block,
+                              {{"shape", Attr::of_ints({0, 0, -1})}}));
+    mark(y);
+    moved_bytes_ += sent_bytes(y);
+  }
+
+  // What one exchange of t sends to other ranks: (R-1)/R of this rank's 1/R
+  // of the whole sequence (shapes are still whole here).
+  int64_t sent_bytes(int t) const { return g_.tensors[static_cast<size_t>(t)].bytes() / (R_ * R_) * (R_ - 1); }
+
+  // Attention on every position of 1/R of the heads (cp_mode ulysses).
+  void attention_by_heads(int ni) {
+    const Node copy = g_.nodes[static_cast<size_t>(ni)];
+    const int64_t H = copy.attr_int("heads", 1), Hkv = copy.attr_int("kv_heads", H);
+    CTR_REQUIRE(H % R_ == 0 && Hkv % R_ == 0, CTR_STATUS_UNSUPPORTED,
+                "place: context parallelism (cp=%lld, cp_mode ulysses) gives each rank 1/cp of the heads, but "
+                "attention '%s' has heads=%lld and kv_heads=%lld on this rank, which cp=%lld does not divide; use "
+                "cp_mode gather (keys and values gathered) or another cp",
+                static_cast<long long>(R_), copy.name.c_str(), static_cast<long long>(H),
+                static_cast<long long>(Hkv), static_cast<long long>(R_));
+    int in[3];
+    for (int i = 0; i < 3; ++i) in[i] = heads_to_ranks(copy.inputs[static_cast<size_t>(i)], copy, ni);
+    const int out = copy.outputs[0];
+    const int local = add_tensor(g_.tensors[static_cast<size_t>(out)].name + ".cp_heads_out", out);
+    Node &m = g_.nodes[static_cast<size_t>(ni)];
+    m.inputs = {in[0], in[1], in[2]};
+    m.outputs[0] = local;
+    m.op = "cp_attention";
+    m.attrs["heads"] = Attr::of_int(H / R_);
+    m.attrs["kv_heads"] = Attr::of_int(Hkv / R_);
+    m.attrs["cp_ranks"] = Attr::of_int(R_);
+    m.attrs["cp_index"] = Attr::of_int(-1);
+    ranks_to_heads(local, out, copy, ni);
+    ++attentions_;
   }
 
   void attention(int ni) {
@@ -265,6 +350,7 @@ class ContextSplit {
       CTR_REQUIRE(seq_[static_cast<size_t>(n.inputs[i])], CTR_STATUS_UNSUPPORTED,
                   "place: context parallelism: attention '%s' reads '%s', which is not computed from the sequence",
                   n.name.c_str(), g_.tensors[static_cast<size_t>(n.inputs[i])].name.c_str());
+    if (ulysses_) return attention_by_heads(ni);
     const Node copy = n;
     const int k = gather(copy.inputs[1], copy, ni), v = gather(copy.inputs[2], copy, ni);
     Node &m = g_.nodes[static_cast<size_t>(ni)];
@@ -370,7 +456,7 @@ class ContextSplit {
 std::string place_context(Graph &g, const CompileOptions &opt, const std::function<bool(OpId)> &has_kernel) {
   const int64_t cp = opt.mesh.size(kCp);
   if (cp <= 1) return "";
-  ContextSplit split(g, cp, opt.mesh.index(kCp), has_kernel);
+  ContextSplit split(g, cp, opt.mesh.index(kCp), opt.cp_mode == "ulysses", has_kernel);
   std::string report = split.run();
   infer_local_shapes(g);
   return report;

@@ -51,6 +51,7 @@ void read_schedule(OptionReader &r, CompileOptions &o) {
 
 void read_place(OptionReader &r, CompileOptions &o) {
   o.sequence_parallel = r.get_int("sequence_parallel", 0, 0, 1) != 0;
+  o.cp_mode = r.get_string("cp_mode", "gather", {"gather", "ulysses"});
 }
 
 void run_nothing(PassContext &) {}
@@ -168,7 +169,7 @@ const std::vector<PassDef> &pass_list() {
       {"expert", "experts split over ep, token exchanges and global load balance inserted", false, nullptr,
        run_expert, nullptr},
       {"place", "activations placed over tp and cp: column- and row-parallel regions, heads split, all-reduces "
-                "inserted; sequences split over cp, keys and values gathered",
+                "inserted; sequences split over cp, keys and values gathered or heads exchanged (cp_mode)",
        false, read_place, run_place, dump_place},
       {"stages", "the forward graph cut to this rank's pipeline stage, activations crossing stages as inputs and "
                  "kept outputs",

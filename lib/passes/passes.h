@@ -40,6 +40,7 @@ struct CompileOptions {
   std::string bucket = "block";    // bucket: block, bytes or none
   int64_t bucket_bytes = 0;        // bucket: byte budget per bucket in "bytes" mode (0 = none)
   bool sequence_parallel = false;  // place: activations between tp regions split by tokens over tp
+  std::string cp_mode = "gather";  // place: attention over cp by gathered keys (gather) or heads (ulysses)
   ScheduleKind pp_schedule = ScheduleKind::OneFOneB;  // schedule: the pipeline schedule
   std::vector<int64_t> pp_stages;  // schedule: blocks per stage (empty: balanced by FLOPs)
   MeshPlacement mesh;

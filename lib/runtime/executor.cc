@@ -82,8 +82,9 @@ struct Executor::Collective {
   const Node *node = nullptr;
   Comm comm;
   CollDesc::Kind kind = CollDesc::AllGather;
+  bool to_all = false;                   // an all_to_all (kind unused): equal blocks per member
   std::vector<ctr_tensor_ref> src, dst;  // sized once: rebind points into them
-  std::vector<size_t> count;             // all_gather: bytes per member; else elements
+  std::vector<size_t> count;             // all_gather: bytes per member; all_to_all: bytes; else elements
   ReduceOp reduce = ReduceOp::Avg;       // reductions: gradients are averaged
   // Expert exchanges (moe_dispatch, moe_combine, moe_dispatch_rows): every
   // input and output of the node, in order.
@@ -193,8 +194,10 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
       switch (kind) {
         case CollKind::AllGather: c->kind = CollDesc::AllGather; break;
         case CollKind::ReduceScatter: c->kind = CollDesc::ReduceScatter; break;
+        case CollKind::AllToAll: c->to_all = true; break;
         default: CTR_CHECK(kind == CollKind::AllReduce); c->kind = CollDesc::AllReduce; break;
       }
+      CTR_CHECK(!c->to_all || n.inputs.size() == 1);
       const size_t k = n.inputs.size();
       c->src.resize(k);
       c->dst.resize(k);
@@ -206,8 +209,8 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
         c->dst[j] = make_ref(dst, addr_[static_cast<size_t>(out)]);
         refs_of_[static_cast<size_t>(in)].push_back(&c->src[j]);
         refs_of_[static_cast<size_t>(out)].push_back(&c->dst[j]);
-        c->count.push_back(c->kind == CollDesc::AllGather ? static_cast<size_t>(src.bytes())
-                                                          : static_cast<size_t>(dst.numel()));
+        c->count.push_back(c->kind == CollDesc::AllGather || c->to_all ? static_cast<size_t>(src.bytes())
+                                                                       : static_cast<size_t>(dst.numel()));
       }
       colls_[ni] = std::move(c);
     }
@@ -277,6 +280,25 @@ void Executor::rebind(int t, void *addr) {
   for (ctr_tensor_ref *r : refs_of_[static_cast<size_t>(t)]) r->data = addr;
 }
 
+// A collective of one buffer pair, issued (not waited for).
+CommWork *Executor::issue_one(Collective &c, const void *send, void *recv) {
+  const CommIface *ci = c.comm.iface;
+  if (c.to_all) {
+    // Equal blocks of bytes: block j of send to member j, from member i into block i.
+    const size_t P = static_cast<size_t>(ci->size(c.comm.ctx)), block = c.count[0] / P;
+    std::vector<size_t> counts(P, block), displs(P);
+    for (size_t j = 0; j < P; ++j) displs[j] = j * block;
+    return ci->all_to_all_v(c.comm.ctx, send, counts.data(), displs.data(), recv, counts.data(), displs.data(), 1);
+  }
+  switch (c.kind) {
+    case CollDesc::AllGather: return ci->all_gather(c.comm.ctx, send, recv, c.count[0]);
+    case CollDesc::ReduceScatter:
+      return ci->reduce_scatter(c.comm.ctx, send, recv, c.count[0], CTR_DTYPE_F32, c.reduce);
+    case CollDesc::AllReduce: return ci->all_reduce(c.comm.ctx, send, recv, c.count[0], CTR_DTYPE_F32, c.reduce);
+  }
+  return nullptr;
+}
+
 void Executor::run_collective(void *user) {
   auto *c = static_cast<Collective *>(user);
   Executor &ex = *c->ex;
@@ -294,12 +316,12 @@ void Executor::run_collective(void *user) {
     const ctr_backend_iface *bi = ex.be_.iface;
     const size_t members = static_cast<size_t>(c->comm.iface->size(c->comm.ctx));
     auto send_bytes = [&](size_t j) {
-      return c->kind == CollDesc::AllGather       ? c->count[j]
+      return c->kind == CollDesc::AllGather || c->to_all ? c->count[j]
              : c->kind == CollDesc::ReduceScatter ? c->count[j] * members * 4
                                                   : c->count[j] * 4;
     };
     auto recv_bytes = [&](size_t j) {
-      return c->kind == CollDesc::AllGather ? c->count[j] * members : c->count[j] * 4;
+      return c->to_all ? c->count[j] : c->kind == CollDesc::AllGather ? c->count[j] * members : c->count[j] * 4;
     };
     std::vector<void *> send(c->src.size()), recv(c->src.size());
     for (size_t j = 0; j < c->src.size(); ++j) {
@@ -328,15 +350,7 @@ void Executor::run_collective(void *user) {
       }
       w = ci->batch(c->comm.ctx, d.data(), d.size(), CTR_DTYPE_F32, c->reduce);
     } else {
-      switch (c->kind) {
-        case CollDesc::AllGather: w = ci->all_gather(c->comm.ctx, send[0], recv[0], c->count[0]); break;
-        case CollDesc::ReduceScatter:
-          w = ci->reduce_scatter(c->comm.ctx, send[0], recv[0], c->count[0], CTR_DTYPE_F32, c->reduce);
-          break;
-        case CollDesc::AllReduce:
-          w = ci->all_reduce(c->comm.ctx, send[0], recv[0], c->count[0], CTR_DTYPE_F32, c->reduce);
-          break;
-      }
+      w = issue_one(*c, send[0], recv[0]);
     }
     if (ex.exit_countdown_.load() > 0 && --ex.exit_countdown_ == 0) _exit(87);
     if (w) ci->wait(c->comm.ctx, w, c->timeout_ms);
@@ -381,17 +395,7 @@ void Executor::issue_device(Collective &c) {
       }
       c.work = ci->batch(c.comm.ctx, d.data(), d.size(), CTR_DTYPE_F32, c.reduce);
     } else {
-      switch (c.kind) {
-        case CollDesc::AllGather:
-          c.work = ci->all_gather(c.comm.ctx, c.src[0].data, c.dst[0].data, c.count[0]);
-          break;
-        case CollDesc::ReduceScatter:
-          c.work = ci->reduce_scatter(c.comm.ctx, c.src[0].data, c.dst[0].data, c.count[0], CTR_DTYPE_F32, c.reduce);
-          break;
-        case CollDesc::AllReduce:
-          c.work = ci->all_reduce(c.comm.ctx, c.src[0].data, c.dst[0].data, c.count[0], CTR_DTYPE_F32, c.reduce);
-          break;
-      }
+      c.work = issue_one(c, c.src[0].data, c.dst[0].data);
     }
   } catch (const Error &e) {
     note_failure(c, e.code(), e.message());

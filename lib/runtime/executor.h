@@ -90,6 +90,7 @@ class Executor {
   struct Call;        // a kernel launch, resolved
   struct HostBuffer;  // a staging buffer in host memory
   struct Collective;  // a collective, resolved
+  static CommWork *issue_one(Collective &c, const void *send, void *recv);
   static void run_collective(void *user);
   void issue_device(Collective &c);
   static void wait_device(void *user);

@@ -208,6 +208,17 @@ def check_placements(tmp):
           and "tokens.cp_first:i32[2,8] = slice(%0) dim=1 end=16 start=8" in cp
           and "tok_emb:f32[2,16,64] = embedding(" in cp and "= cp_attention(" in cp
           and "cp_index=1 cp_ranks=2" in cp, f"cp=2 split: {cp[:3000]}")
+    # Ulysses: q, k, v and the output exchanged all-to-all (half of each rank's
+    # B*T/2*C floats leave it), the attention on every position of 2 of the 4 heads.
+    uc = run("graph", "inspect", g, "--after", "place", "--cp", "2", "--batch", "2", "--rank", "1",
+             "--cp-mode", "ulysses").stdout
+    check(f"1 attentions exchange heads for positions all-to-all over cp (q, k, v in, the output back) "
+          f"({4 * btc // 4} bytes per micro-batch sent to other ranks forward" in uc
+          and uc.count("= all_to_all(") == 4 and "cp_index=-1 cp_ranks=2 heads=2 kv_heads=2" in uc
+          and "layers.0.attn.q.cp_sequence:f32[2,32,32]" in uc, f"cp=2 ulysses: {uc[:3000]}")
+    r = run("graph", "inspect", g, "--after", "place", "--cp", "8", "--cp-mode", "ulysses", expect=1)
+    check("cp=8, cp_mode ulysses" in r.stderr and "heads=4 and kv_heads=4" in r.stderr
+          and "cp_mode gather" in r.stderr, f"ulysses cp=8 on 4 heads: {r.stderr}")
     r = run("graph", "inspect", g, "--after", "place", "--cp", "3", expect=1)
     check("cp=3" in r.stderr and "sequence length 32 is not divisible by 6" in r.stderr,
           f"cp=3 on 32 positions: {r.stderr}")

@@ -1052,6 +1052,7 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
 // holds chunks r and 2R-1-r of q; k and v are every rank's rows in rank order; its
 // out and dq are its rows of the whole op's, and the ranks' dk and dv summed back
 // at their global positions are the whole op's (the reduce-scatter over cp).
+// With index -1 every rank's rows are the queries too (Ulysses).
 struct CpCase {
   AttnCase a;
   int64_t ranks;
@@ -1115,6 +1116,20 @@ TEST(CpAttention, RanksMatchWholeAttention) {
     const std::string tag = attn_tag(c) + " cp=" + std::to_string(R);
     expect_close(dk_sum, dk, 2e-5, 1e-4, "cp attention dk" + tag);
     expect_close(dv_sum, dv, 2e-5, 1e-4, "cp attention dv" + tag);
+    // Index -1 (heads exchanged all-to-all): queries, keys and values are every
+    // rank's rows in rank order, and so is everything out: the whole op permuted.
+    {
+      const F qg = gathered(q, wq), doutg = gathered(dout, wq);
+      F o(nq, NAN), p(c.B * c.Hq * T * T, NAN), dqg(nq, NAN), dkg(nkv, NAN), dvg(nkv, NAN);
+      ctr::cpu::cp_attention_fwd(qg.data(), kg.data(), vg.data(), o.data(), p.data(), c.B, T, c.Hq, c.Hkv, c.D, scale,
+                                 c.causal, c.window, c.softcap, R, -1);
+      ctr::cpu::cp_attention_bwd(doutg.data(), qg.data(), kg.data(), vg.data(), p.data(), dqg.data(), dkg.data(),
+                                 dvg.data(), c.B, T, c.Hq, c.Hkv, c.D, scale, c.causal, c.window, c.softcap, R, -1);
+      expect_close(o, gathered(out, wq), 2e-6, 1e-5, "cp attention (all rows) out" + tag);
+      expect_close(dqg, gathered(dq, wq), 2e-5, 1e-4, "cp attention (all rows) dq" + tag);
+      expect_close(dkg, gathered(dk, wkv), 2e-5, 1e-4, "cp attention (all rows) dk" + tag);
+      expect_close(dvg, gathered(dv, wkv), 2e-5, 1e-4, "cp attention (all rows) dv" + tag);
+    }
   }
 }
 

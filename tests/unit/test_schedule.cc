@@ -104,7 +104,9 @@ TEST(Schedule, ZeroBubbleSplitsEachBackwardAndFillsTheBubble) {
       const double zb = ctr::schedule_bubble(z);
       const double one_f_one_b = ctr::schedule_bubble(ctr::build_schedule(ScheduleKind::OneFOneB, p, m));
       EXPECT_LE(zb, one_f_one_b + 1e-12) << p << " " << m;
-      if (m >= 2 * p) EXPECT_LE(zb, 1.5 * (p - 1) / static_cast<double>(3 * m + p - 1) + 1e-12) << p << " " << m;
+      if (m >= 2 * p) {
+        EXPECT_LE(zb, 1.5 * (p - 1) / static_cast<double>(3 * m + p - 1) + 1e-12) << p << " " << m;
+      }
     }
   expect_refusal(
       [] {

@@ -265,7 +265,7 @@ struct ScheduleArgs {
   int64_t prefetch = 1, memory_budget = 0;
   bool no_defer = false, no_overlap = false, no_fuse = false, no_epilogues = false, sequence_parallel = false;
   std::string recompute = "none", bucket = "block", precision = "auto", reshard = "default";
-  std::string pp_schedule = "1f1b", pp_stages;
+  std::string pp_schedule = "1f1b", pp_stages, cp_mode = "gather";
   int64_t bucket_bytes = 0;
 
   void add_flags(CLI::App *cmd) {
@@ -328,6 +328,11 @@ struct ScheduleArgs {
     cmd->add_flag("--sequence-parallel", sequence_parallel,
                   "With a tp axis: split the activations between the tensor-parallel regions (norms, "
                   "residuals) by tokens over tp, with all-gathers and reduce-scatters in place of all-reduces");
+    cmd->add_option("--cp-mode", cp_mode,
+                    "Attention over a cp axis: gather (every rank's keys and values all-gathered) or ulysses "
+                    "(heads exchanged for positions all-to-all; cp must divide the heads and kv heads)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"gather", "ulysses"}));
   }
   void set(ctr_options *o) const {
     set_int(o, "prefetch", prefetch);
@@ -344,6 +349,7 @@ struct ScheduleArgs {
     if (!pp_stages.empty()) set_string(o, "pp_stages", pp_stages);
     if (bucket_bytes > 0) set_int(o, "bucket_bytes", bucket_bytes);
     if (sequence_parallel) set_int(o, "sequence_parallel", 1);
+    set_string(o, "cp_mode", cp_mode);
   }
 };
 
