@@ -308,7 +308,10 @@ CTR_API ctr_status ctr_graph_flops_per_token(const ctr_graph *graph, int64_t seq
  * cluster profile: its instruction lists played on the compute and comm
  * streams, its schedule played with those task times, its memory exactly as
  * step creation plans it. Options:
- *   "world" int (required)          devices
+ *   "world" int                     devices (default: the world size of the job
+ *                                   this process was launched in, read from the
+ *                                   launcher's environment as
+ *                                   ctr_mesh_create_from_env reads it; 1 alone)
  *   "global_batch" int (required)   sequences per step (all data ranks and
  *                                   micro-batches)
  *   "seq" int                       sequence length (default: graph max)
@@ -324,7 +327,8 @@ CTR_API ctr_status ctr_graph_flops_per_token(const ctr_graph *graph, int64_t seq
  * graph is only read, so threads may plan one graph at once) gets
  * {"world", "global_batch", "seq", "cluster", "device", "sources",
  * "candidates", "feasible", "search_s", "plans": [...]}, each plan {"mesh",
- * "schedule", "micro_batches", "batch", "recompute", "feasible", "why" (when
+ * "schedule", "micro_batches", "batch", "recompute", "cp_mode" (with cp:
+ * "gather" or "ulysses", the step option), "feasible", "why" (when
  * not), "step_ms", "tokens_per_s", "mfu", "memory_bytes" (per device, the
  * largest stage's), "bubble", "comm_ms" (per axis), "exposed_comm_ms",
  * "stages": [{"forward_ms", "backward_ms", "weight_ms", "memory_bytes"}]},

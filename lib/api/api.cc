@@ -481,10 +481,11 @@ extern "C" ctr_status ctr_plan(const ctr_graph *graph, const ctr_options *option
   check_graph(graph, "ctr_plan");
   REQUIRE_ARG(json != nullptr, "ctr_plan: json is NULL");
   ctr::OptionReader r(options, "ctr_plan");
-  for (const char *key : {"world", "global_batch", "cluster"})
+  for (const char *key : {"global_batch", "cluster"})
     CTR_REQUIRE(r.has(key), CTR_STATUS_INVALID_OPTION, "ctr_plan: option '%s' is required", key);
   ctr::PlanRequest req;
-  req.world = r.get_int("world", 0, 1, 1 << 20);
+  // Without "world": the job this process belongs to, as its launcher says.
+  req.world = r.has("world") ? r.get_int("world", 0, 1, 1 << 20) : ctr::read_launch_env().world;
   req.global_batch = r.get_int("global_batch", 0, 1, int64_t{1} << 40);
   req.seq = r.get_int("seq", 0, 0, 1 << 24);
   req.top = r.get_int("top", 0, 0, 1 << 20);

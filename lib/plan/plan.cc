@@ -183,6 +183,7 @@ struct Candidate {
   int64_t micro_batches = 1, batch = 1;
   ScheduleKind schedule = ScheduleKind::OneFOneB;
   std::string recompute = "none";
+  std::string cp_mode = "gather";  // with cp: gathered keys and values, or heads exchanged (ulysses)
   std::string mesh_text() const {
     std::string s;
     for (const char *a : kAxes)
@@ -323,15 +324,18 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
       for (int64_t m : keep)
         for (ScheduleKind k : pp > 1 ? std::vector<ScheduleKind>{ScheduleKind::OneFOneB, ScheduleKind::ZeroBubble}
                                      : std::vector<ScheduleKind>{ScheduleKind::OneFOneB})
-          for (const std::string &rc : req.recompute) {
-            Candidate cd;
-            cd.axes = axes;
-            cd.micro_batches = m;
-            cd.batch = rows / m;
-            cd.schedule = k;
-            cd.recompute = rc;
-            cands.push_back(cd);
-          }
+          for (const std::string &rc : req.recompute)
+            for (const char *cp_mode : axes.at("cp") > 1 ? std::vector<const char *>{"gather", "ulysses"}
+                                                         : std::vector<const char *>{"gather"}) {
+              Candidate cd;
+              cd.axes = axes;
+              cd.micro_batches = m;
+              cd.batch = rows / m;
+              cd.schedule = k;
+              cd.recompute = rc;
+              cd.cp_mode = cp_mode;
+              cands.push_back(cd);
+            }
     } else {
       Candidate cd;
       cd.axes = axes;
@@ -348,6 +352,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
                   {"micro_batches", cd.micro_batches},
                   {"batch", cd.batch},
                   {"recompute", cd.recompute}};
+      if (cd.axes.at("cp") > 1) row["cp_mode"] = cd.cp_mode;
       std::vector<StageCost> stages;
       Schedule sched;
       std::string why;
@@ -361,6 +366,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
           o.micro_batches = cd.micro_batches;
           o.pp_schedule = cd.schedule;
           o.recompute = cd.recompute;
+          o.cp_mode = cd.cp_mode;
           o.precision = "fp32";
           for (const char *a : kAxes) o.mesh.axes.push_back({a, cd.axes.at(a), std::string(a) == "pp" ? s : 0});
           layout.mesh = o.mesh;

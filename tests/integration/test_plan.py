@@ -4,7 +4,9 @@ from a cluster profile. Checked here: the ranking is deterministic; the memory
 each plan predicts is what step creation plans (rank 0's peak_bytes, byte for
 byte); a plan the planner calls infeasible for memory is refused by step
 creation under that memory, and a feasible one runs; meshes the model cannot
-take are listed with the reason; bad profiles and options are named. The
+take are listed with the reason; bad profiles and options are named; `ctr run
+--mesh auto` runs the first feasible plan for the job's world, with the
+predictions in its metrics, exactly as that plan given by hand. The
 predicted step times beside the measured ones are in tools/bench/bench_plan.py.
 
 usage: CTR=PATH_TO_CTR pytest test_plan.py
@@ -55,6 +57,7 @@ def test_the_ranking_is_deterministic_and_covers_every_axis(ctr, graph):
     meshes = {p["mesh"] for p in a["plans"]}
     assert {"fsdp=2", "dp=2", "tp=2", "cp=2", "pp=2"} <= meshes, meshes
     assert {p["schedule"] for p in a["plans"] if p["mesh"] == "pp=2"} == {"1f1b", "zb"}
+    assert {p["cp_mode"] for p in a["plans"] if p["mesh"] == "cp=2"} == {"gather", "ulysses"}
     assert a["candidates"] == len(a["plans"]) and a["feasible"] == sum(p["feasible"] for p in a["plans"])
     steps = [p["step_ms"] for p in a["plans"] if p["feasible"]]
     assert steps == sorted(steps) and all(s > 0 for s in steps)
@@ -64,18 +67,20 @@ def test_the_ranking_is_deterministic_and_covers_every_axis(ctr, graph):
     assert "rank  mesh" in table and "plan 1: " in table, table
 
 
-@pytest.mark.parametrize("mesh,schedule,micro,recompute", [
-    ("single", "1f1b", 1, "none"), ("fsdp=2", "1f1b", 1, "all"), ("tp=2", "1f1b", 1, "none"),
-    ("pp=2", "1f1b", 4, "all"), ("pp=2", "zb", 2, "none"), ("cp=2", "1f1b", 1, "none")])
-def test_predicted_memory_is_what_step_creation_plans(ctr, graph, tmp_path, mesh, schedule, micro, recompute):
+@pytest.mark.parametrize("mesh,schedule,micro,recompute,cp_mode", [
+    ("single", "1f1b", 1, "none", "gather"), ("fsdp=2", "1f1b", 1, "all", "gather"),
+    ("tp=2", "1f1b", 1, "none", "gather"), ("pp=2", "1f1b", 4, "all", "gather"), ("pp=2", "zb", 2, "none", "gather"),
+    ("cp=2", "1f1b", 1, "none", "gather"), ("cp=2", "1f1b", 2, "all", "ulysses")])
+def test_predicted_memory_is_what_step_creation_plans(ctr, graph, tmp_path, mesh, schedule, micro, recompute,
+                                                      cp_mode):
     world = 1 if mesh == "single" else 2
     got = plan(ctr, graph, world=world)
-    [p] = [p for p in got["plans"] if (p["mesh"], p["schedule"], p["micro_batches"], p["recompute"]) ==
-           (mesh, schedule, micro, recompute)]
+    [p] = [p for p in got["plans"] if (p["mesh"], p["schedule"], p["micro_batches"], p["recompute"],
+                                       p.get("cp_mode", "gather")) == (mesh, schedule, micro, recompute, cp_mode)]
     metrics = str(tmp_path / "m.jsonl")
     args = ["run", graph, "--mesh", "fsdp=1" if mesh == "single" else mesh, "--steps", "1", "--batch", str(p["batch"]),
             "--micro-batches", str(micro), "--recompute", recompute, "--pp-schedule", schedule, "--log-every", "0",
-            "--metrics", metrics]
+            "--cp-mode", cp_mode, "--metrics", metrics]
     run(ctr, *(["launch", "-n", "2", "--", ctr] + args if world > 1 else args), timeout=120)
     peak = json.loads(open(metrics).readline())["peak_bytes"]  # rank 0's: stage 0's
     assert p["stages"][0]["memory_bytes"] == peak, (p, peak)
@@ -99,11 +104,50 @@ def test_a_plan_infeasible_for_memory_is_refused_by_step_creation(ctr, graph, tm
         world = 1 if p["mesh"] == "single" else 2
         args = ["run", graph, "--mesh", "fsdp=1" if p["mesh"] == "single" else p["mesh"], "--steps", "1", "--batch",
                 str(p["batch"]), "--micro-batches", str(p["micro_batches"]), "--recompute", p["recompute"],
-                "--pp-schedule", p["schedule"], "--log-every", "0", "--memory-limit", str(limit)]
+                "--pp-schedule", p["schedule"], "--cp-mode", p.get("cp_mode", "gather"), "--log-every", "0",
+                "--memory-limit", str(limit)]
         r = run(ctr, *(["launch", "-n", str(world), "--", ctr] + args if world > 1 else args), expect=expect,
                 timeout=120)
         if expect:
             assert "more than the memory limit" in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
+
+
+def test_mesh_auto_runs_the_first_feasible_plan_as_the_same_plan_by_hand(ctr, graph, tmp_path):
+    """`ctr run --mesh auto` plans for the job's world (2 ranks from the launcher),
+    prints the plan it chose, runs it with the predictions in every metrics row, and
+    trains exactly as the same layout given by hand."""
+    first = next(p for p in plan(ctr, graph)["plans"] if p["feasible"])
+    auto, hand = str(tmp_path / "auto.jsonl"), str(tmp_path / "hand.jsonl")
+    common = ["--steps", "4", "--log-every", "0"]
+    r = run(ctr, "launch", "-n", "2", "--", ctr, "run", graph, "--mesh", "auto", "--cluster", PROFILE,
+            "--global-batch", "8", "--metrics", auto, *common, timeout=120)
+    assert f"plan: {first['mesh']}, {first['micro_batches']} micro-batch" in r.stdout, r.stdout
+    assert "the fastest of" in r.stdout and "feasible layouts" in r.stdout, r.stdout
+    got = [json.loads(line) for line in open(auto)]
+    assert len(got) == 4
+    for row in got:
+        assert row["predicted_step_ms"] == pytest.approx(first["step_ms"], rel=1e-12), row
+        assert row["predicted_memory_bytes"] == first["memory_bytes"] == row["peak_bytes"], (row, first)
+    run(ctr, "launch", "-n", "2", "--", ctr, "run", graph, "--mesh", first["mesh"], "--batch", str(first["batch"]),
+        "--micro-batches", str(first["micro_batches"]), "--recompute", first["recompute"], "--pp-schedule",
+        first["schedule"], "--cp-mode", first.get("cp_mode", "gather"), "--metrics", hand, *common, timeout=120)
+    want = [json.loads(line) for line in open(hand)]
+    assert [row["loss"] for row in got] == [row["loss"] for row in want]
+    assert "predicted_step_ms" not in want[0]
+    # What --mesh auto needs, and what only goes with it, are named.
+    r = run(ctr, "run", graph, "--mesh", "auto", "--global-batch", "8", "--steps", "1", expect=1)
+    assert "--mesh auto needs --cluster FILE" in r.stderr, r.stderr
+    r = run(ctr, "run", graph, "--mesh", "auto", "--cluster", PROFILE, "--steps", "1", expect=1)
+    assert "--mesh auto needs --global-batch N" in r.stderr, r.stderr
+    r = run(ctr, "run", graph, "--global-batch", "8", "--steps", "1", expect=1)
+    assert "go with --mesh auto" in r.stderr, r.stderr
+    # Nothing feasible: the reasons of the first layouts.
+    tiny = json.load(open(PROFILE))
+    tiny["device"]["memory_bytes"] = 1000
+    small = str(tmp_path / "tiny.json")
+    json.dump(tiny, open(small, "w"))
+    r = run(ctr, "run", graph, "--mesh", "auto", "--cluster", small, "--global-batch", "8", "--steps", "1", expect=1)
+    assert "is feasible" in r.stderr and "more than the" in r.stderr, r.stderr
 
 
 def test_meshes_the_model_cannot_take_are_named(ctr, graph):

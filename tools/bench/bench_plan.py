@@ -48,6 +48,8 @@ def measure(ctr, graph, plan, world, steps, tmp):
             "--metrics", metrics, "--precision", "fp32"]
     if "pp=" in mesh:
         args += ["--pp-schedule", plan["schedule"]]
+    if "cp_mode" in plan:
+        args += ["--cp-mode", plan["cp_mode"]]
     cmd = [ctr, "launch", "-n", str(world), "--"] + args if world > 1 else args
     subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ, CTR_NUM_THREADS="1"))
     lines = [json.loads(line) for line in open(metrics)]
@@ -82,11 +84,13 @@ def main():
                     ms, peak = measure(ctr, graph, plan, world, a.steps, tmp)
                     r = dict(preset=preset, world=world, mesh=plan["mesh"], schedule=plan["schedule"],
                              micro=plan["micro_batches"], recompute=plan["recompute"],
+                             cp_mode=plan.get("cp_mode", ""),
                              predicted_ms=plan["step_ms"], measured_ms=ms,
                              predicted_bytes=plan["stages"][0]["memory_bytes"], measured_bytes=peak)
                     r["error"] = r["predicted_ms"] / ms - 1
                     rows.append(r)
-                    print(f"{preset:6} {world} {plan['mesh']:10} {plan['schedule']:5} m={plan['micro_batches']:<2} "
+                    print(f"{preset:6} {world} {plan['mesh']:10} {plan['schedule']:5} {r['cp_mode']:7} "
+                          f"m={plan['micro_batches']:<2} "
                           f"{plan['recompute']:5} predicted {r['predicted_ms']:8.1f} ms measured {ms:8.1f} ms "
                           f"({r['error']:+.1%}); memory {r['predicted_bytes'] / 2**20:.2f} MiB vs "
                           f"{peak / 2**20:.2f} MiB", flush=True)

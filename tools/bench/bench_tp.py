@@ -1,11 +1,12 @@
 #!/usr/bin/python3
-"""Tensor parallelism against FSDP at the same world size and global batch, on the CPU.
+"""Tensor and context parallelism against FSDP at the same world size and global batch, on the CPU.
 
     /usr/bin/python3 tools/bench/bench_tp.py                  # gpt L=4 C=256 H=8 T=256, global batch 8
     /usr/bin/python3 tools/bench/bench_tp.py --ctr build/tools/ctr --steps 12 --json out.json
 
 For each world size (2 and 4) the peer is fsdp=W; the meshes measured against it are tp=W
-(and fsdp=2 x tp=2 at W=4), each also with sequence parallelism ("+sp"). Per mesh, rank 0's
+(and fsdp=2 x tp=2 at W=4), each also with sequence parallelism ("+sp"), and cp=W with keys
+and values gathered and with heads exchanged all-to-all ("+ulysses"). Per mesh, rank 0's
 figures:
   - planned memory: the activation arena and the parameter bytes from `ctr graph inspect
     --after plan_memory` (gradients take as many bytes as parameters, AdamW twice as many),
@@ -18,6 +19,10 @@ figures:
     parallelism 4 all-gathers and 4 reduce-scatters of B*T*C floats per layer and one pair
     at the vocabulary-parallel head (whole-tensor bytes: each moves half of what an
     all-reduce of the same tensor moves on the wire);
+  - the bytes over cp per micro-batch that `inspect --after place` reports (gathered keys
+    and values, or what the all-to-alls send to other ranks), next to the volume counted by
+    hand: gather, 2 B T C floats per layer (every rank's k and v); ulysses, 4 exchanges (q,
+    k, v, the output) per layer of (cp-1)/cp of this rank's B T/cp C floats;
   - the median step time of `ctr launch -n W -- ctr run --mesh M` over --steps steps (the
     first --warmup skipped), and its ratio to the peer's (--steps 0: memory and bytes only).
 Nothing is asserted: the figures are printed (and written with --json) for BENCHMARKS.md.
@@ -44,23 +49,28 @@ def sizes(mesh):
     return dict((k, int(v)) for k, v in (a.split("=") for a in mesh.split(",")))
 
 
-def inspect(ctr, graph, after, mesh, batch, sp=False):
+def inspect(ctr, graph, after, mesh, batch, sp=False, ulysses=False):
     s = sizes(mesh)
     args = [ctr, "graph", "inspect", graph, "--after", after, "--batch", str(batch)]
     if sp:
         args.append("--sequence-parallel")
-    for axis in ("fsdp", "tp"):
+    if ulysses:
+        args += ["--cp-mode", "ulysses"]
+    for axis in ("fsdp", "tp", "cp"):
         if axis in s:
             args += [f"--{axis}", str(s[axis])]
     return subprocess.run(args, capture_output=True, text=True, check=True).stdout
 
 
-def run(ctr, graph, world, mesh, batch, steps, warmup, threads, tmp, sp=False):
-    metrics = os.path.join(tmp, f"m_{mesh.replace(',', '_').replace('=', '')}{'_sp' if sp else ''}.jsonl")
+def run(ctr, graph, world, mesh, batch, steps, warmup, threads, tmp, sp=False, ulysses=False):
+    tag = ("_sp" if sp else "") + ("_ulysses" if ulysses else "")
+    metrics = os.path.join(tmp, f"m_{mesh.replace(',', '_').replace('=', '')}{tag}.jsonl")
     cmd = [ctr, "launch", "-n", str(world), "--", ctr, "run", graph, "--steps", str(steps), "--batch",
            str(batch), "--mesh", mesh, "--log-every", "0", "--metrics", metrics]
     if sp:
         cmd.append("--sequence-parallel")
+    if ulysses:
+        cmd += ["--cp-mode", "ulysses"]
     env = {**os.environ, "CTR_NUM_THREADS": str(threads)}
     subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, timeout=1800)
     rows = [json.loads(line) for line in open(metrics)][warmup:]
@@ -98,17 +108,18 @@ def main():
     print(f"gpt L={L} C={C} H={a.heads} T={T} V={V}, global batch {a.global_batch}, "
           f"{total_params / 1e6:.2f}M parameters, {a.threads} thread(s) per rank")
     print(f"{'mesh':>14} {'arena MiB':>10} {'params MiB':>11} {'by hand':>8} {'state MiB':>10} "
-          f"{'tp bytes/mb':>12} {'textbook':>9} {'step ms':>8} {'comm ms':>8} {'vs fsdp':>8}")
+          f"{'tp|cp bytes/mb':>14} {'textbook':>9} {'arena vs':>8} {'step ms':>8} {'comm ms':>8} {'vs fsdp':>8}")
     results = []
-    for world, meshes in ((2, ["fsdp=2", "tp=2", "tp=2+sp"]),
-                          (4, ["fsdp=4", "tp=4", "tp=4+sp", "fsdp=2,tp=2", "fsdp=2,tp=2+sp"])):
-        peer_ms = None
+    for world, meshes in ((2, ["fsdp=2", "tp=2", "tp=2+sp", "cp=2", "cp=2+ulysses"]),
+                          (4, ["fsdp=4", "tp=4", "tp=4+sp", "fsdp=2,tp=2", "fsdp=2,tp=2+sp", "cp=4",
+                               "cp=4+ulysses"])):
+        peer_ms = peer_arena = None
         for label in meshes:
-            mesh, sp = label.removesuffix("+sp"), label.endswith("+sp")
+            mesh, sp, ulysses = label.split("+")[0], label.endswith("+sp"), label.endswith("+ulysses")
             s = sizes(mesh)
-            tp, fsdp = s.get("tp", 1), s.get("fsdp", 1)
-            batch = a.global_batch // (world // tp)
-            plan = inspect(ctr, graph, "plan_memory", mesh, batch, sp)
+            tp, fsdp, cp = s.get("tp", 1), s.get("fsdp", 1), s.get("cp", 1)
+            batch = a.global_batch // (world // (tp * cp))
+            plan = inspect(ctr, graph, "plan_memory", mesh, batch, sp, ulysses)
             arena = int(re.search(r"arena (\d+) bytes", plan).group(1))
             params = int(re.search(r"params (\d+) bytes", plan).group(1))
             hand = 4 * ((total_params - split_params) + split_params / tp) / fsdp
@@ -124,18 +135,28 @@ def main():
                     m = re.search(r"per micro-batch: \d+ all-reduces over tp, (\d+) bytes", placed)
                     tp_bytes = int(m.group(1))
                     textbook = 4 * L * batch * T * C * 4
+            if cp > 1:
+                placed = inspect(ctr, graph, "place", mesh, batch, ulysses=ulysses)
+                tp_bytes = int(re.search(r"\((\d+) bytes per micro-batch", placed).group(1))
+                if ulysses:
+                    textbook = 4 * L * (batch * T // cp * C * 4) * (cp - 1) // cp
+                else:
+                    textbook = 2 * L * batch * T * C * 4
             step_ms = comm_ms = float("nan")
             if a.steps > 0:
-                step_ms, comm_ms = run(ctr, graph, world, mesh, batch, a.steps, a.warmup, a.threads, tmp, sp)
+                step_ms, comm_ms = run(ctr, graph, world, mesh, batch, a.steps, a.warmup, a.threads, tmp, sp,
+                                       ulysses)
             if peer_ms is None:
-                peer_ms = step_ms
+                peer_ms, peer_arena = step_ms, arena
             state = arena + 4 * params  # params, gradients, AdamW m and v
             row = dict(world=world, mesh=label, batch_per_rank=batch, arena_bytes=arena, param_bytes=params,
-                       param_bytes_by_hand=hand, state_bytes=state, tp_bytes_per_micro_batch=tp_bytes,
-                       textbook_bytes=textbook, step_ms=step_ms, comm_ms=comm_ms, vs_fsdp=step_ms / peer_ms)
+                       param_bytes_by_hand=hand, state_bytes=state, axis_bytes_per_micro_batch=tp_bytes,
+                       textbook_bytes=textbook, arena_vs_fsdp=arena / peer_arena, step_ms=step_ms, comm_ms=comm_ms,
+                       vs_fsdp=step_ms / peer_ms)
             results.append(row)
             print(f"{label:>14} {arena / 2**20:10.1f} {params / 2**20:11.2f} {hand / 2**20:8.2f} "
-                  f"{state / 2**20:10.1f} {tp_bytes:12d} {textbook:9d} {step_ms:8.1f} {comm_ms:8.1f} "
+                  f"{state / 2**20:10.1f} {tp_bytes:14d} {textbook:9d} {arena / peer_arena:7.2f}x "
+                  f"{step_ms:8.1f} {comm_ms:8.1f} "
                   f"{step_ms / peer_ms:7.2f}x")
     if a.json:
         with open(a.json, "w") as f:

@@ -146,6 +146,8 @@ std::string human(double v) {
 }
 
 using ctr_tool::grouped;
+using ctr_tool::ChosenPlan;
+using ctr_tool::choose_plan;
 
 // Seconds -> "m:ss" or "h:mm:ss".
 std::string clock_time(double seconds) {
@@ -421,6 +423,8 @@ int cmd_graph_inspect(const InspectArgs &a) {
 struct RunArgs {
   std::string graph, data, schedule = "cosine", metrics, device, mesh, transport, trace;
   std::string save_dir = "checkpoints", resume, export_safetensors, init_safetensors;
+  std::string cluster;       // --mesh auto: the cluster profile
+  int64_t global_batch = 0;  // --mesh auto: sequences per step over the job
   int64_t save_every = 0, keep = 3, stop_after = 0, memory_limit = 0;
   bool async_save = false;
   int64_t steps = 0, batch = 8, seq = 0, micro_batches = 1, warmup = 0, seed = 0, data_seed = 0;
@@ -665,11 +669,38 @@ void set_inputs(ctr_step *step, const Batches &b, ctr_loader *loader, const std:
   }
 }
 
-int cmd_run(const RunArgs &a) {
+int cmd_run(const RunArgs &given) {
   using Clock = std::chrono::steady_clock;
 
+  RunArgs a = given;  // --mesh auto fills in the plan's layout
   Graph graph = load_graph(a.graph);
   const int64_t seq = a.seq_opt->count() > 0 ? a.seq : default_seq(graph.get());
+
+  // --mesh auto: every rank plans the same graph for the same job and gets the
+  // same plan (the ranking is deterministic), before the mesh exists.
+  std::optional<ChosenPlan> chosen;
+  if (a.mesh == "auto") {
+    if (a.cluster.empty())
+      throw ctr::Error(CTR_STATUS_INVALID_OPTION,
+                       "--mesh auto needs --cluster FILE: the cluster profile the layouts are priced on "
+                       "(profiles/ holds this machine's and H100/H200 nodes'; ctr calibrate writes one)");
+    if (a.global_batch <= 0)
+      throw ctr::Error(CTR_STATUS_INVALID_OPTION,
+                       "--mesh auto needs --global-batch N: the sequences per step over the whole job (the plan "
+                       "chooses how they split over ranks and micro-batches, so --batch and --micro-batches are "
+                       "its to choose)");
+    chosen = choose_plan(graph.get(), a.cluster, a.global_batch, seq);
+    a.mesh = chosen->mesh;
+    a.batch = chosen->batch;
+    a.micro_batches = chosen->micro_batches;
+    a.collectives.pp_schedule = chosen->schedule;
+    a.collectives.recompute = chosen->recompute;
+    a.collectives.cp_mode = chosen->cp_mode;
+  } else if (!a.cluster.empty() || a.global_batch > 0) {
+    throw ctr::Error(CTR_STATUS_INVALID_OPTION,
+                     "--cluster and --global-batch choose a plan: they go with --mesh auto (with a mesh given, "
+                     "--batch is each data rank's micro-batch)");
+  }
 
   // What the data is, for messages. The loader below owns the data; a file is
   // only mapped here to name its format (the built-in corpus is not built twice).
@@ -838,6 +869,7 @@ int cmd_run(const RunArgs &a) {
     };
 
     if (lead) {
+      if (chosen) std::printf("%s\n", chosen->report.c_str());
       int64_t data_tokens = 0;
       check(ctr_loader_info(train_loader.get(), &data_tokens, nullptr));
       const std::string kind = data_kind.empty() ? "" : data_kind + ", ";
@@ -1099,6 +1131,11 @@ int cmd_run(const RunArgs &a) {
         };
         if (eval_loss) j["eval_loss"] = *eval_loss;
         if (!moe.empty()) j["moe"] = moe;
+        if (chosen) {
+          // What the plan predicted, beside what was measured, so every planned run checks the model.
+          j["predicted_step_ms"] = chosen->step_ms;
+          j["predicted_memory_bytes"] = chosen->memory_bytes;
+        }
         metrics << j.dump() << '\n';
         metrics.flush();
         if (!metrics)
@@ -1340,7 +1377,17 @@ int run_main(int argc, char **argv) {
   run.threads_opt = run_cmd->add_option("--threads", run.threads, "CPU worker threads")
                         ->check(kPositive);
   run.device_opt = run_cmd->add_option("--device", run.device, "cpu (default), or a backend plugin's device such as cuda (libctr-DEVICE.so)");
-  run.mesh_opt = run_cmd->add_option("--mesh", run.mesh, "Mesh axes, e.g. dp=2,fsdp=4 or fsdp=2,cp=2");
+  run.mesh_opt = run_cmd->add_option(
+      "--mesh", run.mesh,
+      "Mesh axes, e.g. dp=2,fsdp=4 or fsdp=2,cp=2; or auto: the fastest feasible layout that ctr plan finds for "
+      "this job's world on --cluster with --global-batch (mesh, micro-batches, schedule, recompute), printed and run");
+  run_cmd->add_option("--cluster", run.cluster,
+                      "With --mesh auto: the cluster profile the layouts are priced on (a JSON file; profiles/ has "
+                      "this machine's and H100/H200 nodes')");
+  run_cmd->add_option("--global-batch", run.global_batch,
+                      "With --mesh auto: sequences per step over the whole job (the plan splits them over data "
+                      "ranks and micro-batches)")
+      ->check(CLI::PositiveNumber);
   run.transport_opt = run_cmd->add_option(
       "--transport", run.transport,
       "Communicator between ranks: ucx (default), or nccl with --device cuda (collectives on device memory)");

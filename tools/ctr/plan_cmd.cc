@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <string>
 
+#include "core/status.h"
 #include "ctr/ctr.h"
 
 namespace ctr_tool {
@@ -131,6 +132,68 @@ int PlanCommand::run() const {
     for (const auto &[k2, v] : r["sources"].items()) std::printf("  %s: %s\n", k2.c_str(), v.get<std::string>().c_str());
   }
   return 0;
+}
+
+ChosenPlan choose_plan(ctr_graph *graph, const std::string &cluster, int64_t global_batch, int64_t seq) {
+  ctr_options *o = nullptr;
+  ctr_options_create(&o);
+  ctr_options_set_int(o, "global_batch", global_batch);
+  ctr_options_set_int(o, "seq", seq);
+  ctr_options_set_string(o, "cluster", cluster.c_str());
+  const char *text = nullptr;
+  const ctr_status st = ctr_plan(graph, o, &text);
+  ctr_options_free(o);
+  if (st != CTR_STATUS_OK) throw ctr::Error(st, std::string("--mesh auto: ") + ctr_last_error());
+  const nlohmann::json r = nlohmann::json::parse(text);
+  const auto &plans = r["plans"];
+  const int64_t world = r["world"].get<int64_t>();
+  std::vector<const nlohmann::json *> ok;
+  for (const auto &p : plans)
+    if (p["feasible"].get<bool>()) ok.push_back(&p);
+  if (ok.empty()) {
+    std::string why;
+    for (size_t k = 0; k < plans.size() && k < 4; ++k)
+      why += ctr::strformat("\n  %s: %s", plans[k]["mesh"].get<std::string>().c_str(),
+                            plans[k]["why"].get<std::string>().c_str());
+    throw ctr::Error(CTR_STATUS_UNSUPPORTED,
+                     ctr::strformat("--mesh auto: none of the %lld layouts of this graph on %lld devices of %s "
+                                    "(global batch %lld) is feasible; the first:%s",
+                                    static_cast<long long>(r["candidates"].get<int64_t>()),
+                                    static_cast<long long>(world), r["cluster"].get<std::string>().c_str(),
+                                    static_cast<long long>(global_batch), why.c_str()));
+  }
+  const nlohmann::json &p = *ok.front();
+  ChosenPlan c;
+  c.mesh = p["mesh"].get<std::string>() == "single" ? "dp=1" : p["mesh"].get<std::string>();
+  c.schedule = p["schedule"].get<std::string>();
+  c.recompute = p["recompute"].get<std::string>();
+  c.cp_mode = p.value("cp_mode", std::string("gather"));
+  c.batch = p["batch"].get<int64_t>();
+  c.micro_batches = p["micro_batches"].get<int64_t>();
+  c.step_ms = p["step_ms"].get<double>();
+  c.memory_bytes = p["memory_bytes"].get<int64_t>();
+  auto describe = [](const nlohmann::json &q) {
+    std::string d = ctr::strformat("%s, %lld micro-batch%s of %lld", q["mesh"].get<std::string>().c_str(),
+                                   static_cast<long long>(q["micro_batches"].get<int64_t>()),
+                                   q["micro_batches"].get<int64_t>() > 1 ? "es" : "",
+                                   static_cast<long long>(q["batch"].get<int64_t>()));
+    if (q["mesh"].get<std::string>().find("pp=") != std::string::npos)
+      d += ", schedule " + q["schedule"].get<std::string>();
+    if (q.contains("cp_mode")) d += ", cp_mode " + q["cp_mode"].get<std::string>();
+    if (q["recompute"].get<std::string>() != "none") d += ", recompute " + q["recompute"].get<std::string>();
+    return d;
+  };
+  c.report = ctr::strformat("plan: %s: predicted %.1f ms per step, %s GiB per device (%s); the fastest of %lld "
+                            "feasible layouts of %lld on %lld devices of %s, searched in %.2f s",
+                            describe(p).c_str(), c.step_ms, gib(static_cast<double>(c.memory_bytes)).c_str(),
+                            r["device"].get<std::string>().c_str(),
+                            static_cast<long long>(r["feasible"].get<int64_t>()),
+                            static_cast<long long>(r["candidates"].get<int64_t>()), static_cast<long long>(world),
+                            r["cluster"].get<std::string>().c_str(), r["search_s"].get<double>());
+  if (ok.size() > 1)
+    c.report += ctr::strformat("\nplan: next: %s at %.1f ms", describe(*ok[1]).c_str(),
+                               (*ok[1])["step_ms"].get<double>());
+  return c;
 }
 
 }  // namespace ctr_tool
