@@ -585,6 +585,8 @@ def plan_and_kernel_profile():
         steps = [p["step_ms"] for p in out["plans"] if p["feasible"]]
         assert steps == sorted(steps) and steps[0] > 0, steps
         single = g.plan(1, 2, prof, recompute="none")["plans"][0]
+        # No world: this process's job, which no launcher started: one device.
+        assert g.plan(None, 2, prof, recompute="none")["world"] == 1
         with ctr.Mesh() as mesh, ctr.Step(mesh, g, batch=single["batch"], seq=PRESET["seq"],
                                           micro_batches=single["micro_batches"], profile_kernels=1) as step:
             assert step.memory["arena_bytes"] > 0

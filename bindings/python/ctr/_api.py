@@ -373,12 +373,15 @@ class Graph(_Handle):
         """The planner's layouts of this graph's step on `world` devices of a cluster
         (`cluster`: a profile's JSON text or file path, or a dict), ranked by predicted step
         time: the dict ctr_plan returns ({"plans": [{"mesh", "schedule", "micro_batches",
-        "batch", "recompute", "feasible", "step_ms", "memory_bytes", ...}], ...}). Options:
-        seq, recompute ("none,all"), top."""
+        "batch", "recompute", "cp_mode", "feasible", "step_ms", "memory_bytes", ...}], ...}).
+        world None: the world of the job this process was launched in. Options: seq,
+        recompute ("none,all"), top."""
         if isinstance(cluster, dict):
             cluster = json.dumps(cluster)
         text = ctypes.c_char_p()
-        opts = dict(options, world=world, global_batch=global_batch, cluster=str(cluster))
+        opts = dict(options, global_batch=global_batch, cluster=str(cluster))
+        if world is not None:
+            opts["world"] = world
         with _Options(opts) as o:
             _L.plan(self._p(), o, ctypes.byref(text))
         return json.loads(_dec(text.value))
