@@ -172,7 +172,7 @@ class ContextSplit {
   }
 
   // This rank's two chunks of x along dim, emitted in front of node at.
-  int select_chunks(int x, int dim, int at, const std::string &name) {
+  int select_chunks(int x, int dim, int at, std::string name) {
     const int blk = g_.nodes[static_cast<size_t>(at)].block;
     const int64_t first = r_ * L_, second = (2 * R_ - 1 - r_) * L_;
     const int a = add_tensor(name + ".cp_first", x), b = add_tensor(name + ".cp_second", x);
@@ -235,7 +235,7 @@ class ContextSplit {
   // rest of the attention's inputs are (v after k, the rotations of q and k);
   // the attention waits for it where it reads it.
   int gather(int x, const Node &at, int ni) {
-    const std::string &name = g_.tensors[static_cast<size_t>(x)].name;
+    const std::string name = g_.tensors[static_cast<size_t>(x)].name;
     const std::vector<int64_t> s = g_.tensors[static_cast<size_t>(x)].shape;
     CTR_REQUIRE(s.size() == 3, CTR_STATUS_UNSUPPORTED,
                 "place: context parallelism: attention '%s' reads '%s' of %d dims, not [batch, seq, width]",
@@ -274,7 +274,7 @@ class ContextSplit {
   // rank's positions, in rank order, of this rank's 1/R of the heads): the
   // blocks of heads put first, exchanged all-to-all, then every rank's rows.
   int heads_to_ranks(int x, const Node &at, int ni) {
-    const std::string &name = g_.tensors[static_cast<size_t>(x)].name;
+    const std::string name = g_.tensors[static_cast<size_t>(x)].name;
     const int a = add_tensor(name + ".cp_heads", x), b = add_tensor(name + ".cp_heads_first", x);
     const int c = add_tensor(name + ".cp_exchanged", x), d = add_tensor(name + ".cp_ranks_second", x);
     const int y = add_tensor(name + ".cp_sequence", x);
@@ -295,7 +295,7 @@ class ContextSplit {
 
   // The inverse, written into y: [B, R*2L, W] -> [B, 2L, R*W].
   void ranks_to_heads(int x, int y, const Node &at, int ni) {
-    const std::string &name = g_.tensors[static_cast<size_t>(y)].name;
+    const std::string name = g_.tensors[static_cast<size_t>(y)].name;
     const int64_t W = g_.tensors[static_cast<size_t>(y)].shape[2] / R_;
     const int a = add_tensor(name + ".cp_ranks", y), b = add_tensor(name + ".cp_ranks_first", y);
     const int c = add_tensor(name + ".cp_exchanged", y), d = add_tensor(name + ".cp_heads_second", y);

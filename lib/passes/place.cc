@@ -691,7 +691,7 @@ class SequenceSplit {
       for (int r : readers_[t])
         if (zone_n_[r] || g_.nodes[r].op == "fanout") first = std::min(first, r);
       if (first == nn) continue;
-      const std::string &name = g_.tensors[t].name;
+      const std::string name = g_.tensors[t].name;
       const int fan = add_tensor(name + ".sp_whole", t, shape(t));
       const int rows = add_tensor(name + ".sp_rows", t, rows_view(t));
       const int mine = add_tensor(name + ".sp", t, {local_rows, shape(t).back()});
@@ -775,7 +775,7 @@ class SequenceSplit {
         if (!zone_n_[r] && !split_edge(r))
           outside.push_back(r);
       if (outside.empty()) continue;
-      const std::string &name = g_.tensors[t].name;
+      const std::string name = g_.tensors[t].name;
       const int rows = add_tensor(name + ".sp_gathered", t, rows_view(t));
       const int whole = add_tensor(name + ".whole", t, shape(t));
       std::map<std::string, Attr> a = coll_attrs();
