@@ -111,10 +111,73 @@ void recompute_block(Graph &g, int block, bool selective) {
   g.nodes.insert(g.nodes.begin() + at, copies.begin(), copies.end());
 }
 
+// Sequence parallelism's gathers of a region's input (activation all-gathers
+// over tp) are done again in backward for the backward nodes that read the
+// whole rows (the column-parallel weight gradients; through the reshapes that
+// view the rows as [batch, seq, width]), as Megatron does: forward
+// then keeps only this rank's 1/tp of the rows to backward, not the gathered
+// whole. The copy is inserted before its first backward reader; reorder issues
+// it at the start of that reader's block, under the block's backward compute.
+// A gather is exact, so the bits are unchanged.
+void regather_sequence_parallel(Graph &g) {
+  const int nf = g.num_forward;
+  std::vector<std::vector<Node>> copies;  // per gather: the gather and the reshapes of its rows
+  std::vector<int> at;
+  for (int ni = 0; ni < nf; ++ni) {
+    const Node &n = g.nodes[static_cast<size_t>(ni)];
+    if (collective_kind(n) != CollKind::AllGather || n.attr_int("activation", 0) == 0 ||
+        n.attr_string("axis", "") != "tp" || n.outputs.size() != 1)
+      continue;
+    // The gathered rows and their reshapes (views of the same memory), in forward order.
+    std::vector<int> chain = {ni};
+    std::set<int> views = {n.outputs[0]};
+    for (int k = ni + 1; k < nf; ++k) {
+      const Node &r = g.nodes[static_cast<size_t>(k)];
+      if (r.op == "reshape" && views.count(r.inputs[0])) {
+        chain.push_back(k);
+        views.insert(r.outputs[0]);
+      }
+    }
+    int first = -1;
+    for (int k = nf; k < static_cast<int>(g.nodes.size()) && first < 0; ++k)
+      for (int t : g.nodes[static_cast<size_t>(k)].inputs)
+        if (views.count(t)) first = k;
+    if (first < 0) continue;
+    std::map<int, int> copy_of;
+    std::vector<Node> list;
+    for (int k : chain) {
+      Node c = g.nodes[static_cast<size_t>(k)];
+      c.name += ".regather";
+      c.backward = true;
+      c.block = g.nodes[static_cast<size_t>(first)].block;
+      for (int &in : c.inputs)
+        if (copy_of.count(in)) in = copy_of[in];
+      const int o = c.outputs[0];
+      Tensor t = g.tensors[static_cast<size_t>(o)];
+      t.name += ".regather";
+      t.keep = false;
+      copy_of[o] = g.add_tensor(std::move(t));
+      c.outputs = {copy_of[o]};
+      list.push_back(std::move(c));
+    }
+    for (int k = first; k < static_cast<int>(g.nodes.size()); ++k)
+      for (int &in : g.nodes[static_cast<size_t>(k)].inputs)
+        if (copy_of.count(in)) in = copy_of[in];
+    copies.push_back(std::move(list));
+    at.push_back(first);
+  }
+  // Inserted from the last position back, so that earlier positions stay valid.
+  std::vector<size_t> order(copies.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return at[a] > at[b]; });
+  for (size_t k : order) g.nodes.insert(g.nodes.begin() + at[k], copies[k].begin(), copies[k].end());
+}
+
 }  // namespace
 
 void pass_recompute(Graph &g, const CompileOptions &opt) {
   CTR_CHECK(g.num_forward >= 0);
+  regather_sequence_parallel(g);
   if (opt.recompute == "none") return;
   std::set<int> blocks;
   for (int ni = 0; ni < g.num_forward; ++ni)

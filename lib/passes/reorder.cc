@@ -82,8 +82,17 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
         else if (auto p = producer.find(in); p != producer.end())
           prod = std::max(prod, p->second);
       }
-      if (colls.empty()) {
-        CTR_CHECK(prod >= 0);
+      if (colls.empty() && prod < 0) {
+        // What it reads comes from an earlier phase (sequence parallelism's
+        // gather again in backward): issued at the start of its first
+        // reader's segment, under that segment's compute.
+        int reader = -1;
+        for (int o : n.outputs)
+          if (auto r = first_reader.find(o); r != first_reader.end() && (reader < 0 || r->second < reader))
+            reader = r->second;
+        CTR_CHECK(reader >= 0);
+        gathers_now[static_cast<size_t>(seg_of_node[reader])].push_back(ni);
+      } else if (colls.empty()) {
         after_node[prod].push_back(ni);
       } else {
         if (prod >= 0) colls.insert(prod);

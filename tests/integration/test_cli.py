@@ -5,8 +5,8 @@ line, and clear failures (exit 1, one 'ctr: error:' line) for bad input.
 usage: test_cli.py PATH_TO_CTR
 """
 import json
-import re
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -179,6 +179,17 @@ def check_placements(tmp):
           f"tensors forward and {5 * btc} backward" in sp and "layers.0.ln2:f32[32,64]" in sp
           and "ln_f:f32[32,64]" in sp and "slice(" in sp and "start=32" in sp,
           f"sequence parallel volumes and blocks: {sp[:3000]}")
+    # Backward gathers each region's input again for the weight gradients (forward
+    # keeps 1/tp of the rows), so sp plans less than tp alone.
+    again = run("graph", "inspect", g, "--after", "recompute", "--tp", "2", "--batch", "2",
+                "--sequence-parallel").stdout
+    check(again.count(".sp_gathered.regather:f32[64,64] = all_gather(") == 3
+          and "layers.0.ln1.tp.regather:f32[2,32,64] = reshape(" in again, f"sp gathers in backward: {again[:3000]}")
+    arena = {}
+    for label, extra in (("tp", []), ("sp", ["--sequence-parallel"])):
+        planned = run("graph", "inspect", g, "--after", "plan_memory", "--tp", "2", "--batch", "2", *extra).stdout
+        arena[label] = int(re.search(r"arena (\d+) bytes", planned).group(1))
+    check(arena["sp"] < arena["tp"] - 2 * 64 * 64 * 4, f"planned arenas with and without sp: {arena}")
     r = run("graph", "inspect", g, "--after", "place", "--tp", "2", "--seq", "31", "--sequence-parallel",
             expect=1)
     check("31 tokens" in r.stderr and "tp=2" in r.stderr, f"sp with 31 tokens on tp=2: {r.stderr}")
