@@ -835,11 +835,6 @@ std::string pass_place(Graph &g, const CompileOptions &opt, const std::function<
     if (opt.mesh.size("cp") > 1) return place_context(g, opt, has_kernel);
     return "place: no tensor- or context-parallel axis";
   }
-  for (const Node &n : g.nodes)
-    CTR_REQUIRE(n.op.rfind("moe_", 0) != 0, CTR_STATUS_UNSUPPORTED,
-                "place: graph '%s' has mixture-of-experts layers (node '%s'), which tp does not split yet; use "
-                "ep, fsdp and dp",
-                g.name.c_str(), n.name.c_str());
   auto kernels = [&](std::initializer_list<const char *> ops) {
     bool all = true;
     for (const char *op : ops) {
@@ -857,6 +852,12 @@ std::string pass_place(Graph &g, const CompileOptions &opt, const std::function<
               static_cast<long long>(tp), g.name.c_str(), report.c_str());
   p.rewrite();
   infer_local_shapes(g);
+  for (const Node &n : g.nodes)
+    if (n.op == "moe_router") {
+      report += "  mixture-of-experts layers run whole on every rank of the tp group (the same tokens' routing and "
+                "expert work; experts split over ep only)\n";
+      break;
+    }
   // Context parallelism splits the sequence of what tp placed (heads and
   // features split on the last dim; the sequence is dim 1).
   report += place_context(g, opt, has_kernel);

@@ -157,6 +157,11 @@ def check_placements(tmp):
     experts = [line for line in dump.splitlines() if "experts.w1:" in line]
     check(experts and all("placed ep:S(0), fsdp:S(0) of [4," in line for line in experts),
           f"expert weights over ep and fsdp: {experts}")
+    # Experts under tp: the attention split, the experts split over ep only.
+    tpm = run("graph", "inspect", m, "--after", "place", "--tp", "2", "--ep", "2").stdout
+    check("mixture-of-experts layers run whole on every rank of the tp group" in tpm
+          and "experts.w1:f32[2,256,64] placed ep:S(0) of [4,256,64]" in tpm
+          and "wq.weight:f32[32,64] placed tp:S(0) of [64,64]" in tpm, f"moe on ep=2 x tp=2: {tpm[:3000]}")
     # Tensor parallelism: attention and MLP regions, Megatron's 4 all-reduces of
     # B*T*C floats per layer per micro-batch, the weights' blocks; sizes that do not
     # fit are refused naming the node and the numbers.
