@@ -678,6 +678,7 @@ class SequenceSplit {
     auto rows_view = [&](int t) { return std::vector<int64_t>{tokens_, shape(t).back()}; };
     auto bytes = [&](int t) { return g_.tensors[t].bytes(); };
     int64_t fwd_bytes = 0, bwd_bytes = 0, entry_bytes = 0, exit_bytes = 0, param_bytes = 0;
+    int64_t again_bytes = 0;  // the regions' inputs gathered again in backward (pass recompute)
     int gathers = 0, scatters = 0, entries = 0, exits = 0, params = 0;
 
     // Where the zone begins: this rank's rows of a whole tensor.
@@ -727,6 +728,7 @@ class SequenceSplit {
         ++gathers;
         fwd_bytes += bytes(x);
         bwd_bytes += bytes(x);
+        again_bytes += bytes(x);
       } else if (n.op == "all_reduce") {
         const int x = n.inputs[0], y = n.outputs[0];
         const int rows = add_tensor(g_.tensors[x].name + ".rows", x, rows_view(x));
@@ -815,12 +817,14 @@ class SequenceSplit {
         "nodes\n"
         "    per micro-batch: %d all-gathers and %d reduce-scatters over tp at the regions' edges, of %lld bytes "
         "of whole tensors forward and %lld backward; each moves half what an all-reduce of its tensor does, so "
-        "on the wire they move what the all-reduces of tp alone do\n"
+        "on the wire they move what the all-reduces of tp alone do; backward gathers each region's input again "
+        "for its weight gradients (%d all-gathers, %lld bytes), so forward keeps 1/tp of it\n"
         "    %d whole tensors split where the zone begins (%lld bytes all-reduced backward), %d gathered where "
         "whole-tensor compute reads it (%lld bytes forward), %d parameters' gradients all-reduced (%lld "
         "bytes)\n",
         static_cast<long long>(tokens_), static_cast<long long>(local_rows), zn, gathers, scatters,
-        static_cast<long long>(fwd_bytes), static_cast<long long>(bwd_bytes), entries,
+        static_cast<long long>(fwd_bytes), static_cast<long long>(bwd_bytes), gathers,
+        static_cast<long long>(again_bytes), entries,
         static_cast<long long>(entry_bytes), exits, static_cast<long long>(exit_bytes), params,
         static_cast<long long>(param_bytes));
   }

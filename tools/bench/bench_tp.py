@@ -16,9 +16,10 @@ figures:
     embedding, norms and row-parallel biases whole;
   - the bytes over tp per micro-batch that `inspect --after place` reports, next to
     Megatron's textbook volume: 4 all-reduces of B*T*C floats per layer, or with sequence
-    parallelism 4 all-gathers and 4 reduce-scatters of B*T*C floats per layer and one pair
-    at the vocabulary-parallel head (whole-tensor bytes: each moves half of what an
-    all-reduce of the same tensor moves on the wire);
+    parallelism 4 all-gathers and 4 reduce-scatters of B*T*C floats per layer, one pair at
+    the vocabulary-parallel head, and each region's input (2 per layer and the head's)
+    gathered again in backward for the weight gradients (whole-tensor bytes: each moves half
+    of what an all-reduce of the same tensor moves on the wire);
   - the bytes over cp per micro-batch that `inspect --after place` reports (gathered keys
     and values, or what the all-to-alls send to other ranks), next to the volume counted by
     hand: gather, 2 B T C floats per layer (every rank's k and v); ulysses, 4 exchanges (q,
@@ -128,9 +129,12 @@ def main():
                 placed = inspect(ctr, graph, "place", mesh, batch, sp)
                 if sp:
                     m = re.search(r"of (\d+) bytes of whole tensors forward and (\d+) backward", placed)
-                    tp_bytes = int(m.group(1)) + int(m.group(2))
-                    # and the head's input gathered (its gradient reduce-scattered)
-                    textbook = (8 * L + 2) * batch * T * C * 4
+                    again = re.search(r"gathers each region's input again for its weight gradients "
+                                      r"\(\d+ all-gathers, (\d+) bytes\)", placed)
+                    tp_bytes = int(m.group(1)) + int(m.group(2)) + int(again.group(1))
+                    # per layer 2 regions, each an all-gather and a reduce-scatter forward, the same
+                    # backward and its input gathered again; the head's input likewise
+                    textbook = (10 * L + 3) * batch * T * C * 4
                 else:
                     m = re.search(r"per micro-batch: \d+ all-reduces over tp, (\d+) bytes", placed)
                     tp_bytes = int(m.group(1))
