@@ -111,7 +111,8 @@ def main():
         print(f"reshard 4->2->1->3: max relative loss difference {worst:.2e}")
 
     # 2b. A mixture-of-experts model moves between expert layouts: ep=2 -> 1 rank ->
-    #     ep=4 -> ep=2 x fsdp=2 (its experts split 2, 1, 4 and 2 ways), with the loader
+    #     ep=4 -> ep=2 x tp=2 (the attention split over tp) -> ep=2 x fsdp=2 (its experts
+    #     split 2, 1, 4, 2 and 2 ways), with the loader
     #     state; compared with its own one-rank reference.
     moe_graph = os.path.join(tmp, "moe.ctrg")
     run(["graph", "build", "--preset", "moe", "--layers", "2", "--dim", "32", "--heads", "4",
@@ -119,7 +120,8 @@ def main():
          "--ffn-dim", "32", "--shared-ffn-dim", "16", "-o", moe_graph])
 
     def train_moe(world, mesh, extra, metrics):
-        args = ["run", moe_graph, "--steps", str(STEPS), "--batch", str(GLOBAL_BATCH // world),
+        data = world // (2 if "tp=2" in mesh else 1)  # a tp group reads the same rows
+        args = ["run", moe_graph, "--steps", str(STEPS), "--batch", str(GLOBAL_BATCH // data),
                 "--log-every", "0", "--lr", "3e-3", "--warmup", "3", "--metrics", metrics,
                 "--mesh", mesh, *extra]
         return run(args, nprocs=world)
@@ -129,9 +131,10 @@ def main():
     moe_ref = losses(moe_ref_path)
     d = os.path.join(tmp, "moe_reshard")
     parts = []
-    for k, (world, mesh) in enumerate([(2, "ep=2"), (1, "fsdp=1"), (4, "ep=4"), (4, "ep=2,fsdp=2")]):
+    for k, (world, mesh) in enumerate([(2, "ep=2"), (1, "fsdp=1"), (4, "ep=4"), (4, "ep=2,tp=2"),
+                                       (4, "ep=2,fsdp=2")]):
         m = os.path.join(tmp, f"moe{k}.jsonl")
-        extra = ["--save-every", "5", "--save-dir", d, "--stop-after", "5"]
+        extra = ["--save-every", "4", "--save-dir", d, "--stop-after", "4"]
         if k > 0:
             extra += ["--resume", "latest"]
         train_moe(world, mesh, extra, m)
@@ -140,8 +143,8 @@ def main():
           f"moe reshard chain produced {len(parts)} steps, reference {len(moe_ref)}")
     if len(parts) == STEPS and len(moe_ref) == STEPS:
         worst = max(abs(x - y) / abs(y) for x, y in zip(parts, moe_ref))
-        check(worst <= 1e-5, f"moe ep 2->1->4->2x2 differs from one rank by {worst:.2e} relative")
-        print(f"moe reshard ep=2 -> 1 -> ep=4 -> ep=2,fsdp=2: max relative loss difference {worst:.2e}")
+        check(worst <= 1e-5, f"moe ep 2->1->4->2 x tp 2->2 x fsdp 2 differs from one rank by {worst:.2e} relative")
+        print(f"moe reshard ep=2 -> 1 -> ep=4 -> ep=2,tp=2 -> ep=2,fsdp=2: max relative loss difference {worst:.2e}")
 
     # 2c. Tensor parallelism: the same llama moves between tp=2 x fsdp=2 (its
     #     attention and MLP weights split on their output or input dim, then on
