@@ -411,8 +411,10 @@ class ContextSplit {
         "sigmoid", "pow", "gelu", "relu", "clamp", "add", "sub", "mul", "div", "layernorm", "rmsnorm",
         "linear", "embedding", "vocab_embedding", "cross_entropy", "vocab_ce_stats", "vocab_ce_loss",
         "fanout", "all_reduce"};
-    if (n.op.rfind("moe_", 0) == 0)
-      return "mixture-of-experts routing balances its load over the whole batch, which cp does not split yet";
+    // Mixture-of-experts ops route, permute and compute each token's row on its
+    // own; their load-balancing statistics are summed over the world by the
+    // expert pass, so they count every rank's positions.
+    if (n.op.rfind("moe_", 0) == 0) return "";
     if (n.op == "all_gather" && n.attr_int("activation", 0) != 0) return "";
     if (n.op == "matmul") {
       // x [B, T, in] @ w [in, out] (a Conv1D's weight) is per position; a product

@@ -240,9 +240,10 @@ def check_placements(tmp):
           f"cp=3 on 32 positions: {r.stderr}")
     r = run("graph", "inspect", g, "--after", "precision", "--cp", "2", "--precision", "bf16", expect=1)
     check("use precision fp32 with cp" in r.stderr, f"bf16 under cp: {r.stderr}")
-    r = run("graph", "inspect", m, "--after", "place", "--cp", "2", expect=1)
-    check("(moe_router) cannot take a sequence shard" in r.stderr and "cp=2" in r.stderr,
-          f"cp on the moe preset: {r.stderr}")
+    # Experts under cp: routing, permutation and expert GEMMs on this rank's positions.
+    mcp = run("graph", "inspect", m, "--after", "place", "--cp", "2", "--batch", "2").stdout
+    check("layers.0.moe.permuted:f32[64,64]" in mcp and "layers.0.moe.slots:i32[2,16,2] = moe_permute(" in mcp
+          and "layers.0.moe.combined:f32[2,16,64] = moe_unpermute(" in mcp, f"cp on the moe preset: {mcp[:3000]}")
 
 
 def check_special_files(tmp, graph):

@@ -22,6 +22,10 @@ schedule's exposed communication that each schedule hides:
                         as the default: the first block's gathers and the last one's
                         reductions, which nothing can hide, partly overlap that block
 
+With --meshes it compares layouts instead, each with the default schedule and the same
+global batch: fsdp=2, tp=2 and tp=2 with sequence parallelism, with the communication in
+flight per mesh axis and the exposed share.
+
 Needs root (ip netns, tc). The namespaces (ctrbench0, ctrbench1) and the veth pair are
 created at the start and removed at the end; traffic stays between them.
 """
@@ -50,6 +54,12 @@ SCHEDULES = [
 
 def sh(*cmd, check=True):
     return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+# The mesh comparison (--meshes): name, mesh, per-rank batch relative to fsdp=2's, flags.
+MESHES = [("fsdp=2", "fsdp=2", 1, []),
+          ("tp=2", "tp=2", 2, []),
+          ("tp=2 + sp", "tp=2", 2, ["--sequence-parallel"])]
 
 
 def setup(rate, delay):
@@ -85,7 +95,7 @@ def teardown():
         sh("ip", "netns", "del", ns, check=False)
 
 
-def run_job(args, graph, flags, tmp, name):
+def run_job(args, graph, flags, tmp, name, mesh="fsdp=2", batch=None):
     procs, metrics = [], []
     for rank in (0, 1):
         m = os.path.join(tmp, f"{name}.{rank}.jsonl")
@@ -93,8 +103,8 @@ def run_job(args, graph, flags, tmp, name):
         env = dict(os.environ, CTR_RANK=str(rank), CTR_WORLD_SIZE="2", CTR_MASTER_ADDR=ADDR[0],
                    CTR_MASTER_PORT=str(args.port), CTR_JOB_TOKEN="bench-overlap", UCX_TLS="self,tcp",
                    UCX_NET_DEVICES=DEV[rank], CTR_NUM_THREADS=str(args.threads))
-        cmd = ["ip", "netns", "exec", NS[rank], args.ctr, "run", graph, "--mesh", "fsdp=2",
-               "--steps", str(args.warmup + args.steps), "--batch", str(args.batch_of[graph]),
+        cmd = ["ip", "netns", "exec", NS[rank], args.ctr, "run", graph, "--mesh", mesh,
+               "--steps", str(args.warmup + args.steps), "--batch", str(batch or args.batch_of[graph]),
                "--seq", str(args.seq), "--log-every", "1000", "--timeout", "120", "--metrics", m] + flags
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
@@ -112,6 +122,8 @@ def run_job(args, graph, flags, tmp, name):
         "compute_ms": statistics.median(r["compute_ms"] for r in rows),
         "memory_mib": mem,
         "loss": rows[-1]["loss"],
+        "comm_ms_by_axis": {a: statistics.median(r["comm_ms_by_axis"].get(a, 0.0) for r in rows)
+                            for a in rows[-1].get("comm_ms_by_axis", {})},
     }
 
 
@@ -130,6 +142,9 @@ def main():
                          "one's reductions cannot overlap anything: fewer blocks expose a larger share)")
     ap.add_argument("--only", choices=["compute-bound", "comm-bound"], help="run one of the two models")
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--meshes", action="store_true",
+                    help="instead of the schedules: fsdp=2 against tp=2 and tp=2 with sequence parallelism, each "
+                         "with the default schedule and the same global batch")
     args = ap.parse_args()
     args.ctr = os.path.abspath(args.ctr)
     if os.geteuid() != 0:
@@ -152,6 +167,16 @@ def main():
             sh(args.ctr, "graph", "build", "--preset", "gpt", "--vocab", "256", "--seq", str(args.seq),
                *gflags, "-o", graph)
             args.batch_of[graph] = batch
+            if args.meshes:
+                # A tp group reads the same rows: tp=2 runs the whole global batch on both ranks.
+                for name, mesh, b, flags in MESHES:
+                    r = run_job(args, graph, flags, tmp, f"{size}-{name.replace(' ', '_')}", mesh, batch * b)
+                    results[(size, name)] = r
+                    axes = ", ".join(f"{a} {ms:.1f}" for a, ms in sorted(r["comm_ms_by_axis"].items()))
+                    print(f"  {size:13s} {name:10s} step {r['step_ms']:8.1f} ms  exposed {r['exposed_ms']:8.1f}  "
+                          f"comm {r['comm_ms']:8.1f} ({axes})  compute {r['compute_ms']:8.1f}  "
+                          f"mem {r['memory_mib']} MiB", flush=True)
+                continue
             for name, flags in SCHEDULES:
                 results[(size, name)] = run_job(args, graph, flags, tmp, f"{size}-{name.replace(' ', '_')}")
                 r = results[(size, name)]
@@ -161,6 +186,25 @@ def main():
     finally:
         teardown()
 
+    if args.meshes:
+        print(f"\nlink: {shaping}; one rank per namespace, UCX over TCP; gpt preset, {args.layers} blocks; "
+              f"{args.threads} compute thread(s) per rank; median of {args.steps} steps after {args.warmup}")
+        print("| model | mesh | step ms | exposed comm ms | comm in flight ms (by axis) | exposed share | "
+              "step vs fsdp=2 | memory per rank MiB |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for size, _, _ in sizes:
+            base = results[(size, "fsdp=2")]
+            for name, _, _, _ in MESHES:
+                r = results[(size, name)]
+                axes = ", ".join(f"{a} {ms:.1f}" for a, ms in sorted(r["comm_ms_by_axis"].items()))
+                share = r["exposed_ms"] / r["comm_ms"] if r["comm_ms"] > 0 else 0
+                print(f"| {size} | {name} | {r['step_ms']:.1f} | {r['exposed_ms']:.1f} | {r['comm_ms']:.1f} "
+                      f"({axes}) | {share * 100:.0f}% | {r['step_ms'] / base['step_ms']:.2f}x | "
+                      f"{r['memory_mib']} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({f"{k[0]}/{k[1]}": v for k, v in results.items()}, f, indent=1)
+        return
     print(f"\nlink: {shaping}; fsdp=2, one rank per namespace, UCX over TCP; gpt preset, {args.layers} blocks; "
           f"{args.threads} compute thread(s) per rank; median of {args.steps} steps after {args.warmup}")
     print("| model | schedule | step ms | exposed comm ms | comm in flight ms | hidden | throughput vs no overlap "
