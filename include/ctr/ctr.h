@@ -328,7 +328,7 @@ CTR_API ctr_status ctr_graph_flops_per_token(const ctr_graph *graph, int64_t seq
  * {"world", "global_batch", "seq", "cluster", "device", "sources",
  * "candidates", "feasible", "search_s", "plans": [...]}, each plan {"mesh",
  * "schedule", "micro_batches", "batch", "recompute", "cp_mode" (with cp:
- * "gather" or "ulysses", the step option), "feasible", "why" (when
+ * "gather", "ulysses" or "ring", the step option), "feasible", "why" (when
  * not), "step_ms", "tokens_per_s", "mfu", "memory_bytes" (per device, the
  * largest stage's), "bubble", "comm_ms" (per axis), "exposed_comm_ms",
  * "stages": [{"forward_ms", "backward_ms", "weight_ms", "memory_bytes"}]},
@@ -363,9 +363,11 @@ typedef struct ctr_step ctr_step;
  *   "sequence_parallel" int  1: with tp, the activations between tensor-parallel
  *                            regions split by tokens over tp (0)
  *   "cp_mode" string         attention over the mesh's cp axis: "gather" (default;
- *                            every rank's keys and values all-gathered) or
+ *                            every rank's keys and values all-gathered),
  *                            "ulysses" (heads exchanged for positions all-to-all;
- *                            cp must divide the heads and kv heads)
+ *                            cp must divide the heads and kv heads) or "ring"
+ *                            (keys and values passed from rank to rank, one block
+ *                            of attention per rank's keys under the next pass)
  *   "pp_stages" string       blocks per pipeline stage, in stage order ("2,3,3";
  *                            default: balanced by the blocks' forward FLOPs)
  *   "seed" int               parameter init seed (0)

@@ -63,6 +63,18 @@ static inline int64_t ctr_cp_position(int64_t t, int64_t rows, int64_t ranks, in
   return chunk * L + t % L;
 }
 
+/* cp_attention_block, cp_attention_block_bwd (ring attention over cp) */
+typedef struct ctr_attention_block_params {
+  ctr_attention_params attention;  /* as cp_attention's; cp_index: the query rows' rank */
+  int64_t cp_source;               /* "cp_source": the rank whose two chunks are the key rows */
+} ctr_attention_block_params;
+
+/* attn_merge, attn_merge_bwd: two attentions over disjoint keys merged by their
+   log-sum-exps; o[B, T, heads * head_dim], lse[B, heads, T] */
+typedef struct ctr_attn_merge_params {
+  int64_t heads;          /* "heads", required */
+} ctr_attn_merge_params;
+
 /* transpose */
 typedef struct ctr_transpose_params {
   int32_t ndim;

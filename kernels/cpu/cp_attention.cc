@@ -38,11 +38,12 @@ struct CpDims {
   int64_t window;
   float softcap;
   int64_t ranks, index;         // index -1: the query rows are the key rows
+  int64_t source = -1;          // >= 0: the key rows are that rank's two chunks only (ring)
   const int64_t *kp = nullptr;  // the key rows' global positions, [Tk]
 
   int64_t qpos(int64_t t) const { return index < 0 ? kp[t] : ctr_cp_position(t, Tq, ranks, index); }
   int64_t kpos(int64_t j) const { return kp[j]; }
-  int64_t L() const { return Tk / (2 * ranks); }
+  int64_t L() const { return index < 0 ? Tq / (2 * ranks) : Tq / 2; }
   int64_t query_chunks() const { return Tq / L(); }
   // Whether query chunk qb sees any key of key chunk kb (0 .. 2 * ranks - 1).
   bool sees(int64_t qb, int64_t kb) const { return !causal || kpos(kb * L()) <= qpos(qb * L()); }
@@ -63,7 +64,10 @@ float *scores_scratch(int64_t n) {
   return buf.data();
 }
 
-void forward_head(const CpDims &d, const float *q, const float *k, const float *v, float *out, float *P) {
+// lse (nullable): per query row, log of the sum of exp(score) over the visible
+// keys, -inf where none is visible (that row's probabilities and output are 0).
+void forward_head(const CpDims &d, const float *q, const float *k, const float *v, float *out, float *P,
+                  float *lse = nullptr) {
   const int64_t Tq = d.Tq, Tk = d.Tk, L = d.L();
   for (int64_t qb = 0; qb < d.query_chunks(); ++qb)
     for (int64_t kb = 0; kb < Tk / L; ++kb) {
@@ -97,7 +101,8 @@ void forward_head(const CpDims &d, const float *q, const float *k, const float *
         sum += p[j];
       }
     }
-    const float inv = 1.0f / sum;
+    if (lse) lse[t] = sum > 0.0f ? m + std::log(sum) : -INFINITY;
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     for (int64_t kb = 0; kb < Tk / L; ++kb)
       if (d.sees(qb, kb))
         for (int64_t j = kb * L; j < (kb + 1) * L; ++j) p[j] *= inv;
@@ -110,11 +115,15 @@ void forward_head(const CpDims &d, const float *q, const float *k, const float *
            out + qb * L * d.ldq, d.ldq);
       beta = 1.0f;
     }
+    if (beta == 0.0f)  // no key chunk visible (a ring block): the chunk's output is 0
+      for (int64_t t = qb * L; t < (qb + 1) * L; ++t) std::fill(out + t * d.ldq, out + t * d.ldq + d.D, 0.0f);
   }
 }
 
+// dlse (nullable): the gradient of forward_head's lse, which adds dlse * P to dS.
 void backward_head(const CpDims &d, const float *dout, const float *q, const float *k, const float *v,
-                   const float *P, float *dq, float *dk, float *dv, float beta, float *dS) {
+                   const float *P, float *dq, float *dk, float *dv, float beta, float *dS,
+                   const float *dlse = nullptr) {
   const int64_t Tq = d.Tq, Tk = d.Tk, L = d.L();
   // dP = dout v^T, then dS = P * (dP - rowsum(P * dP)); masked entries have P = 0,
   // and the skipped blocks are zeroed so that the row sums may run over them.
@@ -134,7 +143,7 @@ void backward_head(const CpDims &d, const float *dout, const float *q, const flo
   for (int64_t t = 0; t < Tq; ++t) {
     const float *p = P + t * Tk;
     float *s = dS + t * Tk;
-    const float dot = rows::row_dot(p, s, Tk);
+    const float dot = rows::row_dot(p, s, Tk) - (dlse ? dlse[t] : 0.0f);
     for (int64_t j = 0; j < Tk; ++j) s[j] = p[j] * (s[j] - dot);
     if (raw)
       for (int64_t j = 0; j < Tk; ++j) {
@@ -160,21 +169,27 @@ void backward_head(const CpDims &d, const float *dout, const float *q, const flo
       gemm(true, false, L, d.D, L, d.scale, sb, Tk, q + qb * L * d.ldq, d.ldq, 1.0f, dk + kb * L * d.ldkv, d.ldkv);
       gemm(true, false, L, d.D, L, 1.0f, pb, Tk, dout + qb * L * d.ldq, d.ldq, 1.0f, dv + kb * L * d.ldkv, d.ldkv);
     }
+    if (dq_beta == 0.0f)
+      for (int64_t t = qb * L; t < (qb + 1) * L; ++t) std::fill(dq + t * d.ldq, dq + t * d.ldq + d.D, 0.0f);
   }
 }
 
 CpDims make_dims(int64_t B, int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
-                 int64_t window, float softcap, int64_t ranks, int64_t index) {
-  const int64_t Tk = index < 0 ? Tq : ranks * Tq;
-  return CpDims{B,      Tq,     Tk, Hq,    Hkv, D, Hq / Hkv, Hq * D, Hkv * D, scale, causal,
-                causal && window > 0 ? window : 0, softcap > 0.0f ? softcap : 0.0f, ranks, index};
+                 int64_t window, float softcap, int64_t ranks, int64_t index, int64_t source = -1) {
+  const int64_t Tk = index < 0 || source >= 0 ? Tq : ranks * Tq;
+  CpDims d{B,      Tq,     Tk, Hq,    Hkv, D, Hq / Hkv, Hq * D, Hkv * D, scale, causal,
+           causal && window > 0 ? window : 0, softcap > 0.0f ? softcap : 0.0f, ranks, index};
+  d.source = source;
+  return d;
 }
 
-// Key row j is row j % rows of rank j / rows (rows = 2L per rank).
+// Key row j is row j % rows of rank j / rows (rows = 2L per rank), or with a
+// source, row j of that rank.
 std::vector<int64_t> key_positions(const CpDims &d) {
   const int64_t rows = 2 * d.L();
   std::vector<int64_t> kp(static_cast<size_t>(d.Tk));
-  for (int64_t j = 0; j < d.Tk; ++j) kp[static_cast<size_t>(j)] = ctr_cp_position(j % rows, rows, d.ranks, j / rows);
+  for (int64_t j = 0; j < d.Tk; ++j)
+    kp[static_cast<size_t>(j)] = ctr_cp_position(j % rows, rows, d.ranks, d.source >= 0 ? d.source : j / rows);
   return kp;
 }
 
@@ -228,6 +243,101 @@ void cp_attention_bwd(const float *dout, const float *q, const float *k, const f
         backward_head(d, a.dout + q_off, a.q + q_off, a.k + kv_off, a.v + kv_off,
                       a.probs + (b * d.Hq + h) * d.Tq * d.Tk, a.dq + q_off, a.dk + kv_off, a.dv + kv_off,
                       h == g * d.group ? 0.0f : 1.0f, dS);
+      }
+    }
+  });
+}
+
+void cp_attention_block_fwd(const float *q, const float *k, const float *v, float *out, float *lse, float *probs,
+                            int64_t B, int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
+                            int64_t window, float softcap, int64_t ranks, int64_t index, int64_t source) {
+  CpDims d = make_dims(B, Tq, Hq, Hkv, D, scale, causal, window, softcap, ranks, index, source);
+  const std::vector<int64_t> kp = key_positions(d);
+  d.kp = kp.data();
+  ctr::parallel_for(B * Hkv, pair_grain(d), [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / d.Hkv, g = p % d.Hkv;
+      const int64_t kv_off = b * d.Tk * d.ldkv + g * d.D;
+      for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
+        const int64_t q_off = b * d.Tq * d.ldq + h * d.D;
+        forward_head(d, q + q_off, k + kv_off, v + kv_off, out + q_off, probs + (b * d.Hq + h) * d.Tq * d.Tk,
+                     lse + (b * d.Hq + h) * d.Tq);
+      }
+    }
+  });
+}
+
+void cp_attention_block_bwd(const float *dout, const float *dlse, const float *q, const float *k, const float *v,
+                            const float *probs, float *dq, float *dk, float *dv, int64_t B, int64_t Tq, int64_t Hq,
+                            int64_t Hkv, int64_t D, float scale, bool causal, int64_t window, float softcap,
+                            int64_t ranks, int64_t index, int64_t source) {
+  CpDims d = make_dims(B, Tq, Hq, Hkv, D, scale, causal, window, softcap, ranks, index, source);
+  const std::vector<int64_t> kp = key_positions(d);
+  d.kp = kp.data();
+  ctr::parallel_for(B * Hkv, pair_grain(d), [&](int64_t p0, int64_t p1) {
+    float *dS = scratch(d.Tq * d.Tk);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / d.Hkv, g = p % d.Hkv;
+      const int64_t kv_off = b * d.Tk * d.ldkv + g * d.D;
+      for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
+        const int64_t q_off = b * d.Tq * d.ldq + h * d.D;
+        backward_head(d, dout + q_off, q + q_off, k + kv_off, v + kv_off, probs + (b * d.Hq + h) * d.Tq * d.Tk,
+                      dq + q_off, dk + kv_off, dv + kv_off, h == g * d.group ? 0.0f : 1.0f, dS,
+                      dlse + (b * d.Hq + h) * d.Tq);
+      }
+    }
+  });
+}
+
+// Two partial attentions over disjoint key sets merged: out = wa oa + wb ob with
+// wa = exp(la - lse), wb = exp(lb - lse), lse = log(exp la + exp lb); o* [B, T,
+// H * D], l* [B, H, T]; rows where both are -inf stay 0 with lse -inf.
+void attn_merge_fwd(const float *oa, const float *la, const float *ob, const float *lb, float *out, float *lse,
+                    int64_t B, int64_t T, int64_t H, int64_t D) {
+  ctr::parallel_for(B * H, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / H, h = p % H;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t li = p * T + t, oi = (b * T + t) * H * D + h * D;
+        const float a = la[li], c = lb[li], m = std::max(a, c);
+        if (m == -INFINITY) {
+          lse[li] = -INFINITY;
+          std::fill(out + oi, out + oi + D, 0.0f);
+          continue;
+        }
+        const float ea = std::exp(a - m), ec = std::exp(c - m), sum = ea + ec;
+        lse[li] = m + std::log(sum);
+        const float wa = ea / sum, wb = ec / sum;
+        for (int64_t e = 0; e < D; ++e) out[oi + e] = wa * oa[oi + e] + wb * ob[oi + e];
+      }
+    }
+  });
+}
+
+// The gradients of attn_merge_fwd: doa = wa dout, dla = wa (<dout, oa - out> + dlse)
+// (dlse nullable: 0), and likewise for b.
+void attn_merge_bwd(const float *dout, const float *dlse, const float *oa, const float *la, const float *ob,
+                    const float *lb, const float *out, const float *lse, float *doa, float *dla, float *dob,
+                    float *dlb, int64_t B, int64_t T, int64_t H, int64_t D) {
+  ctr::parallel_for(B * H, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / H, h = p % H;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t li = p * T + t, oi = (b * T + t) * H * D + h * D;
+        const float l = lse[li];
+        const float wa = l == -INFINITY ? 0.0f : std::exp(la[li] - l);
+        const float wb = l == -INFINITY ? 0.0f : std::exp(lb[li] - l);
+        float da = 0.0f, db = 0.0f;
+        for (int64_t e = 0; e < D; ++e) {
+          const float g = dout[oi + e];
+          da += g * (oa[oi + e] - out[oi + e]);
+          db += g * (ob[oi + e] - out[oi + e]);
+          doa[oi + e] = wa * g;
+          dob[oi + e] = wb * g;
+        }
+        const float dl = dlse ? dlse[li] : 0.0f;
+        dla[li] = wa * (da + dl);
+        dlb[li] = wb * (db + dl);
       }
     }
   });

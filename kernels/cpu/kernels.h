@@ -272,6 +272,24 @@ void cp_attention_bwd(const float *dout, const float *q, const float *k, const f
                       const float *probs, float *dq, float *dk, float *dv, int64_t B, int64_t Tq,
                       int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
                       int64_t window, float softcap, int64_t ranks, int64_t index);
+// One block of ring attention (cp_attention_block): this rank's query rows
+// (index) against rank source's two chunks of keys and values [B, Tq, Hkv*D];
+// out normalised over the block's visible keys, lse[B, Hq, Tq] their log-sum-exp
+// (-inf and out 0 where a row sees none), probs [B, Hq, Tq, Tq]. The backward
+// takes the gradients of both outputs.
+void cp_attention_block_fwd(const float *q, const float *k, const float *v, float *out, float *lse, float *probs,
+                            int64_t B, int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
+                            int64_t window, float softcap, int64_t ranks, int64_t index, int64_t source);
+void cp_attention_block_bwd(const float *dout, const float *dlse, const float *q, const float *k, const float *v,
+                            const float *probs, float *dq, float *dk, float *dv, int64_t B, int64_t Tq, int64_t Hq,
+                            int64_t Hkv, int64_t D, float scale, bool causal, int64_t window, float softcap,
+                            int64_t ranks, int64_t index, int64_t source);
+// Two blocks' attention merged by their log-sum-exps (attn_merge): o [B, T, H*D], l [B, H, T].
+void attn_merge_fwd(const float *oa, const float *la, const float *ob, const float *lb, float *out, float *lse,
+                    int64_t B, int64_t T, int64_t H, int64_t D);
+void attn_merge_bwd(const float *dout, const float *dlse, const float *oa, const float *la, const float *ob,
+                    const float *lb, const float *out, const float *lse, float *doa, float *dla, float *dob,
+                    float *dlb, int64_t B, int64_t T, int64_t H, int64_t D);
 
 // ---------------------------------------------------------------------------
 // Softmax over the last dim C of R rows.

@@ -314,6 +314,61 @@ void cp_rope_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
   if (out[0].shape[1] % 2 != 0) shape_mismatch(g, n, 0, "[batch, 2 chunks of seq, heads*head_dim]");
 }
 
+// cp_attention_block(q[B,Tq,Hq*D], k[B,Tq,Hkv*D], v) attrs those of
+// cp_attention and cp_source: this rank's query rows against rank cp_source's
+// rows (ring attention) -> out[B,Tq,Hq*D], lse[B,Hq,Tq], saved probs[B,Hq,Tq,Tq].
+void cp_attention_block_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  const int64_t R = n.attr_int("cp_ranks", 0), index = n.attr_int("cp_index", -1);
+  const int64_t source = n.attr_int("cp_source", -1);
+  if (R < 1 || index < 0 || index >= R || source < 0 || source >= R)
+    bad_node(g, n, strformat("attributes cp_ranks=%lld, cp_index=%lld and cp_source=%lld do not name ranks",
+                             static_cast<long long>(R), static_cast<long long>(index),
+                             static_cast<long long>(source)));
+  const auto &q = S(g, n, 0);
+  if (q.size() != 3 || q[1] % 2 != 0) shape_mismatch(g, n, 0, "[batch, 2 chunks of seq, heads*head_dim]");
+  attention_infer(g, n, out);
+  const int64_t H = n.attr_int("heads", 1);
+  out = {out[0], f32({q[0], H, q[1]}), out[1]};
+}
+
+void attn_merge_infer(const Graph &g, const Node &n, std::vector<OutInfo> &out) {
+  const auto &o = S(g, n, 0), &l = S(g, n, 1);
+  if (S(g, n, 2) != o) shape_mismatch(g, n, 2, shape_string(o));
+  if (S(g, n, 3) != l) shape_mismatch(g, n, 3, shape_string(l));
+  const int64_t H = n.attr_int("heads", 0);
+  if (o.size() != 3 || H <= 0 || o[2] % H != 0 || l != std::vector<int64_t>{o[0], H, o[1]})
+    shape_mismatch(g, n, 1, "[batch, heads, seq] beside o [batch, seq, heads*head_dim]");
+  out = {f32(o), f32(l)};
+}
+
+void attn_merge_decode(const Graph &, const Node &n, void *out) {
+  static_cast<ctr_attn_merge_params *>(out)->heads = n.attr_int("heads", 1);
+}
+
+void attention_decode_at(const Graph &g, const Node &n, ctr_attention_params *p, size_t q_input);
+
+// The forward reads q as input 0, the backward as input 2 (after two gradients).
+template <int Q>
+void cp_attention_block_decode(const Graph &g, const Node &n, void *out) {
+  auto *p = static_cast<ctr_attention_block_params *>(out);
+  attention_decode_at(g, n, &p->attention, Q);
+  p->cp_source = n.attr_int("cp_source", 0);
+}
+
+// attn_merge's gradient: attn_merge_bwd(dout, oa, la, ob, lb, out, lse[, dlse]);
+// the merged lse of the last merge has no reader, so no gradient.
+void attn_merge_vjp(VjpBuilder &b, const Node &n) {
+  const int go = b.grad(n.outputs[0]);
+  if (go < 0) return;
+  std::vector<int> in = {go, n.inputs[0], n.inputs[1], n.inputs[2], n.inputs[3], n.outputs[0], n.outputs[1]};
+  if (const int gl = b.grad(n.outputs[1]); gl >= 0) in.push_back(gl);
+  std::vector<int> out;
+  for (int i = 0; i < 4; ++i) out.push_back(b.new_grad_tensor(n.inputs[static_cast<size_t>(i)], "grad"));
+  b.emit("attn_merge_bwd", std::move(in), out, n.attrs, n.block);
+  for (int i = 0; i < 4; ++i)
+    if (b.needs(n.inputs[static_cast<size_t>(i)])) b.accumulate(n.inputs[static_cast<size_t>(i)], out[static_cast<size_t>(i)]);
+}
+
 double attention_flops(const Graph &g, const Node &n) {
   const auto &q = S(g, n, 0);
   return 4.0 * static_cast<double>(q[0]) * static_cast<double>(q[1]) *
@@ -678,18 +733,21 @@ void rope_decode(const Graph &, const Node &n, void *out) {
 }
 
 // attention reads q as input 0, attention_bwd as input 1 (after the gradient).
-template <int Q>
-void attention_decode(const Graph &g, const Node &n, void *out) {
-  auto *p = static_cast<ctr_attention_params *>(out);
+void attention_decode_at(const Graph &g, const Node &n, ctr_attention_params *p, size_t q_input) {
   p->heads = n.attr_int("heads", 1);
   p->kv_heads = n.attr_int("kv_heads", p->heads);
-  const int64_t D = S(g, n, Q)[2] / p->heads;
+  const int64_t D = S(g, n, q_input)[2] / p->heads;
   p->scale = static_cast<float>(n.attr_float("scale", 1.0 / std::sqrt(static_cast<double>(D))));
   p->causal = n.attr_int("causal", 1) != 0;
   p->window = n.attr_int("window", 0);
   p->softcap = static_cast<float>(n.attr_float("softcap", 0.0));
   p->cp_ranks = n.attr_int("cp_ranks", 1);
   p->cp_index = n.attr_int("cp_index", 0);
+}
+
+template <int Q>
+void attention_decode(const Graph &g, const Node &n, void *out) {
+  attention_decode_at(g, n, static_cast<ctr_attention_params *>(out), Q);
 }
 
 void transpose_decode(const Graph &, const Node &n, void *out) {
@@ -769,6 +827,18 @@ std::vector<OpDef> library_ops() {
   cpa.flops = cp_attention_flops;
   cpa.saved = {"probs"};
   v.push_back(with_params<ctr_attention_params>(cpa, attention_decode<0>));
+  // Ring attention over cp: one block per source rank, merged pairwise.
+  OpDef cpb = with_bwd(internal("cp_attention_block", 3, 2), "cp_attention_block_bwd",
+                       {G(0), G(1), In(0), In(1), In(2), Out(2)});
+  cpb.infer = cp_attention_block_infer;
+  cpb.flops = attention_flops;
+  cpb.saved = {"probs"};
+  v.push_back(with_params<ctr_attention_block_params>(cpb, cp_attention_block_decode<0>));
+  OpDef merge = internal("attn_merge", 4, 2);
+  merge.infer = attn_merge_infer;
+  merge.flops = elementwise_flops;
+  merge.vjp = attn_merge_vjp;
+  v.push_back(with_params<ctr_attn_merge_params>(merge, attn_merge_decode));
   OpDef cpr = with_bwd(internal("cp_rope", 1, 1), "cp_rope_bwd", {G(0)});
   cpr.infer = cp_rope_infer;
   cpr.flops = elementwise_flops;
@@ -870,6 +940,11 @@ std::vector<OpDef> library_ops() {
   v.push_back(with_params<ctr_attention_params>(internal("attention_bwd", 6, 3), attention_decode<1>));
   v.push_back(with_params<ctr_rope_params>(internal("cp_rope_bwd", 1, 1), rope_decode));
   v.push_back(with_params<ctr_attention_params>(internal("cp_attention_bwd", 6, 3), attention_decode<1>));
+  v.push_back(with_params<ctr_attention_block_params>(internal("cp_attention_block_bwd", 6, 3),
+                                                      cp_attention_block_decode<2>));
+  OpDef merge_bwd = internal("attn_merge_bwd", 7, 4);
+  merge_bwd.max_inputs = 8;
+  v.push_back(with_params<ctr_attn_merge_params>(merge_bwd, attn_merge_decode));
   v.push_back(internal("cross_entropy_bwd", 5, 1));
   v.push_back(internal("add_same", 2, 1));
   v.push_back(internal("take_rows_bwd", 1, 1));
@@ -898,7 +973,8 @@ std::vector<OpDef> library_ops() {
   const std::pair<const char *, CollKind> colls[] = {{"all_gather", CollKind::AllGather},
                                                       {"reduce_scatter", CollKind::ReduceScatter},
                                                       {"all_reduce", CollKind::AllReduce},
-                                                      {"all_to_all", CollKind::AllToAll}};
+                                                      {"all_to_all", CollKind::AllToAll},
+                                                      {"ring_shift", CollKind::Shift}};
   for (const auto &[name, kind] : colls) {
     OpDef c = internal(name, 1, 1);
     c.max_inputs = 1 << 20;

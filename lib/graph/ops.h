@@ -74,6 +74,7 @@ enum class CollKind : uint8_t {
   Combine,        // expert exchange: expert outputs back to the tokens' ranks
   DispatchRows,   // expert exchange: gradient rows along a dispatch's routes
   AllToAll,       // dim-0 block j to member j; block i of the output from member i
+  Shift,          // the whole tensor to member (r + shift) mod n, from member (r - shift) mod n
 };
 
 // One tensor's placement along one mesh axis, as sharding rules see it.

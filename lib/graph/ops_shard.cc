@@ -211,6 +211,19 @@ void all_to_all_vjp(VjpBuilder &b, const Node &n) {
   b.accumulate(n.inputs[0], gx);
 }
 
+// ring_shift attrs axis, ranks, shift: this rank's tensor goes `shift` ranks
+// on along the axis, the one `shift` ranks back arrives. Its gradient goes back.
+void ring_shift_vjp(VjpBuilder &b, const Node &n) {
+  const int gy = b.grad(n.outputs[0]);
+  if (gy < 0 || !b.needs(n.inputs[0])) return;
+  const int gx = b.new_grad_tensor(n.inputs[0], "grad");
+  std::map<std::string, Attr> attrs = activation_collective(n);
+  const int64_t ranks = n.attr_int("ranks", 1);
+  attrs["shift"] = Attr::of_int((ranks - n.attr_int("shift", 1) % ranks) % ranks);
+  b.emit("ring_shift", {gy}, {gx}, attrs, n.block);
+  b.accumulate(n.inputs[0], gx);
+}
+
 // The gradient of an activation gather: where the gathered rows feed compute
 // that each rank does for its own share (a column-parallel linear), the
 // partial gradients are summed and scattered back ("grad" = "reduce_scatter");
@@ -361,6 +374,10 @@ void append_placement_ops(std::vector<OpDef> &v) {
     if (d.name == "all_gather") {
       d.infer = all_gather_infer;
       d.vjp = all_gather_vjp;
+    }
+    if (d.name == "ring_shift") {
+      d.infer = infer_same_f32;
+      d.vjp = ring_shift_vjp;
     }
     if (d.name == "all_to_all") {
       d.infer = all_to_all_infer;

@@ -43,8 +43,9 @@ const char *kCp = "cp";
 
 class ContextSplit {
  public:
-  ContextSplit(Graph &g, int64_t ranks, int64_t index, bool ulysses, const std::function<bool(OpId)> &has_kernel)
-      : g_(g), R_(ranks), r_(index), ulysses_(ulysses), has_kernel_(has_kernel) {
+  ContextSplit(Graph &g, int64_t ranks, int64_t index, const std::string &mode,
+               const std::function<bool(OpId)> &has_kernel)
+      : g_(g), R_(ranks), r_(index), ulysses_(mode == "ulysses"), ring_(mode == "ring"), has_kernel_(has_kernel) {
     seq_.assign(g.tensors.size(), 0);
   }
 
@@ -104,15 +105,17 @@ class ContextSplit {
         static_cast<long long>(L_), static_cast<long long>(r_), static_cast<long long>(r_),
         static_cast<long long>(2 * R_ - 1 - r_), attentions_,
         ulysses_ ? "exchange heads for positions all-to-all over cp (q, k, v in, the output back)"
+        : ring_  ? "pass keys and values around the cp ring, one block of attention per rank's keys merged by "
+                   "log-sum-exp"
                  : "gather keys and values over cp",
-        static_cast<long long>(moved_bytes_), ulysses_ ? "sent to other ranks" : "gathered",
-        ulysses_ ? "exchanged" : "reduce-scattered", ropes_, tables_, token_wise);
+        static_cast<long long>(moved_bytes_), ulysses_ || ring_ ? "sent to other ranks" : "gathered",
+        ulysses_ ? "exchanged" : ring_ ? "passed back" : "reduce-scattered", ropes_, tables_, token_wise);
   }
 
  private:
   Graph &g_;
   int64_t R_, r_;
-  bool ulysses_;
+  bool ulysses_, ring_;
   const std::function<bool(OpId)> &has_kernel_;
   int64_t T_ = -1, L_ = 0;
   std::vector<char> seq_;                        // tensors that carry this rank's chunks
@@ -317,6 +320,66 @@ class ContextSplit {
   // of the whole sequence (shapes are still whole here).
   int64_t sent_bytes(int t) const { return g_.tensors[static_cast<size_t>(t)].bytes() / (R_ * R_) * (R_ - 1); }
 
+  // Ring attention (cp_mode ring): k and v passed R - 1 times to the next rank
+  // of the cp ring (each shift issued behind the one before, right after k or
+  // v is computed), one cp_attention_block per source rank, each merged into
+  // the running result by log-sum-exp as soon as it is computed, so that the
+  // comm stream passes the next keys on while compute attends to these.
+  void attention_by_ring(int ni) {
+    const Node copy = g_.nodes[static_cast<size_t>(ni)];
+    const int out = copy.outputs[0];
+    const std::string base = g_.tensors[static_cast<size_t>(out)].name;
+    std::vector<int> keys[2];
+    for (int w = 0; w < 2; ++w) {
+      const int x = copy.inputs[static_cast<size_t>(1 + w)];
+      const std::string name = g_.tensors[static_cast<size_t>(x)].name;
+      keys[w].push_back(x);
+      auto &issue = issue_after(x, ni);
+      for (int64_t s = 1; s < R_; ++s) {
+        const int y = add_tensor(name + ".cp_ring" + std::to_string(s), x);
+        issue.push_back(Node::make("ring_shift", name + ".cp_ring" + std::to_string(s), {keys[w].back()}, {y},
+                                   copy.block,
+                                   {{"axis", Attr::of_string(kCp)}, {"ranks", Attr::of_int(R_)},
+                                    {"shift", Attr::of_int(1)}, {"activation", Attr::of_int(1)}}));
+        keys[w].push_back(y);
+        moved_bytes_ += g_.tensors[static_cast<size_t>(x)].bytes() / R_;
+      }
+    }
+    std::map<std::string, Attr> attrs = copy.attrs;
+    attrs["cp_ranks"] = Attr::of_int(R_);
+    attrs["cp_index"] = Attr::of_int(r_);
+    auto block_attrs = [&](int64_t s) {
+      std::map<std::string, Attr> a = attrs;
+      a["cp_source"] = Attr::of_int((r_ - s + R_) % R_);
+      return a;
+    };
+    const std::map<std::string, Attr> merge_attrs = {{"heads", Attr::of_int(copy.attr_int("heads", 1))}};
+    // Block 0 (this rank's own keys) is the attention node itself.
+    int acc_o = add_tensor(base + ".cp_block0", out), acc_l = add_tensor(base + ".cp_block0.lse", out);
+    Node &m = g_.nodes[static_cast<size_t>(ni)];
+    m.op = "cp_attention_block";
+    m.attrs = block_attrs(0);
+    m.outputs = {acc_o, acc_l, copy.outputs[1]};
+    auto &list = after_[static_cast<size_t>(ni)];
+    for (int64_t s = 1; s < R_; ++s) {
+      const std::string tag = ".cp_block" + std::to_string(s);
+      const int o = add_tensor(base + tag, out), l = add_tensor(base + tag + ".lse", out);
+      const int p = add_tensor(base + tag + ".probs", copy.outputs[1]);
+      list.push_back(Node::make("cp_attention_block", base + tag, {copy.inputs[0], keys[0][static_cast<size_t>(s)],
+                                                                   keys[1][static_cast<size_t>(s)]},
+                                {o, l, p}, copy.block, block_attrs(s)));
+      const bool last = s + 1 == R_;
+      const int mo = last ? out : add_tensor(base + ".cp_merged" + std::to_string(s), out);
+      const int ml = add_tensor(base + ".cp_merged" + std::to_string(s) + ".lse", out);
+      list.push_back(Node::make("attn_merge", base + ".cp_merge" + std::to_string(s), {acc_o, acc_l, o, l},
+                                {mo, ml}, copy.block, merge_attrs));
+      acc_o = mo;
+      acc_l = ml;
+    }
+    mark(out);
+    ++attentions_;
+  }
+
   // Attention on every position of 1/R of the heads (cp_mode ulysses).
   void attention_by_heads(int ni) {
     const Node copy = g_.nodes[static_cast<size_t>(ni)];
@@ -345,12 +408,16 @@ class ContextSplit {
 
   void attention(int ni) {
     Node &n = g_.nodes[static_cast<size_t>(ni)];
-    need_kernels(n, {"cp_attention", "cp_attention_bwd"});
+    if (ring_)
+      need_kernels(n, {"cp_attention_block", "cp_attention_block_bwd", "attn_merge", "attn_merge_bwd"});
+    else
+      need_kernels(n, {"cp_attention", "cp_attention_bwd"});
     for (size_t i = 0; i < 3; ++i)
       CTR_REQUIRE(seq_[static_cast<size_t>(n.inputs[i])], CTR_STATUS_UNSUPPORTED,
                   "place: context parallelism: attention '%s' reads '%s', which is not computed from the sequence",
                   n.name.c_str(), g_.tensors[static_cast<size_t>(n.inputs[i])].name.c_str());
     if (ulysses_) return attention_by_heads(ni);
+    if (ring_) return attention_by_ring(ni);
     const Node copy = n;
     const int k = gather(copy.inputs[1], copy, ni), v = gather(copy.inputs[2], copy, ni);
     Node &m = g_.nodes[static_cast<size_t>(ni)];
@@ -458,7 +525,7 @@ class ContextSplit {
 std::string place_context(Graph &g, const CompileOptions &opt, const std::function<bool(OpId)> &has_kernel) {
   const int64_t cp = opt.mesh.size(kCp);
   if (cp <= 1) return "";
-  ContextSplit split(g, cp, opt.mesh.index(kCp), opt.cp_mode == "ulysses", has_kernel);
+  ContextSplit split(g, cp, opt.mesh.index(kCp), opt.cp_mode, has_kernel);
   std::string report = split.run();
   infer_local_shapes(g);
   return report;

@@ -66,10 +66,13 @@ void lower_phase(const Graph &g, int begin, int end, std::vector<Instr> &out, Pr
     const Node &n = g.nodes[static_cast<size_t>(ni)];
     if (is_collective(n)) {
       p.num_streams = 2;
-      // A collective this one reads is implied by its completion (same stream).
+      // A collective this one reads that no compute reads (a reduction chain) is
+      // implied by this one's completion (same stream). One that compute reads
+      // too (a ring's shifts, each block attending to what one brought) keeps
+      // its own event, so that compute waits for it alone.
       std::vector<int> chained;
       for (size_t k = 0; k < pending.size();) {
-        if (reads(n, k)) {
+        if (reads(n, k) && pending[k].orphan) {
           chained.insert(chained.end(), pending[k].nodes.begin(), pending[k].nodes.end());
           pending.erase(pending.begin() + static_cast<long>(k));
         } else {

@@ -51,7 +51,7 @@ void read_schedule(OptionReader &r, CompileOptions &o) {
 
 void read_place(OptionReader &r, CompileOptions &o) {
   o.sequence_parallel = r.get_int("sequence_parallel", 0, 0, 1) != 0;
-  o.cp_mode = r.get_string("cp_mode", "gather", {"gather", "ulysses"});
+  o.cp_mode = r.get_string("cp_mode", "gather", {"gather", "ulysses", "ring"});
 }
 
 void run_nothing(PassContext &) {}

@@ -125,6 +125,8 @@ double collective_ms(const Graph &g, const Node &n, const Layout &l, const Clust
   } else {
     for (int t : n.inputs) bytes += static_cast<double>(g.tensors[static_cast<size_t>(t)].bytes());
   }
+  // A ring shift moves the whole tensor to one neighbour.
+  if (kind == CollKind::Shift) return link.latency_us * 1e-3 + bytes / link.bytes_per_s * 1e3;
   const double share = static_cast<double>(ranks - 1) / static_cast<double>(ranks);
   const double wire = bytes * share * (kind == CollKind::AllReduce ? 2.0 : 1.0);
   return (static_cast<double>(ranks - 1) * link.latency_us * 1e-3) + wire / link.bytes_per_s * 1e3;
@@ -325,7 +327,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
         for (ScheduleKind k : pp > 1 ? std::vector<ScheduleKind>{ScheduleKind::OneFOneB, ScheduleKind::ZeroBubble}
                                      : std::vector<ScheduleKind>{ScheduleKind::OneFOneB})
           for (const std::string &rc : req.recompute)
-            for (const char *cp_mode : axes.at("cp") > 1 ? std::vector<const char *>{"gather", "ulysses"}
+            for (const char *cp_mode : axes.at("cp") > 1 ? std::vector<const char *>{"gather", "ulysses", "ring"}
                                                          : std::vector<const char *>{"gather"}) {
               Candidate cd;
               cd.axes = axes;

@@ -83,6 +83,7 @@ struct Executor::Collective {
   Comm comm;
   CollDesc::Kind kind = CollDesc::AllGather;
   bool to_all = false;                   // an all_to_all (kind unused): equal blocks per member
+  int64_t shift = 0;                     // a ring_shift (kind unused): members on to send to
   std::vector<ctr_tensor_ref> src, dst;  // sized once: rebind points into them
   std::vector<size_t> count;             // all_gather: bytes per member; all_to_all: bytes; else elements
   ReduceOp reduce = ReduceOp::Avg;       // reductions: gradients are averaged
@@ -195,9 +196,10 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
         case CollKind::AllGather: c->kind = CollDesc::AllGather; break;
         case CollKind::ReduceScatter: c->kind = CollDesc::ReduceScatter; break;
         case CollKind::AllToAll: c->to_all = true; break;
+        case CollKind::Shift: c->shift = std::max<int64_t>(1, n.attr_int("shift", 1)); break;
         default: CTR_CHECK(kind == CollKind::AllReduce); c->kind = CollDesc::AllReduce; break;
       }
-      CTR_CHECK(!c->to_all || n.inputs.size() == 1);
+      CTR_CHECK((!c->to_all && c->shift == 0) || n.inputs.size() == 1);
       const size_t k = n.inputs.size();
       c->src.resize(k);
       c->dst.resize(k);
@@ -209,7 +211,7 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
         c->dst[j] = make_ref(dst, addr_[static_cast<size_t>(out)]);
         refs_of_[static_cast<size_t>(in)].push_back(&c->src[j]);
         refs_of_[static_cast<size_t>(out)].push_back(&c->dst[j]);
-        c->count.push_back(c->kind == CollDesc::AllGather || c->to_all ? static_cast<size_t>(src.bytes())
+        c->count.push_back(c->kind == CollDesc::AllGather || c->to_all || c->shift ? static_cast<size_t>(src.bytes())
                                                                        : static_cast<size_t>(dst.numel()));
       }
       colls_[ni] = std::move(c);
@@ -290,6 +292,15 @@ CommWork *Executor::issue_one(Collective &c, const void *send, void *recv) {
     for (size_t j = 0; j < P; ++j) displs[j] = j * block;
     return ci->all_to_all_v(c.comm.ctx, send, counts.data(), displs.data(), recv, counts.data(), displs.data(), 1);
   }
+  if (c.shift) {
+    // One block each way: to the member `shift` on, from the one `shift` back.
+    const size_t P = static_cast<size_t>(ci->size(c.comm.ctx)), me = static_cast<size_t>(ci->rank(c.comm.ctx));
+    const size_t to = (me + static_cast<size_t>(c.shift)) % P, from = (me + P - static_cast<size_t>(c.shift) % P) % P;
+    std::vector<size_t> sc(P, 0), rc(P, 0), displs(P, 0);
+    sc[to] = c.count[0];
+    rc[from] = c.count[0];
+    return ci->all_to_all_v(c.comm.ctx, send, sc.data(), displs.data(), recv, rc.data(), displs.data(), 1);
+  }
   switch (c.kind) {
     case CollDesc::AllGather: return ci->all_gather(c.comm.ctx, send, recv, c.count[0]);
     case CollDesc::ReduceScatter:
@@ -316,12 +327,14 @@ void Executor::run_collective(void *user) {
     const ctr_backend_iface *bi = ex.be_.iface;
     const size_t members = static_cast<size_t>(c->comm.iface->size(c->comm.ctx));
     auto send_bytes = [&](size_t j) {
-      return c->kind == CollDesc::AllGather || c->to_all ? c->count[j]
+      return c->kind == CollDesc::AllGather || c->to_all || c->shift ? c->count[j]
              : c->kind == CollDesc::ReduceScatter ? c->count[j] * members * 4
                                                   : c->count[j] * 4;
     };
     auto recv_bytes = [&](size_t j) {
-      return c->to_all ? c->count[j] : c->kind == CollDesc::AllGather ? c->count[j] * members : c->count[j] * 4;
+      return c->to_all || c->shift ? c->count[j]
+             : c->kind == CollDesc::AllGather ? c->count[j] * members
+                                               : c->count[j] * 4;
     };
     std::vector<void *> send(c->src.size()), recv(c->src.size());
     for (size_t j = 0; j < c->src.size(); ++j) {

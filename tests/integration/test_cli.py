@@ -232,6 +232,21 @@ def check_placements(tmp):
           f"({4 * btc // 4} bytes per micro-batch sent to other ranks forward" in uc
           and uc.count("= all_to_all(") == 4 and "cp_index=-1 cp_ranks=2 heads=2 kv_heads=2" in uc
           and "layers.0.attn.q.cp_sequence:f32[2,32,32]" in uc, f"cp=2 ulysses: {uc[:3000]}")
+    # Ring: k and v passed on 3 times each on cp=4, 4 blocks of attention merged 3 times;
+    # compute waits for each shift alone (block 1 for the first shifts of k and v).
+    ring = run("graph", "inspect", g, "--after", "place", "--cp", "4", "--batch", "2", "--rank", "1",
+               "--cp-mode", "ring").stdout
+    check(ring.count("= ring_shift(") == 6 and ring.count("= cp_attention_block(") == 4
+          and ring.count("= attn_merge(") == 3 and "cp_index=1 cp_ranks=4 cp_source=0" in ring
+          and "pass keys and values around the cp ring" in ring, f"cp=4 ring: {ring[:3000]}")
+    lowered = run("graph", "inspect", g, "--after", "lower", "--cp", "4", "--batch", "2", "--rank", "1",
+                  "--cp-mode", "ring").stdout
+    fwd = lowered.split("forward:")[1].split("backward:")[0].splitlines()
+    block1 = next(i for i, line in enumerate(fwd) if "cp_attention_block layers.0.attn.out.cp_block1" in line)
+    block2 = next(i for i, line in enumerate(fwd) if "cp_attention_block layers.0.attn.out.cp_block2" in line)
+    check(sum("stream 0 wait" in line for line in fwd[block1 - 2:block1]) == 2
+          and sum("stream 0 wait" in line for line in fwd[block2 - 3:block2]) == 2,
+          f"waits before the ring's blocks: {fwd}")
     r = run("graph", "inspect", g, "--after", "place", "--cp", "8", "--cp-mode", "ulysses", expect=1)
     check("cp=8, cp_mode ulysses" in r.stderr and "heads=4 and kv_heads=4" in r.stderr
           and "cp_mode gather" in r.stderr, f"ulysses cp=8 on 4 heads: {r.stderr}")

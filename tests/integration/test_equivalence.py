@@ -16,7 +16,9 @@ parallelism splits the sequences of the same graphs: cp=2, cp=4 (gpt), fsdp=2 x 
 and tp=2 x cp=2 (llama also with sequence parallelism), each rank holding two mirrored
 chunks of every sequence; with cp_mode=ulysses (heads exchanged all-to-all) on gpt cp=2,
 cp=4, tp=2 x cp=2 and llama cp=2, fsdp=2 x cp=2 with micro-batches (llama's 2 kv heads on
-cp=4 are refused); its planned activations fall against one rank's, and a
+cp=4 are refused), and with cp_mode=ring (keys and values passed around the ranks, attention
+in blocks merged by log-sum-exp) on cp=2, cp=4, tp=2 x cp=2; its planned activations fall
+against one rank's, and a
 sequence length 2*cp does not divide is refused. In bf16 on the
 CPU, gpt on fsdp=2 matches one rank within 2e-4 relative.
 
@@ -32,6 +34,7 @@ STEPS, BATCH = 20, 8
 TIME_LIMIT = 240  # seconds per launched job; a hang fails the test instead of blocking CI
 SP = "sequence_parallel=1"
 ULYSSES = "cp_mode=ulysses"
+RING = "cp_mode=ring"
 
 
 def run(preset, nprocs, mesh, out, reshard=1, micro=1, extra=None):
@@ -90,13 +93,14 @@ def main():
                  # Context parallelism: sequences split in mirrored chunks,
                  # keys and values gathered over cp.
                  (2, "cp=2", 1, 1), (4, "fsdp=2,cp=2", 1, 1), (4, "tp=2,cp=2", 1, 1),
-                 # ... or heads exchanged for positions all-to-all (Ulysses).
-                 (2, "cp=2", 1, 1, ULYSSES)]
+                 # ... or heads exchanged for positions all-to-all (Ulysses), or keys
+                 # and values passed around the ring, attention in blocks.
+                 (2, "cp=2", 1, 1, ULYSSES), (2, "cp=2", 1, 1, RING), (4, "tp=2,cp=2", 1, 1, RING)]
         if preset == "gpt":
             cases += [(4, "tp=4", 1, 1), (4, "tp=4", 1, 1, SP), (4, "dp=2,tp=2", 1, 1, SP), (4, "cp=4", 1, 1),
-                      (4, "cp=4", 1, 1, ULYSSES), (4, "tp=2,cp=2", 1, 1, ULYSSES)]
+                      (4, "cp=4", 1, 1, ULYSSES), (4, "tp=2,cp=2", 1, 1, ULYSSES), (4, "cp=4", 1, 1, RING)]
         if preset == "llama":
-            cases += [(4, "tp=2,cp=2", 1, 1, SP), (4, "fsdp=2,cp=2", 1, 2, ULYSSES)]
+            cases += [(4, "tp=2,cp=2", 1, 1, SP), (4, "fsdp=2,cp=2", 1, 2, ULYSSES), (4, "cp=4", 1, 2, RING)]
         if preset == "moe":
             # The load-balancing loss is over each micro-batch of the global
             # batch, so micro-batches would change it: none here.
@@ -105,7 +109,8 @@ def main():
                      # Attention split over tp, the experts whole on each tp rank.
                      (2, "tp=2", 1, 1), (4, "ep=2,tp=2", 1, 1), (4, "ep=2,tp=2", 1, 1, SP),
                      # Sequences split over cp: routing is per token, the statistics global.
-                     (2, "cp=2", 1, 1), (4, "ep=2,cp=2", 1, 1), (2, "cp=2", 1, 1, ULYSSES)]
+                     (2, "cp=2", 1, 1), (4, "ep=2,cp=2", 1, 1), (2, "cp=2", 1, 1, ULYSSES),
+                     (2, "cp=2", 1, 1, RING)]
         for n, mesh, reshard, micro, *more in cases:
             opts = more[0] if more else None
             label = f"{preset} {mesh} reshard={reshard} micro={micro}" + (f" {opts}" if opts else "")

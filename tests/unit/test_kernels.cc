@@ -1133,6 +1133,91 @@ TEST(CpAttention, RanksMatchWholeAttention) {
   }
 }
 
+// Ring attention: each rank's blocks (its queries against one source rank's
+// keys each, in ring order) merged by log-sum-exp are its rows of the whole
+// attention; the blocks' gradients, through the merges, are its rows of dq and
+// the source ranks' shares of dk and dv.
+TEST(CpAttention, RingBlocksMergedMatchWholeAttention) {
+  const CpCase cases[] = {{{2, 8, 4, 2, 4, true}, 2}, {{1, 16, 2, 2, 4, true}, 4}, {{1, 24, 2, 1, 8, true, 5}, 3},
+                          {{2, 8, 4, 2, 4, true, 0, 0.5f}, 2}, {{1, 12, 3, 3, 6, false}, 3}};
+  for (const CpCase &cc : cases) {
+    const AttnCase &c = cc.a;
+    const int64_t R = cc.ranks, T = c.T, Tq = T / R, wq = c.Hq * c.D, wkv = c.Hkv * c.D;
+    const int64_t nq = c.B * T * wq, nkv = c.B * T * wkv;
+    F q = random_vec(nq, 1), k = random_vec(nkv, 2), v = random_vec(nkv, 3), dout = random_vec(nq, 4);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+    F out(nq), probs(c.B * c.Hq * T * T), dq(nq), dk(nkv), dv(nkv);
+    ctr::cpu::attention_fwd(q.data(), k.data(), v.data(), out.data(), probs.data(), c.B, T, c.Hq, c.Hkv, c.D, scale,
+                            c.causal, c.window, c.softcap);
+    ctr::cpu::attention_bwd(dout.data(), q.data(), k.data(), v.data(), probs.data(), dq.data(), dk.data(), dv.data(),
+                            c.B, T, c.Hq, c.Hkv, c.D, scale, c.causal, c.window, c.softcap);
+    auto rows_of = [&](const F &x, int64_t w, int64_t s) {
+      F y(static_cast<size_t>(c.B * Tq * w));
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t t = 0; t < Tq; ++t)
+          std::copy_n(x.data() + (b * T + ctr_cp_position(t, Tq, R, s)) * w, w, y.data() + (b * Tq + t) * w);
+      return y;
+    };
+    const int64_t nl = c.B * c.Hq * Tq, no = c.B * Tq * wq;
+    std::vector<F> dk_of(static_cast<size_t>(R), F(c.B * Tq * wkv, 0.0f)), dv_of = dk_of;
+    for (int64_t r = 0; r < R; ++r) {
+      const F qr = rows_of(q, wq, r), doutr = rows_of(dout, wq, r);
+      std::vector<F> o(static_cast<size_t>(R), F(no)), l(static_cast<size_t>(R), F(nl)), p(static_cast<size_t>(R));
+      std::vector<F> acc_o(static_cast<size_t>(R), F(no)), acc_l(static_cast<size_t>(R), F(nl));
+      for (int64_t s = 0; s < R; ++s) {
+        const int64_t src = (r - s + R) % R;
+        p[s].assign(static_cast<size_t>(c.B * c.Hq * Tq * Tq), NAN);
+        const F ks = rows_of(k, wkv, src), vs = rows_of(v, wkv, src);
+        ctr::cpu::cp_attention_block_fwd(qr.data(), ks.data(), vs.data(), o[s].data(), l[s].data(), p[s].data(), c.B,
+                                         Tq, c.Hq, c.Hkv, c.D, scale, c.causal, c.window, c.softcap, R, r, src);
+        if (s == 0) {
+          acc_o[0] = o[0];
+          acc_l[0] = l[0];
+        } else {
+          ctr::cpu::attn_merge_fwd(acc_o[s - 1].data(), acc_l[s - 1].data(), o[s].data(), l[s].data(),
+                                   acc_o[s].data(), acc_l[s].data(), c.B, Tq, c.Hq, c.D);
+        }
+      }
+      const std::string tag = attn_tag(c) + " ring cp=" + std::to_string(R) + " rank " + std::to_string(r);
+      expect_close(acc_o[R - 1], rows_of(out, wq, r), 2e-6, 1e-5, "ring attention out" + tag);
+      // Backward through the merges, last first, then each block.
+      F g_acc = doutr, g_accl;  // gradient of the running result (its lse has none at the end)
+      F dqr(no, 0.0f);
+      for (int64_t s = R - 1; s >= 0; --s) {
+        F go(no), gl(nl);
+        if (s > 0) {
+          F ga(no), gla(nl);
+          ctr::cpu::attn_merge_bwd(g_acc.data(), g_accl.empty() ? nullptr : g_accl.data(), acc_o[s - 1].data(),
+                                   acc_l[s - 1].data(), o[s].data(), l[s].data(), acc_o[s].data(), acc_l[s].data(),
+                                   ga.data(), gla.data(), go.data(), gl.data(), c.B, Tq, c.Hq, c.D);
+          g_acc = ga;
+          g_accl = gla;
+        } else {
+          go = g_acc;
+          gl = g_accl.empty() ? F(nl, 0.0f) : g_accl;
+        }
+        const int64_t src = (r - s + R) % R;
+        const F ks = rows_of(k, wkv, src), vs = rows_of(v, wkv, src);
+        F dqs(no, NAN), dks(c.B * Tq * wkv, NAN), dvs(c.B * Tq * wkv, NAN);
+        ctr::cpu::cp_attention_block_bwd(go.data(), gl.data(), qr.data(), ks.data(), vs.data(), p[s].data(),
+                                         dqs.data(), dks.data(), dvs.data(), c.B, Tq, c.Hq, c.Hkv, c.D, scale,
+                                         c.causal, c.window, c.softcap, R, r, src);
+        for (size_t e = 0; e < dqr.size(); ++e) dqr[e] += dqs[e];
+        for (size_t e = 0; e < dks.size(); ++e) {
+          dk_of[static_cast<size_t>(src)][e] += dks[e];
+          dv_of[static_cast<size_t>(src)][e] += dvs[e];
+        }
+      }
+      expect_close(dqr, rows_of(dq, wq, r), 2e-5, 1e-4, "ring attention dq" + tag);
+    }
+    for (int64_t s = 0; s < R; ++s) {
+      const std::string tag = attn_tag(c) + " ring cp=" + std::to_string(R) + " keys of rank " + std::to_string(s);
+      expect_close(dk_of[static_cast<size_t>(s)], rows_of(dk, wkv, s), 2e-5, 1e-4, "ring attention dk" + tag);
+      expect_close(dv_of[static_cast<size_t>(s)], rows_of(dv, wkv, s), 2e-5, 1e-4, "ring attention dv" + tag);
+    }
+  }
+}
+
 TEST(CpRope, RowsAtGlobalPositions) {
   const int64_t B = 2, T = 12, H = 2, D = 4, R = 3, Tq = T / R;
   F x = random_vec(B * T * H * D, 5), y(x.size()), dx(x.size());

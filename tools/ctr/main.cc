@@ -331,10 +331,11 @@ struct ScheduleArgs {
                   "With a tp axis: split the activations between the tensor-parallel regions (norms, "
                   "residuals) by tokens over tp, with all-gathers and reduce-scatters in place of all-reduces");
     cmd->add_option("--cp-mode", cp_mode,
-                    "Attention over a cp axis: gather (every rank's keys and values all-gathered) or ulysses "
-                    "(heads exchanged for positions all-to-all; cp must divide the heads and kv heads)")
+                    "Attention over a cp axis: gather (every rank's keys and values all-gathered), ulysses "
+                    "(heads exchanged for positions all-to-all; cp must divide the heads and kv heads) or ring "
+                    "(keys and values passed around the ranks, one block of attention per rank's keys)")
         ->capture_default_str()
-        ->check(CLI::IsMember({"gather", "ulysses"}));
+        ->check(CLI::IsMember({"gather", "ulysses", "ring"}));
   }
   void set(ctr_options *o) const {
     set_int(o, "prefetch", prefetch);

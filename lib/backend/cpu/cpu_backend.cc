@@ -575,6 +575,34 @@ void k_cp_attention_bwd(const Args &c) {
                         c.out<float>(0), c.out<float>(1), c.out<float>(2), d.B, d.T, d.Hq, d.Hkv, d.D, d.scale,
                         d.causal, d.window, d.softcap, p.cp_ranks, p.cp_index);
 }
+void k_cp_attention_block(const Args &c) {
+  auto d = attn_dims(c, 0);
+  const auto &p = c.params<ctr_attention_block_params>();
+  cpu::cp_attention_block_fwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.out<float>(0), c.out<float>(1),
+                              c.out<float>(2), d.B, d.T, d.Hq, d.Hkv, d.D, d.scale, d.causal, d.window, d.softcap,
+                              p.attention.cp_ranks, p.attention.cp_index, p.cp_source);
+}
+void k_cp_attention_block_bwd(const Args &c) {
+  auto d = attn_dims(c, 2);
+  const auto &p = c.params<ctr_attention_block_params>();
+  cpu::cp_attention_block_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.in<float>(4),
+                              c.in<float>(5), c.out<float>(0), c.out<float>(1), c.out<float>(2), d.B, d.T, d.Hq,
+                              d.Hkv, d.D, d.scale, d.causal, d.window, d.softcap, p.attention.cp_ranks,
+                              p.attention.cp_index, p.cp_source);
+}
+void k_attn_merge(const Args &c) {
+  const auto &o = c.in_shape(0);
+  const int64_t H = c.params<ctr_attn_merge_params>().heads;
+  cpu::attn_merge_fwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.out<float>(0),
+                      c.out<float>(1), o[0], o[1], H, o[2] / H);
+}
+void k_attn_merge_bwd(const Args &c) {
+  const auto &o = c.in_shape(1);
+  const int64_t H = c.params<ctr_attn_merge_params>().heads;
+  cpu::attn_merge_bwd(c.in<float>(0), c.num_inputs() > 7 ? c.in<float>(7) : nullptr, c.in<float>(1),
+                      c.in<float>(2), c.in<float>(3), c.in<float>(4), c.in<float>(5), c.in<float>(6),
+                      c.out<float>(0), c.out<float>(1), c.out<float>(2), c.out<float>(3), o[0], o[1], H, o[2] / H);
+}
 void k_cross_entropy(const Args &c) {
   const auto &l = c.in_shape(0);
   int64_t V = l.back();
@@ -812,7 +840,9 @@ void register_library_kernels() {
         {"pow", bind_ew<k_unary<cpu::Unary::Pow>>},  {"pow_bwd", bind_ew<k_unary_bwd<cpu::Unary::Pow>>},
         {"rope_bwd", bind<k_rope_bwd>},           {"attention", bind<k_attention>},
         {"attention_bwd", bind<k_attention_bwd>}, {"cp_attention", bind<k_cp_attention>},
-        {"cp_attention_bwd", bind<k_cp_attention_bwd>},
+        {"cp_attention_bwd", bind<k_cp_attention_bwd>}, {"cp_attention_block", bind<k_cp_attention_block>},
+        {"cp_attention_block_bwd", bind<k_cp_attention_block_bwd>}, {"attn_merge", bind<k_attn_merge>},
+        {"attn_merge_bwd", bind<k_attn_merge_bwd>},
         {"cp_rope", bind<k_rope>},                {"cp_rope_bwd", bind<k_rope_bwd>},
         {"cross_entropy", bind<k_cross_entropy>},
         {"vocab_ce_stats", bind<k_vocab_ce_stats>}, {"vocab_ce_loss", bind<k_vocab_ce_loss>},
