@@ -6,7 +6,8 @@
 
 For each world size (2 and 4) the peer is fsdp=W; the meshes measured against it are tp=W
 (and fsdp=2 x tp=2 at W=4), each also with sequence parallelism ("+sp"), and cp=W with keys
-and values gathered and with heads exchanged all-to-all ("+ulysses"). Per mesh, rank 0's
+and values gathered, with heads exchanged all-to-all ("+ulysses") and with keys and values
+passed around the ring ("+ring"). Per mesh, rank 0's
 figures:
   - planned memory: the activation arena and the parameter bytes from `ctr graph inspect
     --after plan_memory` (gradients take as many bytes as parameters, AdamW twice as many),
@@ -23,7 +24,8 @@ figures:
   - the bytes over cp per micro-batch that `inspect --after place` reports (gathered keys
     and values, or what the all-to-alls send to other ranks), next to the volume counted by
     hand: gather, 2 B T C floats per layer (every rank's k and v); ulysses, 4 exchanges (q,
-    k, v, the output) per layer of (cp-1)/cp of this rank's B T/cp C floats;
+    k, v, the output) per layer of (cp-1)/cp of this rank's B T/cp C floats; ring, cp-1
+    shifts of this rank's k and v (B T/cp C floats each) per layer;
   - the median step time of `ctr launch -n W -- ctr run --mesh M` over --steps steps (the
     first --warmup skipped), and its ratio to the peer's (--steps 0: memory and bytes only).
 Nothing is asserted: the figures are printed (and written with --json) for BENCHMARKS.md.
@@ -50,28 +52,28 @@ def sizes(mesh):
     return dict((k, int(v)) for k, v in (a.split("=") for a in mesh.split(",")))
 
 
-def inspect(ctr, graph, after, mesh, batch, sp=False, ulysses=False):
+def inspect(ctr, graph, after, mesh, batch, sp=False, cp_mode=None):
     s = sizes(mesh)
     args = [ctr, "graph", "inspect", graph, "--after", after, "--batch", str(batch)]
     if sp:
         args.append("--sequence-parallel")
-    if ulysses:
-        args += ["--cp-mode", "ulysses"]
+    if cp_mode:
+        args += ["--cp-mode", cp_mode]
     for axis in ("fsdp", "tp", "cp"):
         if axis in s:
             args += [f"--{axis}", str(s[axis])]
     return subprocess.run(args, capture_output=True, text=True, check=True).stdout
 
 
-def run(ctr, graph, world, mesh, batch, steps, warmup, threads, tmp, sp=False, ulysses=False):
-    tag = ("_sp" if sp else "") + ("_ulysses" if ulysses else "")
+def run(ctr, graph, world, mesh, batch, steps, warmup, threads, tmp, sp=False, cp_mode=None):
+    tag = ("_sp" if sp else "") + (f"_{cp_mode}" if cp_mode else "")
     metrics = os.path.join(tmp, f"m_{mesh.replace(',', '_').replace('=', '')}{tag}.jsonl")
     cmd = [ctr, "launch", "-n", str(world), "--", ctr, "run", graph, "--steps", str(steps), "--batch",
            str(batch), "--mesh", mesh, "--log-every", "0", "--metrics", metrics]
     if sp:
         cmd.append("--sequence-parallel")
-    if ulysses:
-        cmd += ["--cp-mode", "ulysses"]
+    if cp_mode:
+        cmd += ["--cp-mode", cp_mode]
     env = {**os.environ, "CTR_NUM_THREADS": str(threads)}
     subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, timeout=1800)
     rows = [json.loads(line) for line in open(metrics)][warmup:]
@@ -111,16 +113,17 @@ def main():
     print(f"{'mesh':>14} {'arena MiB':>10} {'params MiB':>11} {'by hand':>8} {'state MiB':>10} "
           f"{'tp|cp bytes/mb':>14} {'textbook':>9} {'arena vs':>8} {'step ms':>8} {'comm ms':>8} {'vs fsdp':>8}")
     results = []
-    for world, meshes in ((2, ["fsdp=2", "tp=2", "tp=2+sp", "cp=2", "cp=2+ulysses"]),
+    for world, meshes in ((2, ["fsdp=2", "tp=2", "tp=2+sp", "cp=2", "cp=2+ulysses", "cp=2+ring"]),
                           (4, ["fsdp=4", "tp=4", "tp=4+sp", "fsdp=2,tp=2", "fsdp=2,tp=2+sp", "cp=4",
-                               "cp=4+ulysses"])):
+                               "cp=4+ulysses", "cp=4+ring"])):
         peer_ms = peer_arena = None
         for label in meshes:
-            mesh, sp, ulysses = label.split("+")[0], label.endswith("+sp"), label.endswith("+ulysses")
+            mesh, sp = label.split("+")[0], label.endswith("+sp")
+            cp_mode = next((m for m in ("ulysses", "ring") if label.endswith("+" + m)), None)
             s = sizes(mesh)
             tp, fsdp, cp = s.get("tp", 1), s.get("fsdp", 1), s.get("cp", 1)
             batch = a.global_batch // (world // (tp * cp))
-            plan = inspect(ctr, graph, "plan_memory", mesh, batch, sp, ulysses)
+            plan = inspect(ctr, graph, "plan_memory", mesh, batch, sp, cp_mode)
             arena = int(re.search(r"arena (\d+) bytes", plan).group(1))
             params = int(re.search(r"params (\d+) bytes", plan).group(1))
             hand = 4 * ((total_params - split_params) + split_params / tp) / fsdp
@@ -140,16 +143,18 @@ def main():
                     tp_bytes = int(m.group(1))
                     textbook = 4 * L * batch * T * C * 4
             if cp > 1:
-                placed = inspect(ctr, graph, "place", mesh, batch, ulysses=ulysses)
+                placed = inspect(ctr, graph, "place", mesh, batch, cp_mode=cp_mode)
                 tp_bytes = int(re.search(r"\((\d+) bytes per micro-batch", placed).group(1))
-                if ulysses:
+                if cp_mode == "ulysses":
                     textbook = 4 * L * (batch * T // cp * C * 4) * (cp - 1) // cp
+                elif cp_mode == "ring":
+                    textbook = 2 * L * (cp - 1) * (batch * T // cp * C * 4)
                 else:
                     textbook = 2 * L * batch * T * C * 4
             step_ms = comm_ms = float("nan")
             if a.steps > 0:
                 step_ms, comm_ms = run(ctr, graph, world, mesh, batch, a.steps, a.warmup, a.threads, tmp, sp,
-                                       ulysses)
+                                       cp_mode)
             if peer_ms is None:
                 peer_ms, peer_arena = step_ms, arena
             state = arena + 4 * params  # params, gradients, AdamW m and v
