@@ -218,16 +218,25 @@ Resumed resume_checkpoint(Step &step, const std::string &root_in, const std::str
     char buf[256];
     f.read(buf, sizeof buf);
     named.assign(buf, static_cast<size_t>(f.gcount()));
-    if (size_t nl = named.find('\n'); nl != std::string::npos) named.resize(nl);
+    // The file holds one checkpoint's name and a newline, nothing after it.
+    const bool more = f.gcount() == static_cast<std::streamsize>(sizeof buf) && f.peek() != EOF;
+    bool trailing = more;
+    if (size_t nl = named.find('\n'); nl != std::string::npos) {
+      trailing = trailing || named.find_first_not_of(" \t\r\n", nl) != std::string::npos;
+      named.resize(nl);
+    }
     while (!named.empty() && std::isspace(static_cast<unsigned char>(named.back()))) named.pop_back();
     const bool printable = std::all_of(named.begin(), named.end(), [](char c) {
       return std::isprint(static_cast<unsigned char>(c)) != 0;
     });
-    if (named.empty() || named == "." || named == ".." || named.find('/') != std::string::npos ||
-        !printable || named.size() >= sizeof buf) {
-      pass_over(latest, printable && named.size() < 64
-                            ? strformat("names no checkpoint ('%s')", named.c_str())
-                            : std::string("is damaged (it holds no checkpoint name)"));
+    if (printable && !trailing && !named.empty() && named.size() < 64 && !checkpoint_step(named)) {
+      pass_over(latest, strformat("names no checkpoint ('%s')", named.c_str()));
+      named.clear();
+    } else if (named.empty() || named == "." || named == ".." || named.find('/') != std::string::npos ||
+               !printable || trailing || named.size() >= sizeof buf) {
+      pass_over(latest, trailing                      ? std::string("is damaged (more than a checkpoint's name)")
+                        : printable && named.size() < 64 ? strformat("names no checkpoint ('%s')", named.c_str())
+                                                         : std::string("is damaged (it holds no checkpoint name)"));
       named.clear();
     } else {
       candidates.push_back(join(root, named));

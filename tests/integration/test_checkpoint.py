@@ -297,8 +297,10 @@ def main():
     load_once(False, "checksum mismatch (the file was damaged or edited)", "edited metadata")
     restore()
 
-    # A damaged `latest` (garbage, or a megabyte of it) falls back to the newest complete one.
-    for junk in (b"\x00\xffnot a name\n", os.urandom(1 << 20)):
+    # A damaged `latest` (garbage; a short printable line followed by more garbage; a
+    # name that is not a checkpoint's; a megabyte of random bytes) falls back to the
+    # newest complete one, and the warning names `latest`.
+    for junk in (b"\x00\xffnot a name\n", b"@`\n" + bytes(range(256)), b"elsewhere\n", os.urandom(1 << 20)):
         with open(os.path.join(d, "latest"), "wb") as f:
             f.write(junk)
         p = run(["run", graph, "--steps", str(STEPS), "--batch", str(GLOBAL_BATCH), "--log-every", "0",
