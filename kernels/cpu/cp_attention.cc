@@ -198,95 +198,72 @@ int64_t pair_grain(const CpDims &d) {
   return flops >= 2e5 ? 1 : std::max<int64_t>(1, static_cast<int64_t>(2e5 / flops));
 }
 
-}  // namespace
-
-void cp_attention_fwd(const float *q, const float *k, const float *v, float *out, float *probs, int64_t B,
-                      int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal, int64_t window,
-                      float softcap, int64_t ranks, int64_t index) {
-  CpDims d = make_dims(B, Tq, Hq, Hkv, D, scale, causal, window, softcap, ranks, index);
+// Every (batch, kv head) pair on the pool; a group's query heads in order on
+// one thread, so that they add into their dk/dv block in a fixed order. lse and
+// dlse may be null (cp_attention has no log-sum-exp output).
+void run_forward(CpDims d, const float *q, const float *k, const float *v, float *out, float *lse, float *probs) {
   const std::vector<int64_t> kp = key_positions(d);
   d.kp = kp.data();
-  struct Args {
-    const float *q, *k, *v;
-    float *out, *probs;
-  } a{q, k, v, out, probs};
-  ctr::parallel_for(B * Hkv, pair_grain(d), [&d, &a](int64_t p0, int64_t p1) {
+  ctr::parallel_for(d.B * d.Hkv, pair_grain(d), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / d.Hkv, g = p % d.Hkv;
       const int64_t kv_off = b * d.Tk * d.ldkv + g * d.D;
       for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
-        const int64_t q_off = b * d.Tq * d.ldq + h * d.D;
-        forward_head(d, a.q + q_off, a.k + kv_off, a.v + kv_off, a.out + q_off,
-                     a.probs + (b * d.Hq + h) * d.Tq * d.Tk);
+        const int64_t q_off = b * d.Tq * d.ldq + h * d.D, row = (b * d.Hq + h) * d.Tq;
+        forward_head(d, q + q_off, k + kv_off, v + kv_off, out + q_off, probs + row * d.Tk,
+                     lse ? lse + row : nullptr);
       }
     }
   });
 }
 
-void cp_attention_bwd(const float *dout, const float *q, const float *k, const float *v, const float *probs,
-                      float *dq, float *dk, float *dv, int64_t B, int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D,
-                      float scale, bool causal, int64_t window, float softcap, int64_t ranks, int64_t index) {
-  CpDims d = make_dims(B, Tq, Hq, Hkv, D, scale, causal, window, softcap, ranks, index);
+void run_backward(CpDims d, const float *dout, const float *dlse, const float *q, const float *k, const float *v,
+                  const float *probs, float *dq, float *dk, float *dv) {
   const std::vector<int64_t> kp = key_positions(d);
   d.kp = kp.data();
-  struct Args {
-    const float *dout, *q, *k, *v, *probs;
-    float *dq, *dk, *dv;
-  } a{dout, q, k, v, probs, dq, dk, dv};
-  ctr::parallel_for(B * Hkv, pair_grain(d), [&d, &a](int64_t p0, int64_t p1) {
+  ctr::parallel_for(d.B * d.Hkv, pair_grain(d), [&](int64_t p0, int64_t p1) {
     float *dS = scratch(d.Tq * d.Tk);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / d.Hkv, g = p % d.Hkv;
       const int64_t kv_off = b * d.Tk * d.ldkv + g * d.D;
       for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
-        const int64_t q_off = b * d.Tq * d.ldq + h * d.D;
-        backward_head(d, a.dout + q_off, a.q + q_off, a.k + kv_off, a.v + kv_off,
-                      a.probs + (b * d.Hq + h) * d.Tq * d.Tk, a.dq + q_off, a.dk + kv_off, a.dv + kv_off,
-                      h == g * d.group ? 0.0f : 1.0f, dS);
+        const int64_t q_off = b * d.Tq * d.ldq + h * d.D, row = (b * d.Hq + h) * d.Tq;
+        backward_head(d, dout + q_off, q + q_off, k + kv_off, v + kv_off, probs + row * d.Tk, dq + q_off,
+                      dk + kv_off, dv + kv_off, h == g * d.group ? 0.0f : 1.0f, dS, dlse ? dlse + row : nullptr);
       }
     }
   });
 }
 
+}  // namespace
+
+void cp_attention_fwd(const float *q, const float *k, const float *v, float *out, float *probs, int64_t B,
+                      int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal, int64_t window,
+                      float softcap, int64_t ranks, int64_t index) {
+  run_forward(make_dims(B, Tq, Hq, Hkv, D, scale, causal, window, softcap, ranks, index), q, k, v, out, nullptr,
+              probs);
+}
+
+void cp_attention_bwd(const float *dout, const float *q, const float *k, const float *v, const float *probs,
+                      float *dq, float *dk, float *dv, int64_t B, int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D,
+                      float scale, bool causal, int64_t window, float softcap, int64_t ranks, int64_t index) {
+  run_backward(make_dims(B, Tq, Hq, Hkv, D, scale, causal, window, softcap, ranks, index), dout, nullptr, q, k, v,
+               probs, dq, dk, dv);
+}
+
 void cp_attention_block_fwd(const float *q, const float *k, const float *v, float *out, float *lse, float *probs,
                             int64_t B, int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
                             int64_t window, float softcap, int64_t ranks, int64_t index, int64_t source) {
-  CpDims d = make_dims(B, Tq, Hq, Hkv, D, scale, causal, window, softcap, ranks, index, source);
-  const std::vector<int64_t> kp = key_positions(d);
-  d.kp = kp.data();
-  ctr::parallel_for(B * Hkv, pair_grain(d), [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = p / d.Hkv, g = p % d.Hkv;
-      const int64_t kv_off = b * d.Tk * d.ldkv + g * d.D;
-      for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
-        const int64_t q_off = b * d.Tq * d.ldq + h * d.D;
-        forward_head(d, q + q_off, k + kv_off, v + kv_off, out + q_off, probs + (b * d.Hq + h) * d.Tq * d.Tk,
-                     lse + (b * d.Hq + h) * d.Tq);
-      }
-    }
-  });
+  run_forward(make_dims(B, Tq, Hq, Hkv, D, scale, causal, window, softcap, ranks, index, source), q, k, v, out, lse,
+              probs);
 }
 
 void cp_attention_block_bwd(const float *dout, const float *dlse, const float *q, const float *k, const float *v,
                             const float *probs, float *dq, float *dk, float *dv, int64_t B, int64_t Tq, int64_t Hq,
                             int64_t Hkv, int64_t D, float scale, bool causal, int64_t window, float softcap,
                             int64_t ranks, int64_t index, int64_t source) {
-  CpDims d = make_dims(B, Tq, Hq, Hkv, D, scale, causal, window, softcap, ranks, index, source);
-  const std::vector<int64_t> kp = key_positions(d);
-  d.kp = kp.data();
-  ctr::parallel_for(B * Hkv, pair_grain(d), [&](int64_t p0, int64_t p1) {
-    float *dS = scratch(d.Tq * d.Tk);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = p / d.Hkv, g = p % d.Hkv;
-      const int64_t kv_off = b * d.Tk * d.ldkv + g * d.D;
-      for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
-        const int64_t q_off = b * d.Tq * d.ldq + h * d.D;
-        backward_head(d, dout + q_off, q + q_off, k + kv_off, v + kv_off, probs + (b * d.Hq + h) * d.Tq * d.Tk,
-                      dq + q_off, dk + kv_off, dv + kv_off, h == g * d.group ? 0.0f : 1.0f, dS,
-                      dlse + (b * d.Hq + h) * d.Tq);
-      }
-    }
-  });
+  run_backward(make_dims(B, Tq, Hq, Hkv, D, scale, causal, window, softcap, ranks, index, source), dout, dlse, q, k,
+               v, probs, dq, dk, dv);
 }
 
 // Two partial attentions over disjoint key sets merged: out = wa oa + wb ob with
