@@ -324,6 +324,53 @@ class StoreServer {
     CTR_REQUIRE(resolve(cfg.addr, cfg.port, true, &local, &err), CTR_STATUS_COMM_ERROR,
                 "rendezvous: rank 0 cannot resolve its own address '%s': %s", cfg.addr.c_str(),
                 err.c_str());
+    if (int fd = inherited_listener(local); fd >= 0) {
+      listen_fd_ = Fd(fd);
+    } else {
+      bind_and_listen(cfg, local);
+    }
+    spare_fd_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    loopback_ = is_loopback(local.addr);
+    set_nonblocking(listen_fd_.get());
+    connect_host_ = cfg.addr;
+    wake_fd_ = Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    CTR_REQUIRE(wake_fd_.get() >= 0, CTR_STATUS_COMM_ERROR, "rendezvous: eventfd: %s",
+                errno_text(errno).c_str());
+    thread_ = std::thread([this] { run(); });
+  }
+
+  ~StoreServer() { stop(kServerLingerMs); }
+
+  // Where rank 0's own client connects.
+  const std::string &connect_host() const { return connect_host_; }
+
+ private:
+  // `ctr launch` binds and listens on the store's port itself and hands the
+  // socket to rank 0 (CTR_MASTER_LISTEN_FD), so that no other process can take
+  // the port between the launcher choosing it and rank 0 starting. Taken once
+  // per process, and only when it is a listening socket on the very address
+  // asked for; anything else is ignored and rank 0 binds as usual.
+  static int inherited_listener(const Resolved &local) {
+    static std::atomic<bool> taken{false};
+    const char *v = std::getenv("CTR_MASTER_LISTEN_FD");
+    if (!v || !*v || taken.load()) return -1;
+    int fd = -1;
+    auto [end, ec] = std::from_chars(v, v + std::strlen(v), fd);
+    if (ec != std::errc() || *end != '\0' || fd < 3) return -1;
+    int listening = 0;
+    socklen_t n = sizeof listening;
+    if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &n) != 0 || !listening) return -1;
+    sockaddr_storage have{};
+    socklen_t len = sizeof have;
+    if (::getsockname(fd, reinterpret_cast<sockaddr *>(&have), &len) != 0 || len != local.len ||
+        std::memcmp(&have, &local.addr, len) != 0)
+      return -1;
+    if (taken.exchange(true)) return -1;
+    ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+    return fd;
+  }
+
+  void bind_and_listen(const RendezvousConfig &cfg, Resolved local) {
     listen_fd_ = Fd(::socket(local.addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
     CTR_REQUIRE(listen_fd_.get() >= 0, CTR_STATUS_COMM_ERROR, "rendezvous: socket: %s",
                 errno_text(errno).c_str());
@@ -343,20 +390,9 @@ class StoreServer {
     CTR_REQUIRE(::listen(listen_fd_.get(), 1024) == 0, CTR_STATUS_COMM_ERROR,
                 "rendezvous: rank 0 cannot listen on port %d: %s", cfg.port,
                 errno_text(errno).c_str());
-    spare_fd_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-    loopback_ = is_loopback(local.addr);
-    set_nonblocking(listen_fd_.get());
-    connect_host_ = cfg.addr;
-    wake_fd_ = Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
-    CTR_REQUIRE(wake_fd_.get() >= 0, CTR_STATUS_COMM_ERROR, "rendezvous: eventfd: %s",
-                errno_text(errno).c_str());
-    thread_ = std::thread([this] { run(); });
   }
 
-  ~StoreServer() { stop(kServerLingerMs); }
-
-  // Where rank 0's own client connects.
-  const std::string &connect_host() const { return connect_host_; }
+ public:
 
   // Keeps serving until every client has disconnected or linger_ms pass.
   void stop(int64_t linger_ms) {

@@ -41,6 +41,24 @@ def main():
     ports = {line.split("port=")[1].split()[0] for line in p.stdout.splitlines() if "port=" in line}
     check(len(ports) == 1, f"ranks disagree on the port: {ports}")
 
+    # Rank 0, and only rank 0, inherits the launcher's socket, already listening
+    # on the job's port (its store takes it over: the port cannot be lost to
+    # another process before rank 0 starts).
+    probe = ("import os, socket\n"
+             "v = os.environ.get('CTR_MASTER_LISTEN_FD')\n"
+             "if v is None:\n"
+             "    print('none')\n"
+             "else:\n"
+             "    s = socket.socket(fileno=int(v))\n"
+             "    ok = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and "
+             "s.getsockname() == ('127.0.0.1', int(os.environ['CTR_MASTER_PORT']))\n"
+             "    s.detach()\n"
+             "    print('listening' if ok else 'wrong socket')\n")
+    p = subprocess.run([CTR, "launch", "-n", "2", "--", sys.executable, "-c", probe],
+                       capture_output=True, text=True, timeout=60)
+    check(p.returncode == 0 and "[0] listening" in p.stdout and "[1] none" in p.stdout,
+          f"the store's socket: {p.returncode} {p.stdout} {p.stderr}")
+
     # One rank fails: the others (blocked reading a pipe nobody writes) are
     # stopped and the launcher returns the failing rank's status.
     p, elapsed = launch(3, 'if [ "$CTR_RANK" = 1 ]; then exit 7; fi; exec cat')
@@ -189,8 +207,9 @@ def main():
           f"losses with direct collectives {losses['1']} differ from the segment's {losses['0']}")
 
     # Other launchers' environments: torchrun, Slurm (srun) and Open MPI (mpirun)
-    # start the ranks themselves; libctr reads their variables.
-    for style in ("torchrun", "slurm", "ompi"):
+    # start the ranks themselves; libctr reads their variables. Last, ranks started by
+    # hand with a CTR_MASTER_LISTEN_FD that is no store socket.
+    for style in ("torchrun", "slurm", "ompi", "stale fd"):
         def rank_env(r, port):
             if style == "torchrun":
                 return dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
@@ -198,8 +217,13 @@ def main():
             if style == "slurm":
                 return dict(SLURM_PROCID=str(r), SLURM_NTASKS="2", CTR_MASTER_ADDR="127.0.0.1",
                             CTR_MASTER_PORT=str(port))
-            return dict(OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="2",
-                        CTR_MASTER_ADDR="127.0.0.1", CTR_MASTER_PORT=str(port))
+            if style == "ompi":
+                return dict(OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="2",
+                            CTR_MASTER_ADDR="127.0.0.1", CTR_MASTER_PORT=str(port))
+            # A descriptor number that is not the store's socket (here: stderr,
+            # and one that is not open) is ignored; rank 0 binds the port itself.
+            return dict(CTR_RANK=str(r), CTR_WORLD_SIZE="2", CTR_MASTER_PORT=str(port),
+                        CTR_MASTER_LISTEN_FD=("2" if r == 0 else "977"))
         procs, outs, hung = run_two_ranks(graph, rank_env, ["--steps", "3", "--log-every", "1", "--timeout", "20"],
                                           90)
         if hung:
@@ -214,25 +238,45 @@ def run_two_ranks(graph, rank_env, args, limit_s, mesh="fsdp=2"):
     """Starts `ctr run GRAPH --mesh MESH --batch 2 ARGS` as two ranks without a launcher,
     rank_env(rank, port) giving each its variables (the CTR_ ones of this process are
     dropped), and waits limit_s for each. Returns (procs, [(stdout, stderr)], any killed)."""
-    import socket
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    procs = []
-    for r in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CTR_")}
-        env.update(rank_env(r, port))
-        procs.append(subprocess.Popen([CTR, "run", graph, "--mesh", mesh, "--batch", "2", *args],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    outs, hung = [], False
-    for pr in procs:
-        try:
-            outs.append(pr.communicate(timeout=limit_s))
-        except subprocess.TimeoutExpired:
-            pr.kill()
-            outs.append(pr.communicate())
-            hung = True
+    for attempt in range(4):
+        port = free_port_pair()
+        procs = []
+        for r in range(2):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("CTR_")}
+            env.update(rank_env(r, port))
+            procs.append(subprocess.Popen([CTR, "run", graph, "--mesh", mesh, "--batch", "2", *args],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        outs, hung = [], False
+        for pr in procs:
+            try:
+                outs.append(pr.communicate(timeout=limit_s))
+            except subprocess.TimeoutExpired:
+                pr.kill()
+                outs.append(pr.communicate())
+                hung = True
+        # Between choosing the port and rank 0 binding it, another process on
+        # this machine may take it (as with any launcher that hands a port
+        # number to its ranks): start again on another one.
+        if "Address already in use" not in outs[0][1]:
+            break
     return procs, outs, hung
+
+
+def free_port_pair():
+    """A port P such that P and P + 1 are both free now (torchrun's variables give
+    MASTER_PORT, held by torch's own store there, and libctr listens on the next)."""
+    import socket
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def finish():

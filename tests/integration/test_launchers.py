@@ -25,9 +25,17 @@ LIMIT_S = 120  # a hung job fails the test instead of blocking CI
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port P free now with P + 1 free too: under torchrun, torch's own store
+    holds MASTER_PORT and libctr's rank 0 listens on the next one."""
+    while True:
+        with socket.socket() as s, socket.socket() as t:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def clean_env():

@@ -54,20 +54,25 @@ void on_signal(int sig) {
   errno = saved;
 }
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
+// A listening socket on a free loopback port, held from here until rank 0
+// takes it over (CTR_MASTER_LISTEN_FD): no other process can take the port in
+// between, and ranks that connect before rank 0 starts wait in its backlog.
+// Returns the descriptor (close-on-exec) and sets *port; -1 on failure.
+int listen_on_free_port(int *port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return -1;
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port = 0;
   socklen_t len = sizeof a;
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr *>(&a), sizeof a) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr *>(&a), &len) == 0)
-    port = ntohs(a.sin_port);
-  close(fd);
-  return port;
+  if (bind(fd, reinterpret_cast<sockaddr *>(&a), sizeof a) != 0 || listen(fd, 1024) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr *>(&a), &len) != 0) {
+    close(fd);
+    return -1;
+  }
+  *port = ntohs(a.sin_port);
+  return fd;
 }
 
 std::string random_token() {
@@ -163,10 +168,15 @@ namespace {
 
 Outcome run_once(const LaunchOptions &opt, int attempt) {
   // A restart gets a fresh port unless one was given: the old one may linger.
-  int port = opt.port > 0 ? opt.port : free_port();
+  int port = opt.port;
+  int listen_fd = -1;
   if (port <= 0) {
-    std::fprintf(stderr, "ctr: error: launch: cannot find a free TCP port on 127.0.0.1\n");
-    return {1, false};
+    listen_fd = listen_on_free_port(&port);
+    if (listen_fd < 0) {
+      std::fprintf(stderr, "ctr: error: launch: cannot listen on a free TCP port on 127.0.0.1: %s\n",
+                   std::strerror(errno));
+      return {1, false};
+    }
   }
   const std::string token = random_token();
   const pid_t launcher = getpid();
@@ -197,6 +207,10 @@ Outcome run_once(const LaunchOptions &opt, int attempt) {
       setenv("CTR_MASTER_PORT", std::to_string(port).c_str(), 1);
       setenv("CTR_JOB_TOKEN", token.c_str(), 1);
       setenv("CTR_RESTART_COUNT", std::to_string(attempt).c_str(), 1);
+      if (listen_fd >= 0 && r == 0) {
+        fcntl(listen_fd, F_SETFD, 0);  // rank 0 inherits the store's socket
+        setenv("CTR_MASTER_LISTEN_FD", std::to_string(listen_fd).c_str(), 1);
+      }
       std::vector<char *> argv;
       for (const auto &a : opt.command) argv.push_back(const_cast<char *>(a.c_str()));
       argv.push_back(nullptr);
@@ -206,6 +220,7 @@ Outcome run_once(const LaunchOptions &opt, int attempt) {
     }
     close(out[1]);
     close(err[1]);
+    if (r == 0 && listen_fd >= 0) close(listen_fd), listen_fd = -1;
     ranks[r].pid = pid;
     ranks[r].out_fd = out[0];
     ranks[r].err_fd = err[0];
