@@ -323,10 +323,17 @@ CTR_API ctr_status ctr_graph_flops_per_token(const ctr_graph *graph, int64_t seq
  *                                   {"latency_us", "bytes_per_s"}}, "sources"})
  *   "recompute" string              policies tried, comma-separated ("none,all")
  *   "top" int                       plans listed (0 = all, the default)
+ *   "prune" int                     1 (default): refuse without compiling a
+ *                                   mesh whose share of the parameters,
+ *                                   gradients and optimizer state (16 bytes per
+ *                                   parameter over tp, pp, fsdp, and ep for the
+ *                                   experts) exceeds the device, and fewer
+ *                                   micro-batches than a layout that already
+ *                                   does not fit; 0: compile every candidate
  * *json (owned by the library, valid until this thread's next ctr_plan; the
  * graph is only read, so threads may plan one graph at once) gets
  * {"world", "global_batch", "seq", "cluster", "device", "sources",
- * "candidates", "feasible", "search_s", "plans": [...]}, each plan {"mesh",
+ * "candidates", "compiled", "feasible", "search_s", "plans": [...]}, each plan {"mesh",
  * "schedule", "micro_batches", "batch", "recompute", "cp_mode" (with cp:
  * "gather", "ulysses" or "ring", the step option), "feasible", "why" (when
  * not), "step_ms", "tokens_per_s", "mfu", "memory_bytes" (per device, the

@@ -489,6 +489,7 @@ extern "C" ctr_status ctr_plan(const ctr_graph *graph, const ctr_options *option
   req.global_batch = r.get_int("global_batch", 0, 1, int64_t{1} << 40);
   req.seq = r.get_int("seq", 0, 0, 1 << 24);
   req.top = r.get_int("top", 0, 0, 1 << 20);
+  req.prune = r.get_int("prune", 1, 0, 1) != 0;
   const std::string recompute = r.get_string("recompute", "none,all");
   const std::string cluster = r.get_string("cluster", "");
   r.finish();

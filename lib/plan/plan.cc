@@ -6,10 +6,14 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <optional>
+#include <thread>
+#include <tuple>
 
 #include "backend/backend.h"
 #include "core/status.h"
@@ -303,12 +307,159 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     if (seq_used == 0 && g.symbols.count("seq")) seq_used = g.symbols.at("seq");
   }
 
+  // What every layout must hold whatever its batch: parameters, gradients and
+  // AdamW's two moments, 16 bytes per fp32 parameter, the experts' split over
+  // ep too. A mesh whose share of them alone exceeds the device is refused
+  // without compiling (a lower bound: tp leaves some tensors whole, fsdp pads).
+  double dense_params = 0, expert_params = 0;
+  {
+    std::vector<bool> expert(graph.tensors.size(), false);
+    for (const Node &n : graph.nodes)
+      if (n.op.rfind("moe_", 0) == 0)
+        for (int t : n.inputs)
+          if (t >= 0) expert[static_cast<size_t>(t)] = true;
+    for (size_t t = 0; t < graph.tensors.size(); ++t) {
+      const Tensor &x = graph.tensors[t];
+      if (x.role != Role::Param) continue;
+      double numel = 1;
+      for (const Dim &d : x.dims) numel *= static_cast<double>(d.symbol.empty() ? d.size : 1);
+      (expert[t] ? expert_params : dense_params) += numel;
+    }
+  }
+
   json plans = json::array();
-  int64_t candidates = 0, feasible = 0;
-  for (const auto &axes : meshes) {
+  int64_t candidates = 0, feasible = 0, compiled = 0;
+
+  // Compiles and prices one candidate: its table row.
+  auto evaluate = [&](const Candidate &cd) {
+    const int64_t pp = cd.axes.at("pp");
+    json row = {{"mesh", cd.mesh_text()},
+                {"schedule", schedule_kind_name(cd.schedule)},
+                {"micro_batches", cd.micro_batches},
+                {"batch", cd.batch},
+                {"recompute", cd.recompute}};
+    if (cd.axes.at("cp") > 1) row["cp_mode"] = cd.cp_mode;
+    std::vector<StageCost> stages;
+    Schedule sched;
+    std::string why;
+    Layout layout;
+    layout.world = req.world;
+    try {
+      for (int64_t s = 0; s < pp; ++s) {
+        CompileOptions o;
+        o.batch = cd.batch;
+        o.seq = req.seq;
+        o.micro_batches = cd.micro_batches;
+        o.pp_schedule = cd.schedule;
+        o.recompute = cd.recompute;
+        o.cp_mode = cd.cp_mode;
+        o.precision = "fp32";
+        for (const char *a : kAxes) o.mesh.axes.push_back({a, cd.axes.at(a), std::string(a) == "pp" ? s : 0});
+        layout.mesh = o.mesh;
+        Graph g = graph;
+        PassContext ctx(g, o, [&](OpId op) { return backend_has_kernel(be, op); });
+        ctx.backend_flags = be.iface->flags;
+        run_passes(ctx);
+        StageCost sc;
+        const Priced f = price_phase(g, ctx.program.forward, layout, c);
+        const Priced b = price_phase(g, ctx.program.backward, layout, c);
+        const Priced w = price_phase(g, ctx.program.weight, layout, c);
+        sc.f = f.ms;
+        sc.b = b.ms;
+        sc.w = w.ms;
+        sc.comm_ms = f.comm_ms + b.comm_ms + w.comm_ms;
+        sc.exposed_ms = f.exposed_ms + b.exposed_ms + w.exposed_ms;
+        for (const Priced *ph : {&f, &b, &w})
+          for (const auto &[axis, ms] : ph->comm_by_axis) sc.comm_by_axis[axis] += ms;
+        const size_t st = static_cast<size_t>(s);
+        const int64_t slots = std::max<int64_t>(1, ctx.pipeline.in_flight[st]);
+        const MemoryPlan &mp = ctx.plan;
+        sc.param_bytes = mp.param_bytes;
+        // As step creation sizes it (Step::peak_bytes).
+        sc.memory = mp.arena_for(slots) + 2 * mp.param_bytes + mp.input_bytes + mp.const_bytes +
+                    mp.param_bytes * (cd.micro_batches > 1 ? 3 : 2);
+        for (const StageCut::Boundary &bd : ctx.stage_cut.send)
+          sc.send_bytes += static_cast<double>(g.tensors[static_cast<size_t>(bd.tensor)].bytes());
+        stages.push_back(sc);
+        sched = ctx.pipeline;
+      }
+    } catch (const Error &e) {
+      why = e.message();
+    }
+    if (!why.empty()) {
+      row["feasible"] = false;
+      row["why"] = why.substr(0, why.find('\n'));
+      return row;
+    }
+    int64_t memory = 0;
+    for (const StageCost &sc : stages) memory = std::max(memory, sc.memory);
+    double send = 0;
+    for (const StageCost &sc : stages) send = std::max(send, sc.send_bytes);
+    const auto [pp_ranks, pp_across] = axis_reach(layout, "pp", c.devices_per_host);
+    const ClusterProfile::Link &pl = pp_across ? c.network : c.host;
+    const double transfer = pp_ranks > 1 ? pl.latency_us * 1e-3 + send / pl.bytes_per_s * 1e3 : 0.0;
+    const SchedulePlay played = play_schedule(
+        sched,
+        [&](int st, TaskPhase ph) {
+          const StageCost &sc = stages[static_cast<size_t>(st)];
+          return ph == TaskPhase::Forward ? sc.f : ph == TaskPhase::Backward ? sc.b : sc.w;
+        },
+        transfer);
+    const double span = played.span;
+    const double bubble = span > 0 ? 1.0 - played.busy / (span * static_cast<double>(pp)) : 0.0;
+    // Gradient accumulation (a copy or an add per micro-batch) and AdamW
+    // (reads parameters, gradients and two moments, writes three), memory-bound.
+    double tail = 0;
+    for (const StageCost &sc : stages) {
+      const double pb = static_cast<double>(sc.param_bytes);
+      const double acc = cd.micro_batches > 1 ? static_cast<double>(cd.micro_batches) * 3.0 * pb : 0.0;
+      tail = std::max(tail, (acc + 7.0 * pb) / c.bytes_per_s * 1e3);
+    }
+    const double step_ms = span + tail;
+    json comm = json::object();
+    double comm_total = 0, exposed = 0;
+    for (const StageCost &sc : stages) {
+      for (const auto &[axis, ms] : sc.comm_by_axis)
+        comm[axis] = std::max(comm.value(axis, 0.0), ms * static_cast<double>(cd.micro_batches));
+      comm_total = std::max(comm_total, sc.comm_ms * static_cast<double>(cd.micro_batches));
+      exposed = std::max(exposed, sc.exposed_ms * static_cast<double>(cd.micro_batches));
+    }
+    json st = json::array();
+    for (const StageCost &sc : stages)
+      st.push_back({{"forward_ms", sc.f}, {"backward_ms", sc.b}, {"weight_ms", sc.w}, {"memory_bytes", sc.memory}});
+    row["memory_bytes"] = memory;
+    row["stages"] = st;
+    row["step_ms"] = step_ms;
+    row["bubble"] = pp > 1 ? bubble : 0.0;
+    row["comm_ms"] = comm;
+    row["exposed_comm_ms"] = exposed;
+    row["tokens_per_s"] = static_cast<double>(req.global_batch * seq_used) / (step_ms * 1e-3);
+    row["mfu"] = model_flops / (step_ms * 1e-3) / (c.flops * static_cast<double>(req.world));
+    if (memory > c.memory_bytes) {
+      row["feasible"] = false;
+      row["why"] = strformat("needs %.3f GiB per device, more than the %.3f GiB of %s", memory / 1073741824.0,
+                             c.memory_bytes / 1073741824.0, c.device_name.c_str());
+    } else {
+      row["feasible"] = true;
+    }
+    return row;
+  };
+
+  // Each mesh's candidates, planned on their own: the meshes are shared out
+  // among the machine's cores and their rows gathered in mesh order, so the
+  // result does not depend on the number of threads.
+  struct MeshResult {
+    json rows = json::array();
+    int64_t candidates = 0, compiled = 0, feasible = 0;
+    std::string error;  // an unexpected failure, rethrown on the caller's thread
+  };
+  auto plan_mesh = [&](const std::map<std::string, int64_t> &axes, MeshResult &out) {
     const int64_t data = axes.at("dp") * axes.at("fsdp") * axes.at("ep");
     const int64_t pp = axes.at("pp");
     std::vector<Candidate> cands;
+    const double state_bytes =
+        16.0 * (dense_params / static_cast<double>(axes.at("tp") * pp * axes.at("fsdp")) +
+                expert_params / static_cast<double>(axes.at("tp") * pp * axes.at("fsdp") * axes.at("ep")));
     if (req.global_batch % data == 0) {
       const int64_t rows = req.global_batch / data;
       std::vector<int64_t> micro;
@@ -344,125 +495,146 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
       json row = {{"mesh", cd.mesh_text()}, {"feasible", false},
                   {"why", strformat("the global batch of %lld does not split over %lld data ranks",
                                     static_cast<long long>(req.global_batch), static_cast<long long>(data))}};
-      plans.push_back(row);
-      ++candidates;
+      out.rows.push_back(row);
+      ++out.candidates;
     }
-    for (const Candidate &cd : cands) {
-      ++candidates;
-      json row = {{"mesh", cd.mesh_text()},
-                  {"schedule", schedule_kind_name(cd.schedule)},
-                  {"micro_batches", cd.micro_batches},
-                  {"batch", cd.batch},
-                  {"recompute", cd.recompute}};
+    // A candidate refused without compiling: its row with the reason.
+    auto refuse = [&](const Candidate &cd, const std::string &why) {
+      json row = {{"mesh", cd.mesh_text()}, {"schedule", schedule_kind_name(cd.schedule)},
+                  {"micro_batches", cd.micro_batches}, {"batch", cd.batch}, {"recompute", cd.recompute},
+                  {"feasible", false}, {"why", why}};
       if (cd.axes.at("cp") > 1) row["cp_mode"] = cd.cp_mode;
-      std::vector<StageCost> stages;
-      Schedule sched;
-      std::string why;
-      Layout layout;
-      layout.world = req.world;
-      try {
-        for (int64_t s = 0; s < pp; ++s) {
-          CompileOptions o;
-          o.batch = cd.batch;
-          o.seq = req.seq;
-          o.micro_batches = cd.micro_batches;
-          o.pp_schedule = cd.schedule;
-          o.recompute = cd.recompute;
-          o.cp_mode = cd.cp_mode;
-          o.precision = "fp32";
-          for (const char *a : kAxes) o.mesh.axes.push_back({a, cd.axes.at(a), std::string(a) == "pp" ? s : 0});
-          layout.mesh = o.mesh;
-          Graph g = graph;
-          PassContext ctx(g, o, [&](OpId op) { return backend_has_kernel(be, op); });
-          ctx.backend_flags = be.iface->flags;
-          run_passes(ctx);
-          StageCost sc;
-          const Priced f = price_phase(g, ctx.program.forward, layout, c);
-          const Priced b = price_phase(g, ctx.program.backward, layout, c);
-          const Priced w = price_phase(g, ctx.program.weight, layout, c);
-          sc.f = f.ms;
-          sc.b = b.ms;
-          sc.w = w.ms;
-          sc.comm_ms = f.comm_ms + b.comm_ms + w.comm_ms;
-          sc.exposed_ms = f.exposed_ms + b.exposed_ms + w.exposed_ms;
-          for (const Priced *ph : {&f, &b, &w})
-            for (const auto &[axis, ms] : ph->comm_by_axis) sc.comm_by_axis[axis] += ms;
-          const size_t st = static_cast<size_t>(s);
-          const int64_t slots = std::max<int64_t>(1, ctx.pipeline.in_flight[st]);
-          const MemoryPlan &mp = ctx.plan;
-          sc.param_bytes = mp.param_bytes;
-          // As step creation sizes it (Step::peak_bytes).
-          sc.memory = mp.arena_for(slots) + 2 * mp.param_bytes + mp.input_bytes + mp.const_bytes +
-                      mp.param_bytes * (cd.micro_batches > 1 ? 3 : 2);
-          for (const StageCut::Boundary &bd : ctx.stage_cut.send)
-            sc.send_bytes += static_cast<double>(g.tensors[static_cast<size_t>(bd.tensor)].bytes());
-          stages.push_back(sc);
-          sched = ctx.pipeline;
-        }
-      } catch (const Error &e) {
-        why = e.message();
-      }
-      if (!why.empty()) {
-        row["feasible"] = false;
-        row["why"] = why.substr(0, why.find('\n'));
-        plans.push_back(row);
-        continue;
-      }
-      int64_t memory = 0;
-      for (const StageCost &sc : stages) memory = std::max(memory, sc.memory);
-      double send = 0;
-      for (const StageCost &sc : stages) send = std::max(send, sc.send_bytes);
-      const auto [pp_ranks, pp_across] = axis_reach(layout, "pp", c.devices_per_host);
-      const ClusterProfile::Link &pl = pp_across ? c.network : c.host;
-      const double transfer = pp_ranks > 1 ? pl.latency_us * 1e-3 + send / pl.bytes_per_s * 1e3 : 0.0;
-      const SchedulePlay played = play_schedule(
-          sched,
-          [&](int st, TaskPhase ph) {
-            const StageCost &sc = stages[static_cast<size_t>(st)];
-            return ph == TaskPhase::Forward ? sc.f : ph == TaskPhase::Backward ? sc.b : sc.w;
-          },
-          transfer);
-      const double span = played.span;
-      const double bubble = span > 0 ? 1.0 - played.busy / (span * static_cast<double>(pp)) : 0.0;
-      // Gradient accumulation (a copy or an add per micro-batch) and AdamW
-      // (reads parameters, gradients and two moments, writes three), memory-bound.
-      double tail = 0;
-      for (const StageCost &sc : stages) {
-        const double pb = static_cast<double>(sc.param_bytes);
-        const double acc = cd.micro_batches > 1 ? static_cast<double>(cd.micro_batches) * 3.0 * pb : 0.0;
-        tail = std::max(tail, (acc + 7.0 * pb) / c.bytes_per_s * 1e3);
-      }
-      const double step_ms = span + tail;
-      json comm = json::object();
-      double comm_total = 0, exposed = 0;
-      for (const StageCost &sc : stages) {
-        for (const auto &[axis, ms] : sc.comm_by_axis)
-          comm[axis] = std::max(comm.value(axis, 0.0), ms * static_cast<double>(cd.micro_batches));
-        comm_total = std::max(comm_total, sc.comm_ms * static_cast<double>(cd.micro_batches));
-        exposed = std::max(exposed, sc.exposed_ms * static_cast<double>(cd.micro_batches));
-      }
-      json st = json::array();
-      for (const StageCost &sc : stages)
-        st.push_back({{"forward_ms", sc.f}, {"backward_ms", sc.b}, {"weight_ms", sc.w}, {"memory_bytes", sc.memory}});
-      row["memory_bytes"] = memory;
-      row["stages"] = st;
-      row["step_ms"] = step_ms;
-      row["bubble"] = pp > 1 ? bubble : 0.0;
-      row["comm_ms"] = comm;
-      row["exposed_comm_ms"] = exposed;
-      row["tokens_per_s"] = static_cast<double>(req.global_batch * seq_used) / (step_ms * 1e-3);
-      row["mfu"] = model_flops / (step_ms * 1e-3) / (c.flops * static_cast<double>(req.world));
-      if (memory > c.memory_bytes) {
-        row["feasible"] = false;
-        row["why"] = strformat("needs %.3f GiB per device, more than the %.3f GiB of %s", memory / 1073741824.0,
-                               c.memory_bytes / 1073741824.0, c.device_name.c_str());
-      } else {
-        row["feasible"] = true;
-        ++feasible;
-      }
-      plans.push_back(row);
+      out.rows.push_back(row);
+      ++out.candidates;
+    };
+    if (req.prune && state_bytes > static_cast<double>(c.memory_bytes)) {
+      const std::string why = strformat(
+          "parameters, gradients and optimizer state alone need at least %.3f GiB per device, more than the "
+          "%.3f GiB of %s",
+          state_bytes / 1073741824.0, c.memory_bytes / 1073741824.0, c.device_name.c_str());
+      for (const Candidate &cd : cands) refuse(cd, why);
+      return;
     }
+    // Candidates that differ only in their micro-batch count form a group.
+    // With at least one micro-batch per stage the micro-batches in flight are
+    // fixed, and fewer rows per micro-batch need no more memory: a binary
+    // search over the counts finds the fewest that fit, and those below it are
+    // refused without compiling. With one stage, more micro-batches than that
+    // are never faster (each kernel's time is affine in its rows with a
+    // non-negative constant, the weights are read and gathered once per
+    // micro-batch, and a program's span grows with its tasks' times), so they
+    // are pruned; with stages they shorten the bubble and are all priced.
+    std::stable_sort(cands.begin(), cands.end(), [](const Candidate &x, const Candidate &y) {
+      return std::tie(x.schedule, x.recompute, x.cp_mode, x.micro_batches) <
+             std::tie(y.schedule, y.recompute, y.cp_mode, y.micro_batches);
+    });
+    for (size_t g0 = 0; g0 < cands.size();) {
+      size_t g1 = g0;
+      while (g1 < cands.size() && cands[g1].schedule == cands[g0].schedule &&
+             cands[g1].recompute == cands[g0].recompute && cands[g1].cp_mode == cands[g0].cp_mode)
+        ++g1;
+      std::vector<std::optional<json>> priced(g1 - g0);
+      auto price = [&](size_t i) -> const json & {
+        if (!priced[i]) {
+          ++out.compiled;
+          priced[i] = evaluate(cands[g0 + i]);
+        }
+        return *priced[i];
+      };
+      auto too_big = [&](const json &row) {
+        return !row["feasible"].get<bool>() && row.contains("memory_bytes") &&
+               row["memory_bytes"].get<int64_t>() > c.memory_bytes;
+      };
+      size_t fit = g1 - g0;  // the first that fits; all of the group when not searching
+      bool searched = req.prune;
+      std::string group_error;
+      if (req.prune) {
+        // The most micro-batches first: when even they do not fit, nothing does.
+        size_t lo = 0, hi = g1 - g0 - 1;
+        const json &last = price(hi);
+        if (!last["feasible"].get<bool>()) {
+          lo = too_big(last) ? g1 - g0 : 0;
+          searched = too_big(last);
+          hi = lo;
+          // A layout the model cannot take fails the same way for every count
+          // (the placement and stage passes see the mesh, not the rows): when
+          // the fewest micro-batches fail as the most do, so do the others.
+          if (!searched && g1 - g0 > 1) {
+            const json &first = price(0);
+            if (!first["feasible"].get<bool>() && !too_big(first) && first["why"] == last["why"])
+              group_error = last["why"].get<std::string>();
+          }
+        }
+        while (lo < hi) {
+          const size_t mid = lo + (hi - lo) / 2;
+          const json &row = price(mid);
+          if (row["feasible"].get<bool>()) {
+            hi = mid;
+          } else if (too_big(row)) {
+            lo = mid + 1;
+          } else {  // it does not compile: price the whole group
+            searched = false;
+            break;
+          }
+        }
+        if (searched) fit = lo;
+      }
+      for (size_t i = 0; i < g1 - g0; ++i) {
+        const Candidate &cd = cands[g0 + i];
+        if (!group_error.empty() && !priced[i]) {
+          refuse(cd, group_error);
+          continue;
+        }
+        if (searched && i < fit && !priced[i]) {
+          size_t q = i;  // the binary search priced the one just below the fit
+          while (!priced[q]) ++q;
+          refuse(cd, strformat("needs at least the %.3f GiB per device of the same layout with %lld micro-batches, "
+                               "more than the %.3f GiB of %s",
+                               (*priced[q])["memory_bytes"].get<int64_t>() / 1073741824.0,
+                               static_cast<long long>(cands[g0 + q].micro_batches), c.memory_bytes / 1073741824.0,
+                               c.device_name.c_str()));
+          continue;
+        }
+        if (searched && i > fit && pp == 1 && !priced[i]) {
+          refuse(cd, strformat("no faster than the same layout with %lld micro-batches, which fits (with one stage "
+                               "more micro-batches only add launches, weight reads and collectives)",
+                               static_cast<long long>(cands[g0 + fit].micro_batches)));
+          out.rows.back()["pruned"] = true;
+          continue;
+        }
+        const json &row = price(i);
+        ++out.candidates;
+        if (row["feasible"].get<bool>()) ++out.feasible;
+        out.rows.push_back(row);
+      }
+      g0 = g1;
+    }
+  };
+  std::vector<MeshResult> results(meshes.size());
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < meshes.size();) {
+      try {
+        plan_mesh(meshes[i], results[i]);
+      } catch (const std::exception &e) {
+        results[i].error = e.what();
+      }
+    }
+  };
+  const size_t threads =
+      std::min<size_t>(meshes.size(), std::max(1u, std::min(std::thread::hardware_concurrency(), 16u)));
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread &t : pool) t.join();
+  for (MeshResult &r : results) {
+    CTR_REQUIRE(r.error.empty(), CTR_STATUS_INTERNAL, "plan: %s", r.error.c_str());
+    for (json &row : r.rows) plans.push_back(std::move(row));
+    candidates += r.candidates;
+    compiled += r.compiled;
+    feasible += r.feasible;
   }
+
   std::vector<json> rows(plans.begin(), plans.end());
   std::stable_sort(rows.begin(), rows.end(), [](const json &a, const json &b) {
     const bool fa = a["feasible"].get<bool>(), fb = b["feasible"].get<bool>();
@@ -480,6 +652,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
               {"device", c.device_name},
               {"sources", c.sources},
               {"candidates", candidates},
+              {"compiled", compiled},
               {"feasible", feasible},
               {"plans", rows}};
   out["search_s"] =

@@ -24,7 +24,12 @@
 //     micro-batches in flight, parameters, gradients, inputs, constants and
 //     optimizer state.
 // A candidate that does not compile (a mesh the model cannot take) or does not
-// fit the device's memory is listed as infeasible with the reason.
+// fit the device's memory is listed as infeasible with the reason. Candidates
+// that memory bounds rule out (a mesh's share of the parameters' state alone;
+// fewer micro-batches than a layout that does not fit), or that cannot be
+// faster than another of their mesh, are listed without compiling (see
+// PlanRequest::prune and plan.cc). Meshes are planned on several threads; the
+// result does not depend on how many.
 #pragma once
 
 #include <cstdint>
@@ -78,6 +83,10 @@ struct PlanRequest {
   int64_t seq = 0;           // 0: the graph's maximum
   std::vector<std::string> recompute = {"none", "all"};
   int64_t top = 0;  // plans listed (feasible first); 0: all
+  // Refuse without compiling what cannot fit: a mesh whose share of the
+  // parameters, gradients and optimizer state exceeds the device, and fewer
+  // micro-batches than a layout that already does not fit. false: compile all.
+  bool prune = true;
 };
 
 // Plans every candidate of g for req on cluster c and returns the result as JSON:

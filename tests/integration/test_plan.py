@@ -51,14 +51,15 @@ def plan(ctr, graph, *args, world=2, batch=8, profile=PROFILE):
 
 
 def test_the_ranking_is_deterministic_and_covers_every_axis(ctr, graph):
-    a, b = plan(ctr, graph), plan(ctr, graph)
+    a, b = plan(ctr, graph, "--no-prune"), plan(ctr, graph, "--no-prune")
     strip = [{k: v for k, v in p.items()} for p in a["plans"]]
     assert strip == b["plans"]
     meshes = {p["mesh"] for p in a["plans"]}
     assert {"fsdp=2", "dp=2", "tp=2", "cp=2", "pp=2"} <= meshes, meshes
     assert {p["schedule"] for p in a["plans"] if p["mesh"] == "pp=2"} == {"1f1b", "zb"}
     assert {p["cp_mode"] for p in a["plans"] if p["mesh"] == "cp=2"} == {"gather", "ulysses", "ring"}
-    assert a["candidates"] == len(a["plans"]) and a["feasible"] == sum(p["feasible"] for p in a["plans"])
+    assert a["candidates"] == len(a["plans"]) == a["compiled"]
+    assert a["feasible"] == sum(p["feasible"] for p in a["plans"])
     steps = [p["step_ms"] for p in a["plans"] if p["feasible"]]
     assert steps == sorted(steps) and all(s > 0 for s in steps)
     for p in a["plans"]:
@@ -88,7 +89,7 @@ def test_predicted_memory_is_what_step_creation_plans(ctr, graph, tmp_path, mesh
 
 
 def test_a_plan_infeasible_for_memory_is_refused_by_step_creation(ctr, graph, tmp_path):
-    everything = plan(ctr, graph)["plans"]
+    everything = plan(ctr, graph, "--no-prune")["plans"]
     sizes = sorted({p["memory_bytes"] for p in everything})
     limit = (sizes[0] + sizes[-1]) // 2
     prof = json.load(open(PROFILE))
@@ -110,6 +111,51 @@ def test_a_plan_infeasible_for_memory_is_refused_by_step_creation(ctr, graph, tm
                 timeout=120)
         if expect:
             assert "more than the memory limit" in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
+
+
+@pytest.mark.parametrize("world,batch,fraction", [(2, 8, 0.5), (4, 16, 0.3), (4, 16, 0.02)])
+def test_pruning_keeps_every_plan_worth_listing(ctr, graph, tmp_path, world, batch, fraction):
+    """The search refuses without compiling what the memory bounds rule out and,
+    with one stage, more micro-batches than the fewest that fit. Against the
+    exhaustive search on a device whose memory cuts through the candidates: the
+    same candidates, the same plan first, every plan it prices priced alike,
+    every refusal for memory a plan that does not fit, and every layout it
+    prunes no faster than the one it names."""
+    everything = plan(ctr, graph, "--no-prune", world=world, batch=batch)["plans"]
+    sizes = sorted(p["memory_bytes"] for p in everything if "memory_bytes" in p)
+    limit = int(sizes[0] + (sizes[-1] - sizes[0]) * fraction)
+    prof = json.load(open(PROFILE))
+    prof["device"]["memory_bytes"] = limit
+    small = str(tmp_path / "small.json")
+    json.dump(prof, open(small, "w"))
+    full = plan(ctr, graph, "--no-prune", world=world, batch=batch, profile=small)
+    pruned = plan(ctr, graph, world=world, batch=batch, profile=small)
+    assert pruned["candidates"] == full["candidates"] == len(pruned["plans"])
+    assert pruned["compiled"] < full["compiled"], (pruned["compiled"], full["compiled"])
+    key = lambda p: (p["mesh"], p.get("schedule"), p.get("micro_batches"), p.get("recompute"), p.get("cp_mode"))
+    whole = {key(p): p for p in full["plans"]}
+    assert len(whole) == len(full["plans"])
+    first = [p for p in full["plans"] if p["feasible"]][:1]
+    assert [p for p in pruned["plans"] if p["feasible"]][:1] == first
+    refused = 0
+    for p in pruned["plans"]:
+        q = whole[key(p)]
+        if "memory_bytes" in p:
+            assert p == q
+        elif p.get("pruned"):
+            named = int(p["why"].split("same layout with ")[1].split()[0])
+            peer = whole[key({**p, "micro_batches": named})]
+            assert peer["feasible"] and q["step_ms"] >= peer["step_ms"] * (1 - 1e-12), (p, q, peer)
+        elif p["why"] == q.get("why"):
+            assert not q["feasible"], (p, q)  # a layout the model cannot take, as its group's others
+        else:
+            # Refused for memory: the exhaustive search finds it too big, or
+            # a layout the model cannot take at all.
+            refused += 1
+            assert not q["feasible"] and q.get("memory_bytes", limit + 1) > limit, (p, q)
+            assert "more than the" in p["why"], p
+    assert refused > 0 or fraction > 0.4
+    assert any(p.get("pruned") for p in pruned["plans"])
 
 
 def test_mesh_auto_runs_the_first_feasible_plan_as_the_same_plan_by_hand(ctr, graph, tmp_path):

@@ -22,7 +22,7 @@ struct PlanCommand::Args {
   CLI::App *cmd = nullptr;
   std::string graph, cluster, recompute = "none,all";
   int64_t world = 0, global_batch = 0, seq = 0, top = 20, explain = 0;
-  bool json = false;
+  bool json = false, no_prune = false;
 };
 
 PlanCommand::PlanCommand(CLI::App &app) : args_(std::make_unique<Args>()) {
@@ -45,6 +45,8 @@ PlanCommand::PlanCommand(CLI::App &app) : args_(std::make_unique<Args>()) {
   a.cmd->add_option("--explain", a.explain, "Print the breakdown of the K-th plan of the table (1 = the first)")
       ->check(CLI::PositiveNumber);
   a.cmd->add_flag("--json", a.json, "Print the planner's JSON instead of the table");
+  a.cmd->add_flag("--no-prune", a.no_prune,
+                  "Compile every candidate, even those the memory bounds already refuse (slower; the same plans)");
 }
 
 PlanCommand::~PlanCommand() = default;
@@ -77,6 +79,7 @@ int PlanCommand::run() const {
   ctr_options_set_int(o, "seq", a.seq);
   ctr_options_set_string(o, "cluster", a.cluster.c_str());
   ctr_options_set_string(o, "recompute", a.recompute.c_str());
+  if (a.no_prune) ctr_options_set_int(o, "prune", 0);
   const char *text = nullptr;
   const ctr_status st = ctr_plan(graph, o, &text);
   ctr_options_free(o);
@@ -92,12 +95,13 @@ int PlanCommand::run() const {
     return 0;
   }
   const auto &plans = r["plans"];
-  std::printf("%s: %lld devices (%s), global batch %lld x seq %lld; %lld candidates, %lld feasible, searched in "
-              "%.2f s\n",
+  std::printf("%s: %lld devices (%s), global batch %lld x seq %lld; %lld candidates (%lld compiled), %lld feasible, "
+              "searched in %.2f s\n",
               r["cluster"].get<std::string>().c_str(), static_cast<long long>(r["world"].get<int64_t>()),
               r["device"].get<std::string>().c_str(), static_cast<long long>(r["global_batch"].get<int64_t>()),
               static_cast<long long>(r["seq"].get<int64_t>()), static_cast<long long>(r["candidates"].get<int64_t>()),
-              static_cast<long long>(r["feasible"].get<int64_t>()), r["search_s"].get<double>());
+              static_cast<long long>(r["compiled"].get<int64_t>()), static_cast<long long>(r["feasible"].get<int64_t>()),
+              r["search_s"].get<double>());
   std::printf("%4s  %-28s %-8s %6s %6s %-9s %10s %12s %7s %9s %7s %10s\n", "rank", "mesh", "schedule", "micro",
               "batch", "recompute", "step ms", "tokens/s", "MFU", "GiB/dev", "bubble", "exposed ms");
   int64_t k = 0;
