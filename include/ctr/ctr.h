@@ -329,7 +329,10 @@ CTR_API ctr_status ctr_graph_flops_per_token(const ctr_graph *graph, int64_t seq
  *                                   parameter over tp, pp, fsdp, and ep for the
  *                                   experts) exceeds the device, and fewer
  *                                   micro-batches than a layout that already
- *                                   does not fit; 0: compile every candidate
+ *                                   does not fit, and layouts that cannot be
+ *                                   faster than one already priced ("pruned":
+ *                                   true, with the bound); 0: compile every
+ *                                   candidate
  * *json (owned by the library, valid until this thread's next ctr_plan; the
  * graph is only read, so threads may plan one graph at once) gets
  * {"world", "global_batch", "seq", "cluster", "device", "sources",

@@ -126,14 +126,25 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &
   // Placement, largest first at the lowest offset free for its lifetime. With
   // `scratch` flags, the held tensors are placed from offset 0 and the scratch
   // ones after them; returns (arena, held) bytes.
+  std::vector<int64_t> alloc_of(static_cast<size_t>(nt), 0), size_of(static_cast<size_t>(nt), 0);
+  for (int i : order) {
+    alloc_of[static_cast<size_t>(i)] = g.tensors[i].alloc_size();
+    size_of[static_cast<size_t>(i)] = align_up(std::max<int64_t>(alloc_of[static_cast<size_t>(i)], 1));
+  }
   auto place = [&](std::vector<int> order, const std::vector<char> &scratch) {
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
       if (scratch[static_cast<size_t>(a)] != scratch[static_cast<size_t>(b)])
         return scratch[static_cast<size_t>(a)] < scratch[static_cast<size_t>(b)];
-      return g.tensors[a].alloc_size() > g.tensors[b].alloc_size();
+      return alloc_of[static_cast<size_t>(a)] > alloc_of[static_cast<size_t>(b)];
     });
-    std::vector<int> placed;
-    std::vector<std::pair<int64_t, int64_t>> busy;  // [offset, end) of overlapping tensors
+    // The placed tensors in order of [offset, end): the first fit scans them in
+    // that order, skipping those whose lifetime does not meet the new one's,
+    // and stops at the first gap large enough.
+    struct Placed {
+      int64_t off, end;
+      int tensor;
+    };
+    std::vector<Placed> placed;
     int64_t arena = 0, held = -1, base = 0;
     for (int i : order) {
       Tensor &t = g.tensors[i];
@@ -141,21 +152,21 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &
         base = held = arena;
         placed.clear();  // the two parts never share bytes
       }
-      const int64_t size = align_up(std::max<int64_t>(t.alloc_size(), 1));
-      busy.clear();
-      for (int p : placed)
-        if (first[p] <= last[i] && first[i] <= last[p])
-          busy.emplace_back(g.tensors[p].offset,
-                            g.tensors[p].offset + align_up(std::max<int64_t>(g.tensors[p].alloc_size(), 1)));
-      std::sort(busy.begin(), busy.end());
+      const int64_t size = size_of[static_cast<size_t>(i)];
       int64_t off = base;
-      for (const auto &r : busy) {
-        if (r.first - off >= size) break;
-        off = std::max(off, r.second);
+      for (const Placed &r : placed) {
+        if (!(first[r.tensor] <= last[i] && first[i] <= last[r.tensor])) continue;
+        if (r.off - off >= size) break;
+        off = std::max(off, r.end);
       }
       t.offset = off;
       arena = std::max(arena, off + size);
-      placed.push_back(i);
+      const Placed me{off, off + size, i};
+      placed.insert(std::upper_bound(placed.begin(), placed.end(), me,
+                                     [](const Placed &a, const Placed &b) {
+                                       return std::tie(a.off, a.end) < std::tie(b.off, b.end);
+                                     }),
+                    me);
     }
     return std::make_pair(arena, held < 0 ? arena : held);
   };

@@ -68,6 +68,22 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
       if (bwd_segs.block(g, s) == last_block) keep_until = s;
   }
 
+  // Each parameter's gradient, its readers (node, input slot) in node order,
+  // and each tensor's producer, found once (the loop below adds nodes only
+  // beside the existing ones and tensors only past ntensors).
+  std::vector<int> grad_for(static_cast<size_t>(ntensors), -1), producer_of(static_cast<size_t>(ntensors), -1);
+  std::vector<std::vector<std::pair<int, int>>> readers(static_cast<size_t>(ntensors));
+  for (int t = 0; t < ntensors; ++t)
+    if (g.tensors[t].grad_of >= 0 && g.tensors[t].grad_of < ntensors) grad_for[static_cast<size_t>(g.tensors[t].grad_of)] = t;
+  for (int ni = 0; ni < static_cast<int>(g.nodes.size()); ++ni) {
+    const Node &n = g.nodes[ni];
+    for (size_t k = 0; k < n.inputs.size(); ++k)
+      if (n.inputs[k] >= 0 && n.inputs[k] < ntensors && g.tensors[n.inputs[k]].role == Role::Param)
+        readers[static_cast<size_t>(n.inputs[k])].emplace_back(ni, static_cast<int>(k));
+    for (int o : n.outputs)
+      if (o >= 0 && o < ntensors) producer_of[static_cast<size_t>(o)] = ni;
+  }
+
   for (int p = 0; p < ntensors; ++p) {
     if (g.tensors[p].role != Role::Param) continue;
     const std::vector<int64_t> full_shape = g.tensors[p].shape;
@@ -78,9 +94,7 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
     const int64_t rows = (N0 + F - 1) / F;
     const int64_t padded_bytes = rows * F * row_elems * 4;
 
-    int grad = -1;
-    for (int t = 0; t < ntensors; ++t)
-      if (g.tensors[t].grad_of == p) grad = t;
+    const int grad = grad_for[static_cast<size_t>(p)];
 
     // Expert weights were split over ep by the expert pass (Shard(0) on ep).
     // Within the ep group's fsdp ranks they are sharded further when fsdp
@@ -107,13 +121,11 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
         return g.add_tensor(std::move(t));
       };
       int first_fwd = -1, first_bwd = -1, last_fwd = -1;
-      for (int ni = 0; ni < static_cast<int>(g.nodes.size()); ++ni)
-        for (int in : g.nodes[ni].inputs)
-          if (in == p) {
-            if (ni < nf && first_fwd < 0) first_fwd = ni;
-            if (ni < nf) last_fwd = ni;
-            if (ni >= nf && first_bwd < 0) first_bwd = ni;
-          }
+      for (const auto &[ni, slot] : readers[static_cast<size_t>(p)]) {
+        if (ni < nf && first_fwd < 0) first_fwd = ni;
+        if (ni < nf) last_fwd = ni;
+        if (ni >= nf && first_bwd < 0) first_bwd = ni;
+      }
       bool reshard = opt.reshard_after_forward == 2;
       if (opt.reshard_after_forward == 1 && last_fwd >= 0 && first_bwd >= 0)
         reshard = fwd_segs.seg_of[static_cast<size_t>(last_fwd)] < keep_from ||
@@ -142,16 +154,12 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
           full_bwd = full_fwd;
         }
       }
-      for (int ni = 0; ni < static_cast<int>(g.nodes.size()); ++ni)
-        for (int &in : g.nodes[ni].inputs)
-          if (in == p) in = ni < nf ? full_fwd : full_bwd;
+      for (const auto &[ni, slot] : readers[static_cast<size_t>(p)])
+        g.nodes[ni].inputs[static_cast<size_t>(slot)] = ni < nf ? full_fwd : full_bwd;
     }
 
     if (grad < 0) continue;
-    int producer = -1;
-    for (int ni = 0; ni < static_cast<int>(g.nodes.size()); ++ni)
-      for (int o : g.nodes[ni].outputs)
-        if (o == grad) producer = ni;
+    const int producer = producer_of[static_cast<size_t>(grad)];
     CTR_CHECK(producer >= 0);
     // Collectives that turn the full gradient into this rank's reduced shard,
     // inserted right after the node that completes the gradient.

@@ -27,6 +27,10 @@ namespace {
 using nlohmann::json;
 
 const char *const kAxes[] = {"pp", "dp", "ep", "fsdp", "cp", "tp"};  // the mesh order, tp innermost
+// The ring's program holds an attention block, a merge and a shift per source
+// rank in every layer, so its compile time grows with cp; beyond this the
+// search tries only the gathered and head-exchanging modes.
+constexpr int64_t kMaxRing = 16;
 
 double num(const json &j, const char *key, const std::string &what, bool positive = true) {
   CTR_REQUIRE(j.is_object() && j.contains(key) && j[key].is_number(), CTR_STATUS_INVALID_ARGUMENT,
@@ -331,6 +335,48 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
   int64_t candidates = 0, feasible = 0, compiled = 0;
 
   // Compiles and prices one candidate: its table row.
+  // Compiles stage s of a candidate (the rank of that stage, every other
+  // index 0) and prices its phases per micro-batch.
+  auto compile_stage = [&](const Candidate &cd, int64_t s, Layout &layout, Schedule *sched) {
+    CompileOptions o;
+    o.batch = cd.batch;
+    o.seq = req.seq;
+    o.micro_batches = cd.micro_batches;
+    o.pp_schedule = cd.schedule;
+    o.recompute = cd.recompute;
+    o.cp_mode = cd.cp_mode;
+    o.precision = "fp32";
+    for (const char *a : kAxes) o.mesh.axes.push_back({a, cd.axes.at(a), std::string(a) == "pp" ? s : 0});
+    layout.mesh = o.mesh;
+    Graph g = graph;
+    PassContext ctx(g, o, [&](OpId op) { return backend_has_kernel(be, op); });
+    ctx.backend_flags = be.iface->flags;
+    run_passes(ctx);
+    StageCost sc;
+    const Priced f = price_phase(g, ctx.program.forward, layout, c);
+    const Priced b = price_phase(g, ctx.program.backward, layout, c);
+    const Priced w = price_phase(g, ctx.program.weight, layout, c);
+    sc.f = f.ms;
+    sc.b = b.ms;
+    sc.w = w.ms;
+    sc.comm_ms = f.comm_ms + b.comm_ms + w.comm_ms;
+    sc.exposed_ms = f.exposed_ms + b.exposed_ms + w.exposed_ms;
+    for (const Priced *ph : {&f, &b, &w})
+      for (const auto &[axis, ms] : ph->comm_by_axis) sc.comm_by_axis[axis] += ms;
+    const size_t st = static_cast<size_t>(s);
+    const int64_t slots = std::max<int64_t>(1, ctx.pipeline.in_flight[st]);
+    const MemoryPlan &mp = ctx.plan;
+    sc.param_bytes = mp.param_bytes;
+    // As step creation sizes it (Step::peak_bytes).
+    sc.memory = mp.arena_for(slots) + 2 * mp.param_bytes + mp.input_bytes + mp.const_bytes +
+                mp.param_bytes * (cd.micro_batches > 1 ? 3 : 2);
+    for (const StageCut::Boundary &bd : ctx.stage_cut.send)
+      sc.send_bytes += static_cast<double>(g.tensors[static_cast<size_t>(bd.tensor)].bytes());
+    if (sched) *sched = ctx.pipeline;
+    return sc;
+  };
+
+  // Compiles and prices one candidate: its table row.
   auto evaluate = [&](const Candidate &cd) {
     const int64_t pp = cd.axes.at("pp");
     json row = {{"mesh", cd.mesh_text()},
@@ -345,44 +391,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     Layout layout;
     layout.world = req.world;
     try {
-      for (int64_t s = 0; s < pp; ++s) {
-        CompileOptions o;
-        o.batch = cd.batch;
-        o.seq = req.seq;
-        o.micro_batches = cd.micro_batches;
-        o.pp_schedule = cd.schedule;
-        o.recompute = cd.recompute;
-        o.cp_mode = cd.cp_mode;
-        o.precision = "fp32";
-        for (const char *a : kAxes) o.mesh.axes.push_back({a, cd.axes.at(a), std::string(a) == "pp" ? s : 0});
-        layout.mesh = o.mesh;
-        Graph g = graph;
-        PassContext ctx(g, o, [&](OpId op) { return backend_has_kernel(be, op); });
-        ctx.backend_flags = be.iface->flags;
-        run_passes(ctx);
-        StageCost sc;
-        const Priced f = price_phase(g, ctx.program.forward, layout, c);
-        const Priced b = price_phase(g, ctx.program.backward, layout, c);
-        const Priced w = price_phase(g, ctx.program.weight, layout, c);
-        sc.f = f.ms;
-        sc.b = b.ms;
-        sc.w = w.ms;
-        sc.comm_ms = f.comm_ms + b.comm_ms + w.comm_ms;
-        sc.exposed_ms = f.exposed_ms + b.exposed_ms + w.exposed_ms;
-        for (const Priced *ph : {&f, &b, &w})
-          for (const auto &[axis, ms] : ph->comm_by_axis) sc.comm_by_axis[axis] += ms;
-        const size_t st = static_cast<size_t>(s);
-        const int64_t slots = std::max<int64_t>(1, ctx.pipeline.in_flight[st]);
-        const MemoryPlan &mp = ctx.plan;
-        sc.param_bytes = mp.param_bytes;
-        // As step creation sizes it (Step::peak_bytes).
-        sc.memory = mp.arena_for(slots) + 2 * mp.param_bytes + mp.input_bytes + mp.const_bytes +
-                    mp.param_bytes * (cd.micro_batches > 1 ? 3 : 2);
-        for (const StageCut::Boundary &bd : ctx.stage_cut.send)
-          sc.send_bytes += static_cast<double>(g.tensors[static_cast<size_t>(bd.tensor)].bytes());
-        stages.push_back(sc);
-        sched = ctx.pipeline;
-      }
+      for (int64_t s = 0; s < pp; ++s) stages.push_back(compile_stage(cd, s, layout, &sched));
     } catch (const Error &e) {
       why = e.message();
     }
@@ -453,6 +462,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     int64_t candidates = 0, compiled = 0, feasible = 0;
     std::string error;  // an unexpected failure, rethrown on the caller's thread
   };
+  double beat_ms = std::numeric_limits<double>::infinity();
   auto plan_mesh = [&](const std::map<std::string, int64_t> &axes, MeshResult &out) {
     const int64_t data = axes.at("dp") * axes.at("fsdp") * axes.at("ep");
     const int64_t pp = axes.at("pp");
@@ -478,8 +488,9 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
         for (ScheduleKind k : pp > 1 ? std::vector<ScheduleKind>{ScheduleKind::OneFOneB, ScheduleKind::ZeroBubble}
                                      : std::vector<ScheduleKind>{ScheduleKind::OneFOneB})
           for (const std::string &rc : req.recompute)
-            for (const char *cp_mode : axes.at("cp") > 1 ? std::vector<const char *>{"gather", "ulysses", "ring"}
-                                                         : std::vector<const char *>{"gather"}) {
+            for (const char *cp_mode : axes.at("cp") > kMaxRing ? std::vector<const char *>{"gather", "ulysses"}
+                                       : axes.at("cp") > 1         ? std::vector<const char *>{"gather", "ulysses", "ring"}
+                                                                   : std::vector<const char *>{"gather"}) {
               Candidate cd;
               cd.axes = axes;
               cd.micro_batches = m;
@@ -548,6 +559,32 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
       size_t fit = g1 - g0;  // the first that fits; all of the group when not searching
       bool searched = req.prune;
       std::string group_error;
+      // With stages, a group is no faster than its first stage is busy: with
+      // the fewest micro-batches (more take no less, as above) that stage alone
+      // is compiled, and the group is pruned when it is busy for longer than
+      // the fastest one-stage plan takes.
+      if (req.prune && pp > 1 && std::isfinite(beat_ms)) {
+        double busy = 0;
+        try {
+          Layout layout;
+          layout.world = req.world;
+          const StageCost sc = compile_stage(cands[g0], 0, layout, nullptr);
+          busy = static_cast<double>(cands[g0].micro_batches) * (sc.f + sc.b + sc.w);
+        } catch (const Error &) {
+          busy = 0;  // priced (and refused with its reason) as usual
+        }
+        if (busy > beat_ms) {
+          for (size_t i = g0; i < g1; ++i) {
+            refuse(cands[i], strformat("at least %.2f ms: its first stage alone is busy that long with %lld "
+                                       "micro-batches (more take no less), longer than the fastest one-stage "
+                                       "plan's %.2f ms",
+                                       busy, static_cast<long long>(cands[g0].micro_batches), beat_ms));
+            out.rows.back()["pruned"] = true;
+          }
+          g0 = g1;
+          continue;
+        }
+      }
       if (req.prune) {
         // The most micro-batches first: when even they do not fit, nothing does.
         size_t lo = 0, hi = g1 - g0 - 1;
@@ -610,23 +647,36 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
       g0 = g1;
     }
   };
+  // Two rounds: the one-stage meshes, then, with the fastest of their plans
+  // as the time to beat (pruning on), the meshes with stages.
   std::vector<MeshResult> results(meshes.size());
-  std::atomic<size_t> next{0};
-  auto worker = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < meshes.size();) {
-      try {
-        plan_mesh(meshes[i], results[i]);
-      } catch (const std::exception &e) {
-        results[i].error = e.what();
+  auto run_round = [&](bool staged) {
+    std::vector<size_t> todo;
+    for (size_t i = 0; i < meshes.size(); ++i)
+      if ((meshes[i].at("pp") > 1) == staged) todo.push_back(i);
+    std::atomic<size_t> next{0};
+    auto worker = [&] {
+      for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
+        try {
+          plan_mesh(meshes[todo[k]], results[todo[k]]);
+        } catch (const std::exception &e) {
+          results[todo[k]].error = e.what();
+        }
       }
-    }
+    };
+    const size_t threads =
+        std::min<size_t>(todo.size(), std::max(1u, std::min(std::thread::hardware_concurrency(), 16u)));
+    std::vector<std::thread> pool;
+    for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
+    worker();
+    for (std::thread &t : pool) t.join();
   };
-  const size_t threads =
-      std::min<size_t>(meshes.size(), std::max(1u, std::min(std::thread::hardware_concurrency(), 16u)));
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (std::thread &t : pool) t.join();
+  run_round(false);
+  if (req.prune)
+    for (const MeshResult &r : results)
+      for (const json &row : r.rows)
+        if (row["feasible"].get<bool>()) beat_ms = std::min(beat_ms, row["step_ms"].get<double>());
+  run_round(true);
   for (MeshResult &r : results) {
     CTR_REQUIRE(r.error.empty(), CTR_STATUS_INTERNAL, "plan: %s", r.error.c_str());
     for (json &row : r.rows) plans.push_back(std::move(row));

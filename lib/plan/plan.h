@@ -27,8 +27,8 @@
 // fit the device's memory is listed as infeasible with the reason. Candidates
 // that memory bounds rule out (a mesh's share of the parameters' state alone;
 // fewer micro-batches than a layout that does not fit), or that cannot be
-// faster than another of their mesh, are listed without compiling (see
-// PlanRequest::prune and plan.cc). Meshes are planned on several threads; the
+// faster than another of their mesh or than the fastest one-stage plan, are
+// listed without compiling (see PlanRequest::prune and plan.cc). Meshes are planned on several threads; the
 // result does not depend on how many.
 #pragma once
 

@@ -584,6 +584,9 @@ def plan_and_kernel_profile():
         assert "fsdp=2" in meshes and "pp=2" in meshes, meshes
         steps = [p["step_ms"] for p in out["plans"] if p["feasible"]]
         assert steps == sorted(steps) and steps[0] > 0, steps
+        every = g.plan(2, 4, prof, recompute="none", prune=0)
+        assert every["compiled"] == every["candidates"] >= out["compiled"], (every["compiled"], out["compiled"])
+        assert [p for p in every["plans"] if p["feasible"]][0] == [p for p in out["plans"] if p["feasible"]][0]
         single = g.plan(1, 2, prof, recompute="none")["plans"][0]
         # No world: this process's job, which no launcher started: one device.
         assert g.plan(None, 2, prof, recompute="none")["world"] == 1

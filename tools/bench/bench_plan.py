@@ -76,7 +76,7 @@ def main():
                             "4", "--seq", "128", "-o", graph], check=True, capture_output=True)
             for world in (1, 2):
                 out = subprocess.run([ctr, "plan", graph, "--cluster", a.cluster, "--world", str(world),
-                                      "--global-batch", str(a.global_batch), "--json"], capture_output=True,
+                                      "--global-batch", str(a.global_batch), "--json", "--no-prune"], capture_output=True,
                                      text=True, check=True).stdout
                 for plan in json.loads(out)["plans"]:
                     if not plan["feasible"]:

@@ -109,8 +109,8 @@ int PlanCommand::run() const {
     ++k;
     if (a.top > 0 && k > a.top) break;
     if (!p["feasible"].get<bool>() && !p.contains("step_ms")) {
-      std::printf("%4lld  %-28s infeasible: %s\n", static_cast<long long>(k), p["mesh"].get<std::string>().c_str(),
-                  p["why"].get<std::string>().c_str());
+      std::printf("%4lld  %-28s %s: %s\n", static_cast<long long>(k), p["mesh"].get<std::string>().c_str(),
+                  p.value("pruned", false) ? "pruned" : "infeasible", p["why"].get<std::string>().c_str());
       continue;
     }
     std::printf("%4lld  %-28s %-8s %6lld %6lld %-9s %10.2f %12.0f %6.1f%% %9s %6.1f%% %10.2f%s%s\n",

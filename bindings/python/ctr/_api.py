@@ -375,7 +375,8 @@ class Graph(_Handle):
         time: the dict ctr_plan returns ({"plans": [{"mesh", "schedule", "micro_batches",
         "batch", "recompute", "cp_mode", "feasible", "step_ms", "memory_bytes", ...}], ...}).
         world None: the world of the job this process was launched in. Options: seq,
-        recompute ("none,all"), top."""
+        recompute ("none,all"), top, prune (1: refuse without compiling what memory bounds
+        rule out, the default; 0: compile every candidate)."""
         if isinstance(cluster, dict):
             cluster = json.dumps(cluster)
         text = ctypes.c_char_p()
