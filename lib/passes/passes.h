@@ -55,6 +55,12 @@ struct MemoryPlan {
   int64_t held_bytes = 0;
   // Bytes of an arena for `slots` micro-batches in flight.
   int64_t arena_for(int64_t slots) const { return held_bytes * slots + (arena_bytes - held_bytes); }
+  // Bytes a step holds on its device (Step::peak_bytes, and what the planner
+  // predicts): the arena for `slots`, parameters and their gradients, host
+  // inputs, constants and the optimizer's state.
+  int64_t step_bytes(int64_t slots, int64_t optimizer_bytes) const {
+    return arena_for(slots) + 2 * param_bytes + input_bytes + const_bytes + optimizer_bytes;
+  }
   int64_t param_bytes = 0;   // parameters (fp32); gradients use the same layout
   int64_t input_bytes = 0;   // host inputs for all micro-batches
   int64_t const_bytes = 0;

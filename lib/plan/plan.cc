@@ -20,6 +20,7 @@
 #include "graph/ir.h"
 #include "graph/ops.h"
 #include "passes/passes.h"
+#include "runtime/optimizer.h"
 
 namespace ctr {
 namespace {
@@ -367,9 +368,9 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     const int64_t slots = std::max<int64_t>(1, ctx.pipeline.in_flight[st]);
     const MemoryPlan &mp = ctx.plan;
     sc.param_bytes = mp.param_bytes;
-    // As step creation sizes it (Step::peak_bytes).
-    sc.memory = mp.arena_for(slots) + 2 * mp.param_bytes + mp.input_bytes + mp.const_bytes +
-                mp.param_bytes * (cd.micro_batches > 1 ? 3 : 2);
+    // As step creation sizes it (Step::peak_bytes; the optimizer's state over
+    // the parameters' bytes).
+    sc.memory = mp.step_bytes(slots, adamw_state_bytes(mp.param_bytes / 4, cd.micro_batches > 1));
     for (const StageCut::Boundary &bd : ctx.stage_cut.send)
       sc.send_bytes += static_cast<double>(g.tensors[static_cast<size_t>(bd.tensor)].bytes());
     if (sched) *sched = ctx.pipeline;

@@ -65,7 +65,7 @@ FlatOptimizer::~FlatOptimizer() {
   be_.iface->free(be_.ctx, acc_);
 }
 
-int64_t FlatOptimizer::state_bytes() const { return floats_ * 4 * (acc_ ? 3 : 2); }
+int64_t FlatOptimizer::state_bytes() const { return adamw_state_bytes(floats_, acc_ != nullptr); }
 
 void FlatOptimizer::accumulate(int64_t mb) {
   if (!acc_) return;

@@ -38,6 +38,10 @@ OptimizerConfig read_optimizer_options(OptionReader &r);
 // The learning rate of optimizer step `step` (0-based).
 double schedule_lr(const OptimizerConfig &c, int64_t step);
 
+// AdamW's state for `floats` parameters: two moments, and the gradient
+// accumulator when micro-batches are accumulated.
+inline int64_t adamw_state_bytes(int64_t floats, bool accumulate) { return floats * 4 * (accumulate ? 3 : 2); }
+
 class FlatOptimizer {
  public:
   struct Segment {

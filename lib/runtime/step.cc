@@ -440,7 +440,7 @@ void Step::init_params(uint64_t seed) {
 int64_t Step::optimizer_bytes() const { return opt_->state_bytes(); }
 
 int64_t Step::peak_bytes() const {
-  return plan_.arena_for(slots_in_flight_) + 2 * plan_.param_bytes + plan_.input_bytes + plan_.const_bytes + optimizer_bytes();
+  return plan_.step_bytes(slots_in_flight_, optimizer_bytes());
 }
 
 void Step::set_input(const std::string &name, const void *data, size_t bytes) {
