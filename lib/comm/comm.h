@@ -56,7 +56,8 @@ struct CommIface {
   // recv[size * bytes] receives every member's `bytes` from send, in rank order.
   CommWork *(*all_gather)(void *ctx, const void *send, void *recv, size_t bytes);
   // send holds size * count elements; this rank receives the reduction of block
-  // `rank` into recv[count]. dtype: F32, F64, I32, I64. Avg of integers
+  // `rank` into recv[count]. dtype: F32, F64, I32, I64, BF16 (combined in f32,
+  // rounded once per pair). Avg of integers
   // truncates toward zero (C division).
   CommWork *(*reduce_scatter)(void *ctx, const void *send, void *recv, size_t count,
                               ctr_dtype dtype, ReduceOp op);

@@ -19,6 +19,8 @@ inline size_t dtype_bytes(ctr_dtype dt) {
     case CTR_DTYPE_F64:
     case CTR_DTYPE_I64:
       return 8;
+    case CTR_DTYPE_BF16:
+      return 2;
     default:
       return 0;
   }
@@ -70,9 +72,40 @@ void reduce_typed(void *dst_v, const void *a_v, const void *b_v, size_t n, Reduc
   }
 }
 
+// bf16 (activations of precision bf16 under tp, sp and cp): each pair widened
+// to f32, combined there and rounded to nearest even once, so a reduction over
+// two members rounds exactly once. NaN stays NaN.
+inline float bf16_widen(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t bf16_round(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline void reduce_bf16(void *dst_v, const void *a_v, const void *b_v, size_t n, ReduceOp op, int64_t divisor) {
+  uint16_t *dst = static_cast<uint16_t *>(dst_v);
+  const uint16_t *a = static_cast<const uint16_t *>(a_v);
+  const uint16_t *b = static_cast<const uint16_t *>(b_v);
+  const float d = divisor > 1 ? static_cast<float>(divisor) : 1.0f;
+  for (size_t i = 0; i < n; ++i) {
+    const float x = bf16_widen(a[i]), y = bf16_widen(b[i]);
+    float r = op == ReduceOp::Max ? reduce_max(x, y) : op == ReduceOp::Min ? reduce_min(x, y) : x + y;
+    if (divisor > 1) r = r / d;
+    dst[i] = bf16_round(r);
+  }
+}
+
 inline void reduce(void *dst, const void *a, const void *b, size_t n, ctr_dtype dt, ReduceOp op,
             int64_t divisor) {
   switch (dt) {
+    case CTR_DTYPE_BF16:
+      return reduce_bf16(dst, a, b, n, op, divisor);
     case CTR_DTYPE_F32:
       return reduce_typed<float>(dst, a, b, n, op, divisor);
     case CTR_DTYPE_F64:

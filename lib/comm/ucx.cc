@@ -1636,7 +1636,7 @@ CommWork *issue_shm_batch(CommCtx *cc, std::unique_ptr<Coll> c, std::vector<Coll
 
 void check_reduction(const char *what, ctr_dtype dt, ReduceOp op) {
   CTR_REQUIRE(dtype_bytes(dt) != 0, CTR_STATUS_UNSUPPORTED,
-              "ucx: %s: dtype %d is not supported (F32, F64, I32 and I64 are)", what,
+              "ucx: %s: dtype %d is not supported (F32, F64, I32, I64 and BF16 are)", what,
               static_cast<int>(dt));
   CTR_REQUIRE(static_cast<int>(op) <= static_cast<int>(ReduceOp::Min), CTR_STATUS_INVALID_ARGUMENT,
               "ucx: %s: unknown reduce op %d", what, static_cast<int>(op));

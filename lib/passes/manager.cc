@@ -72,7 +72,8 @@ void run_recompute(PassContext &c) { pass_recompute(c.graph, c.opt); }
 void run_precision(PassContext &c) {
   c.opt.precision = resolve_precision(c.graph, c.opt.precision, c.has_kernel, c.backend_flags);
   // The CPU backend (bf16 by opt-in) runs every kernel on widened bf16 data.
-  c.precision = pass_precision(c.graph, c.opt.precision, (c.backend_flags & CTR_BACKEND_BF16_OPT_IN) != 0);
+  c.precision =
+      pass_precision(c.graph, c.opt.precision, (c.backend_flags & CTR_BACKEND_BF16_OPT_IN) != 0, &c.stage_cut);
 }
 void run_shard(PassContext &c) { pass_shard(c.graph, c.opt); }
 void run_bucket(PassContext &c) { pass_bucket(c.graph, c.opt); }

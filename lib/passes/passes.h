@@ -208,11 +208,14 @@ void read_recompute_options(OptionReader &r, CompileOptions &opt);
 // constants that bf16 nodes read (`cast` nodes). resolve_precision turns
 // "auto" into "bf16" where the backend has bf16 kernels and does not ask for
 // them to be opted into (CTR_BACKEND_BF16_OPT_IN: the CPU backend) and the
-// graph has no mixture-of-experts ops, else "fp32".
+// graph has no mixture-of-experts, tensor- or context-parallel ops (whose
+// kernels the CUDA backend has in f32 only), else "fp32".
 // Returns a one-line summary of what it did.
 // bf16_moe: the backend's mixture-of-experts kernels take bf16 data (else a
-// graph with experts is refused in bf16).
-std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe = false);
+// graph with experts is refused in bf16). cut: this rank's pipeline stage, whose
+// received activations and gradients cross in bf16 like the activations sent.
+std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe = false,
+                           const StageCut *cut = nullptr);
 void read_precision_options(OptionReader &r, CompileOptions &opt);
 std::string resolve_precision(const Graph &g, const std::string &option,
                               const std::function<bool(OpId)> &has_kernel, uint32_t backend_flags);

@@ -15,11 +15,17 @@
 // for statistics and parameter gradients.
 //
 // "auto" (the default) means bf16 where the backend has bf16 kernels (it has a
-// kernel for `cast`) and f32 otherwise,
-// and f32 for graphs with mixture-of-experts layers or tensor-parallel regions;
-// a backend flagged CTR_BACKEND_BF16_OPT_IN (the CPU) gets f32 under "auto".
-// Collectives move f32 parameters and gradients only, so the pass runs before
-// shard: the gathers shard inserts feed the casts. Mixture-of-experts layers
+// kernel for `cast`) and f32 otherwise, and f32 for graphs with
+// mixture-of-experts layers, tensor-parallel regions or context-parallel
+// attention (the CUDA backend's kernels for those are f32 only); a backend
+// flagged CTR_BACKEND_BF16_OPT_IN (the CPU) gets f32 under "auto".
+// The gathers of parameters and the reductions of their gradients (shard,
+// after this pass) move f32: the gathers feed the casts. The activation
+// collectives of tp, sp and cp (in the graph before this pass) move the dtype
+// of what they carry, bf16 (reductions combine pairs in f32 and round once),
+// except the vocabulary-parallel head's row statistics, kept f32. Between
+// pipeline stages activations and their gradients cross in bf16.
+// Mixture-of-experts layers
 // whose token exchanges or statistics cross ranks (ep, or the global
 // load-balancing loss of a multi-rank mesh) move f32 rows: the pass refuses
 // bf16 for a graph that has those; on one rank the experts run in bf16 where
@@ -72,17 +78,16 @@ std::string resolve_precision(const Graph &g, const std::string &option,
                               const std::function<bool(OpId)> &has_kernel, uint32_t backend_flags) {
   if (option != "auto") return option;
   if (backend_flags & CTR_BACKEND_BF16_OPT_IN) return "fp32";
-  // A pipeline stage sends and receives f32 activations.
-  if (!g.grad_seeds.empty()) return "fp32";
-  for (const Tensor &t : g.tensors)
-    if (t.wants_grad) return "fp32";
+  // Tensor- and context-parallel regions have f32 kernels only on the CUDA
+  // backend (the vocabulary-parallel head, cp attention): bf16 there is asked
+  // for by name.
   for (const Node &n : g.nodes)
     if (n.op.rfind("moe_", 0) == 0 || n.op == "fanout" || n.op == "cp_attention") return "fp32";
   const OpDef *cast = find_op("cast");
   return cast && has_kernel && has_kernel(cast->id) ? "bf16" : "fp32";
 }
 
-std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe) {
+std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe, const StageCut *cut) {
   CTR_CHECK(g.num_forward >= 0);
   if (precision != "bf16") return "precision: fp32 (every activation f32)";
   const size_t nt = g.tensors.size();
@@ -97,14 +102,6 @@ std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe
                 "precision bf16: node '%s' (%s) moves mixture-of-experts rows or statistics between ranks, which "
                 "runs in f32 only; use precision fp32 for this mesh (one rank runs experts in bf16)",
                 n.name.c_str(), n.op.c_str());
-    CTR_REQUIRE(n.op != "fanout", CTR_STATUS_UNSUPPORTED,
-                "precision bf16: node '%s' enters a tensor-parallel region, whose all-reduces move f32 activations "
-                "only; use precision fp32 with tp",
-                n.name.c_str());
-    CTR_REQUIRE(n.op != "cp_attention", CTR_STATUS_UNSUPPORTED,
-                "precision bf16: node '%s' attends over keys and values gathered over cp, which run in f32 only; "
-                "use precision fp32 with cp",
-                n.name.c_str());
   }
 
   // What stays f32.
@@ -140,11 +137,50 @@ std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe
         if (!f32[static_cast<size_t>(in)]) work.push_back(in);
   }
 
+  // The vocabulary-parallel head's statistics stay f32: each rank's row
+  // statistics (max, sum of exponentials, target logit), the all-gather that
+  // brings every rank's, and the log-sum-exp the loss saves for its gradient.
+  for (const Node &n : g.nodes)
+    if (n.op == "vocab_ce_stats" || n.op == "vocab_ce_loss")
+      for (size_t k = n.op == "vocab_ce_loss" ? 1 : 0; k < n.outputs.size(); ++k)
+        f32[static_cast<size_t>(n.outputs[k])] = true;
+  for (const Node &n : g.nodes)
+    if (find_op(n.op) && find_op(n.op)->collective != CollKind::None)
+      for (size_t k = 0; k < n.inputs.size() && k < n.outputs.size(); ++k)
+        if (f32[static_cast<size_t>(n.inputs[k])]) f32[static_cast<size_t>(n.outputs[k])] = true;
+
   // Activations to bf16.
   for (size_t t = 0; t < nt; ++t) {
     Tensor &x = g.tensors[t];
     if (x.role == Role::Activation && x.dtype == CTR_DTYPE_F32 && !f32[t] && producer.count(static_cast<int>(t)))
       x.dtype = CTR_DTYPE_BF16;
+  }
+  // Pipeline stages: what crosses is bf16 on both sides (every rank runs this
+  // pass on the same graph, so the sender's activation is bf16 exactly where
+  // the receiver's input is): activations received, the gradients received
+  // for the activations sent, and the gradients sent back.
+  if (cut && cut->stages > 1) {
+    auto narrow = [&](int t, const char *what) {
+      Tensor &x = g.tensors[static_cast<size_t>(t)];
+      if (x.dtype == CTR_DTYPE_F32) x.dtype = CTR_DTYPE_BF16;
+      CTR_REQUIRE(x.dtype != CTR_DTYPE_F32, CTR_STATUS_UNSUPPORTED,
+                  "precision bf16: %s %s crosses pipeline stages in f32; use precision fp32 with pp", what,
+                  g.describe_tensor(t).c_str());
+    };
+    for (const StageCut::Boundary &b : cut->recv) {
+      const ctr_dtype d = g.tensors[static_cast<size_t>(b.tensor)].dtype;
+      if (d != CTR_DTYPE_F32) continue;  // ids cross as they are
+      narrow(b.tensor, "received activation");
+      for (const auto &[in, grad] : g.input_grads)
+        if (in == b.tensor) narrow(grad, "gradient sent back for");
+    }
+    for (const StageCut::Boundary &b : cut->send) {
+      const Tensor &x = g.tensors[static_cast<size_t>(b.tensor)];
+      CTR_REQUIRE(x.dtype != CTR_DTYPE_F32, CTR_STATUS_UNSUPPORTED,
+                  "precision bf16: %s is sent to stage %d in f32; use precision fp32 with pp",
+                  g.describe_tensor(b.tensor).c_str(), b.peer);
+      if (b.grad_tensor >= 0 && x.dtype == CTR_DTYPE_BF16) narrow(b.grad_tensor, "gradient received for");
+    }
   }
 
   // A gradient kept f32 whose node computes in bf16 and cannot write that

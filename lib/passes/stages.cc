@@ -26,10 +26,6 @@ StageCut pass_stages(Graph &g, const CompileOptions &opt, const Schedule &s) {
   const int p = s.stages;
   if (p <= 1) return cut;
   CTR_CHECK(g.num_forward < 0 && static_cast<int>(s.spans.size()) == p);
-  CTR_REQUIRE(opt.precision != "bf16", CTR_STATUS_UNSUPPORTED,
-              "pipeline: bf16 activations are not yet sent between stages (precision bf16 with pp=%d); use "
-              "precision fp32 or auto",
-              p);
   const int me = static_cast<int>(opt.mesh.index("pp"));
   cut.stage = me;
   cut.stages = p;

@@ -87,6 +87,8 @@ struct Executor::Collective {
   std::vector<ctr_tensor_ref> src, dst;  // sized once: rebind points into them
   std::vector<size_t> count;             // all_gather: bytes per member; all_to_all: bytes; else elements
   ReduceOp reduce = ReduceOp::Avg;       // reductions: gradients are averaged
+  ctr_dtype dtype = CTR_DTYPE_F32;       // reductions: the element type (every pair's)
+  size_t esz = 4;                        // its bytes
   // Expert exchanges (moe_dispatch, moe_combine, moe_dispatch_rows): every
   // input and output of the node, in order.
   enum class Exchange { None, Dispatch, Combine, DispatchRows } exchange = Exchange::None;
@@ -213,7 +215,12 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
         refs_of_[static_cast<size_t>(out)].push_back(&c->dst[j]);
         c->count.push_back(c->kind == CollDesc::AllGather || c->to_all || c->shift ? static_cast<size_t>(src.bytes())
                                                                        : static_cast<size_t>(dst.numel()));
+        // Reductions combine elements of one type: f32 gradients, or the bf16
+        // activations of tp and sp under precision bf16.
+        if (j == 0) c->dtype = dst.dtype;
+        CTR_CHECK(src.dtype == dst.dtype && dst.dtype == c->dtype);
       }
+      c->esz = dtype_size(c->dtype);
       colls_[ni] = std::move(c);
     }
   };
@@ -304,8 +311,8 @@ CommWork *Executor::issue_one(Collective &c, const void *send, void *recv) {
   switch (c.kind) {
     case CollDesc::AllGather: return ci->all_gather(c.comm.ctx, send, recv, c.count[0]);
     case CollDesc::ReduceScatter:
-      return ci->reduce_scatter(c.comm.ctx, send, recv, c.count[0], CTR_DTYPE_F32, c.reduce);
-    case CollDesc::AllReduce: return ci->all_reduce(c.comm.ctx, send, recv, c.count[0], CTR_DTYPE_F32, c.reduce);
+      return ci->reduce_scatter(c.comm.ctx, send, recv, c.count[0], c.dtype, c.reduce);
+    case CollDesc::AllReduce: return ci->all_reduce(c.comm.ctx, send, recv, c.count[0], c.dtype, c.reduce);
   }
   return nullptr;
 }
@@ -328,13 +335,13 @@ void Executor::run_collective(void *user) {
     const size_t members = static_cast<size_t>(c->comm.iface->size(c->comm.ctx));
     auto send_bytes = [&](size_t j) {
       return c->kind == CollDesc::AllGather || c->to_all || c->shift ? c->count[j]
-             : c->kind == CollDesc::ReduceScatter ? c->count[j] * members * 4
-                                                  : c->count[j] * 4;
+             : c->kind == CollDesc::ReduceScatter ? c->count[j] * members * c->esz
+                                                  : c->count[j] * c->esz;
     };
     auto recv_bytes = [&](size_t j) {
       return c->to_all || c->shift ? c->count[j]
              : c->kind == CollDesc::AllGather ? c->count[j] * members
-                                               : c->count[j] * 4;
+                                               : c->count[j] * c->esz;
     };
     std::vector<void *> send(c->src.size()), recv(c->src.size());
     for (size_t j = 0; j < c->src.size(); ++j) {
@@ -361,7 +368,7 @@ void Executor::run_collective(void *user) {
         d[j].recv = recv[j];
         d[j].count = c->count[j];
       }
-      w = ci->batch(c->comm.ctx, d.data(), d.size(), CTR_DTYPE_F32, c->reduce);
+      w = ci->batch(c->comm.ctx, d.data(), d.size(), c->dtype, c->reduce);
     } else {
       w = issue_one(*c, send[0], recv[0]);
     }
@@ -406,7 +413,7 @@ void Executor::issue_device(Collective &c) {
         d[j].recv = c.dst[j].data;
         d[j].count = c.count[j];
       }
-      c.work = ci->batch(c.comm.ctx, d.data(), d.size(), CTR_DTYPE_F32, c.reduce);
+      c.work = ci->batch(c.comm.ctx, d.data(), d.size(), c.dtype, c.reduce);
     } else {
       c.work = issue_one(c, c.src[0].data, c.dst[0].data);
     }

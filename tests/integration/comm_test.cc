@@ -7,7 +7,7 @@
 // all_reduce on non-integer floats checks that all ranks got the same bits, by
 // all-gathering a hash of the result.
 //
-//   comm_test            every collective, dtype and size; send/recv; splits; late and
+//   comm_test            every collective, dtype (bf16 too) and size; send/recv; splits; late and
 //                        out-of-order waits; many small ones
 //   comm_test shared     only the checks on shared host allocations
 //   comm_test token      the last rank presents a wrong job token: it is refused,
@@ -309,6 +309,58 @@ void check_reductions(const Comm &c, ctr_dtype dt, const std::vector<size_t> &co
   }
 }
 
+// bf16 (the activations of tp, sp and cp under precision bf16): inputs are
+// integers in [-31, 31], so every partial sum of up to 8 members is exact in
+// bf16's 8 significant bits and the result equals the serial reference (summed
+// in f32, divided for avg, rounded to nearest even once) bit for bit.
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+float bf16_input(int rank, size_t i, uint32_t salt) { return static_cast<float>(input<int>(rank, i, salt) % 32); }
+
+void check_reductions_bf16(const Comm &c, const std::vector<size_t> &counts = kCounts) {
+  const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
+  const std::vector<int> ranks = members_of(c);
+  uint32_t salt = 500;
+  auto want_at = [&](ReduceOp op, size_t i, uint32_t s) {
+    float acc = bf16_input(ranks[0], i, s);
+    for (size_t k = 1; k < ranks.size(); ++k) acc = combine(op, acc, bf16_input(ranks[k], i, s));
+    if (op == ReduceOp::Avg) acc = acc / static_cast<float>(ranks.size());
+    return to_bf16(acc);
+  };
+  for (size_t count : counts) {
+    for (ReduceOp op : kOps) {
+      ++salt;
+      Buf<uint16_t> send(count), recv(count, 0xdead);
+      for (size_t i = 0; i < count; ++i) send[i] = to_bf16(bf16_input(ranks[me], i, salt));
+      ctr::comm_wait(c, c.iface->all_reduce(c.ctx, send.data(), recv.data(), count, CTR_DTYPE_BF16, op));
+      for (size_t i = 0; i < count; ++i)
+        CHECK(recv[i] == want_at(op, i, salt), "all_reduce bf16 %s count %zu: element %zu is %g, want %g",
+              op_name(op), count, i, static_cast<double>(from_bf16(recv[i])),
+              static_cast<double>(from_bf16(want_at(op, i, salt))));
+      Buf<uint16_t> inplace = send;
+      ctr::comm_wait(c, c.iface->all_reduce(c.ctx, inplace.data(), inplace.data(), count, CTR_DTYPE_BF16, op));
+      CHECK(inplace == recv, "in-place all_reduce bf16 %s count %zu differs from out-of-place", op_name(op), count);
+      Buf<uint16_t> rs_send(count * n), rs_recv(count, 0xdead);
+      for (size_t i = 0; i < rs_send.size(); ++i) rs_send[i] = to_bf16(bf16_input(ranks[me], i, salt));
+      ctr::comm_wait(c, c.iface->reduce_scatter(c.ctx, rs_send.data(), rs_recv.data(), count, CTR_DTYPE_BF16, op));
+      for (size_t i = 0; i < count; ++i)
+        CHECK(rs_recv[i] == want_at(op, me * count + i, salt),
+              "reduce_scatter bf16 %s count %zu: element %zu is %g, want %g", op_name(op), count, i,
+              static_cast<double>(from_bf16(rs_recv[i])),
+              static_cast<double>(from_bf16(want_at(op, me * count + i, salt))));
+    }
+  }
+}
+
 void check_all_gather(const Comm &c, const std::vector<size_t> &counts = kCounts) {
   const int n = c.iface->size(c.ctx), me = c.iface->rank(c.ctx);
   const std::vector<int> ranks = members_of(c);
@@ -567,6 +619,7 @@ void check_shared(const Comm &c) {
   g_buffers = Buffers::kShared;
   check_reductions<float>(c, CTR_DTYPE_F32, kLargeCounts);
   check_reductions<int64_t>(c, CTR_DTYPE_I64, kLargeCounts);
+  check_reductions_bf16(c, kLargeCounts);
   check_all_gather(c, kLargeCounts);
   check_batch(c);
   check_broadcast(c);
@@ -590,6 +643,8 @@ void check_all(const Comm &c) {
   check_reductions<double>(c, CTR_DTYPE_F64, kLargeCounts);
   check_reductions<int32_t>(c, CTR_DTYPE_I32, kLargeCounts);
   check_reductions<int64_t>(c, CTR_DTYPE_I64, kLargeCounts);
+  check_reductions_bf16(c);
+  check_reductions_bf16(c, kLargeCounts);
   check_all_gather(c);
   check_all_gather(c, kLargeCounts);
   check_batch(c);
@@ -921,7 +976,7 @@ int run_all(const Env &e) {
   check_many_small(world);
   // Argument errors are reported, not crashed on.
   expect_error("bad dtype", CTR_STATUS_UNSUPPORTED, {"dtype"}, [&] {
-    world.iface->all_reduce(world.ctx, nullptr, nullptr, 0, CTR_DTYPE_BF16, ReduceOp::Sum);
+    world.iface->all_reduce(world.ctx, nullptr, nullptr, 0, CTR_DTYPE_F16, ReduceOp::Sum);
   });
   expect_error("bad root", CTR_STATUS_INVALID_ARGUMENT, {"root"},
                [&] { world.iface->broadcast(world.ctx, nullptr, 0, e.world); });

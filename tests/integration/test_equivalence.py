@@ -20,7 +20,9 @@ cp=4 are refused), and with cp_mode=ring (keys and values passed around the rank
 in blocks merged by log-sum-exp) on cp=2, cp=4, tp=2 x cp=2; its planned activations fall
 against one rank's, and a
 sequence length 2*cp does not divide is refused. In bf16 on the
-CPU, gpt on fsdp=2 matches one rank within 2e-4 relative.
+CPU, gpt on fsdp=2 matches one rank within 2e-4 relative, and tp=2 (also with sp and a
+vocabulary of 61 words), cp=2 in each mode, tp=2 x cp=2 (gpt) and llama's tp=2 with sp and
+tp=2 x cp=2 on the ring within 3e-4, each planning less activation memory than in fp32.
 
 usage: test_equivalence.py CTR EQUIV_TRAIN
 """
@@ -206,28 +208,55 @@ def main():
                 failures.append(f"skew top-{k} {mesh}: losses differ from 1 rank by {worst:.2e} relative")
             print(f"moe, every token to expert{'s 0, 1' if k == 2 else ' 0'}, {mesh}: "
                   f"max relative loss difference {worst:.2e}")
-    # bf16 on the CPU: fsdp=2 trains as one rank does within bf16's own noise. Not
-    # bitwise: each rank multiplies half the rows and the weight gradients are
-    # summed over ranks in another order, so the f32 accumulators differ in their
-    # last bits (as in fp32, which the 1e-5 above allows), and rounding the
-    # activations to bf16 can turn such a difference into one bf16 unit.
-    ref_path = os.path.join(tmp, "gpt_bf16_1.txt")
-    err = run("gpt", 1, "fsdp=1", ref_path, extra="precision=bf16")
-    if err and "AVX512_BF16" in err:
-        print(f"gpt bf16 fsdp=2: skipped, this CPU cannot run bf16 ({err.strip().splitlines()[-1]})")
-    elif err:
-        failures.append(f"gpt bf16 1 rank: {err}")
-    else:
-        ref, ref_param, _ = read(ref_path)
-        path = os.path.join(tmp, "gpt_bf16_fsdp2.txt")
-        err = run("gpt", 2, "fsdp=2", path, extra="precision=bf16")
-        got, param, _ = read(path) if not err else ([], None, None)
+    # bf16 on the CPU: every mesh trains as one rank does within bf16's own noise.
+    # Not bitwise: each rank multiplies part of the rows or features and sums
+    # over ranks in another order, so f32 accumulators differ in their last bits
+    # (as in fp32, which the 1e-5 above allows), and rounding activations to
+    # bf16 can turn such a difference into one bf16 unit; under tp and cp the
+    # activations summed over ranks (row-parallel outputs, their gradients) are
+    # bf16 partial sums, rounded once more than on one rank. The bound (3e-4;
+    # 2e-4 for fsdp, which sums f32 gradients only) is below nothing bf16 does
+    # not do, so each run also plans a smaller activation arena than the same
+    # mesh in fp32 (bf16 really ran).
+    bf16_cases = [("gpt", 2, "fsdp=2", None, 2e-4), ("gpt", 2, "tp=2", None, 3e-4), ("gpt", 2, "tp=2", SP, 3e-4),
+                  ("gpt", 2, "cp=2", None, 3e-4), ("gpt", 2, "cp=2", ULYSSES, 3e-4), ("gpt", 2, "cp=2", RING, 3e-4),
+                  ("gpt", 4, "tp=2,cp=2", None, 3e-4), ("llama", 2, "tp=2", SP, 3e-4),
+                  ("llama", 4, "tp=2,cp=2", RING, 3e-4), ("gpt", 2, "tp=2", "vocab=61", 3e-4)]
+    refs = {}
+    for preset, n, mesh, opts, bound in bf16_cases:
+        label = f"{preset} bf16 {mesh}" + (f" {opts}" if opts else "")
+        vocab = opts if opts and opts.startswith("vocab") else None
+        key = (preset, vocab)
+        if key not in refs:
+            ref_path = os.path.join(tmp, f"{preset}_{vocab}_bf16_1.txt")
+            refs[key] = (ref_path, run(preset, 1, "fsdp=1", ref_path,
+                                       extra="precision=bf16" + (f",{vocab}" if vocab else "")))
+        ref_path, err = refs[key]
+        if err and "AVX512_BF16" in err:
+            print(f"{label}: skipped, this CPU cannot run bf16 ({err.strip().splitlines()[-1]})")
+            continue
+        if err:
+            failures.append(f"{preset} bf16 1 rank: {err}")
+            continue
+        ref, _, _ = read(ref_path)
+        path = os.path.join(tmp, f"{preset}_{mesh}_{opts}_bf16.txt")
+        err = run(preset, n, mesh, path, extra="precision=bf16" + (f",{opts}" if opts else ""))
+        got, _, _ = read(path) if not err else ([], None, None)
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref)) if got else 1.0
-        if err or len(got) != STEPS or worst > 2e-4 or not ref[-1] < ref[0]:
-            failures.append(f"gpt bf16 fsdp=2: {err or ''} losses differ from 1 rank by {worst:.2e} relative "
-                            f"(bound 2e-4)\n  1 rank: {ref[:5]}...\n  fsdp=2: {got[:5]}...")
+        if err or len(got) != STEPS or worst > bound or not ref[-1] < ref[0]:
+            failures.append(f"{label}: {err or ''} losses differ from 1 rank by {worst:.2e} relative "
+                            f"(bound {bound:.0e})\n  1 rank: {ref[:5]}...\n  {mesh}: {got[:5]}...")
+            continue
+        fp32 = os.path.join(tmp, f"{preset}_{mesh}_1_1{'_' + opts if opts and not vocab else ''}.txt")
+        if vocab:
+            fp32 = os.path.join(tmp, f"{preset}_vocab61_{mesh}_{vocab}.txt")
+        if fp32 not in arena:
+            failures.append(f"{label}: no fp32 run of the same mesh to compare its arena with ({fp32})")
+        elif not arena[path] < arena[fp32]:
+            failures.append(f"{label}: activation arena {arena[path]} bytes, not below the fp32 run's {arena[fp32]}")
         else:
-            print(f"gpt bf16 fsdp=2: max relative loss difference {worst:.2e} (bound 2e-4)")
+            print(f"{label}: max relative loss difference {worst:.2e} (bound {bound:.0e}), "
+                  f"arena {arena[path]} of fp32's {arena[fp32]} bytes")
     # Meshes the model cannot take are refused at step creation, naming why.
     for preset, n, mesh, want, *more in [
             ("llama", 4, "tp=4", "heads=2 is not divisible by 4 ranks"),
