@@ -2,7 +2,8 @@
 // accumulates.
 //
 // With precision "bf16" every f32 activation becomes bf16 except
-//   - the loss and the seed of its gradient,
+//   - the loss and the seed of its gradient, and every single number (the
+//     terms summed into the loss and their gradients),
 //   - the saved statistics of forward ops (the outputs infer_shapes appends:
 //     normalisation means and reciprocal deviations, attention's log-sum-exp,
 //     cross-entropy's), which backends keep in f32,
@@ -25,12 +26,10 @@
 // of what they carry, bf16 (reductions combine pairs in f32 and round once),
 // except the vocabulary-parallel head's row statistics, kept f32. Between
 // pipeline stages activations and their gradients cross in bf16.
-// Mixture-of-experts layers
-// whose token exchanges or statistics cross ranks (ep, or the global
-// load-balancing loss of a multi-rank mesh) move f32 rows: the pass refuses
-// bf16 for a graph that has those; on one rank the experts run in bf16 where
-// the backend's expert kernels take it (the CPU's, which widen every bf16
-// operand; the CUDA backend's expert kernels are f32 only, so it refuses).
+// Mixture-of-experts layers exchange their rows in bf16 too and sum their
+// load-balancing statistics over the world in f32. The experts run in bf16
+// where the backend's expert kernels take it (the CPU's, which widen every
+// bf16 operand; the CUDA backend's expert kernels are f32 only, so it refuses).
 
 #include <functional>
 #include <map>
@@ -96,18 +95,17 @@ std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe
                 "precision bf16: node '%s' (%s) is a mixture-of-experts op, which runs in f32 only on this "
                 "backend; use precision fp32 for this graph",
                 n.name.c_str(), n.op.c_str());
-    const bool exchange = n.op == "moe_dispatch" || n.op == "moe_combine" || n.op == "moe_dispatch_rows" ||
-                          n.op == "moe_aux_stats" || n.op == "moe_aux_loss_global";
-    CTR_REQUIRE(!exchange, CTR_STATUS_UNSUPPORTED,
-                "precision bf16: node '%s' (%s) moves mixture-of-experts rows or statistics between ranks, which "
-                "runs in f32 only; use precision fp32 for this mesh (one rank runs experts in bf16)",
-                n.name.c_str(), n.op.c_str());
   }
 
   // What stays f32.
   std::vector<bool> f32(nt, false);
   if (g.loss >= 0) f32[static_cast<size_t>(g.loss)] = true;
   if (g.loss_seed >= 0) f32[static_cast<size_t>(g.loss_seed)] = true;
+  // Single numbers (terms of the loss: cross-entropy and auxiliary losses
+  // summed into it, and their gradients): rounding one to bf16 saves nothing
+  // and would move the loss by a bf16 unit of its size.
+  for (size_t t = 0; t < nt; ++t)
+    if (g.tensors[t].has_shape && g.tensors[t].numel() <= 1) f32[t] = true;
   for (int ni = 0; ni < g.num_forward; ++ni) {
     const Node &n = g.nodes[static_cast<size_t>(ni)];
     const OpDef *d = find_op(n.op);
@@ -137,11 +135,12 @@ std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe
         if (!f32[static_cast<size_t>(in)]) work.push_back(in);
   }
 
-  // The vocabulary-parallel head's statistics stay f32: each rank's row
-  // statistics (max, sum of exponentials, target logit), the all-gather that
-  // brings every rank's, and the log-sum-exp the loss saves for its gradient.
+  // Statistics summed or gathered over ranks stay f32: the vocabulary-parallel
+  // head's row statistics (max, sum of exponentials, target logit), the
+  // all-gather that brings every rank's, and the log-sum-exp the loss saves for
+  // its gradient; the experts' load-balancing counts and sums over the world.
   for (const Node &n : g.nodes)
-    if (n.op == "vocab_ce_stats" || n.op == "vocab_ce_loss")
+    if (n.op == "vocab_ce_stats" || n.op == "vocab_ce_loss" || n.op == "moe_aux_stats")
       for (size_t k = n.op == "vocab_ce_loss" ? 1 : 0; k < n.outputs.size(); ++k)
         f32[static_cast<size_t>(n.outputs[k])] = true;
   for (const Node &n : g.nodes)

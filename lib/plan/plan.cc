@@ -246,6 +246,13 @@ ClusterProfile parse_cluster_profile(const std::string &text, const std::string 
   const json &d = j["device"];
   const std::string dw = what + ": device";
   c.device_name = d.value("name", std::string("device"));
+  if (d.contains("precision")) {
+    CTR_REQUIRE(d["precision"].is_string() &&
+                    (d["precision"].get<std::string>() == "fp32" || d["precision"].get<std::string>() == "bf16"),
+                CTR_STATUS_INVALID_ARGUMENT, "%s: field 'precision' must be \"fp32\" or \"bf16\", got %s",
+                dw.c_str(), d["precision"].dump().c_str());
+    c.precision = d["precision"].get<std::string>();
+  }
   c.memory_bytes = static_cast<int64_t>(num(d, "memory_bytes", dw));
   c.flops = num(d, "flops", dw);
   c.bytes_per_s = num(d, "bytes_per_s", dw);
@@ -346,7 +353,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     o.pp_schedule = cd.schedule;
     o.recompute = cd.recompute;
     o.cp_mode = cd.cp_mode;
-    o.precision = "fp32";
+    o.precision = c.precision;
     for (const char *a : kAxes) o.mesh.axes.push_back({a, cd.axes.at(a), std::string(a) == "pp" ? s : 0});
     layout.mesh = o.mesh;
     Graph g = graph;
@@ -701,6 +708,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
               {"seq", seq_used},
               {"cluster", c.name},
               {"device", c.device_name},
+              {"precision", c.precision},
               {"sources", c.sources},
               {"candidates", candidates},
               {"compiled", compiled},

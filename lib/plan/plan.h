@@ -49,6 +49,11 @@ struct ClusterProfile {
   std::string name;
   int64_t devices_per_host = 1;
   std::string device_name;
+  // What the device computes in, as a step there would (device.precision:
+  // "fp32" by default, or "bf16"): the precision the candidates are compiled
+  // with, so activations, collectives and memory are priced at its width, and
+  // the one `flops` is quoted for.
+  std::string precision = "fp32";
   int64_t memory_bytes = 0;  // per device
   double flops = 0;          // sustained FLOP/s of the GEMM-class kernels, per device
   double bytes_per_s = 0;    // device memory bandwidth

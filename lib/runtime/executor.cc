@@ -480,7 +480,9 @@ void Executor::exchange_rows(Collective &c, const std::vector<ctr_tensor_ref> &i
   const ctr_tensor_ref &x = ins[0], &cnt = ins[1];
   const ctr_tensor_ref &y = outs[0];
   const size_t E = static_cast<size_t>(cnt.numel), El = E / P;
-  const size_t row = static_cast<size_t>(x.shape[1]);  // floats per row
+  const size_t row = static_cast<size_t>(x.shape[1]);  // elements per row
+  const size_t esz = dtype_size(static_cast<ctr_dtype>(x.dtype));  // f32, or bf16 under precision bf16
+  CTR_CHECK(y.dtype == x.dtype && esz > 0);
   const int32_t *counts = static_cast<const int32_t *>(cnt.data);
   const int32_t *seg = nullptr;
   std::vector<size_t> ones(P, El), blocks(P);
@@ -524,9 +526,9 @@ void Executor::exchange_rows(Collective &c, const std::vector<ctr_tensor_ref> &i
               "expert exchange: row counts (%zu rows out, %zu in) exceed the buffers (%lld, %lld rows)", so / row,
               ro / row, static_cast<long long>(x.numel) / static_cast<long long>(row),
               static_cast<long long>(y.numel) / static_cast<long long>(row));
-  ci->wait(c.comm.ctx, ci->all_to_all_v(c.comm.ctx, x.data, sc.data(), sd.data(), y.data, rc.data(), rd.data(), 4),
+  ci->wait(c.comm.ctx, ci->all_to_all_v(c.comm.ctx, x.data, sc.data(), sd.data(), y.data, rc.data(), rd.data(), esz),
            c.timeout_ms);
-  std::memset(static_cast<float *>(y.data) + ro, 0, (static_cast<size_t>(y.numel) - ro) * sizeof(float));
+  std::memset(static_cast<char *>(y.data) + ro * esz, 0, (static_cast<size_t>(y.numel) - ro) * esz);
 }
 
 void Executor::raise_if_failed() {

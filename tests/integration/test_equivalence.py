@@ -22,7 +22,8 @@ against one rank's, and a
 sequence length 2*cp does not divide is refused. In bf16 on the
 CPU, gpt on fsdp=2 matches one rank within 2e-4 relative, and tp=2 (also with sp and a
 vocabulary of 61 words), cp=2 in each mode, tp=2 x cp=2 (gpt) and llama's tp=2 with sp and
-tp=2 x cp=2 on the ring within 3e-4, each planning less activation memory than in fp32.
+tp=2 x cp=2 on the ring within 3e-4, and so do moe's ep=2, ep=2 x fsdp=2, ep=2 x tp=2 and
+cp=2, each planning less activation memory than in fp32.
 
 usage: test_equivalence.py CTR EQUIV_TRAIN
 """
@@ -221,7 +222,11 @@ def main():
     bf16_cases = [("gpt", 2, "fsdp=2", None, 2e-4), ("gpt", 2, "tp=2", None, 3e-4), ("gpt", 2, "tp=2", SP, 3e-4),
                   ("gpt", 2, "cp=2", None, 3e-4), ("gpt", 2, "cp=2", ULYSSES, 3e-4), ("gpt", 2, "cp=2", RING, 3e-4),
                   ("gpt", 4, "tp=2,cp=2", None, 3e-4), ("llama", 2, "tp=2", SP, 3e-4),
-                  ("llama", 4, "tp=2,cp=2", RING, 3e-4), ("gpt", 2, "tp=2", "vocab=61", 3e-4)]
+                  ("llama", 4, "tp=2,cp=2", RING, 3e-4), ("gpt", 2, "tp=2", "vocab=61", 3e-4),
+                  # Expert rows exchanged in bf16, the load-balancing statistics
+                  # summed over the world in f32.
+                  ("moe", 2, "ep=2", None, 3e-4), ("moe", 4, "ep=2,fsdp=2", None, 3e-4),
+                  ("moe", 4, "ep=2,tp=2", None, 3e-4), ("moe", 2, "cp=2", None, 3e-4)]
     refs = {}
     for preset, n, mesh, opts, bound in bf16_cases:
         label = f"{preset} bf16 {mesh}" + (f" {opts}" if opts else "")

@@ -4,7 +4,8 @@ from a cluster profile. Checked here: the ranking is deterministic; the memory
 each plan predicts is what step creation plans (rank 0's peak_bytes, byte for
 byte); a plan the planner calls infeasible for memory is refused by step
 creation under that memory, and a feasible one runs; meshes the model cannot
-take are listed with the reason; bad profiles and options are named; `ctr run
+take are listed with the reason; bad profiles and options are named; a device
+that computes in bf16 is planned in bf16 (memory as a bf16 step plans it); `ctr run
 --mesh auto` runs the first feasible plan for the job's world, with the
 predictions in its metrics, exactly as that plan given by hand. The
 predicted step times beside the measured ones are in tools/bench/bench_plan.py.
@@ -205,6 +206,56 @@ def test_mesh_auto_runs_the_first_feasible_plan_as_the_same_plan_by_hand(ctr, gr
     assert "is feasible" in r.stderr and "more than the" in r.stderr, r.stderr
 
 
+def bf16_profile(tmp_path):
+    prof = json.load(open(PROFILE))
+    prof["device"]["precision"] = "bf16"
+    path = str(tmp_path / "bf16.json")
+    json.dump(prof, open(path, "w"))
+    return path
+
+
+def test_a_bf16_device_is_planned_in_bf16(ctr, graph, tmp_path):
+    """A profile whose device computes in bf16 (device.precision, as the H100 and
+    H200 profiles say) has every candidate compiled in bf16: the plans need less
+    memory than in fp32, the memory predicted is what a bf16 step creation plans,
+    and `--mesh auto` runs the plan in bf16 (refusing an explicit fp32)."""
+    probe = subprocess.run([ctr, "run", graph, "--steps", "1", "--batch", "2", "--precision", "bf16"],
+                           capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0 and "AVX512_BF16" in probe.stdout + probe.stderr:
+        pytest.skip(f"this CPU cannot run bf16: {probe.stderr.strip()}")
+    prof = bf16_profile(tmp_path)
+    half, whole = plan(ctr, graph, "--no-prune", profile=prof), plan(ctr, graph, "--no-prune")
+    assert (half["precision"], whole["precision"]) == ("bf16", "fp32")
+    by_key = {(p["mesh"], p["schedule"], p["micro_batches"], p["recompute"], p.get("cp_mode")): p
+              for p in whole["plans"] if "memory_bytes" in p}
+    # One micro-batch of 4 or 8 sequences: the activations outweigh the bf16
+    # copies of the weights (which, in this small model, many micro-batches of
+    # one sequence do not).
+    pairs = [(p["memory_bytes"], by_key[k]["memory_bytes"], k) for p in half["plans"]
+             if "memory_bytes" in p and p["micro_batches"] == 1
+             for k in [(p["mesh"], p["schedule"], p["micro_batches"], p["recompute"], p.get("cp_mode"))] if k in by_key]
+    assert len(pairs) >= 10 and all(a < b for a, b, _ in pairs), pairs
+    for mesh in ("tp=2", "pp=2", "cp=2"):
+        [p] = [p for p in half["plans"] if p["mesh"] == mesh and p["micro_batches"] == 2
+               and p["recompute"] == "none" and p["schedule"] == "1f1b" and p.get("cp_mode", "gather") == "gather"]
+        metrics = str(tmp_path / f"m_{mesh}.jsonl")
+        run(ctr, "launch", "-n", "2", "--", ctr, "run", graph, "--mesh", mesh, "--steps", "1", "--batch",
+            str(p["batch"]), "--micro-batches", "2", "--precision", "bf16", "--log-every", "0", "--metrics", metrics,
+            timeout=120)
+        peak = json.loads(open(metrics).readline())["peak_bytes"]
+        assert p["stages"][0]["memory_bytes"] == peak, (mesh, p, peak)
+    first = next(p for p in plan(ctr, graph, profile=prof)["plans"] if p["feasible"])
+    metrics = str(tmp_path / "auto.jsonl")
+    r = run(ctr, "launch", "-n", "2", "--", ctr, "run", graph, "--mesh", "auto", "--cluster", prof, "--global-batch",
+            "8", "--steps", "2", "--log-every", "0", "--metrics", metrics, timeout=120)
+    assert ", bf16);" in r.stdout, r.stdout
+    row = json.loads(open(metrics).readline())
+    assert row["predicted_memory_bytes"] == first["memory_bytes"] == row["peak_bytes"], (row, first)
+    r = run(ctr, "run", graph, "--mesh", "auto", "--cluster", prof, "--global-batch", "8", "--steps", "1",
+            "--precision", "fp32", expect=1)
+    assert "--precision fp32, but the cluster profile's device computes in bf16" in r.stderr, r.stderr
+
+
 def test_meshes_the_model_cannot_take_are_named(ctr, graph):
     got = plan(ctr, graph, world=3, batch=3)
     why = {p["mesh"]: p["why"] for p in got["plans"] if not p["feasible"]}
@@ -231,6 +282,11 @@ def test_bad_profiles_and_options_are_named(ctr, graph, tmp_path):
     r = run(ctr, "plan", graph, "--cluster", PROFILE, "--world", "2", "--global-batch", "8", "--recompute", "some",
             expect=1)
     assert "'some' is not a policy" in r.stderr, r.stderr
+    prof = json.load(open(PROFILE))
+    prof["device"]["precision"] = "fp8"
+    json.dump(prof, open(bad, "w"))
+    r = run(ctr, "plan", graph, "--cluster", bad, "--world", "2", "--global-batch", "8", expect=1)
+    assert "device: field 'precision' must be \"fp32\" or \"bf16\", got \"fp8\"" in r.stderr, r.stderr
 
 
 def test_calibrate_measures_the_kernels_into_a_profile_the_planner_reads(ctr, graph, tmp_path):

@@ -697,6 +697,17 @@ int cmd_run(const RunArgs &given) {
     a.collectives.pp_schedule = chosen->schedule;
     a.collectives.recompute = chosen->recompute;
     a.collectives.cp_mode = chosen->cp_mode;
+    // The plan's memory and time are those of its precision: run in it.
+    if (a.collectives.precision == "auto") {
+      a.collectives.precision = chosen->precision;
+    } else if (a.collectives.precision != chosen->precision) {
+      throw ctr::Error(CTR_STATUS_INVALID_OPTION,
+                       ctr::strformat("--mesh auto: --precision %s, but the cluster profile's device computes in %s "
+                                      "(device.precision), which the plan was made for; leave --precision out or "
+                                      "use a profile for %s",
+                                      a.collectives.precision.c_str(), chosen->precision.c_str(),
+                                      a.collectives.precision.c_str()));
+    }
   } else if (!a.cluster.empty() || a.global_batch > 0) {
     throw ctr::Error(CTR_STATUS_INVALID_OPTION,
                      "--cluster and --global-batch choose a plan: they go with --mesh auto (with a mesh given, "

@@ -95,10 +95,10 @@ int PlanCommand::run() const {
     return 0;
   }
   const auto &plans = r["plans"];
-  std::printf("%s: %lld devices (%s), global batch %lld x seq %lld; %lld candidates (%lld compiled), %lld feasible, "
-              "searched in %.2f s\n",
+  std::printf("%s: %lld devices (%s, %s), global batch %lld x seq %lld; %lld candidates (%lld compiled), %lld "
+              "feasible, searched in %.2f s\n",
               r["cluster"].get<std::string>().c_str(), static_cast<long long>(r["world"].get<int64_t>()),
-              r["device"].get<std::string>().c_str(), static_cast<long long>(r["global_batch"].get<int64_t>()),
+              r["device"].get<std::string>().c_str(), r["precision"].get<std::string>().c_str(), static_cast<long long>(r["global_batch"].get<int64_t>()),
               static_cast<long long>(r["seq"].get<int64_t>()), static_cast<long long>(r["candidates"].get<int64_t>()),
               static_cast<long long>(r["compiled"].get<int64_t>()), static_cast<long long>(r["feasible"].get<int64_t>()),
               r["search_s"].get<double>());
@@ -172,6 +172,7 @@ ChosenPlan choose_plan(ctr_graph *graph, const std::string &cluster, int64_t glo
   c.schedule = p["schedule"].get<std::string>();
   c.recompute = p["recompute"].get<std::string>();
   c.cp_mode = p.value("cp_mode", std::string("gather"));
+  c.precision = r.value("precision", std::string("fp32"));
   c.batch = p["batch"].get<int64_t>();
   c.micro_batches = p["micro_batches"].get<int64_t>();
   c.step_ms = p["step_ms"].get<double>();
@@ -187,10 +188,10 @@ ChosenPlan choose_plan(ctr_graph *graph, const std::string &cluster, int64_t glo
     if (q["recompute"].get<std::string>() != "none") d += ", recompute " + q["recompute"].get<std::string>();
     return d;
   };
-  c.report = ctr::strformat("plan: %s: predicted %.1f ms per step, %s GiB per device (%s); the fastest of %lld "
-                            "feasible layouts of %lld on %lld devices of %s, searched in %.2f s",
+  c.report = ctr::strformat("plan: %s: predicted %.1f ms per step, %s GiB per device (%s, %s); the fastest of "
+                            "%lld feasible layouts of %lld on %lld devices of %s, searched in %.2f s",
                             describe(p).c_str(), c.step_ms, gib(static_cast<double>(c.memory_bytes)).c_str(),
-                            r["device"].get<std::string>().c_str(),
+                            r["device"].get<std::string>().c_str(), c.precision.c_str(),
                             static_cast<long long>(r["feasible"].get<int64_t>()),
                             static_cast<long long>(r["candidates"].get<int64_t>()), static_cast<long long>(world),
                             r["cluster"].get<std::string>().c_str(), r["search_s"].get<double>());

@@ -19,6 +19,7 @@ namespace ctr_tool {
 struct ChosenPlan {
   std::string mesh;  // mesh option ("dp=1" for a single device)
   std::string schedule, recompute, cp_mode;
+  std::string precision;  // what the plan was compiled in (the profile's device.precision)
   int64_t batch = 1, micro_batches = 1;
   double step_ms = 0;        // predicted
   int64_t memory_bytes = 0;  // predicted per device
