@@ -253,6 +253,13 @@ ClusterProfile parse_cluster_profile(const std::string &text, const std::string 
                 dw.c_str(), d["precision"].dump().c_str());
     c.precision = d["precision"].get<std::string>();
   }
+  if (d.contains("attention")) {
+    const std::string a = d["attention"].is_string() ? d["attention"].get<std::string>() : "";
+    CTR_REQUIRE(a == "probabilities" || a == "lse", CTR_STATUS_INVALID_ARGUMENT,
+                "%s: field 'attention' must be \"probabilities\" or \"lse\", got %s", dw.c_str(),
+                d["attention"].dump().c_str());
+    c.attention_lse = a == "lse";
+  }
   c.memory_bytes = static_cast<int64_t>(num(d, "memory_bytes", dw));
   c.flops = num(d, "flops", dw);
   c.bytes_per_s = num(d, "bytes_per_s", dw);
@@ -358,7 +365,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     layout.mesh = o.mesh;
     Graph g = graph;
     PassContext ctx(g, o, [&](OpId op) { return backend_has_kernel(be, op); });
-    ctx.backend_flags = be.iface->flags;
+    ctx.backend_flags = be.iface->flags | (c.attention_lse ? CTR_BACKEND_ATTENTION_LSE : 0u);
     run_passes(ctx);
     StageCost sc;
     const Priced f = price_phase(g, ctx.program.forward, layout, c);
@@ -709,6 +716,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
               {"cluster", c.name},
               {"device", c.device_name},
               {"precision", c.precision},
+              {"attention", c.attention_lse ? "lse" : "probabilities"},
               {"sources", c.sources},
               {"candidates", candidates},
               {"compiled", compiled},

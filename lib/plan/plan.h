@@ -54,6 +54,10 @@ struct ClusterProfile {
   // with, so activations, collectives and memory are priced at its width, and
   // the one `flops` is quoted for.
   std::string precision = "fp32";
+  // What the device's attention kernels keep for backward (device.attention):
+  // "probabilities" (the CPU backend's, [B, H, T, T]) or "lse" (each row's
+  // log-sum-exp, flash-style: the CUDA backend's).
+  bool attention_lse = false;
   int64_t memory_bytes = 0;  // per device
   double flops = 0;          // sustained FLOP/s of the GEMM-class kernels, per device
   double bytes_per_s = 0;    // device memory bandwidth

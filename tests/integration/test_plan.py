@@ -256,6 +256,28 @@ def test_a_bf16_device_is_planned_in_bf16(ctr, graph, tmp_path):
     assert "--precision fp32, but the cluster profile's device computes in bf16" in r.stderr, r.stderr
 
 
+def test_a_flash_attention_device_is_planned_with_its_layout(ctr, graph, tmp_path):
+    """device.attention "lse" (the CUDA backend's attention, which keeps each score
+    row's log-sum-exp for backward, not the T x T probabilities): every plan of one
+    micro-batch needs less memory than with the CPU's probabilities."""
+    prof = json.load(open(PROFILE))
+    prof["device"]["attention"] = "lse"
+    path = str(tmp_path / "lse.json")
+    json.dump(prof, open(path, "w"))
+    lse, probs = plan(ctr, graph, "--no-prune", profile=path), plan(ctr, graph, "--no-prune")
+    assert (lse["attention"], probs["attention"]) == ("lse", "probabilities")
+    by_key = {(p["mesh"], p["schedule"], p["micro_batches"], p["recompute"], p.get("cp_mode")): p
+              for p in probs["plans"] if "memory_bytes" in p}
+    pairs = [(p["memory_bytes"], by_key[k]["memory_bytes"], k) for p in lse["plans"]
+             if "memory_bytes" in p and p["micro_batches"] == 1 and p["mesh"] != "cp=2"
+             for k in [(p["mesh"], p["schedule"], p["micro_batches"], p["recompute"], p.get("cp_mode"))] if k in by_key]
+    assert len(pairs) >= 6 and all(a < b for a, b, _ in pairs), pairs
+    prof["device"]["attention"] = "flash"
+    json.dump(prof, open(path, "w"))
+    r = run(ctr, "plan", graph, "--cluster", path, "--world", "2", "--global-batch", "8", expect=1)
+    assert "device: field 'attention' must be \"probabilities\" or \"lse\", got \"flash\"" in r.stderr, r.stderr
+
+
 def test_meshes_the_model_cannot_take_are_named(ctr, graph):
     got = plan(ctr, graph, world=3, batch=3)
     why = {p["mesh"]: p["why"] for p in got["plans"] if not p["feasible"]}
