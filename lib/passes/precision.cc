@@ -11,8 +11,9 @@
 //     are reduced across ranks and read by the optimizer in f32.
 // Parameters stay f32 (master weights) and so do constants; a node that reads
 // one while its other float tensors are bf16 reads a bf16 copy made by a `cast`
-// node placed before the copy's first reader (one per tensor, shared by forward
-// and backward readers). Kernels therefore see one storage type for data and f32
+// node placed before the copy's first reader (one per tensor and phase: the
+// forward's readers share one, the backward's another, so none is held from
+// the forward to the backward). Kernels therefore see one storage type for data and f32
 // for statistics and parameter gradients.
 //
 // "auto" (the default) means bf16 where the backend has bf16 kernels (it has a
@@ -55,10 +56,10 @@ bool on_bf16(const Graph &g, const Node &n) {
 // A new bf16 activation shaped like tensor t, named NAME.bf16, and a cast node
 // `from` -> `to` named NAME + suffix in the block and phase of `at`. Returns
 // the new tensor; the node goes to *cast.
-int bf16_like(Graph &g, int t, const Node &at, bool widen, Node *cast) {
+int bf16_like(Graph &g, int t, const Node &at, bool widen, Node *cast, const char *suffix = ".bf16") {
   const std::string name = g.tensors[static_cast<size_t>(t)].name;  // add_tensor may move the tensors
   Tensor h;
-  h.name = name + ".bf16";
+  h.name = name + suffix;
   h.dtype = CTR_DTYPE_BF16;
   h.role = Role::Activation;
   h.shape = g.tensors[static_cast<size_t>(t)].shape;
@@ -205,10 +206,13 @@ std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe
     }
   }
 
-  // bf16 copies of the f32 parameters and constants read by bf16 nodes.
+  // bf16 copies of the f32 parameters and constants read by bf16 nodes: one
+  // for the forward's readers and one for the backward's, so no copy lives
+  // from the forward to the backward (under fsdp the backward's is cast from
+  // the weight gathered again, and neither outlives its phase's last reader).
   const OpDef *cast_def = find_op("cast");
   CTR_CHECK(cast_def != nullptr);
-  std::map<int, int> copy_of;
+  std::map<std::pair<int, bool>, int> copy_of;
   std::vector<Node> out;
   out.reserve(g.nodes.size() * 2);
   int num_forward = g.num_forward;
@@ -219,13 +223,15 @@ std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe
         const Tensor &src = g.tensors[static_cast<size_t>(in)];
         if (src.dtype != CTR_DTYPE_F32 || (src.role != Role::Param && src.role != Role::Const) || in == g.loss_seed)
           continue;
-        auto it = copy_of.find(in);
+        const bool fwd = static_cast<int>(ni) < g.num_forward;
+        auto it = copy_of.find({in, fwd});
         if (it == copy_of.end()) {
           Node cn;
-          const int ct = bf16_like(g, in, n, false, &cn);
+          const int ct = bf16_like(g, in, n, false, &cn, fwd ? ".bf16" : ".bf16_bwd");
+          if (!fwd) cn.name += "_bwd";
           out.push_back(std::move(cn));
-          if (static_cast<int>(ni) < g.num_forward) ++num_forward;
-          it = copy_of.emplace(in, ct).first;
+          if (fwd) ++num_forward;
+          it = copy_of.emplace(std::make_pair(in, fwd), ct).first;
         }
         in = it->second;
       }

@@ -72,6 +72,24 @@ def main():
     check(p.returncode == 127 and "cannot run '/nonexistent/program'" in p.stderr,
           f"missing program: {p.returncode} {p.stderr}")
 
+    # Ranks that cannot all be started (descriptors run out after a few): the
+    # started ones are killed and reaped, nothing is left running.
+    import resource
+    marker = f"300.{os.getpid()}"  # a sleep no one else runs
+    p = subprocess.run([CTR, "launch", "-n", "64", "--", "sleep", marker],
+                       capture_output=True, text=True, timeout=60,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32)))
+    left = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    left.append(pid)
+        except OSError:
+            pass
+    check(p.returncode == 1 and "launch: pipe: Too many open files" in p.stderr and not left,
+          f"64 ranks with 32 descriptors: exit {p.returncode}, {p.stderr[-400:]}, left running: {left}")
+
     # SIGTERM to the launcher is forwarded; ranks that trap it report and exit.
     proc = subprocess.Popen(
         [CTR, "launch", "-n", "2", "--", "sh", "-c",

@@ -867,7 +867,7 @@ void check_gradients(ctr_graph *graph, const std::map<std::string, int> &id_inpu
 // The precision pass with a backend that has bf16 kernels: activations become
 // bf16, while the loss, saved statistics and parameter gradients (with the
 // partials summed into a tied weight's) stay f32, and every f32 parameter or
-// constant a bf16 node reads comes through one cast node. With "auto" on the
+// constant a bf16 node reads comes through one cast node per phase. With "auto" on the
 // CPU backend nothing changes, and an explicit bf16 step on the CPU is refused.
 // A parameter that feeds an op whose backward kernel cannot write an f32
 // gradient from bf16 data (exp here): the gradient is computed in bf16 and a
@@ -943,12 +943,20 @@ TEST(Precision, Bf16StorageKeepsAccumulationInF32) {
     for (size_t ni = 0; ni < g.nodes.size(); ++ni)
       for (int t : g.nodes[ni].outputs) producer[t] = static_cast<int>(ni);
     int casts = 0, bf16 = 0;
-    std::set<int> cast_sources;
+    std::set<std::pair<int, bool>> cast_sources;
     for (size_t ni = 0; ni < g.nodes.size(); ++ni) {
       const ctr::Node &n = g.nodes[ni];
+      const bool fwd = static_cast<int>(ni) < g.num_forward;
+      // Every reader of a copy runs in the copy's phase: none is held from
+      // the forward to the backward.
+      for (int t : n.inputs)
+        if (producer.count(t) && g.nodes[producer[t]].op == "cast" && g.tensors[t].dtype == CTR_DTYPE_BF16) {
+          EXPECT_EQ(producer[t] < g.num_forward, fwd) << n.name << " reads " << g.tensors[t].name
+                                                       << " from the other phase";
+        }
       if (n.op == "cast") {
         ++casts;
-        EXPECT_TRUE(cast_sources.insert(n.inputs[0]).second) << "two casts of one tensor";
+        EXPECT_TRUE(cast_sources.insert({n.inputs[0], fwd}).second) << "two casts of one tensor in one phase";
         // The presets' parameter gradients are all written in f32 by their
         // kernels: none is computed in bf16 and widened.
         EXPECT_EQ(g.tensors[n.outputs[0]].dtype, CTR_DTYPE_BF16) << n.name << " widens a gradient";

@@ -182,17 +182,30 @@ Outcome run_once(const LaunchOptions &opt, int attempt) {
   const pid_t launcher = getpid();
 
   std::vector<Rank> ranks(static_cast<size_t>(opt.nprocs));
+  // A rank that cannot be started: the ranks already started are killed and
+  // reaped, and every descriptor this attempt opened is closed.
+  auto abandon = [&](const char *what, std::initializer_list<int> fds) {
+    const int e = errno;
+    for (int fd : fds)
+      if (fd >= 0) close(fd);
+    if (listen_fd >= 0) close(listen_fd), listen_fd = -1;
+    for (Rank &rk : ranks) {
+      if (!rk.running) continue;
+      kill(rk.pid, SIGKILL);
+      waitpid(rk.pid, nullptr, 0);
+      close(rk.out_fd);
+      close(rk.err_fd);
+      rk.running = false;
+    }
+    std::fprintf(stderr, "ctr: error: launch: %s: %s\n", what, std::strerror(e));
+    return Outcome{1, false};
+  };
   for (int r = 0; r < opt.nprocs; ++r) {
-    int out[2], err[2];
-    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
-      std::fprintf(stderr, "ctr: error: launch: pipe: %s\n", std::strerror(errno));
-      return {1, false};
-    }
+    int out[2] = {-1, -1}, err[2] = {-1, -1};
+    if (pipe2(out, O_CLOEXEC) != 0) return abandon("pipe", {});
+    if (pipe2(err, O_CLOEXEC) != 0) return abandon("pipe", {out[0], out[1]});
     pid_t pid = fork();
-    if (pid < 0) {
-      std::fprintf(stderr, "ctr: error: launch: fork: %s\n", std::strerror(errno));
-      return {1, false};
-    }
+    if (pid < 0) return abandon("fork", {out[0], out[1], err[0], err[1]});
     if (pid == 0) {
       // Die with the launcher; if it is already gone, do not start at all.
       prctl(PR_SET_PDEATHSIG, SIGKILL);
