@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -138,6 +139,8 @@ struct StageCut {
     std::vector<int> stages;
   };
   std::vector<Home> params;
+  // The stage computing each activation named in the step option "keep".
+  std::map<std::string, int> kept_on;
 };
 
 // "F3", "B0" or "W1": a task as the schedule printouts write it.

@@ -83,6 +83,9 @@ StageCut pass_stages(Graph &g, const CompileOptions &opt, const Schedule &s) {
     }
   }
 
+  for (int t = 0; t < nt; ++t)
+    if (g.tensors[t].keep && producer[t] >= 0) cut.kept_on[g.tensors[t].name] = producer[t];
+
   // A parameter no node reads stays with the first stage.
   for (int t = 0; t < nt; ++t)
     if (g.tensors[t].role == Role::Param && read_on[t].empty()) read_on[t].insert(0);

@@ -143,6 +143,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
       fault_nan_ = std::strcmp(kind, "nan") == 0;
     }
   }
+  std::vector<std::string> keep_names;
   for (size_t pos = 0; pos < keep.size();) {
     size_t comma = keep.find(',', pos);
     std::string name = keep.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
@@ -154,6 +155,7 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
                 "ctr_step_create: option 'keep': '%s' is not an f32 activation of the graph", name.c_str());
     g_.tensors[t].keep = true;
     kept_.push_back(t);
+    keep_names.push_back(name);
   }
 
   find_moe_layers();
@@ -184,9 +186,22 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
     // Each micro-batch in flight on this stage (forward run, its last task not
     // yet) keeps its own copy of the arena's held part (MemoryPlan::held_bytes).
     slots_in_flight_ = std::max<int64_t>(1, pipeline_.in_flight[static_cast<size_t>(stage_)]);
-    CTR_REQUIRE(pipeline_.stages == 1 || kept_.empty(), CTR_STATUS_UNSUPPORTED,
-                "ctr_step_create: option 'keep' is not available with pipeline stages (pp=%d) yet",
-                pipeline_.stages);
+    if (cut_.stages > 1) {
+      // The stage cut renumbered the tensors: each kept one is found again by
+      // name among this stage's activations; one computed on another stage is
+      // read on a rank of that stage.
+      std::vector<int> here;
+      for (const std::string &name : keep_names) {
+        const int t = g_.find_tensor(name);
+        if (t >= 0 && g_.tensors[t].role == Role::Activation) {
+          here.push_back(t);
+          continue;
+        }
+        auto on = cut_.kept_on.find(name);
+        kept_elsewhere_[name] = on == cut_.kept_on.end() ? -1 : on->second;
+      }
+      kept_ = std::move(here);
+    }
     passes_run_ = std::move(ctx.ran);
   }
 
@@ -1195,6 +1210,15 @@ void Step::set_param(const std::string &name, const float *data, size_t count) {
 }
 
 void Step::get_output(const std::string &name, float *out, size_t count) {
+  if (auto it = kept_elsewhere_.find(name); it != kept_elsewhere_.end())
+    fail(CTR_STATUS_NOT_FOUND,
+         it->second >= 0
+             ? strformat("ctr_step_get_output: '%s' is computed on pipeline stage %d, not this rank's stage %d: read "
+                         "it on a rank of that stage",
+                         name.c_str(), it->second, stage_)
+             : strformat("ctr_step_get_output: '%s' is computed on another pipeline stage than this rank's (stage "
+                         "%d): read it on a rank of the stage that computes it",
+                         name.c_str(), stage_));
   int t = -1;
   for (int k : kept_)
     if (g_.tensors[k].name == name) t = k;
@@ -1206,10 +1230,12 @@ void Step::get_output(const std::string &name, float *out, size_t count) {
               static_cast<long long>(g_.tensors[t].numel()), count);
   CTR_REQUIRE(ran_forward_, CTR_STATUS_INVALID_STATE,
               "ctr_step_get_output: no step or evaluation has run yet");
+  // The last micro-batch's: its slot of the micro-batches in flight.
+  const Executor &last = exec_for(copt_.micro_batches - 1);
   if (g_.tensors[t].dtype == CTR_DTYPE_BF16) {
     // bf16 storage (precision pass): widened on the host, exactly.
     std::vector<uint16_t> half(count);
-    be_.iface->copy_d2h(be_.ctx, half.data(), exec_->addr(t), count * 2, 0);
+    be_.iface->copy_d2h(be_.ctx, half.data(), last.addr(t), count * 2, 0);
     check_backend(be_, "reading an output");
     for (size_t i = 0; i < count; ++i) {
       const uint32_t bits = static_cast<uint32_t>(half[i]) << 16;
@@ -1217,7 +1243,7 @@ void Step::get_output(const std::string &name, float *out, size_t count) {
     }
     return;
   }
-  be_.iface->copy_d2h(be_.ctx, out, exec_->addr(t), count * 4, 0);
+  be_.iface->copy_d2h(be_.ctx, out, last.addr(t), count * 4, 0);
   check_backend(be_, "reading an output");
 }
 

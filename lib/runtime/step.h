@@ -10,6 +10,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -205,7 +206,8 @@ class Step : private CheckpointState {
   int64_t skipped_steps_ = 0;  // updates skipped for a non-finite loss or gradient
   bool fault_in_comm_ = false;
   std::string options_json_;  // the options the step was created with, for checkpoints
-  std::vector<int> kept_;     // tensors named in option "keep"
+  std::vector<int> kept_;     // tensors named in option "keep" (on this pipeline stage)
+  std::map<std::string, int> kept_elsewhere_;  // named ones computed on another stage: that stage, or -1
 
   // Mixture-of-experts layers: what each step's metrics report of them.
   struct MoeLayer {

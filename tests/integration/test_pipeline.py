@@ -12,6 +12,7 @@ usage: CTR=PATH_TO_CTR pytest test_pipeline.py
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -260,6 +261,59 @@ def test_stages_in_bf16_train_as_one_rank_in_bf16(ctr, deep, tmp_path, preset):
         got = train(ctr, g, str(tmp_path / f"pp{n}{schedule}"), n, f"pp={n}", "--micro-batches", "4",
                     "--pp-schedule", schedule, "--precision", "bf16")
         assert_same(got, want, f"{preset} pp={n} {schedule} in bf16")
+
+
+KEEP_SCRIPT = """
+import os, sys
+import numpy as np
+import ctr
+mesh = ctr.Mesh.from_env(mesh=sys.argv[1])
+graph = ctr.Graph.preset("gpt", layers=4, dim=32, heads=2, vocab=64, seq=16)
+step = ctr.Step(mesh, graph, batch=2, micro_batches=2, seed=5, keep="logits,layers.0.ln1")
+rng = np.random.default_rng(3)
+tokens = rng.integers(0, 64, size=(4, 16), dtype=np.int32)
+step.set_input("tokens", tokens)
+step.set_input("targets", np.roll(tokens, -1, axis=1))
+step.run()
+for name, shape in (("logits", (2, 16, 64)), ("layers.0.ln1", (2, 16, 32))):
+    try:
+        out = step.get_output(name, shape=shape)
+        np.save(os.path.join(sys.argv[2], f"{name}.{mesh.rank}.npy"), out)
+        print(f"rank {mesh.rank}: {name} {out.shape}")
+    except ctr.CtrError as e:
+        print(f"rank {mesh.rank}: {name}: {e}")
+"""
+
+
+def test_kept_outputs_are_read_on_the_stage_that_computes_them(ctr, tmp_path):
+    """Option keep on stages: a kept activation is read on the ranks of its
+    stage (the logits on the last, the first block's norm on the first), equal
+    to one rank's (the last micro-batch's); elsewhere it is refused naming the
+    stage that computes it."""
+    np_ = pytest.importorskip("numpy")
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    lib = os.environ.get("CTR_LIBRARY") or os.path.join(os.path.dirname(os.path.dirname(ctr)), "lib", "libctr.so")
+    if not os.path.exists(lib):
+        pytest.skip(f"no libctr.so beside the ctr tool ({lib})")
+    script = tmp_path / "keep.py"
+    script.write_text(KEEP_SCRIPT)
+    env = dict(os.environ, CTR_LIBRARY=lib, PYTHONPATH=os.path.join(root, "bindings", "python"))
+    outs = {}
+    for n, mesh in ((1, "fsdp=1"), (2, "pp=2")):
+        d = tmp_path / mesh
+        d.mkdir()
+        p = subprocess.run([ctr, "launch", "-n", str(n), "--", sys.executable, str(script), mesh,
+                            str(d)], capture_output=True, text=True, timeout=120, env=env)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        outs[mesh] = (d, p.stdout)
+    one, _ = outs["fsdp=1"]
+    two, text = outs["pp=2"]
+    for name, rank in (("logits", 1), ("layers.0.ln1", 0)):
+        want = np_.load(one / f"{name}.0.npy")
+        got = np_.load(two / f"{name}.{rank}.npy")
+        assert got.shape == want.shape and np_.array_equal(got, want), name
+    assert "rank 0: logits: " in text and "is computed on pipeline stage 1, not this rank's stage 0" in text, text
+    assert "rank 1: layers.0.ln1: " in text and "is computed on pipeline stage 0, not this rank's stage 1" in text, text
 
 
 @pytest.mark.parametrize("other,schedule", [("", "1f1b"), ("", "zb"), ("ep=2", "1f1b"), ("ep=2", "zb")])
