@@ -107,8 +107,10 @@ std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe
   // and would move the loss by a bf16 unit of its size.
   for (size_t t = 0; t < nt; ++t)
     if (g.tensors[t].has_shape && g.tensors[t].numel() <= 1) f32[t] = true;
-  for (int ni = 0; ni < g.num_forward; ++ni) {
-    const Node &n = g.nodes[static_cast<size_t>(ni)];
+  // (Every node's: recompute's copies of forward nodes in the backward save
+  // the same statistics.)
+  for (size_t ni = 0; ni < g.nodes.size(); ++ni) {
+    const Node &n = g.nodes[ni];
     const OpDef *d = find_op(n.op);
     if (!d) continue;
     for (size_t k = static_cast<size_t>(d->num_outputs); k < n.outputs.size(); ++k)
@@ -198,7 +200,9 @@ std::string pass_precision(Graph &g, const std::string &precision, bool bf16_moe
       const Tensor &x = g.tensors[static_cast<size_t>(t)];
       if (x.dtype != CTR_DTYPE_F32 || x.role != Role::Activation || !f32[static_cast<size_t>(t)]) continue;
       if (t == g.loss || (k < 32 && (d->f32_outputs >> k) & 1u)) continue;
-      if (static_cast<int>(ni) < g.num_forward) continue;  // forward statistics: f32 by the kernels
+      // Forward nodes, and their copies recompute put in the backward, write
+      // their statistics (the outputs past the op's own) in f32.
+      if (static_cast<int>(ni) < g.num_forward || static_cast<int>(k) >= d->num_outputs) continue;
       Node cn;
       n.outputs[k] = bf16_like(g, t, n, true, &cn);
       widen[ni].push_back(std::move(cn));

@@ -134,7 +134,14 @@ void reorder_phase(Graph &g, int begin, int end, int64_t prefetch, bool defer, s
       const int use = seg_of_node[reader];
       const int target = std::max(0, use - static_cast<int>(prefetch));
       ++gathers_in[static_cast<size_t>(prefetch == 0 ? use : target)];
-      if (prefetch == 0) {
+      // A gather of something this phase computes (the bf16 copy of a shard,
+      // cast at the phase's start) is issued no earlier than right behind it.
+      int prod = -1;
+      for (int in : n.inputs)
+        if (auto p = producer.find(in); p != producer.end()) prod = std::max(prod, p->second);
+      if (prod >= 0 && seg_of_node[prod] >= (prefetch == 0 ? use : target)) {
+        after_node[prod].push_back(ni);
+      } else if (prefetch == 0) {
         // In place: right before its first reader (as the shard pass had it).
         before_node[reader].push_back(ni);
       } else if (target == use) {

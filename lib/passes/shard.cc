@@ -43,7 +43,11 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
 
   // New node order: collectives are inserted in front of the node that first
   // needs them (gathers) or right after the node that completes a gradient.
+  // Casts of shards (below) open their phase: `prologue[0]` the forward's,
+  // `prologue[1]` the backward's; `dropped` marks the casts they replace.
   std::vector<std::vector<Node>> before(g.nodes.size()), after(g.nodes.size());
+  std::vector<Node> prologue[2];
+  std::vector<char> dropped(g.nodes.size(), 0);
   const int nf = g.num_forward;
   const int ntensors = static_cast<int>(g.tensors.size());
 
@@ -130,6 +134,62 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
       if (opt.reshard_after_forward == 1 && last_fwd >= 0 && first_bwd >= 0)
         reshard = fwd_segs.seg_of[static_cast<size_t>(last_fwd)] < keep_from ||
                   bwd_segs.seg_of[static_cast<size_t>(first_bwd)] > keep_until;
+      // Under precision bf16 a phase whose only reader is the bf16 copy (the
+      // precision pass's cast) gathers the copy instead: this rank's shard is
+      // cast at the phase's start and the gather moves bf16, half the bytes,
+      // straight into the whole copy (no whole f32 weight). Not where the
+      // backward reuses the forward's gathered weight, nor for expert weights.
+      auto only_cast = [&](bool fwd) -> int {
+        int cast = -1, n = 0;
+        for (const auto &[ni, slot] : readers[static_cast<size_t>(p)]) {
+          if ((ni < nf) != fwd) continue;
+          ++n;
+          const Node &r = g.nodes[ni];
+          if (r.op == "cast" && r.outputs.size() == 1 &&
+              g.tensors[static_cast<size_t>(r.outputs[0])].dtype == CTR_DTYPE_BF16)
+            cast = ni;
+        }
+        return n == 1 ? cast : -1;
+      };
+      auto gather_copy = [&](int cast, bool fwd) {
+        Node c = g.nodes[cast];
+        const int whole = c.outputs[0];
+        Tensor sh;
+        sh.name = g.tensors[whole].name + ".shard";
+        sh.dtype = CTR_DTYPE_BF16;
+        sh.role = Role::Activation;
+        sh.shape = g.tensors[p].shape;
+        sh.has_shape = true;
+        for (int64_t d : sh.shape) sh.dims.push_back(Dim{d, ""});
+        const int st = g.add_tensor(std::move(sh));
+        g.tensors[whole].alloc_bytes = rows * F * row_elems * 2;
+        c.inputs = {p};
+        c.outputs = {st};
+        c.block = -1;
+        prologue[fwd ? 0 : 1].push_back(std::move(c));
+        dropped[static_cast<size_t>(cast)] = 1;
+        int first = -1;  // the copy's first reader
+        for (int ni = cast + 1; ni < static_cast<int>(g.nodes.size()) && first < 0; ++ni)
+          for (int in : g.nodes[ni].inputs)
+            if (in == whole) first = ni;
+        CTR_CHECK(first >= 0);
+        Node n;
+        n.op = "all_gather";
+        n.name = g.tensors[whole].name;
+        n.inputs = {st};
+        n.outputs = {whole};
+        n.attrs = {{"axis", Attr::of_string("fsdp")}, {"rows", Attr::of_int(N0)}};
+        n.block = g.nodes[first].block;
+        n.backward = !fwd;
+        before[first].push_back(std::move(n));
+      };
+      const int cast_fwd = expert || first_fwd < 0 || !(reshard || first_bwd < 0) ? -1 : only_cast(true);
+      const int cast_bwd = expert || first_bwd < 0 || !(reshard || first_fwd < 0) ? -1 : only_cast(false);
+      if (cast_fwd >= 0) gather_copy(cast_fwd, true);
+      if (cast_bwd >= 0) gather_copy(cast_bwd, false);
+      if (cast_fwd >= 0) first_fwd = -1;
+      if (cast_bwd >= 0) first_bwd = -1;
+
       int full_fwd = -1, full_bwd = -1;
       auto gather = [&](int full, int at) {
         Node n;
@@ -155,7 +215,8 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
         }
       }
       for (const auto &[ni, slot] : readers[static_cast<size_t>(p)])
-        g.nodes[ni].inputs[static_cast<size_t>(slot)] = ni < nf ? full_fwd : full_bwd;
+        if (!dropped[static_cast<size_t>(ni)])
+          g.nodes[ni].inputs[static_cast<size_t>(slot)] = ni < nf ? full_fwd : full_bwd;
     }
 
     if (grad < 0) continue;
@@ -204,8 +265,12 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
   std::vector<Node> nodes;
   int new_nf = 0;
   for (size_t ni = 0; ni < g.nodes.size(); ++ni) {
+    if (ni == 0)
+      for (Node &n : prologue[0]) nodes.push_back(std::move(n));
+    if (static_cast<int>(ni) == nf)
+      for (Node &n : prologue[1]) nodes.push_back(std::move(n));
     for (Node &n : before[ni]) nodes.push_back(std::move(n));
-    nodes.push_back(std::move(g.nodes[ni]));
+    if (!dropped[ni]) nodes.push_back(std::move(g.nodes[ni]));
     for (Node &n : after[ni]) nodes.push_back(std::move(n));
     if (static_cast<int>(ni) + 1 == nf) new_nf = static_cast<int>(nodes.size());
   }

@@ -216,9 +216,11 @@ Executor::Executor(const Graph &g, const Program &prog, const Mesh &mesh, Backen
         c->count.push_back(c->kind == CollDesc::AllGather || c->to_all || c->shift ? static_cast<size_t>(src.bytes())
                                                                        : static_cast<size_t>(dst.numel()));
         // Reductions combine elements of one type: f32 gradients, or the bf16
-        // activations of tp and sp under precision bf16.
+        // activations of tp and sp under precision bf16. (Gathers move bytes: a
+        // bucket may mix f32 weights and bf16 copies.)
         if (j == 0) c->dtype = dst.dtype;
-        CTR_CHECK(src.dtype == dst.dtype && dst.dtype == c->dtype);
+        CTR_CHECK(src.dtype == dst.dtype && (c->kind == CollDesc::AllGather || c->to_all || c->shift ||
+                                             dst.dtype == c->dtype));
       }
       c->esz = dtype_size(c->dtype);
       colls_[ni] = std::move(c);

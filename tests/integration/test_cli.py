@@ -258,6 +258,14 @@ def check_placements(tmp):
     b = run("graph", "inspect", g, "--after", "precision", "--cp", "2", "--precision", "bf16").stdout
     check("layers.0.attn.k.cp_gathered_rows:bf16[" in b and "= cp_attention(" in b
           and "layers.0.attn.out:bf16[" in b, f"bf16 under cp: {b[:3000]}")
+    # bf16 under fsdp, every weight gathered again for the backward: each shard
+    # is cast at the phase's start and its bf16 copy gathered (half the bytes);
+    # no whole f32 weight is gathered. (By default the last block's and the
+    # head's, which the backward reuses, are gathered in f32.)
+    b = run("graph", "inspect", g, "--after", "shard", "--fsdp", "2", "--precision", "bf16", "--reshard",
+            "always").stdout
+    check("layers.0.attn.wq.weight.bf16:bf16[64,64] = all_gather(" in b and ".full:f32" not in b
+          and "layers.0.attn.wq.weight.bf16.shard:bf16[32,64] = cast(" in b, f"bf16 under fsdp: {b[:3000]}")
     b = run("graph", "inspect", g, "--after", "precision", "--tp", "2", "--precision", "bf16").stdout
     check("layers.0.attn.proj.sum:bf16[" in b and "logits.stats:f32[" in b and "loss.lse:f32[" in b,
           f"bf16 under tp: {b[:3000]}")

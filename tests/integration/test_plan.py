@@ -235,7 +235,7 @@ def test_a_bf16_device_is_planned_in_bf16(ctr, graph, tmp_path):
              if "memory_bytes" in p and p["micro_batches"] == 1
              for k in [(p["mesh"], p["schedule"], p["micro_batches"], p["recompute"], p.get("cp_mode"))] if k in by_key]
     assert len(pairs) >= 10 and all(a < b for a, b, _ in pairs), pairs
-    for mesh in ("tp=2", "pp=2", "cp=2"):
+    for mesh in ("fsdp=2", "tp=2", "pp=2", "cp=2"):
         [p] = [p for p in half["plans"] if p["mesh"] == mesh and p["micro_batches"] == 2
                and p["recompute"] == "none" and p["schedule"] == "1f1b" and p.get("cp_mode", "gather") == "gather"]
         metrics = str(tmp_path / f"m_{mesh}.jsonl")
