@@ -41,6 +41,7 @@
 #include "ctr/ctr.h"
 #include "data/data.h"
 #include "text.h"
+#include "tool_error.h"
 #include "check_cmd.h"
 #include "data_cmd.h"
 #include "launch.h"
@@ -83,6 +84,9 @@ struct Reported {
 };
 
 void print_error(const ctr::Error &e) {
+  std::fprintf(stderr, "ctr: error: %s: %s\n", ctr_status_string(e.code()), e.message().c_str());
+}
+void print_error(const ctr_tool::Error &e) {
   std::fprintf(stderr, "ctr: error: %s: %s\n", ctr_status_string(e.code()), e.message().c_str());
 }
 
@@ -1199,6 +1203,9 @@ int cmd_run(const RunArgs &given) {
   } catch (const ctr::Error &e) {
     print_error(e);
     throw Reported{exit_status(e.code())};
+  } catch (const ctr_tool::Error &e) {
+    print_error(e);
+    throw Reported{exit_status(e.code())};
   }
 }
 
@@ -1536,6 +1543,9 @@ int main(int argc, char **argv) {
     if (!e.note().empty()) std::fprintf(stderr, "ctr: note: %s\n", e.note().c_str());
     return exit_status(e.code());
   } catch (const ctr::Error &e) {
+    print_error(e);
+    return exit_status(e.code());
+  } catch (const ctr_tool::Error &e) {
     print_error(e);
     return exit_status(e.code());
   } catch (const std::bad_alloc &) {

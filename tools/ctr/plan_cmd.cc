@@ -6,6 +6,7 @@
 // communication per axis). Uses the public C ABI alone.
 
 #include "plan_cmd.h"
+#include "tool_error.h"
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -13,7 +14,6 @@
 #include <cstdio>
 #include <string>
 
-#include "core/status.h"
 #include "ctr/ctr.h"
 
 namespace ctr_tool {
@@ -147,7 +147,7 @@ ChosenPlan choose_plan(ctr_graph *graph, const std::string &cluster, int64_t glo
   const char *text = nullptr;
   const ctr_status st = ctr_plan(graph, o, &text);
   ctr_options_free(o);
-  if (st != CTR_STATUS_OK) throw ctr::Error(st, std::string("--mesh auto: ") + ctr_last_error());
+  if (st != CTR_STATUS_OK) throw ctr_tool::Error(st, std::string("--mesh auto: ") + ctr_last_error());
   const nlohmann::json r = nlohmann::json::parse(text);
   const auto &plans = r["plans"];
   const int64_t world = r["world"].get<int64_t>();
@@ -157,10 +157,10 @@ ChosenPlan choose_plan(ctr_graph *graph, const std::string &cluster, int64_t glo
   if (ok.empty()) {
     std::string why;
     for (size_t k = 0; k < plans.size() && k < 4; ++k)
-      why += ctr::strformat("\n  %s: %s", plans[k]["mesh"].get<std::string>().c_str(),
+      why += ctr_tool::format("\n  %s: %s", plans[k]["mesh"].get<std::string>().c_str(),
                             plans[k]["why"].get<std::string>().c_str());
-    throw ctr::Error(CTR_STATUS_UNSUPPORTED,
-                     ctr::strformat("--mesh auto: none of the %lld layouts of this graph on %lld devices of %s "
+    throw ctr_tool::Error(CTR_STATUS_UNSUPPORTED,
+                     ctr_tool::format("--mesh auto: none of the %lld layouts of this graph on %lld devices of %s "
                                     "(global batch %lld) is feasible; the first:%s",
                                     static_cast<long long>(r["candidates"].get<int64_t>()),
                                     static_cast<long long>(world), r["cluster"].get<std::string>().c_str(),
@@ -178,7 +178,7 @@ ChosenPlan choose_plan(ctr_graph *graph, const std::string &cluster, int64_t glo
   c.step_ms = p["step_ms"].get<double>();
   c.memory_bytes = p["memory_bytes"].get<int64_t>();
   auto describe = [](const nlohmann::json &q) {
-    std::string d = ctr::strformat("%s, %lld micro-batch%s of %lld", q["mesh"].get<std::string>().c_str(),
+    std::string d = ctr_tool::format("%s, %lld micro-batch%s of %lld", q["mesh"].get<std::string>().c_str(),
                                    static_cast<long long>(q["micro_batches"].get<int64_t>()),
                                    q["micro_batches"].get<int64_t>() > 1 ? "es" : "",
                                    static_cast<long long>(q["batch"].get<int64_t>()));
@@ -188,7 +188,7 @@ ChosenPlan choose_plan(ctr_graph *graph, const std::string &cluster, int64_t glo
     if (q["recompute"].get<std::string>() != "none") d += ", recompute " + q["recompute"].get<std::string>();
     return d;
   };
-  c.report = ctr::strformat("plan: %s: predicted %.1f ms per step, %s GiB per device (%s, %s); the fastest of "
+  c.report = ctr_tool::format("plan: %s: predicted %.1f ms per step, %s GiB per device (%s, %s); the fastest of "
                             "%lld feasible layouts of %lld on %lld devices of %s, searched in %.2f s",
                             describe(p).c_str(), c.step_ms, gib(static_cast<double>(c.memory_bytes)).c_str(),
                             r["device"].get<std::string>().c_str(), c.precision.c_str(),
@@ -196,7 +196,7 @@ ChosenPlan choose_plan(ctr_graph *graph, const std::string &cluster, int64_t glo
                             static_cast<long long>(r["candidates"].get<int64_t>()), static_cast<long long>(world),
                             r["cluster"].get<std::string>().c_str(), r["search_s"].get<double>());
   if (ok.size() > 1)
-    c.report += ctr::strformat("\nplan: next: %s at %.1f ms", describe(*ok[1]).c_str(),
+    c.report += ctr_tool::format("\nplan: next: %s at %.1f ms", describe(*ok[1]).c_str(),
                                (*ok[1])["step_ms"].get<double>());
   return c;
 }

@@ -28,7 +28,7 @@ struct ChosenPlan {
 
 // Plans graph for the job this process belongs to (its launcher's world) with
 // global_batch sequences of seq positions on the cluster profile (a path).
-// Throws ctr::Error (naming the reasons) when no plan is feasible.
+// Throws ctr_tool::Error (naming the reasons) when no plan is feasible.
 ChosenPlan choose_plan(ctr_graph *graph, const std::string &cluster, int64_t global_batch, int64_t seq);
 
 class PlanCommand {

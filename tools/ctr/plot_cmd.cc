@@ -15,6 +15,7 @@
 // or Infinity by Python's json) are gaps in the lines, counted in a note.
 
 #include "plot_cmd.h"
+#include "tool_error.h"
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -29,15 +30,13 @@
 #include <string_view>
 #include <vector>
 
-#include "core/files.h"
-#include "core/status.h"
 #include "svg_chart.h"
 #include "timeline.h"
 
 namespace ctr_tool {
 
-using ctr::fail;
-using ctr::strformat;
+using ctr_tool::fail;
+using ctr_tool::format;
 
 namespace {
 
@@ -125,7 +124,7 @@ Run read_run(const std::string &path) {
     run.values[k];
     run.present[k] = false;
   }
-  const std::string text = ctr::read_regular_file(path, "metrics file", CTR_STATUS_IO_ERROR);
+  const std::string text = ctr_tool::read_regular_file(path, "metrics file", CTR_STATUS_IO_ERROR);
 
   size_t line_no = 0;
   for (size_t at = 0; at < text.size();) {
@@ -151,18 +150,18 @@ Run read_run(const std::string &path) {
         break;
       }
       fail(CTR_STATUS_DATA_ERROR,
-           strformat("%s:%zu: not valid JSON: %s", path.c_str(), line_no,
+           format("%s:%zu: not valid JSON: %s", path.c_str(), line_no,
                      parse_message(e).c_str()));
     }
     if (!j.is_object())
-      fail(CTR_STATUS_DATA_ERROR, strformat("%s:%zu: expected a JSON object of metrics, got %s",
+      fail(CTR_STATUS_DATA_ERROR, format("%s:%zu: expected a JSON object of metrics, got %s",
                                             path.c_str(), line_no, json_kind(j)));
     const auto step = j.find("step");
     if (step == j.end())
       fail(CTR_STATUS_DATA_ERROR,
-           strformat("%s:%zu: no \"step\" key in the line", path.c_str(), line_no));
+           format("%s:%zu: no \"step\" key in the line", path.c_str(), line_no));
     if (!step->is_number())
-      fail(CTR_STATUS_DATA_ERROR, strformat("%s:%zu: \"step\" is %s, expected a number",
+      fail(CTR_STATUS_DATA_ERROR, format("%s:%zu: \"step\" is %s, expected a number",
                                             path.c_str(), line_no, json_kind(*step)));
     const double s = step->get<double>();
     run.steps.push_back(s);
@@ -176,7 +175,7 @@ Run read_run(const std::string &path) {
           v = it->get<double>();
           run.present[key] = true;
         } else if (!it->is_null()) {
-          fail(CTR_STATUS_DATA_ERROR, strformat("%s:%zu: \"%s\" is %s, expected a number",
+          fail(CTR_STATUS_DATA_ERROR, format("%s:%zu: \"%s\" is %s, expected a number",
                                                 path.c_str(), line_no, key, json_kind(*it)));
         } else if (is_loss) {
           run.present[key] = true;
@@ -188,7 +187,7 @@ Run read_run(const std::string &path) {
   }
   if (run.steps.empty())
     fail(CTR_STATUS_DATA_ERROR,
-         strformat("%s: no metrics lines (%s)", path.c_str(),
+         format("%s: no metrics lines (%s)", path.c_str(),
                    text.empty() ? "the file is empty" : "no complete JSON line"));
   return run;
 }
@@ -209,8 +208,8 @@ std::string step_list(const std::vector<double> &steps) {
   constexpr size_t kShown = 5;
   std::string s;
   for (size_t i = 0; i < steps.size() && i < kShown; ++i)
-    s += (i ? ", " : "") + strformat("%g", steps[i]);
-  if (steps.size() > kShown) s += strformat(" and %zu more", steps.size() - kShown);
+    s += (i ? ", " : "") + format("%g", steps[i]);
+  if (steps.size() > kShown) s += format(" and %zu more", steps.size() - kShown);
   return s;
 }
 
@@ -270,7 +269,7 @@ int PlotCommand::run() const {
   } else if (runs.size() <= 3) {
     for (size_t i = 0; i < runs.size(); ++i) chart.title += (i ? " vs " : "") + runs[i].name;
   } else {
-    chart.title = strformat("%zu runs", runs.size());
+    chart.title = format("%zu runs", runs.size());
   }
 
   const auto series = [&](size_t i, const char *key) {
@@ -340,7 +339,7 @@ int PlotCommand::run() const {
 
   for (const auto &r : runs) {
     if (!r.nonfinite_loss_steps.empty())
-      chart.notes.push_back(strformat("%s: %zu non-finite loss%s drawn as gaps (step%s %s)",
+      chart.notes.push_back(format("%s: %zu non-finite loss%s drawn as gaps (step%s %s)",
                                       r.name.c_str(), r.nonfinite_loss_steps.size(),
                                       r.nonfinite_loss_steps.size() == 1 ? "" : "es",
                                       r.nonfinite_loss_steps.size() == 1 ? "" : "s",
@@ -349,7 +348,7 @@ int PlotCommand::run() const {
       size_t nonpositive = 0;
       for (const double v : r.of(kLoss)) nonpositive += std::isfinite(v) && v <= 0;
       if (nonpositive > 0)
-        chart.notes.push_back(strformat("%s: %zu loss%s <= 0 left out of the log scale",
+        chart.notes.push_back(format("%s: %zu loss%s <= 0 left out of the log scale",
                                         r.name.c_str(), nonpositive, nonpositive == 1 ? "" : "es"));
     }
     if (r.incomplete_tail)
@@ -360,15 +359,15 @@ int PlotCommand::run() const {
   std::ofstream out(a.output, std::ios::out | std::ios::trunc | std::ios::binary);
   if (!out)
     fail(CTR_STATUS_IO_ERROR,
-         strformat("cannot open '%s' for writing: %s", a.output.c_str(), std::strerror(errno)));
+         format("cannot open '%s' for writing: %s", a.output.c_str(), std::strerror(errno)));
   out << svg_text;
   out.close();
   if (!out)
-    fail(CTR_STATUS_IO_ERROR, strformat("cannot write '%s'", a.output.c_str()));
+    fail(CTR_STATUS_IO_ERROR, format("cannot write '%s'", a.output.c_str()));
 
   std::string what;
   for (const auto &r : runs)
-    what += (what.empty() ? "" : ", ") + strformat("%s %zu steps", r.name.c_str(), r.steps.size());
+    what += (what.empty() ? "" : ", ") + format("%s %zu steps", r.name.c_str(), r.steps.size());
   std::string panels;
   for (const auto &p : chart.panels) {
     const std::string head = p.heading.substr(0, p.heading.find_first_of(" ;"));

@@ -23,7 +23,7 @@ class PlotCommand {
   // True if the parsed command line chose `ctr plot`.
   bool parsed() const;
   // Reads the metrics files and writes the chart; returns the exit status.
-  // Failures are thrown as ctr::Error (one "ctr: error:" line, exit 1).
+  // Failures are thrown as ctr_tool::Error (one "ctr: error:" line, exit 1).
   int run() const;
 
  private:

@@ -1,10 +1,10 @@
 // SentencePiece models through libsentencepiece (see sentencepiece.h).
 
 #include "sentencepiece.h"
+#include "tool_error.h"
 
 #include <sentencepiece_processor.h>
 
-#include "core/status.h"
 
 namespace ctr_tool {
 
@@ -15,7 +15,7 @@ struct SentencePiece::Impl {
 SentencePiece::SentencePiece(const std::string &model_path) : impl_(std::make_unique<Impl>()) {
   const auto status = impl_->processor.Load(model_path);
   if (!status.ok())
-    ctr::fail(CTR_STATUS_IO_ERROR, ctr::strformat("cannot load the SentencePiece model '%s': %s",
+    ctr_tool::fail(CTR_STATUS_IO_ERROR, ctr_tool::format("cannot load the SentencePiece model '%s': %s",
                                                   model_path.c_str(), status.ToString().c_str()));
 }
 
@@ -29,7 +29,7 @@ std::vector<uint32_t> SentencePiece::encode(const std::string &text) const {
   std::vector<int> ids;
   const auto status = impl_->processor.Encode(text, &ids);
   if (!status.ok())
-    ctr::fail(CTR_STATUS_INTERNAL, ctr::strformat("SentencePiece could not encode: %s", status.ToString().c_str()));
+    ctr_tool::fail(CTR_STATUS_INTERNAL, ctr_tool::format("SentencePiece could not encode: %s", status.ToString().c_str()));
   return std::vector<uint32_t>(ids.begin(), ids.end());
 }
 

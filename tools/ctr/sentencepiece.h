@@ -13,7 +13,7 @@ namespace ctr_tool {
 
 class SentencePiece {
  public:
-  // Loads the model file (spm_train's MODEL.model). Fails with ctr::Error:
+  // Loads the model file (spm_train's MODEL.model). Fails with ctr_tool::Error:
   // CTR_STATUS_IO_ERROR when it cannot be read, CTR_STATUS_UNSUPPORTED in a
   // build without libsentencepiece.
   explicit SentencePiece(const std::string &model_path);

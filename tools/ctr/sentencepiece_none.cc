@@ -2,15 +2,15 @@
 // sentencepiece.h).
 
 #include "sentencepiece.h"
+#include "tool_error.h"
 
-#include "core/status.h"
 
 namespace ctr_tool {
 
 struct SentencePiece::Impl {};
 
 SentencePiece::SentencePiece(const std::string &) {
-  ctr::fail(CTR_STATUS_UNSUPPORTED,
+  ctr_tool::fail(CTR_STATUS_UNSUPPORTED,
             "--sentencepiece: this ctr was built without libsentencepiece (Debian: libsentencepiece-dev; "
             "meson finds it when it is installed, -Dsentencepiece=enabled requires it)");
 }

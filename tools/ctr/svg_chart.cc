@@ -11,6 +11,7 @@
 // stays small for runs of any length.
 
 #include "svg_chart.h"
+#include "tool_error.h"
 
 #include <algorithm>
 #include <cmath>
@@ -19,11 +20,10 @@
 #include <string>
 #include <vector>
 
-#include "core/status.h"
 
 namespace ctr_tool::svg {
 
-using ctr::strformat;
+using ctr_tool::format;
 
 namespace {
 
@@ -58,12 +58,12 @@ int decimals_for(double step) {
 }
 
 std::string fixed(double v, int decimals) {
-  std::string s = strformat("%.*f", decimals, v);
+  std::string s = format("%.*f", decimals, v);
   if (s == "-0" || s.find_first_not_of("-0.") == std::string::npos) s = "0";
   return s;
 }
 
-std::string coord(double v) { return strformat("%.1f", v); }
+std::string coord(double v) { return format("%.1f", v); }
 
 bool visible(double y, bool log) { return std::isfinite(y) && (!log || y > 0); }
 
@@ -151,7 +151,7 @@ std::string tick_label(double v, double step, Format format) {
   switch (format) {
     case Format::Percent: {
       const int d = decimals_for(step * 100);
-      return (d < 0 ? strformat("%g", v * 100) : fixed(v * 100, d)) + "%";
+      return (d < 0 ? ctr_tool::format("%g", v * 100) : fixed(v * 100, d)) + "%";
     }
     case Format::Human: {
       static const char *const kSuffix[] = {"", "k", "M", "G", "T"};
@@ -169,7 +169,7 @@ std::string tick_label(double v, double step, Format format) {
       break;
   }
   const int d = decimals_for(step);
-  return d < 0 ? strformat("%g", v) : fixed(v, d);
+  return d < 0 ? ctr_tool::format("%g", v) : fixed(v, d);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ void draw_series(std::string &svg, const Series &s, const Frame &f, int clip_id)
       for (const auto &[x, y] : run) d += "M" + coord(x) + "," + coord(y) + "h0";
       // A point alone between gaps: a line's round cap is too small to see.
       if (!s.markers)
-        dots += strformat("<circle cx=\"%s\" cy=\"%s\" r=\"2.5\" fill=\"%s\" "
+        dots += format("<circle cx=\"%s\" cy=\"%s\" r=\"2.5\" fill=\"%s\" "
                           "clip-path=\"url(#clip%d)\"/>\n",
                           coord(run[0].first).c_str(), coord(run[0].second).c_str(),
                           color(s.color), clip_id);
@@ -241,7 +241,7 @@ void draw_series(std::string &svg, const Series &s, const Frame &f, int clip_id)
     for (size_t i = 0; i < run.size(); ++i)
       d += (i == 0 ? "M" : "L") + coord(run[i].first) + "," + coord(run[i].second);
   }
-  svg += strformat(
+  svg += format(
       "<path class=\"series\" data-run=\"%s\" data-series=\"%s\" data-points=\"%zu\" "
       "clip-path=\"url(#clip%d)\" fill=\"none\" stroke=\"%s\" stroke-width=\"%s\" "
       "stroke-linecap=\"round\" stroke-linejoin=\"round\"%s d=\"%s\"/>\n",
@@ -254,7 +254,7 @@ void draw_series(std::string &svg, const Series &s, const Frame &f, int clip_id)
   for (size_t i = 0; i < s.x.size(); ++i)
     if (!visible(s.y[i], f.y.log) && std::isfinite(s.x[i]))
       marks += "M" + coord(f.px(s.x[i])) + "," + coord(f.top) + "v7";
-  svg += strformat(
+  svg += format(
       "<path class=\"gaps\" data-run=\"%s\" data-series=\"%s\" data-points=\"%zu\" "
       "stroke=\"%s\" stroke-width=\"1.5\" d=\"%s\"/>\n",
       xml_escape(s.run).c_str(), xml_escape(s.name).c_str(), gaps, color(s.color), marks.c_str());
@@ -334,7 +334,7 @@ std::string render(const Chart &chart) {
                      static_cast<int>(chart.notes.size()) * kNoteRow + kBottom;
 
   std::string svg;
-  svg += strformat(
+  svg += format(
       "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
       "viewBox=\"0 0 %d %d\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\" "
@@ -342,14 +342,14 @@ std::string render(const Chart &chart) {
       "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
       chart.width, height, chart.width, height);
   if (!chart.title.empty())
-    svg += strformat("<text class=\"title\" x=\"%d\" y=\"22\" font-size=\"16\" "
+    svg += format("<text class=\"title\" x=\"%d\" y=\"22\" font-size=\"16\" "
                      "font-weight=\"bold\">%s</text>\n",
                      kLeft, xml_escape(chart.title).c_str());
 
   const int legend_top = chart.title.empty() ? 12 : kTitleHeight;
   for (size_t i = 0; i < chart.legend.size(); ++i) {
     const double y = legend_top + entries[i].row * kLegendRow + 8;
-    svg += strformat(
+    svg += format(
         "<g class=\"legend\" data-run=\"%s\"><line x1=\"%s\" y1=\"%s\" x2=\"%s\" y2=\"%s\" "
         "stroke=\"%s\" stroke-width=\"3\"/><text x=\"%s\" y=\"%s\">%s</text></g>\n",
         xml_escape(chart.legend[i]).c_str(), coord(entries[i].x).c_str(), coord(y).c_str(),
@@ -362,10 +362,10 @@ std::string render(const Chart &chart) {
   for (int pi = 0; pi < panels; ++pi) {
     const Panel &p = chart.panels[static_cast<size_t>(pi)];
     Frame f{kLeft, y0 + kHeading, plot_width, kPlotHeight, xaxis, y_axis(p)};
-    svg += strformat("<g class=\"panel\" data-heading=\"%s\">\n", xml_escape(p.heading).c_str());
-    svg += strformat("<text x=\"%d\" y=\"%s\" font-weight=\"bold\">%s</text>\n", kLeft,
+    svg += format("<g class=\"panel\" data-heading=\"%s\">\n", xml_escape(p.heading).c_str());
+    svg += format("<text x=\"%d\" y=\"%s\" font-weight=\"bold\">%s</text>\n", kLeft,
                      coord(y0 + kHeading - 7).c_str(), xml_escape(p.heading).c_str());
-    svg += strformat("<clipPath id=\"clip%d\"><rect x=\"%s\" y=\"%s\" width=\"%s\" "
+    svg += format("<clipPath id=\"clip%d\"><rect x=\"%s\" y=\"%s\" width=\"%s\" "
                      "height=\"%s\"/></clipPath>\n",
                      pi, coord(f.left - 3).c_str(), coord(f.top - 3).c_str(),
                      coord(f.width + 6).c_str(), coord(f.height + 6).c_str());
@@ -375,7 +375,7 @@ std::string render(const Chart &chart) {
     for (const double t : f.y.ticks) {
       const double y = f.py(t);
       grid += "M" + coord(f.left) + "," + coord(y) + "H" + coord(f.left + f.width);
-      svg += strformat("<text x=\"%s\" y=\"%s\" text-anchor=\"end\" fill=\"#333\">%s</text>\n",
+      svg += format("<text x=\"%s\" y=\"%s\" text-anchor=\"end\" fill=\"#333\">%s</text>\n",
                        coord(f.left - 6).c_str(), coord(y + 4).c_str(),
                        tick_label(t, f.y.step, p.format).c_str());
     }
@@ -383,19 +383,19 @@ std::string render(const Chart &chart) {
       const double x = f.px(t);
       grid += "M" + coord(x) + "," + coord(f.top) + "V" + coord(f.top + f.height);
       if (pi == panels - 1)
-        svg += strformat(
+        svg += format(
             "<text x=\"%s\" y=\"%s\" text-anchor=\"middle\" fill=\"#333\">%s</text>\n",
             coord(x).c_str(), coord(f.top + f.height + 15).c_str(),
             tick_label(t, f.x.step, Format::Plain).c_str());
     }
     svg += "<path class=\"grid\" stroke=\"#e6e6e6\" stroke-width=\"1\" d=\"" + grid + "\"/>\n";
-    svg += strformat("<rect class=\"frame\" x=\"%s\" y=\"%s\" width=\"%s\" height=\"%s\" "
+    svg += format("<rect class=\"frame\" x=\"%s\" y=\"%s\" width=\"%s\" height=\"%s\" "
                      "fill=\"none\" stroke=\"#999\"/>\n",
                      coord(f.left).c_str(), coord(f.top).c_str(), coord(f.width).c_str(),
                      coord(f.height).c_str());
 
     if (visible_points(p) == 0 && !p.empty_note.empty())
-      svg += strformat("<text class=\"empty\" x=\"%s\" y=\"%s\" text-anchor=\"middle\" "
+      svg += format("<text class=\"empty\" x=\"%s\" y=\"%s\" text-anchor=\"middle\" "
                        "fill=\"#777\">%s</text>\n",
                        coord(f.left + f.width / 2).c_str(), coord(f.top + f.height / 2).c_str(),
                        xml_escape(p.empty_note).c_str());
@@ -405,11 +405,11 @@ std::string render(const Chart &chart) {
   }
 
   const double bottom = top + panels_height + kXLabels;
-  svg += strformat("<text class=\"x-label\" x=\"%s\" y=\"%s\" text-anchor=\"middle\">%s</text>\n",
+  svg += format("<text class=\"x-label\" x=\"%s\" y=\"%s\" text-anchor=\"middle\">%s</text>\n",
                    coord(kLeft + plot_width / 2).c_str(), coord(bottom + 16).c_str(),
                    xml_escape(chart.x_label).c_str());
   for (size_t i = 0; i < chart.notes.size(); ++i)
-    svg += strformat("<text class=\"note\" x=\"%d\" y=\"%s\" fill=\"#555\">%s</text>\n", kLeft,
+    svg += format("<text class=\"note\" x=\"%d\" y=\"%s\" fill=\"#555\">%s</text>\n", kLeft,
                      coord(bottom + kXTitle + 12 + static_cast<double>(i) * kNoteRow).c_str(),
                      xml_escape(chart.notes[i]).c_str());
   svg += "</svg>\n";

@@ -10,6 +10,7 @@
 // several.
 
 #include "timeline.h"
+#include "tool_error.h"
 
 #include <nlohmann/json.hpp>
 
@@ -23,14 +24,12 @@
 #include <string>
 #include <vector>
 
-#include "core/files.h"
-#include "core/status.h"
 #include "svg_chart.h"
 
 namespace ctr_tool {
 
-using ctr::fail;
-using ctr::strformat;
+using ctr_tool::fail;
+using ctr_tool::format;
 
 namespace {
 
@@ -56,16 +55,16 @@ const char *bar_color(const std::string &cat) {
 
 TimelineStats read_timeline(const std::string &path, std::vector<TimelineBar> *bars_out) {
   std::ifstream in(path);
-  if (!in) fail(CTR_STATUS_IO_ERROR, strformat("cannot open trace '%s': %s", path.c_str(), std::strerror(errno)));
+  if (!in) fail(CTR_STATUS_IO_ERROR, format("cannot open trace '%s': %s", path.c_str(), std::strerror(errno)));
   nlohmann::json doc;
   try {
     in >> doc;
   } catch (const nlohmann::json::exception &e) {
-    fail(CTR_STATUS_INVALID_ARGUMENT, strformat("%s: not a JSON trace: %s", path.c_str(), e.what()));
+    fail(CTR_STATUS_INVALID_ARGUMENT, format("%s: not a JSON trace: %s", path.c_str(), e.what()));
   }
   if (!doc.is_object() || !doc.contains("traceEvents") || !doc["traceEvents"].is_array())
     fail(CTR_STATUS_INVALID_ARGUMENT,
-         strformat("%s: not a trace of `ctr run --trace` (no \"traceEvents\" array)", path.c_str()));
+         format("%s: not a trace of `ctr run --trace` (no \"traceEvents\" array)", path.c_str()));
   std::vector<TimelineBar> bars;
   for (const auto &e : doc["traceEvents"]) {
     if (!e.is_object() || e.value("ph", "") != "X") continue;
@@ -80,11 +79,11 @@ TimelineStats read_timeline(const std::string &path, std::vector<TimelineBar> *b
       if (b.rank < 0 || b.rank > (1 << 20) || b.dur < 0) throw std::runtime_error("out of range");
       bars.push_back(std::move(b));
     } catch (const std::exception &x) {
-      fail(CTR_STATUS_INVALID_ARGUMENT, strformat("%s: a malformed trace event (%s): %s", path.c_str(), x.what(),
+      fail(CTR_STATUS_INVALID_ARGUMENT, format("%s: a malformed trace event (%s): %s", path.c_str(), x.what(),
                                                  e.dump().substr(0, 200).c_str()));
     }
   }
-  if (bars.empty()) fail(CTR_STATUS_INVALID_ARGUMENT, strformat("%s: the trace has no task events", path.c_str()));
+  if (bars.empty()) fail(CTR_STATUS_INVALID_ARGUMENT, format("%s: the trace has no task events", path.c_str()));
 
   TimelineStats st;
   std::map<int64_t, std::pair<double, double>> span;  // step -> first start, last end of any rank's task
@@ -140,19 +139,19 @@ void write_timeline_svg(const std::string &trace, const std::string &output, con
   const int height = top + st.ranks * row + 60;
   const double plot_w = width - left - right;
   auto x = [&](double us) { return left + (us - t0) / span * plot_w; };
-  std::string svg = strformat(
+  std::string svg = format(
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" font-family=\"sans-serif\" "
       "font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
       width, height);
   const std::string heading =
       (title.empty() ? std::string("pipeline timeline") : title) +
-      strformat(" — step %lld, %.2f ms; bubble %.1f%% (mean over %lld step%s)", static_cast<long long>(last),
+      format(" — step %lld, %.2f ms; bubble %.1f%% (mean over %lld step%s)", static_cast<long long>(last),
                 span / 1000.0, 100.0 * st.bubble, static_cast<long long>(st.measured_steps),
                 st.measured_steps == 1 ? "" : "s");
-  svg += strformat("<text x=\"%d\" y=\"22\" font-size=\"15\">%s</text>\n", left, svg::xml_escape(heading).c_str());
+  svg += format("<text x=\"%d\" y=\"22\" font-size=\"15\">%s</text>\n", left, svg::xml_escape(heading).c_str());
   int lx = left;
   for (const char *cat : {"forward", "backward", "weight", "recv", "optimizer"}) {
-    svg += strformat("<rect x=\"%d\" y=\"32\" width=\"12\" height=\"12\" fill=\"%s\"/><text x=\"%d\" y=\"43\">%s</text>\n",
+    svg += format("<rect x=\"%d\" y=\"32\" width=\"12\" height=\"12\" fill=\"%s\"/><text x=\"%d\" y=\"43\">%s</text>\n",
                      lx, bar_color(cat), lx + 16,
                      std::strcmp(cat, "recv") == 0     ? "waiting for another stage"
                      : std::strcmp(cat, "weight") == 0 ? "weight gradients (zb)"
@@ -160,37 +159,37 @@ void write_timeline_svg(const std::string &trace, const std::string &output, con
     lx += std::strcmp(cat, "recv") == 0 ? 190 : std::strcmp(cat, "weight") == 0 ? 170 : 100;
   }
   for (int r = 0; r < st.ranks; ++r)
-    svg += strformat("<text x=\"8\" y=\"%d\">rank %d</text>\n", top + r * row + row / 2 + 4, r);
+    svg += format("<text x=\"8\" y=\"%d\">rank %d</text>\n", top + r * row + row / 2 + 4, r);
   for (const TimelineBar &b : bars) {
     if (b.step != last) continue;
     const double bx = x(b.start), bw = std::max(0.5, x(b.start + b.dur) - bx);
     const int y = top + b.rank * row + gap / 2;
-    svg += strformat("<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"%d\" fill=\"%s\" stroke=\"white\" "
+    svg += format("<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"%d\" fill=\"%s\" stroke=\"white\" "
                      "stroke-width=\"0.5\"><title>%s: %.3f ms</title></rect>\n",
                      bx, y, bw, row - gap, bar_color(b.cat), svg::xml_escape(b.name).c_str(), b.dur / 1000.0);
     if (bw > 22 && is_task(b.cat))
-      svg += strformat("<text x=\"%.2f\" y=\"%d\" fill=\"white\" text-anchor=\"middle\">%s</text>\n", bx + bw / 2,
+      svg += format("<text x=\"%.2f\" y=\"%d\" fill=\"white\" text-anchor=\"middle\">%s</text>\n", bx + bw / 2,
                        y + (row - gap) / 2 + 4, svg::xml_escape(b.name).c_str());
   }
   const int axis_y = top + st.ranks * row + 10;
-  svg += strformat("<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#333\"/>\n", left, axis_y, width - right,
+  svg += format("<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#333\"/>\n", left, axis_y, width - right,
                    axis_y);
   const svg::Axis ax = svg::linear_axis(0, span / 1000.0, true);
   for (double v : ax.ticks) {
     const double px = left + v * 1000.0 / span * plot_w;
     if (px > width - right + 0.5) continue;
-    svg += strformat("<line x1=\"%.2f\" y1=\"%d\" x2=\"%.2f\" y2=\"%d\" stroke=\"#333\"/><text x=\"%.2f\" y=\"%d\" "
+    svg += format("<line x1=\"%.2f\" y1=\"%d\" x2=\"%.2f\" y2=\"%d\" stroke=\"#333\"/><text x=\"%.2f\" y=\"%d\" "
                      "text-anchor=\"middle\">%s</text>\n",
                      px, axis_y, px, axis_y + 4, px, axis_y + 18, svg::tick_label(v, ax.step, svg::Format::Plain).c_str());
   }
-  svg += strformat("<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">ms from the step's first task</text>\n",
+  svg += format("<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">ms from the step's first task</text>\n",
                    left + static_cast<int>(plot_w / 2), axis_y + 36);
   svg += "</svg>\n";
   std::ofstream out(output, std::ios::out | std::ios::trunc | std::ios::binary);
-  if (!out) fail(CTR_STATUS_IO_ERROR, strformat("cannot open '%s' for writing: %s", output.c_str(), std::strerror(errno)));
+  if (!out) fail(CTR_STATUS_IO_ERROR, format("cannot open '%s' for writing: %s", output.c_str(), std::strerror(errno)));
   out << svg;
   out.close();
-  if (!out) fail(CTR_STATUS_IO_ERROR, strformat("cannot write '%s'", output.c_str()));
+  if (!out) fail(CTR_STATUS_IO_ERROR, format("cannot write '%s'", output.c_str()));
   std::printf("wrote %s: %d rank(s), %lld step(s); step %.3f ms, bubble %.1f%%\n", output.c_str(), st.ranks,
               static_cast<long long>(st.steps), st.step_us / 1000.0, 100.0 * st.bubble);
 }
