@@ -179,15 +179,33 @@ void apply_backend_layouts(Graph &g, uint32_t backend_flags) {
   }
 }
 
-Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel, bool overlap) {
+Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel, bool overlap,
+                   std::vector<int> node_chunk, int chunks) {
   CTR_CHECK(g.num_forward >= 0);
   Program p;
   p.complete_at.assign(g.nodes.size(), -1);
-  lower_phase(g, 0, g.num_forward, p.forward, p, has_kernel, overlap);
   const int end = static_cast<int>(g.nodes.size());
   const int split = g.num_input_grad >= 0 ? g.num_input_grad : end;
-  lower_phase(g, g.num_forward, split, p.backward, p, has_kernel, overlap);
-  if (split < end) lower_phase(g, split, end, p.weight, p, has_kernel, overlap);
+  auto phase = [&](int ph, int begin, int stop, std::vector<Instr> &out) {
+    if (node_chunk.empty()) {
+      lower_phase(g, begin, stop, out, p, has_kernel, overlap);
+      return;
+    }
+    // Each chunk's run of nodes on its own, so that it runs as its own task.
+    p.chunk_range[ph].assign(static_cast<size_t>(chunks), {0, 0});
+    for (int i = begin; i < stop;) {
+      int j = i;
+      while (j < stop && node_chunk[static_cast<size_t>(j)] == node_chunk[static_cast<size_t>(i)]) ++j;
+      const size_t first = out.size();
+      lower_phase(g, i, j, out, p, has_kernel, overlap);
+      p.chunk_range[ph][static_cast<size_t>(node_chunk[static_cast<size_t>(i)])] = {first, out.size()};
+      i = j;
+    }
+  };
+  phase(0, 0, g.num_forward, p.forward);
+  phase(1, g.num_forward, split, p.backward);
+  if (split < end) phase(2, split, end, p.weight);
+  p.node_chunk = std::move(node_chunk);
   return p;
 }
 

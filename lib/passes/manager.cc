@@ -32,6 +32,8 @@ void read_plan(OptionReader &r, CompileOptions &o) { o.micro_batches = r.get_int
 
 void read_schedule(OptionReader &r, CompileOptions &o) {
   o.pp_schedule = schedule_kind_from_name(r.get_string("pp_schedule", "1f1b"));
+  o.pp_virtual = static_cast<int>(
+      r.get_int("pp_virtual", o.pp_schedule == ScheduleKind::Interleaved ? 2 : 1, 1, 1 << 10));
   // "2,3,3": blocks per stage, in stage order.
   const std::string list = r.get_string("pp_stages", "");
   o.pp_stages.clear();
@@ -81,7 +83,7 @@ void run_reorder(PassContext &c) { c.schedule = pass_reorder(c.graph, c.opt); }
 void run_epilogues(PassContext &c) { c.epilogues = pass_epilogues(c.graph, c.opt, c.has_kernel); }
 void run_split_backward(PassContext &c) { c.split = pass_split_backward(c.graph, c.opt); }
 void run_lower(PassContext &c) {
-  c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap);
+  c.program = pass_lower(c.graph, c.has_kernel, c.opt.overlap, node_chunks(c.graph, c.stage_cut), c.stage_cut.chunks);
 }
 void run_plan(PassContext &c) {
   const auto &in_flight = c.pipeline.in_flight;
@@ -108,9 +110,11 @@ std::string dump_split_backward(const PassContext &c) {
 
 std::string dump_schedule(const PassContext &c) {
   const Schedule &s = c.pipeline;
-  return strformat("pipeline schedule %s: %d stage(s), %lld micro-batch(es); each stage's tasks in order "
-                   "(F forward, B backward (with zb: its input gradients), W its weight gradients, by micro-batch)\n",
-                   schedule_kind_name(s.kind), s.stages, static_cast<long long>(s.micro_batches)) +
+  return strformat("pipeline schedule %s: %d stage(s), %lld micro-batch(es)%s; each stage's tasks in order "
+                   "(F forward, B backward (with zb: its input gradients), W its weight gradients, by micro-batch%s)\n",
+                   schedule_kind_name(s.kind), s.stages, static_cast<long long>(s.micro_batches),
+                   s.virtual_stages > 1 ? strformat(", %d virtual stages per rank", s.virtual_stages).c_str() : "",
+                   s.virtual_stages > 1 ? "; cK: on the rank's chunk K, virtual stage K * stages + stage" : "") +
          schedule_text(s) +
          strformat("bubble %.1f%% with tasks timed forward 1, backward 2 (split: B 1 and W 1; on stage 0, "
                    "which has no input gradient, B 0 and W 2)\n",
@@ -121,13 +125,22 @@ std::string dump_schedule(const PassContext &c) {
 std::string dump_stages(const PassContext &c) {
   const StageCut &s = c.stage_cut;
   if (s.stages <= 1) return "pipeline stages: one (the whole graph)\n" + dump_graph(c.graph);
-  std::string out = strformat("pipeline stages: this rank runs stage %d of %d\n", s.stage, s.stages);
+  std::string out = strformat("pipeline stages: this rank runs stage %d of %d", s.stage, s.stages);
+  if (s.chunks > 1) {
+    out += strformat(", %d chunks (virtual stages", s.chunks);
+    for (int k = 0; k < s.chunks; ++k) out += strformat("%s %d", k ? "," : "", k * s.stages + s.stage);
+    out += ")";
+  }
+  out += "\n";
+  auto chunk = [&](const StageCut::Boundary &b) {
+    return s.chunks > 1 ? strformat(" (chunk %d)", b.chunk) : std::string();
+  };
   for (const StageCut::Boundary &b : s.recv)
-    out += strformat("  receives %s from stage %d%s\n", c.graph.describe_tensor(b.tensor).c_str(), b.peer,
-                     b.grad ? " (its gradient goes back)" : "");
+    out += strformat("  receives %s from stage %d%s%s\n", c.graph.describe_tensor(b.tensor).c_str(), b.peer,
+                     chunk(b).c_str(), b.grad ? " (its gradient goes back)" : "");
   for (const StageCut::Boundary &b : s.send)
-    out += strformat("  sends %s to stage %d%s\n", c.graph.describe_tensor(b.tensor).c_str(), b.peer,
-                     b.grad ? " (its gradient comes back)" : "");
+    out += strformat("  sends %s to stage %d%s%s\n", c.graph.describe_tensor(b.tensor).c_str(), b.peer,
+                     chunk(b).c_str(), b.grad ? " (its gradient comes back)" : "");
   for (const auto &[name, bytes] : s.elsewhere_inputs) out += "  input '" + name + "' is read on other stages\n";
   for (const StageCut::Home &h : s.params) {
     if (h.stages.size() < 2) continue;

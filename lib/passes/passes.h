@@ -43,6 +43,7 @@ struct CompileOptions {
   std::string cp_mode = "gather";  // place: attention over cp by gathered keys (gather) or heads (ulysses)
   ScheduleKind pp_schedule = ScheduleKind::OneFOneB;  // schedule: the pipeline schedule
   std::vector<int64_t> pp_stages;  // schedule: blocks per stage (empty: balanced by FLOPs)
+  int pp_virtual = 1;              // schedule: virtual stages per rank (interleaved: default 2)
   MeshPlacement mesh;
 };
 
@@ -95,6 +96,13 @@ struct Program {
   // Per node: for a collective, the node position at which stream 0 has waited
   // for it (its buffers are busy until then); -1 for other nodes.
   std::vector<int> complete_at;
+  // Interleaved (a rank running several chunks as separate tasks): per node
+  // its chunk (node_chunks), and per phase (forward, backward, weight) and
+  // chunk the range [first, second) of that phase's instructions; each range
+  // waits for all it issued. Empty otherwise.
+  std::vector<int> node_chunk;
+  std::vector<std::pair<size_t, size_t>> chunk_range[3];
+  int chunks() const { return static_cast<int>(chunk_range[0].size()); }
 };
 
 // What passes read and write.
@@ -295,7 +303,8 @@ std::string pass_epilogues(Graph &g, const CompileOptions &opt, const std::funct
 // second. Returns what it split, for `inspect --after split_backward`.
 std::string pass_split_backward(Graph &g, const CompileOptions &opt);
 
-Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel, bool overlap = true);
+Program pass_lower(const Graph &g, const std::function<bool(OpId)> &has_kernel, bool overlap = true,
+                   std::vector<int> node_chunk = {}, int chunks = 1);
 // Before lowering: tensors whose layout the backend decides (CTR_BACKEND_* flags):
 // attention's saved output becomes f32 [B, H, T] on a backend that keeps the
 // log-sum-exp there.
@@ -318,6 +327,12 @@ Schedule pass_schedule(const Graph &g, const CompileOptions &opt);
 // activations other stages compute as inputs received from them, those later
 // stages read kept to be sent. Runs after place, before autodiff. No-op with one stage.
 StageCut pass_stages(Graph &g, const CompileOptions &opt, const Schedule &s);
+// With chunks (interleaved): per node of the compiled graph, the chunk whose
+// task runs it: its block's; a collective or a node outside every block, the
+// chunk of the nearest compute node of a block before it in its phase (after
+// it for the nodes before the first). Refuses (CTR_STATUS_UNSUPPORTED) a phase whose chunks are out of
+// order (forward ascending, backward descending). Without chunks, empty.
+std::vector<int> node_chunks(const Graph &g, const StageCut &cut);
 
 // Dump of a program's instruction lists.
 std::string dump_program(const Graph &g, const Program &p);

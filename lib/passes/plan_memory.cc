@@ -173,12 +173,17 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &
   std::vector<char> none(static_cast<size_t>(nt), 0);
   std::tie(plan.arena_bytes, plan.held_bytes) = place(order, none);
   if (slots > 1) {
-    // A tensor written and last read within one phase (forward, backward,
+    // A tensor written and last read within one task (a phase: forward, backward,
     // weight gradients) is scratch, shared by the micro-batches in flight; one
     // that outlives its phase (or is kept, or is the loss) is held. Split when
     // that makes the arena for `slots` smaller.
     const int nf = g.num_forward, ni = g.num_input_grad >= 0 ? g.num_input_grad : nn;
-    auto phase = [&](int pos) { return pos < nf ? 0 : pos < ni ? 1 : pos < nn ? 2 : 3; };
+    // (Interleaved: each chunk's part of a phase is a task of its own.)
+    auto phase = [&](int pos) {
+      const int ph = pos < nf ? 0 : pos < ni ? 1 : pos < nn ? 2 : 3;
+      const bool chunked = pos >= 0 && pos < nn && static_cast<size_t>(pos) < prog.node_chunk.size();
+      return ph * (1 << 16) + (chunked ? prog.node_chunk[static_cast<size_t>(pos)] : 0);
+    };
     std::vector<char> scratch(static_cast<size_t>(nt), 0);
     for (int i : order) scratch[static_cast<size_t>(i)] = phase(first[i]) == phase(last[i]) ? 1 : 0;
     const MemoryPlan whole = plan;

@@ -559,9 +559,29 @@ const char *Executor::phase_name(Phase phase) {
   return "?";
 }
 
-void Executor::run(Phase phase) {
+void Executor::run(Phase phase, int chunk) {
   const int p = static_cast<int>(phase);
-  const std::vector<Instr> &list = p == 0 ? prog_.forward : p == 1 ? prog_.backward : prog_.weight;
+  std::span<const Instr> list = p == 0 ? prog_.forward : p == 1 ? prog_.backward : prog_.weight;
+  const ctr_backend_iface *bi = be_.iface;
+  void *ctx = be_.ctx;
+  if (prog_.chunks() > 0) {
+    CTR_CHECK(chunk >= 0 && chunk < prog_.chunks());
+    const auto [first, end] = prog_.chunk_range[p][static_cast<size_t>(chunk)];
+    list = list.subspan(first, end - first);
+    counting_ = runs_[p]++ >= prog_.chunks();  // (each chunk's first run is a warm-up)
+  } else if (run_captured(phase, list)) {
+    return;
+  }
+  issue(list, phase);
+  const auto t0 = Clock::now();
+  for (size_t s = 1; s < streams_.size(); ++s) bi->synchronize(ctx, streams_[s]);
+  if (streams_.size() > 1) exposed_ns_ += ns_since(t0);
+  check_device(-1, phase);
+  raise_if_failed();
+}
+
+bool Executor::run_captured(Phase phase, std::span<const Instr> list) {
+  const int p = static_cast<int>(phase);
   const ctr_backend_iface *bi = be_.iface;
   void *ctx = be_.ctx;
   const char *name = phase_name(phase);
@@ -575,36 +595,27 @@ void Executor::run(Phase phase) {
   // not inside a capture. Capture is from the second run on.
   const bool warm = runs_[p]++ > 0;
   counting_ = warm;  // kernel profiles leave out each phase's first run (first touches, library set-up)
-  if (graphs_on_ && !profile_ && capturable_[p] && warm && recaptures_ <= kMaxRecaptures) {
-    if (graph_[p] < 0 && bi->capture_begin(ctx, 0) == 0) {
+  if (!(graphs_on_ && !profile_ && capturable_[p] && warm && recaptures_ <= kMaxRecaptures)) return false;
+  if (graph_[p] < 0 && bi->capture_begin(ctx, 0) == 0) {
+    issue(list, phase);
+    graph_[p] = bi->capture_end(ctx, 0);
+    if (graph_[p] < 0) {
+      // Not replayable: nothing recorded ran; run it as it is, and stop trying.
+      std::fprintf(stderr, "ctr: graphs: the %s phase is not captured: the backend could not capture it\n", name);
+      recaptures_ = kMaxRecaptures + 1;
       issue(list, phase);
-      graph_[p] = bi->capture_end(ctx, 0);
-      if (graph_[p] < 0) {
-        // Not replayable: nothing recorded ran; run it as it is, and stop trying.
-        std::fprintf(stderr, "ctr: graphs: the %s phase is not captured: the backend could not capture it\n",
-                     name);
-        recaptures_ = kMaxRecaptures + 1;
-        issue(list, phase);
-        return;
-      }
-      ++captures_;
+      return true;
     }
-    if (graph_[p] >= 0) {
-      // Launches inside the replay are not seen one by one: a fault found now
-      // is named by the phase, not by whatever was launched last outside it.
-      last_node_ = -1;
-      bi->graph_launch(ctx, graph_[p], 0);
-      ++graph_replays_;
-      check_device(-1, phase, true);
-      return;
-    }
+    ++captures_;
   }
-  issue(list, phase);
-  const auto t0 = Clock::now();
-  for (size_t s = 1; s < streams_.size(); ++s) bi->synchronize(ctx, streams_[s]);
-  if (streams_.size() > 1) exposed_ns_ += ns_since(t0);
-  check_device(-1, phase);
-  raise_if_failed();
+  if (graph_[p] < 0) return false;
+  // Launches inside the replay are not seen one by one: a fault found now is
+  // named by the phase, not by whatever was launched last outside it.
+  last_node_ = -1;
+  bi->graph_launch(ctx, graph_[p], 0);
+  ++graph_replays_;
+  check_device(-1, phase, true);
+  return true;
 }
 
 void Executor::check_device(int node, Phase phase, bool replay) const {
@@ -631,7 +642,7 @@ void Executor::check_device(int node, Phase phase, bool replay) const {
   fail(CTR_STATUS_DEVICE_ERROR, strformat("device '%s' failed: %s%s", be_.iface->name, msg, after.c_str()));
 }
 
-void Executor::issue(const std::vector<Instr> &list, Phase phase) {
+void Executor::issue(std::span<const Instr> list, Phase phase) {
   const ctr_backend_iface *bi = be_.iface;
   void *ctx = be_.ctx;
   const bool checked = bi->status != nullptr;

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -50,8 +51,10 @@ class Executor {
   enum class Phase { Forward, Backward, Weight };
   static const char *phase_name(Phase phase);
   // Runs one phase; returns once stream 0's work is issued and the comm stream
-  // is drained. Throws the first collective failure.
-  void run(Phase phase);
+  // is drained. Throws the first collective failure. With chunks
+  // (Program::chunk_range), chunk names the part of the phase to run (a task
+  // of the interleaved schedule), launched as it is (not captured).
+  void run(Phase phase, int chunk = -1);
 
   // Time the comm stream spent in collectives (issue to completion) since the
   // last call, in ms.
@@ -95,7 +98,10 @@ class Executor {
   void issue_device(Collective &c);
   static void wait_device(void *user);
   void note_failure(const Collective &c, ctr_status code, const std::string &msg);
-  void issue(const std::vector<Instr> &list, Phase phase);
+  void issue(std::span<const Instr> list, Phase phase);
+  // Runs the phase as a captured graph when graphs are on and it can; false
+  // when it is to be launched as it is.
+  bool run_captured(Phase phase, std::span<const Instr> list);
   void run_exchange(Collective &c);
   void exchange_rows(Collective &c, const std::vector<ctr_tensor_ref> &ins, const std::vector<ctr_tensor_ref> &outs);
   void raise_if_failed();

@@ -75,6 +75,16 @@ void FlatOptimizer::accumulate(int64_t mb) {
     be_.iface->add_into(be_.ctx, acc_, grads_, floats_, 0);
 }
 
+void FlatOptimizer::accumulate(int64_t mb, const std::vector<std::pair<int64_t, int64_t>> &ranges) {
+  if (!acc_) return;
+  for (const auto &[offset, count] : ranges) {
+    if (mb == 0)
+      be_.iface->copy_d2d(be_.ctx, acc_ + offset, grads_ + offset, static_cast<size_t>(count) * 4, 0);
+    else
+      be_.iface->add_into(be_.ctx, acc_ + offset, grads_ + offset, count, 0);
+  }
+}
+
 double FlatOptimizer::sum_squares() const { return be_.iface->sum_squares(be_.ctx, grads(), floats_, 0); }
 
 void FlatOptimizer::update(const OptimizerConfig &c, double lr, double grad_scale, int64_t t) {

@@ -66,6 +66,9 @@ class FlatOptimizer {
 
   // After micro-batch mb's backward: acc = grads (mb 0) or acc += grads.
   void accumulate(int64_t mb);
+  // The same over some elements only, [offset, offset + count) each: the
+  // gradients one chunk's backward wrote (interleaved schedule).
+  void accumulate(int64_t mb, const std::vector<std::pair<int64_t, int64_t>> &ranges);
   // This rank's sum of squares of the gradient.
   double sum_squares() const;
   // One AdamW step (t is 1-based) with the clipping scale applied to gradients.

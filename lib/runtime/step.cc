@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <csignal>
 #include <cstring>
+#include <set>
 #include <thread>
 #include <nlohmann/json.hpp>
 
@@ -282,6 +283,33 @@ Step::Step(const Mesh &mesh, const Graph &graph, const ctr_options *options) : m
   for (ParamSlot &s : slots_) {
     s.m = opt_->m() + g_.tensors[s.tensor].offset / 4;
     s.v = opt_->v() + g_.tensors[s.tensor].offset / 4;
+  }
+  if (prog_.chunks() > 0) {
+    // Interleaved: each chunk's backward task writes its parameters' gradients
+    // (accumulated after it); a gradient written in two chunks' tasks would
+    // be overwritten by another micro-batch in between.
+    chunk_grads_.assign(static_cast<size_t>(prog_.chunks()), {});
+    for (const ParamSlot &s : slots_) {
+      if (s.grad < 0) continue;
+      std::set<int> chunks;
+      for (size_t n = 0; n < g_.nodes.size(); ++n)
+        for (int o : g_.nodes[n].outputs)
+          if (o == s.grad) chunks.insert(prog_.node_chunk[n]);
+      CTR_REQUIRE(chunks.size() == 1, CTR_STATUS_UNSUPPORTED,
+                  "pipeline schedule interleaved: the gradient of parameter '%s' is written by %zu chunks' tasks of "
+                  "stage %d (one is needed)",
+                  g_.tensors[s.tensor].name.c_str(), chunks.size(), stage_);
+      chunk_grads_[static_cast<size_t>(*chunks.begin())].push_back({g_.tensors[s.tensor].offset / 4, s.n});
+    }
+  }
+  pp_train_expect_ = pp_expected(pipeline_.order);
+  if (cut_.stages > 1) {
+    eval_order_.assign(static_cast<size_t>(cut_.stages), {});
+    for (int st = 0; st < cut_.stages; ++st)
+      for (int64_t mb = 0; mb < copt_.micro_batches; ++mb)
+        for (int c = 0; c < cut_.chunks; ++c)
+          eval_order_[static_cast<size_t>(st)].push_back({st, mb, TaskPhase::Forward, c});
+    pp_eval_expect_ = pp_expected(eval_order_);
   }
 
   // The gradient norm's groups: parameters by the mesh axes (of size > 1) that
@@ -563,65 +591,123 @@ Executor &Step::exec_for(int64_t mb) const {
 // Pipeline stages: activations and gradients between stages, over the pp
 // communicator (member i is stage i), through host buffers.
 
-void Step::pp_receive(int64_t mb, bool grads) {
-  if (cut_.stages <= 1) return;
-  const Comm &c = mesh_.comm("pp");
-  struct Pending {
-    CommWork *work;
-    std::vector<char> buf;
-    int tensor;
-  };
-  std::vector<Pending> pending;
-  auto receive = [&](int tensor, int peer) {
-    Pending p{nullptr, std::vector<char>(static_cast<size_t>(g_.tensors[tensor].bytes())), tensor};
-    const CollectiveName what(strformat("stage %d task %c%lld: recv '%s' from stage %d", stage_, grads ? 'B' : 'F',
-                                        static_cast<long long>(mb), g_.tensors[tensor].name.c_str(), peer));
-    p.work = c.iface->recv(c.ctx, p.buf.data(), p.buf.size(), peer);
-    pending.push_back(std::move(p));
-  };
-  if (!grads) {
-    for (const StageCut::Boundary &b : cut_.recv) receive(b.tensor, b.peer);
-  } else {
-    for (const StageCut::Boundary &b : cut_.send)
-      if (b.grad) receive(b.grad_tensor, b.peer);
-  }
-  for (size_t i = 0; i < pending.size(); ++i) {
-    Pending &p = pending[i];
-    try {
-      comm_wait(c, p.work, mesh_.timeout_ms);
-    } catch (...) {
-      // The receives still posted may yet be written into: their buffers stay.
-      for (size_t j = i; j < pending.size(); ++j) orphans_.push_back(std::move(pending[j].buf));
-      throw;
+std::map<int, std::vector<Step::PpMessage>> Step::pp_expected(const std::vector<std::vector<Task>> &order) const {
+  std::map<int, std::vector<PpMessage>> out;
+  if (cut_.stages <= 1) return out;
+  const int p = cut_.stages;
+  for (int from = 0; from < p; ++from) {
+    if (from == stage_) continue;
+    std::vector<PpMessage> &list = out[from];
+    // What stage `from` sends this rank, in its task order and, within a
+    // task, in crossing order (as pp_send sends).
+    for (const Task &t : order[static_cast<size_t>(from)]) {
+      const int vs = t.chunk * p + from;
+      for (size_t k = 0; k < cut_.crossings.size(); ++k) {
+        const StageCut::Crossing &x = cut_.crossings[k];
+        if (t.phase == TaskPhase::Forward && x.from == vs && x.to % p == stage_)
+          list.push_back({static_cast<int>(k), t.micro_batch, false});
+        if (t.phase == TaskPhase::Backward && x.grad && x.to == vs && x.from % p == stage_)
+          list.push_back({static_cast<int>(k), t.micro_batch, true});
+      }
     }
-    const Tensor &t = g_.tensors[p.tensor];
-    be_.iface->copy_h2d(be_.ctx, static_cast<char *>(inputs_) + t.offset + mb * t.bytes(), p.buf.data(),
-                        p.buf.size(), 0);
   }
+  return out;
 }
 
-void Step::pp_send(int64_t mb, bool grads) {
+void Step::pp_begin(const std::map<int, std::vector<PpMessage>> &expect) {
+  // Receives a failed run left posted may yet be written into: their buffers stay.
+  for (auto &[key, posted] : pp_posted_) orphans_.push_back(std::move(posted.buf));
+  pp_posted_.clear();
+  pp_expect_ = &expect;
+  pp_posted_count_.clear();
+}
+
+bool Step::pp_receive(const Task &task) {
+  if (cut_.stages <= 1) return false;
+  const Comm &c = mesh_.comm("pp");
+  const bool grads = task.phase == TaskPhase::Backward;
+  const int64_t mb = task.micro_batch;
+  // (boundary, tensor receiving it) per message of this task
+  std::vector<std::pair<const StageCut::Boundary *, int>> want;
+  if (task.phase == TaskPhase::Forward) {
+    for (const StageCut::Boundary &b : cut_.recv)
+      if (b.chunk == task.chunk) want.push_back({&b, b.tensor});
+  } else if (grads) {
+    for (const StageCut::Boundary &b : cut_.send)
+      if (b.grad && b.chunk == task.chunk) want.push_back({&b, b.grad_tensor});
+  }
+  // The tensor each message to this rank fills.
+  auto tensor_of = [&](const PpMessage &m) -> const Tensor & {
+    for (const StageCut::Boundary &b : m.grad ? cut_.send : cut_.recv)
+      if (b.crossing == m.crossing) return g_.tensors[static_cast<size_t>(m.grad ? b.grad_tensor : b.tensor)];
+    CTR_CHECK(false);
+    return g_.tensors[0];
+  };
+  try {
+    for (const auto &[b, tensor] : want) {
+      const auto key = std::make_tuple(b->crossing, mb, grads);
+      // Between two members the k-th send matches the k-th recv: receives
+      // are posted in the order the peer sends, up to the one this task needs.
+      const std::vector<PpMessage> &from = pp_expect_->at(b->peer);
+      size_t &next = pp_posted_count_[b->peer];
+      while (!pp_posted_.count(key)) {
+        CTR_CHECK(next < from.size());
+        const PpMessage &m = from[next++];
+        // (named by the task of this rank that takes it)
+        const StageCut::Crossing &x = cut_.crossings[static_cast<size_t>(m.crossing)];
+        const Task taker{stage_, m.mb, m.grad ? TaskPhase::Backward : TaskPhase::Forward,
+                         (m.grad ? x.from : x.to) / cut_.stages};
+        const Tensor &into = tensor_of(m);
+        const CollectiveName what(strformat("stage %d task %s: recv '%s' from stage %d", stage_,
+                                            task_text(taker, cut_.chunks > 1).c_str(), into.name.c_str(), b->peer));
+        PpPosted posted{nullptr, std::vector<char>(static_cast<size_t>(into.bytes()))};
+        posted.work = c.iface->recv(c.ctx, posted.buf.data(), posted.buf.size(), b->peer);
+        pp_posted_.emplace(std::make_tuple(m.crossing, m.mb, m.grad), std::move(posted));
+      }
+      auto it = pp_posted_.find(key);
+      CommWork *work = it->second.work;
+      it->second.work = nullptr;
+      comm_wait(c, work, mesh_.timeout_ms);
+      const Tensor &t = g_.tensors[tensor];
+      CTR_CHECK(it->second.buf.size() == static_cast<size_t>(t.bytes()));
+      be_.iface->copy_h2d(be_.ctx, static_cast<char *>(inputs_) + t.offset + mb * t.bytes(), it->second.buf.data(),
+                          it->second.buf.size(), 0);
+      pp_posted_.erase(it);
+    }
+  } catch (...) {
+    // The receives still posted may yet be written into: their buffers stay.
+    for (auto &[key, posted] : pp_posted_) orphans_.push_back(std::move(posted.buf));
+    pp_posted_.clear();
+    throw;
+  }
+  return !want.empty();
+}
+
+void Step::pp_send(const Task &task) {
   if (cut_.stages <= 1) return;
   const Comm &c = mesh_.comm("pp");
+  const int64_t mb = task.micro_batch;
   Executor &ex = exec_for(mb);
-  auto send = [&](int tensor, int like, int peer) {
+  const std::string name = task_text(task, cut_.chunks > 1);
+  auto send = [&](int tensor, int like, int peer, bool grad) {
     PendingSend p;
     p.bytes.assign(static_cast<size_t>(g_.tensors[like].bytes()), 0);
     if (tensor >= 0) be_.iface->copy_d2h(be_.ctx, p.bytes.data(), ex.addr(tensor), p.bytes.size(), 0);
-    const CollectiveName what(strformat("stage %d task %c%lld: send '%s' to stage %d", stage_, grads ? 'B' : 'F',
-                                        static_cast<long long>(mb), g_.tensors[like].name.c_str(), peer));
+    const CollectiveName what(strformat("stage %d task %s: send '%s'%s to stage %d", stage_, name.c_str(),
+                                        g_.tensors[like].name.c_str(), grad ? "'s gradient" : "", peer));
     p.work = c.iface->send(c.ctx, p.bytes.data(), p.bytes.size(), peer);
     sends_.push_back(std::move(p));
   };
-  if (!grads) {
-    for (const StageCut::Boundary &b : cut_.send) send(b.tensor, b.tensor, b.peer);
-  } else {
+  if (task.phase == TaskPhase::Forward) {
+    for (const StageCut::Boundary &b : cut_.send)
+      if (b.chunk == task.chunk) send(b.tensor, b.tensor, b.peer, false);
+  } else if (task.phase == TaskPhase::Backward) {
     for (const StageCut::Boundary &b : cut_.recv) {
-      if (!b.grad) continue;
+      if (!b.grad || b.chunk != task.chunk) continue;
       int gt = -1;  // no gradient reaches it: zeros go back
       for (const auto &[t, grad] : g_.input_grads)
         if (t == b.tensor) gt = grad;
-      send(gt, b.tensor, b.peer);
+      send(gt, b.tensor, b.peer, true);
     }
   }
   check_backend(be_, "reading activations to send to another pipeline stage");
@@ -839,42 +925,59 @@ void Step::run(ctr_step_metrics *metrics) {
                         {"dur_us", std::max<int64_t>(0, end - start)}});
   };
   // This stage's tasks in schedule order; gradients accumulate in micro-batch order.
+  pp_begin(pp_train_expect_);
+  const int last_chunk = std::max(1, prog_.chunks()) - 1;
+  auto accumulate = [&](const Task &task) {
+    if (prog_.chunks() == 0) {
+      opt_->accumulate(task.micro_batch);
+    } else {
+      // The first accumulation (of micro-batch 0) takes the whole buffer, so
+      // that gradients no chunk writes read as zeros; then each chunk's own.
+      if (task.micro_batch == 0 && task.chunk == last_chunk)
+        opt_->accumulate(0);
+      else
+        opt_->accumulate(task.micro_batch, chunk_grads_[static_cast<size_t>(task.chunk)]);
+    }
+  };
   for (const Task &task : pipeline_.order[static_cast<size_t>(stage_)]) {
     const int64_t mb = task.micro_batch;
     Executor &ex = exec_for(mb);
-    const std::string name = task_text(task);
+    const std::string name = task_text(task, cut_.chunks > 1);
+    const int chunk = prog_.chunks() > 0 ? task.chunk : -1;
     const int64_t t_wait = now_us();
     if (task.phase == TaskPhase::Forward) {
-      pp_receive(mb, false);
+      const bool received = pp_receive(task);
       const int64_t t_work = now_us();
-      if (cut_.stages > 1 && stage_ > 0) event("recv " + name, "recv", mb, t_wait, t_work);
+      if (received) event("recv " + name, "recv", mb, t_wait, t_work);
       bind_micro_batch(mb);
       auto tf = Clock::now();
       if (fault_slow_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(fault_slow_ms_));
-      ex.run(Executor::Phase::Forward);
+      ex.run(Executor::Phase::Forward, chunk);
       ran_forward_ = true;
       fwd_ms += ms_since(tf);
-      loss_sum += read_loss(mb);
-      read_moe(mb);
-      pp_send(mb, false);
+      if (task.chunk == last_chunk) {  // (the loss and every expert layer of the micro-batch computed)
+        loss_sum += read_loss(mb);
+        read_moe(mb);
+      }
+      pp_send(task);
       event(name, "forward", mb, t_work, now_us());
     } else if (task.phase == TaskPhase::Backward) {
-      pp_receive(mb, true);
+      const bool received = pp_receive(task);
       const int64_t t_work = now_us();
-      if (cut_.stages > 1 && stage_ + 1 < cut_.stages) event("recv " + name, "recv", mb, t_wait, t_work);
+      if (received) event("recv " + name, "recv", mb, t_wait, t_work);
       bind_micro_batch(mb);
       auto tb = Clock::now();
-      ex.run(Executor::Phase::Backward);
+      ex.run(Executor::Phase::Backward, chunk);
       // A split backward's gradients are whole after its W task.
-      if (!pipeline_.split_backward()) opt_->accumulate(mb);
+      if (!pipeline_.split_backward()) accumulate(task);
       bwd_ms += ms_since(tb);
-      pp_send(mb, true);
+      pp_send(task);
       event(name, "backward", mb, t_work, now_us());
     } else {
       bind_micro_batch(mb);
       auto tb = Clock::now();
-      ex.run(Executor::Phase::Weight);
-      opt_->accumulate(mb);
+      ex.run(Executor::Phase::Weight, chunk);
+      accumulate(task);
       bwd_ms += ms_since(tb);
       event(name, "weight", mb, t_wait, now_us());
     }
@@ -996,13 +1099,23 @@ void Step::run(ctr_step_metrics *metrics) {
 double Step::evaluate() {
   check_inputs_set("ctr_step_evaluate");
   double sum = 0;
-  for (int64_t mb = 0; mb < copt_.micro_batches; ++mb) {
-    pp_receive(mb, false);
-    bind_micro_batch(mb);
-    exec_for(mb).run(Executor::Phase::Forward);
+  if (cut_.stages <= 1) {
+    for (int64_t mb = 0; mb < copt_.micro_batches; ++mb) {
+      bind_micro_batch(mb);
+      exec_for(mb).run(Executor::Phase::Forward);
+      ran_forward_ = true;
+      sum += read_loss(mb);
+    }
+    return sum / static_cast<double>(copt_.micro_batches);
+  }
+  pp_begin(pp_eval_expect_);
+  for (const Task &task : eval_order_[static_cast<size_t>(stage_)]) {
+    pp_receive(task);
+    bind_micro_batch(task.micro_batch);
+    exec_for(task.micro_batch).run(Executor::Phase::Forward, prog_.chunks() > 0 ? task.chunk : -1);
     ran_forward_ = true;
-    sum += read_loss(mb);
-    pp_send(mb, false);
+    if (task.chunk == cut_.chunks - 1) sum += read_loss(task.micro_batch);
+    pp_send(task);
   }
   finish_sends();
   if (cut_.stages > 1) {

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/backend.h"
@@ -118,11 +119,23 @@ class Step : private CheckpointState {
   void bind_micro_batch(int64_t mb);
   // The executor of micro-batch mb's activations (one per micro-batch in flight).
   Executor &exec_for(int64_t mb) const;
-  // Pipeline stages: activations (or their gradients) of micro-batch mb
-  // received into this stage's inputs, and sent from its outputs; sends stay
-  // in flight until finish_sends (the end of the step).
-  void pp_receive(int64_t mb, bool grads);
-  void pp_send(int64_t mb, bool grads);
+  // Pipeline stages: a message is the activation (or gradient) of a crossing
+  // (StageCut::crossings) for one micro-batch.
+  struct PpMessage {
+    int crossing;
+    int64_t mb;
+    bool grad;
+  };
+  // Per other stage: what it sends this rank in a run of `order`, in its order.
+  std::map<int, std::vector<PpMessage>> pp_expected(const std::vector<std::vector<Task>> &order) const;
+  // Before a run of the schedule (or of the evaluation's order).
+  void pp_begin(const std::map<int, std::vector<PpMessage>> &expect);
+  // What a task receives into this stage's inputs (receives posted in the
+  // order the peer sends, up to the ones it needs; false: it receives
+  // nothing), and what it sends from its outputs; sends stay in flight until
+  // finish_sends (the end of the step).
+  bool pp_receive(const Task &task);
+  void pp_send(const Task &task);
   void finish_sends();
   // Gradients of parameters several stages read (a tied embedding), summed
   // over those stages.
@@ -167,6 +180,18 @@ class Step : private CheckpointState {
     std::vector<char> bytes;
   };
   std::vector<PendingSend> sends_;
+  std::map<int, std::vector<PpMessage>> pp_train_expect_, pp_eval_expect_;
+  const std::map<int, std::vector<PpMessage>> *pp_expect_ = nullptr;  // this run's
+  std::map<int, size_t> pp_posted_count_;                            // per peer: its messages posted
+  struct PpPosted {
+    CommWork *work = nullptr;
+    std::vector<char> buf;
+  };
+  std::map<std::tuple<int, int64_t, bool>, PpPosted> pp_posted_;  // (crossing, mb, grad): not yet taken
+  // The evaluation's order: per stage, every forward (micro-batch, then chunk).
+  std::vector<std::vector<Task>> eval_order_;
+  // Interleaved: per chunk, the gradient elements its backward writes ([offset, count) of the flat buffer).
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> chunk_grads_;
   // Buffers of transfers a failure left posted (kept: they may still be written or read).
   std::vector<std::vector<char>> orphans_;
   std::vector<std::vector<float>> orphan_floats_;

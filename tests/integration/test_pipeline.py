@@ -62,6 +62,53 @@ def test_inspect_prints_each_stage_order(ctr, graph, schedule, micro, want):
     assert f"bubble {100 * bubble:.1f}% with tasks timed" in out, out[:600]
 
 
+def test_interleaved_runs_each_rank_chunks_in_groups(ctr, graph):
+    """Interleaved 1F1B with 2 chunks per rank on pp=2 (4 virtual stages, one
+    block each): micro-batches go through in groups of two, chunk 0 then chunk
+    1, after each rank's warm-up; its bubble is (p-1)/(v m + p-1) = 1/9 against
+    1f1b's 1/5."""
+    four = str(os.path.join(os.path.dirname(graph), "gpt4.ctrg"))
+    run(ctr, "graph", "build", "--preset", "gpt", "--layers", "4", "--dim", "32", "--heads", "2", "--vocab", "128",
+        "--seq", "16", "-o", four)
+    out = run(ctr, "graph", "inspect", four, "--after", "schedule", "--pp", "2", "--micro-batches", "4",
+              "--pp-schedule", "interleaved").stdout
+    assert "pipeline schedule interleaved: 2 stage(s), 4 micro-batch(es), 2 virtual stages per rank" in out
+    assert stages(out)[:2] == [
+        "stage 0: F0c0 F1c0 F0c1 F1c1 F2c0 B0c1 F3c0 B1c1 F2c1 B0c0 F3c1 B1c0 B2c1 B3c1 B2c0 B3c0 (4 in flight)",
+        "stage 1: F0c0 F1c0 F0c1 B0c1 F1c1 B1c1 F2c0 B0c0 F3c0 B1c0 F2c1 B2c1 F3c1 B3c1 B2c0 B3c0 (3 in flight)"]
+    assert "virtual stage 2 (stage 0, chunk 1) holds blocks 2-2," in out
+    assert "\nbubble 11.1% " in out, out
+    one = run(ctr, "graph", "inspect", four, "--after", "schedule", "--pp", "2", "--micro-batches", "4").stdout
+    assert "\nbubble 20.0% " in one, one
+    cut = run(ctr, "graph", "inspect", four, "--after", "stages", "--pp", "2", "--rank", "1", "--micro-batches", "4",
+              "--pp-schedule", "interleaved").stdout
+    assert "this rank runs stage 1 of 2, 2 chunks (virtual stages 1, 3)" in cut, cut[:800]
+    assert "receives 'layers.2.resid2' (#" in cut and "from stage 0 (chunk 1) (its gradient goes back)" in cut
+    r = run(ctr, "graph", "inspect", four, "--after", "schedule", "--pp", "2", "--micro-batches", "2",
+            "--pp-schedule", "interleaved", "--pp-stages", "2,2", expect=1)
+    assert "option 'pp_stages': 2 entries for 4 virtual stages (2 per rank)" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--pp", "2", "--micro-batches", "3"),
+     "interleaved runs micro-batches in groups of one per stage: 3 micro-batch(es) is not a multiple of 2 stages"),
+    (("--pp", "1", "--micro-batches", "2"), "pipeline schedule interleaved needs at least 2 stages (pp), not 1"),
+    (("--pp", "2", "--micro-batches", "2", "--pp-virtual", "1"),
+     "needs at least 2 virtual stages per rank (option 'pp_virtual'), not 1"),
+    (("--pp", "2", "--micro-batches", "2", "--pp-virtual", "2"),
+     "pipeline: 4 virtual stages (2 per rank) need at least one block each, and graph 'gpt' has 2 block(s)"),
+])
+def test_interleaved_refusals_name_the_numbers(ctr, graph, args, message):
+    r = run(ctr, "graph", "inspect", graph, "--after", "schedule", "--pp-schedule", "interleaved", *args, expect=1)
+    assert message in r.stderr, r.stderr
+
+
+def test_virtual_stages_need_the_interleaved_schedule(ctr, graph):
+    r = run(ctr, "graph", "inspect", graph, "--after", "schedule", "--pp", "2", "--micro-batches", "2",
+            "--pp-virtual", "2", expect=1)
+    assert "option 'pp_virtual': 2 virtual stages per rank need pp_schedule interleaved" in r.stderr, r.stderr
+
+
 def test_zero_bubble_splits_the_backward_of_a_stage(ctr, graph):
     """With zb, the last stage's backward is lowered as two phases: the nodes
     its input gradient needs, then the weight gradients; a norm weight's
@@ -198,6 +245,49 @@ def test_stages_train_as_one_rank(ctr, deep, tmp_path, preset):
                 assert_same(got, want, f"{preset} pp=4 {schedule} with 4 micro-batches")
 
 
+@pytest.fixture(scope="module")
+def deep8(ctr, tmp_path_factory):
+    """gpt and llama of 8 blocks: pp=4 with 2 chunks per rank."""
+    out = {}
+    for preset in ("gpt", "llama"):
+        g = str(tmp_path_factory.mktemp("deep8") / f"{preset}.ctrg")
+        run(ctr, "graph", "build", "--preset", preset, "--layers", "8", "--dim", "32", "--heads", "2", "--seq",
+            "16", "-o", g)
+        out[preset] = g
+    return out
+
+
+@pytest.mark.parametrize("preset", ["gpt", "llama"])
+def test_interleaved_trains_as_one_rank(ctr, deep, deep8, tmp_path, preset):
+    """Interleaved 1F1B, each rank running its chunks as separate tasks
+    (activations going round the ranks twice, a tied embedding's gradient
+    summed over the first and the last rank): pp=2 with 2 and 4 micro-batches
+    (stages, 2 x stages), pp=4 with 2 chunks per rank and pp=2 with 4 train as
+    one rank within 1e-5 in losses and final parameters."""
+    for micro in (2, 4):
+        want = train(ctr, deep[preset], str(tmp_path / f"one{micro}"), 1, "fsdp=1", "--micro-batches", str(micro))
+        got = train(ctr, deep[preset], str(tmp_path / f"il{micro}"), 2, "pp=2", "--micro-batches", str(micro),
+                    "--pp-schedule", "interleaved")
+        assert_same(got, want, f"{preset} pp=2 interleaved with {micro} micro-batches")
+    want = train(ctr, deep8[preset], str(tmp_path / "one8"), 1, "fsdp=1", "--micro-batches", "4")
+    for n, chunks in ((4, 2), (2, 4)):
+        got = train(ctr, deep8[preset], str(tmp_path / f"il{n}x{chunks}"), n, f"pp={n}", "--micro-batches", "4",
+                    "--pp-schedule", "interleaved", "--pp-virtual", str(chunks))
+        assert_same(got, want, f"{preset} pp={n} interleaved with {chunks} chunks per rank")
+
+
+@pytest.mark.parametrize("preset,other", [("gpt", "fsdp=2"), ("llama", "tp=2"), ("gpt", "dp=2")])
+def test_interleaved_composes_with_other_axes(ctr, deep, tmp_path, preset, other):
+    """pp=2 interleaved beside fsdp (its prefetched gathers and deferred
+    reduce-scatters run in the task they were moved into), tp or dp trains as
+    that axis alone."""
+    g = deep[preset]
+    want = train(ctr, g, str(tmp_path / "alone"), 2, other, "--micro-batches", "4")
+    got = train(ctr, g, str(tmp_path / "with_pp"), 4, "pp=2," + other, "--micro-batches", "4", "--pp-schedule",
+                "interleaved")
+    assert_same(got, want, f"{preset} pp=2,{other} interleaved")
+
+
 def test_micro_batches_in_flight_share_what_lives_within_a_task(ctr, deep, tmp_path):
     """Under recompute a stage holds little from task to task: the plan keeps a
     copy per micro-batch in flight of that part only (the rest of the arena is
@@ -257,7 +347,7 @@ def test_stages_in_bf16_train_as_one_rank_in_bf16(ctr, deep, tmp_path, preset):
     fp32 = train(ctr, g, str(tmp_path / "fp32"), 1, "fsdp=1", "--micro-batches", "4")
     worst = max(abs(a - b) / abs(b) for a, b in zip(want[0], fp32[0]))
     assert worst > 1e-5, f"{preset}: bf16 and fp32 losses agree within {worst:.2e}: bf16 did not run"
-    for n, schedule in ((2, "1f1b"), (2, "zb"), (4, "1f1b")):
+    for n, schedule in ((2, "1f1b"), (2, "zb"), (4, "1f1b"), (2, "interleaved")):
         got = train(ctr, g, str(tmp_path / f"pp{n}{schedule}"), n, f"pp={n}", "--micro-batches", "4",
                     "--pp-schedule", schedule, "--precision", "bf16")
         assert_same(got, want, f"{preset} pp={n} {schedule} in bf16")
@@ -319,7 +409,8 @@ def test_kept_outputs_are_read_on_the_stage_that_computes_them(ctr, tmp_path):
     assert "rank 1: layers.0.ln1: " in text and "is computed on pipeline stage 0, not this rank's stage 1" in text, text
 
 
-@pytest.mark.parametrize("other,schedule", [("", "1f1b"), ("", "zb"), ("ep=2", "1f1b"), ("ep=2", "zb")])
+@pytest.mark.parametrize("other,schedule", [("", "1f1b"), ("", "zb"), ("ep=2", "1f1b"), ("ep=2", "zb"),
+                                            ("ep=2", "interleaved")])
 def test_experts_on_stages_train_as_without_stages(ctr, tmp_path, other, schedule):
     """moe on pp=2 (and pp=2 x ep=2) trains as one rank (as ep=2) does, within
     1e-5 in losses and final parameters, and reports the same expert metrics:
@@ -400,7 +491,7 @@ def test_checkpoints_move_between_pipeline_meshes(ctr, deep, tmp_path):
     assert all(np_.array_equal(again[k], params[k]) for k in params)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "interleaved"])
 def test_trace_shows_each_rank_running_its_schedule(ctr, deep, tmp_path, schedule):
     """`ctr run --trace` writes every rank's tasks as Chrome trace events: each
     rank runs its stage's tasks in the schedule's order every step, a later stage
@@ -425,10 +516,17 @@ def test_trace_shows_each_rank_running_its_schedule(ctr, deep, tmp_path, schedul
             got = [e["name"] for e in tasks if e["pid"] == rank and e["args"]["step"] == step]
             assert got == want, (rank, step, got, want)
     start = {(e["pid"], e["args"]["step"], e["name"]): e["ts"] for e in tasks}
+    chunks = 2 if schedule == "interleaved" else 1
+
+    def task(phase, mb, vs):  # (rank, name) of a task on virtual stage vs
+        return (vs % 2, f"{phase}{mb}c{vs // 2}" if chunks > 1 else f"{phase}{mb}")
     for step in range(1, steps + 1):
         for mb in range(micro):
-            assert start[(1, step, f"F{mb}")] >= start[(0, step, f"F{mb}")]
-            assert start[(0, step, f"B{mb}")] >= start[(1, step, f"B{mb}")]
+            for vs in range(2 * chunks - 1):
+                (ra, fa), (rb, fb) = task("F", mb, vs), task("F", mb, vs + 1)
+                assert start[(rb, step, fb)] >= start[(ra, step, fa)]
+                (ra, ba), (rb, bb) = task("B", mb, vs), task("B", mb, vs + 1)
+                assert start[(ra, step, ba)] >= start[(rb, step, bb)]
             if schedule == "zb":
                 for rank in (0, 1):
                     assert start[(rank, step, f"W{mb}")] >= start[(rank, step, f"B{mb}")]
@@ -436,7 +534,8 @@ def test_trace_shows_each_rank_running_its_schedule(ctr, deep, tmp_path, schedul
     assert names == {"rank 0 (stage 0)", "rank 1 (stage 1)"}, names
     p = run(ctr, "plot", "--timeline", trace, "-o", svg)
     text = open(svg).read()
-    assert "rank 0" in text and "rank 1" in text and "<title>F0: " in text and "<title>B3: " in text
+    suffix = "c0" if chunks > 1 else ""
+    assert "rank 0" in text and "rank 1" in text and f"<title>F0{suffix}: " in text and f"<title>B3{suffix}: " in text
     if schedule == "zb":
         assert "<title>W3: " in text
     bubble = float(p.stdout.split("bubble ")[1].split("%")[0]) / 100

@@ -120,13 +120,48 @@ TEST(Schedule, ZeroBubbleSplitsEachBackwardAndFillsTheBubble) {
       CTR_STATUS_INVALID_OPTION, {"zb", "waits in W"});
 }
 
+// Interleaved: v chunks per rank, micro-batches in groups of p. Every size
+// runs to the end, each chunk's forwards and backwards in micro-batch order
+// (its gradients accumulate as the one-stage step's), and the bubble is the
+// schedule's arithmetic, (p - 1) / (v m + p - 1): 1F1B's with v times the tasks.
+TEST(Schedule, InterleavedRunsChunksInGroupsAndShrinksTheBubble) {
+  Schedule s = ctr::build_schedule(ScheduleKind::Interleaved, 2, 4, 2);
+  EXPECT_EQ(ctr::schedule_text(s).substr(0, 36), "stage 0: F0c0 F1c0 F0c1 F1c1 F2c0 B0");
+  for (int p = 2; p <= 8; ++p)
+    for (int v = 2; v <= 4; ++v)
+      for (int64_t m = p; m <= 4 * p; m += p) {
+        Schedule z = ctr::build_schedule(ScheduleKind::Interleaved, p, m, v);
+        for (int st = 0; st < p; ++st) {
+          const auto &list = z.order[static_cast<size_t>(st)];
+          ASSERT_EQ(static_cast<int64_t>(list.size()), 2 * m * v);
+          std::vector<int64_t> next(static_cast<size_t>(2 * v), 0);
+          for (const auto &t : list)
+            EXPECT_EQ(t.micro_batch, next[static_cast<size_t>(2 * t.chunk + static_cast<int>(t.phase))]++)
+                << ctr::task_text(t, true);
+          EXPECT_LE(z.in_flight[static_cast<size_t>(st)], m) << p << " " << v << " " << m;
+        }
+        const double want = static_cast<double>(p - 1) / static_cast<double>(v * m + p - 1);
+        EXPECT_NEAR(ctr::schedule_bubble(z), want, 1e-12) << p << " " << v << " " << m;
+      }
+}
+
 TEST(Schedule, Refusals) {
   expect_refusal([] { ctr::build_schedule(ScheduleKind::OneFOneB, 4, 2); }, CTR_STATUS_INVALID_OPTION,
                  {"1f1b", "2 micro-batch(es) for 4 stages"});
   expect_refusal([] { ctr::build_schedule(ScheduleKind::GPipe, 0, 2); }, CTR_STATUS_INVALID_OPTION, {"0 stages"});
   expect_refusal([] { ctr::build_schedule(ScheduleKind::GPipe, 2, 0); }, CTR_STATUS_INVALID_OPTION,
                  {"0 micro-batches"});
-  expect_refusal([] { ctr::schedule_kind_from_name("zbv"); }, CTR_STATUS_INVALID_OPTION, {"'zbv'", "gpipe, 1f1b, zb"});
+  expect_refusal([] { ctr::schedule_kind_from_name("zbv"); }, CTR_STATUS_INVALID_OPTION,
+                 {"'zbv'", "gpipe, 1f1b, zb, interleaved"});
+  expect_refusal([] { ctr::build_schedule(ScheduleKind::Interleaved, 4, 6, 2); }, CTR_STATUS_INVALID_OPTION,
+                 {"interleaved", "6 micro-batch(es) is not a multiple of 4 stages"});
+  expect_refusal([] { ctr::build_schedule(ScheduleKind::Interleaved, 1, 2, 2); }, CTR_STATUS_INVALID_OPTION,
+                 {"at least 2 stages"});
+  expect_refusal([] { ctr::build_schedule(ScheduleKind::Interleaved, 2, 2, 1); }, CTR_STATUS_INVALID_OPTION,
+                 {"at least 2 virtual stages"});
+  expect_refusal([] { ctr::build_schedule(ScheduleKind::OneFOneB, 2, 2, 2); }, CTR_STATUS_INVALID_OPTION,
+                 {"'pp_virtual'", "need pp_schedule interleaved"});
+  EXPECT_EQ(ctr::schedule_kind_from_name("interleaved"), ScheduleKind::Interleaved);
   EXPECT_EQ(ctr::schedule_kind_from_name("zb"), ScheduleKind::ZeroBubble);
   EXPECT_EQ(ctr::schedule_kind_from_name("gpipe"), ScheduleKind::GPipe);
   EXPECT_EQ(ctr::schedule_kind_from_name("1f1b"), ScheduleKind::OneFOneB);

@@ -272,6 +272,7 @@ struct ScheduleArgs {
   bool no_defer = false, no_overlap = false, no_fuse = false, no_epilogues = false, sequence_parallel = false;
   std::string recompute = "none", bucket = "block", precision = "auto", reshard = "default";
   std::string pp_schedule = "1f1b", pp_stages, cp_mode = "gather";
+  int64_t pp_virtual = 0;
   int64_t bucket_bytes = 0;
 
   void add_flags(CLI::App *cmd) {
@@ -326,9 +327,13 @@ struct ScheduleArgs {
                     "Pipeline schedule over the pp axis: 1f1b (one forward and one backward in turn after a "
                     "warm-up; needs at least as many micro-batches as stages), gpipe (every forward, then "
                     "every backward) or zb (zero bubble: each backward split into its input- and its weight-"
-                    "gradient part, the weight gradients filling the idle time)")
+                    "gradient part, the weight gradients filling the idle time) or interleaved (1f1b over "
+                    "several chunks of the model per rank, --pp-virtual; micro-batches a multiple of the stages)")
         ->capture_default_str()
-        ->check(CLI::IsMember({"1f1b", "gpipe", "zb"}));
+        ->check(CLI::IsMember({"1f1b", "gpipe", "zb", "interleaved"}));
+    cmd->add_option("--pp-virtual", pp_virtual,
+                    "With --pp-schedule interleaved: chunks of the model (virtual stages) per rank (default 2)")
+        ->check(CLI::Range(1, 1024));
     cmd->add_option("--pp-stages", pp_stages,
                     "Blocks per pipeline stage, in stage order (\"2,3,3\"; default: balanced by forward FLOPs)");
     cmd->add_flag("--sequence-parallel", sequence_parallel,
@@ -354,6 +359,7 @@ struct ScheduleArgs {
     set_string(o, "precision", precision);
     set_string(o, "pp_schedule", pp_schedule);
     if (!pp_stages.empty()) set_string(o, "pp_stages", pp_stages);
+    if (pp_virtual > 0) set_int(o, "pp_virtual", pp_virtual);
     if (bucket_bytes > 0) set_int(o, "bucket_bytes", bucket_bytes);
     if (sequence_parallel) set_int(o, "sequence_parallel", 1);
     set_string(o, "cp_mode", cp_mode);
