@@ -368,7 +368,12 @@ typedef struct ctr_step ctr_step;
  *                            bubble: each backward split into its input- and its
  *                            weight-gradient part, the latter filling the
  *                            pipeline's idle time; up to pp + 1 micro-batches'
- *                            activations held per stage)
+ *                            activations held per stage), or "interleaved"
+ *                            (1f1b over pp_virtual chunks of the model per
+ *                            rank; micro_batches a multiple of pp)
+ *   "pp_virtual" int         with pp_schedule "interleaved": chunks (virtual
+ *                            stages) per rank (2); the graph needs a block per
+ *                            virtual stage
  *   "profile_kernels" int    1: time each kernel on its own (ctr_step_kernel_profile)
  *   "sequence_parallel" int  1: with tp, the activations between tensor-parallel
  *                            regions split by tokens over tp (0)
@@ -379,7 +384,8 @@ typedef struct ctr_step ctr_step;
  *                            (keys and values passed from rank to rank, one block
  *                            of attention per rank's keys under the next pass)
  *   "pp_stages" string       blocks per pipeline stage, in stage order ("2,3,3";
- *                            default: balanced by the blocks' forward FLOPs)
+ *                            default: balanced by the blocks' forward FLOPs);
+ *                            interleaved: per virtual stage (chunk * pp + stage)
  *   "seed" int               parameter init seed (0)
  *   "lr" float               peak learning rate (3e-4)
  *   "min_lr" float           final learning rate of the decay (0)

@@ -463,7 +463,8 @@ def test_checkpoints_move_between_pipeline_meshes(ctr, deep, tmp_path):
     """Two steps on one rank, two on pp=2 x tp=2 resumed from its checkpoint, two on
     pp=4 (gpipe) resumed from theirs: the losses and final parameters of one
     uninterrupted run on one rank, within 1e-5. The pp=4 checkpoint loaded on
-    pp=2 x fsdp=2 gives back the same parameters, bit for bit."""
+    pp=2 x fsdp=2 and on pp=2 interleaved gives back the same parameters, bit
+    for bit."""
     np_ = pytest.importorskip("numpy")
     st = pytest.importorskip("safetensors.numpy")
     g, ck = deep["gpt"], str(tmp_path / "ck")
@@ -488,6 +489,9 @@ def test_checkpoints_move_between_pipeline_meshes(ctr, deep, tmp_path):
     for k in want:
         assert float(np_.abs(params[k] - want[k]).max()) <= 1e-5 * max(1.0, float(np_.abs(want[k]).max())), k
     _, again = part("d", 4, "pp=2,fsdp=2", "--save-dir", ck, "--resume", "latest")
+    assert all(np_.array_equal(again[k], params[k]) for k in params)
+    # Interleaved: each rank holds other blocks (0 and 2 on stage 0), read from the same blocks.
+    _, again = part("e", 2, "pp=2", "--save-dir", ck, "--resume", "latest", "--pp-schedule", "interleaved")
     assert all(np_.array_equal(again[k], params[k]) for k in params)
 
 
