@@ -311,7 +311,7 @@ Schedule build_schedule(ScheduleKind kind, int stages, int64_t micro_batches, in
   return s;
 }
 
-SchedulePlay play_schedule(const Schedule &s, const std::function<double(int, TaskPhase)> &time, double transfer) {
+SchedulePlay play_schedule(const Schedule &s, const std::function<double(const Task &)> &time, double transfer) {
   const int p = s.stages, V = s.virtual_count();
   const size_t M = static_cast<size_t>(s.micro_batches);
   // end[phase][virtual stage][micro-batch], -1 until the task ran
@@ -344,7 +344,7 @@ SchedulePlay play_schedule(const Schedule &s, const std::function<double(int, Ta
           ok = after(TaskPhase::Backward, vs, 0);
         }
         if (!ok) break;
-        const double cost = time(st, t.phase);
+        const double cost = time(t);
         free_at[S] = end[static_cast<size_t>(t.phase)][static_cast<size_t>(vs)][mb] = ready + cost;
         out.busy += cost;
         out.span = std::max(out.span, free_at[S]);
@@ -358,7 +358,7 @@ SchedulePlay play_schedule(const Schedule &s, const std::function<double(int, Ta
 
 double schedule_bubble(const Schedule &s) {
   const SchedulePlay r =
-      play_schedule(s, [&](int stage, TaskPhase ph) { return static_cast<double>(task_time(s, stage, ph)); });
+      play_schedule(s, [&](const Task &t) { return static_cast<double>(task_time(s, t.stage, t.phase)); });
   return r.span > 0 ? 1.0 - r.busy / (r.span * s.stages) : 0.0;
 }
 

@@ -110,14 +110,13 @@ Schedule build_schedule(ScheduleKind kind, int stages, int64_t micro_batches, in
 int64_t task_time(const Schedule &s, int stage, TaskPhase phase);
 
 // Plays s (proved runnable by check_schedule): each stage starts its next task
-// when it is free and the task's inputs are there, a task taking time(stage,
-// phase), an activation or gradient from another stage arriving `transfer`
+// when it is free and the task's inputs are there, a task taking time(task), an activation or gradient from another stage arriving `transfer`
 // after its sender's task ends. Returns the makespan and the stages' summed
 // busy time.
 struct SchedulePlay {
   double span = 0, busy = 0;
 };
-SchedulePlay play_schedule(const Schedule &s, const std::function<double(int, TaskPhase)> &time,
+SchedulePlay play_schedule(const Schedule &s, const std::function<double(const Task &)> &time,
                            double transfer = 0);
 
 // The bubble of s when tasks take task_time: the idle fraction of the stages'

@@ -192,7 +192,7 @@ Priced price_phase(const Graph &g, const std::vector<Instr> &list, const Layout 
 struct Candidate {
   std::map<std::string, int64_t> axes;
   int64_t micro_batches = 1, batch = 1;
-  ScheduleKind schedule = ScheduleKind::OneFOneB;
+  ScheduleKind schedule = ScheduleKind::OneFOneB;  // interleaved: 2 chunks per rank (pp_virtual's default)
   std::string recompute = "none";
   std::string cp_mode = "gather";  // with cp: gathered keys and values, or heads exchanged (ulysses)
   std::string mesh_text() const {
@@ -205,6 +205,7 @@ struct Candidate {
 
 struct StageCost {
   double f = 0, b = 0, w = 0;  // per micro-batch (ms)
+  std::vector<double> chunk_f, chunk_b;  // interleaved: per chunk
   double comm_ms = 0, exposed_ms = 0;
   std::map<std::string, double> comm_by_axis;
   int64_t memory = 0, param_bytes = 0;
@@ -358,6 +359,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     o.seq = req.seq;
     o.micro_batches = cd.micro_batches;
     o.pp_schedule = cd.schedule;
+    o.pp_virtual = cd.schedule == ScheduleKind::Interleaved ? 2 : 1;
     o.recompute = cd.recompute;
     o.cp_mode = cd.cp_mode;
     o.precision = c.precision;
@@ -368,9 +370,22 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     ctx.backend_flags = be.iface->flags | (c.attention_lse ? CTR_BACKEND_ATTENTION_LSE : 0u);
     run_passes(ctx);
     StageCost sc;
-    const Priced f = price_phase(g, ctx.program.forward, layout, c);
-    const Priced b = price_phase(g, ctx.program.backward, layout, c);
-    const Priced w = price_phase(g, ctx.program.weight, layout, c);
+    const Program &prog = ctx.program;
+    // Interleaved: each chunk's part of a phase is a task of its own, priced alone.
+    for (int k = 0; k < prog.chunks(); ++k) {
+      auto part = [&](const std::vector<Instr> &list, int ph) {
+        const auto [first, end] = prog.chunk_range[ph][static_cast<size_t>(k)];
+        return price_phase(g, std::vector<Instr>(list.begin() + static_cast<std::ptrdiff_t>(first),
+                                                 list.begin() + static_cast<std::ptrdiff_t>(end)),
+                           layout, c)
+            .ms;
+      };
+      sc.chunk_f.push_back(part(prog.forward, 0));
+      sc.chunk_b.push_back(part(prog.backward, 1));
+    }
+    const Priced f = price_phase(g, prog.forward, layout, c);
+    const Priced b = price_phase(g, prog.backward, layout, c);
+    const Priced w = price_phase(g, prog.weight, layout, c);
     sc.f = f.ms;
     sc.b = b.ms;
     sc.w = w.ms;
@@ -385,8 +400,11 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     // As step creation sizes it (Step::peak_bytes; the optimizer's state over
     // the parameters' bytes).
     sc.memory = mp.step_bytes(slots, adamw_state_bytes(mp.param_bytes / 4, cd.micro_batches > 1));
+    // What one task sends (interleaved: the chunk sending most).
+    std::vector<double> sent(static_cast<size_t>(std::max(1, ctx.stage_cut.chunks)), 0.0);
     for (const StageCut::Boundary &bd : ctx.stage_cut.send)
-      sc.send_bytes += static_cast<double>(g.tensors[static_cast<size_t>(bd.tensor)].bytes());
+      sent[static_cast<size_t>(bd.chunk)] += static_cast<double>(g.tensors[static_cast<size_t>(bd.tensor)].bytes());
+    sc.send_bytes = *std::max_element(sent.begin(), sent.end());
     if (sched) *sched = ctx.pipeline;
     return sc;
   };
@@ -400,6 +418,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
                 {"batch", cd.batch},
                 {"recompute", cd.recompute}};
     if (cd.axes.at("cp") > 1) row["cp_mode"] = cd.cp_mode;
+    if (cd.schedule == ScheduleKind::Interleaved) row["virtual_stages"] = 2;
     std::vector<StageCost> stages;
     Schedule sched;
     std::string why;
@@ -424,9 +443,11 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     const double transfer = pp_ranks > 1 ? pl.latency_us * 1e-3 + send / pl.bytes_per_s * 1e3 : 0.0;
     const SchedulePlay played = play_schedule(
         sched,
-        [&](int st, TaskPhase ph) {
-          const StageCost &sc = stages[static_cast<size_t>(st)];
-          return ph == TaskPhase::Forward ? sc.f : ph == TaskPhase::Backward ? sc.b : sc.w;
+        [&](const Task &t) {
+          const StageCost &sc = stages[static_cast<size_t>(t.stage)];
+          if (!sc.chunk_f.empty() && t.phase != TaskPhase::Weight)
+            return (t.phase == TaskPhase::Forward ? sc.chunk_f : sc.chunk_b)[static_cast<size_t>(t.chunk)];
+          return t.phase == TaskPhase::Forward ? sc.f : t.phase == TaskPhase::Backward ? sc.b : sc.w;
         },
         transfer);
     const double span = played.span;
@@ -500,9 +521,12 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
       for (int64_t m : micro)
         if (m >= pp) keep.push_back(m);
       for (int64_t m : keep)
-        for (ScheduleKind k : pp > 1 ? std::vector<ScheduleKind>{ScheduleKind::OneFOneB, ScheduleKind::ZeroBubble}
+        for (ScheduleKind k : pp > 1 ? std::vector<ScheduleKind>{ScheduleKind::OneFOneB, ScheduleKind::ZeroBubble,
+                                                                 ScheduleKind::Interleaved}
                                      : std::vector<ScheduleKind>{ScheduleKind::OneFOneB})
-          for (const std::string &rc : req.recompute)
+          for (const std::string &rc : req.recompute) {
+            // (interleaved takes the micro-batches in groups of one per stage)
+            if (k == ScheduleKind::Interleaved && m % pp != 0) continue;
             for (const char *cp_mode : axes.at("cp") > kMaxRing ? std::vector<const char *>{"gather", "ulysses"}
                                        : axes.at("cp") > 1         ? std::vector<const char *>{"gather", "ulysses", "ring"}
                                                                    : std::vector<const char *>{"gather"}) {
@@ -515,6 +539,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
               cd.cp_mode = cp_mode;
               cands.push_back(cd);
             }
+          }
     } else {
       Candidate cd;
       cd.axes = axes;
@@ -572,7 +597,11 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
                row["memory_bytes"].get<int64_t>() > c.memory_bytes;
       };
       size_t fit = g1 - g0;  // the first that fits; all of the group when not searching
-      bool searched = req.prune;
+      // (Interleaved holds more micro-batches in flight as there are more, up
+      // to its warm-up's: its memory is not monotone in the count, and every
+      // count is compiled.)
+      const bool monotone = cands[g0].schedule != ScheduleKind::Interleaved;
+      bool searched = req.prune && monotone;
       std::string group_error;
       // With stages, a group is no faster than its first stage is busy: with
       // the fewest micro-batches (more take no less, as above) that stage alone
@@ -600,7 +629,7 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
           continue;
         }
       }
-      if (req.prune) {
+      if (req.prune && monotone) {
         // The most micro-batches first: when even they do not fit, nothing does.
         size_t lo = 0, hi = g1 - g0 - 1;
         const json &last = price(hi);

@@ -57,7 +57,8 @@ def test_the_ranking_is_deterministic_and_covers_every_axis(ctr, graph):
     assert strip == b["plans"]
     meshes = {p["mesh"] for p in a["plans"]}
     assert {"fsdp=2", "dp=2", "tp=2", "cp=2", "pp=2"} <= meshes, meshes
-    assert {p["schedule"] for p in a["plans"] if p["mesh"] == "pp=2"} == {"1f1b", "zb"}
+    assert {p["schedule"] for p in a["plans"] if p["mesh"] == "pp=2"} == {"1f1b", "zb", "interleaved"}
+    assert all(p["virtual_stages"] == 2 for p in a["plans"] if p.get("schedule") == "interleaved")
     assert {p["cp_mode"] for p in a["plans"] if p["mesh"] == "cp=2"} == {"gather", "ulysses", "ring"}
     assert a["candidates"] == len(a["plans"]) == a["compiled"]
     assert a["feasible"] == sum(p["feasible"] for p in a["plans"])
@@ -72,6 +73,7 @@ def test_the_ranking_is_deterministic_and_covers_every_axis(ctr, graph):
 @pytest.mark.parametrize("mesh,schedule,micro,recompute,cp_mode", [
     ("single", "1f1b", 1, "none", "gather"), ("fsdp=2", "1f1b", 1, "all", "gather"),
     ("tp=2", "1f1b", 1, "none", "gather"), ("pp=2", "1f1b", 4, "all", "gather"), ("pp=2", "zb", 2, "none", "gather"),
+    ("pp=2", "interleaved", 4, "none", "gather"), ("pp=2", "interleaved", 2, "all", "gather"),
     ("cp=2", "1f1b", 1, "none", "gather"), ("cp=2", "1f1b", 2, "all", "ulysses"), ("cp=2", "1f1b", 1, "none", "ring")])
 def test_predicted_memory_is_what_step_creation_plans(ctr, graph, tmp_path, mesh, schedule, micro, recompute,
                                                       cp_mode):
