@@ -151,6 +151,18 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
         }
         return n == 1 ? cast : -1;
       };
+      // An all-gather of `from` (this rank's rows) into `full`, run before node `at`.
+      auto gather_into = [&](int from, int full, int at, bool backward) {
+        Node n;
+        n.op = "all_gather";
+        n.name = g.tensors[full].name;
+        n.inputs = {from};
+        n.outputs = {full};
+        n.attrs = {{"axis", Attr::of_string("fsdp")}, {"rows", Attr::of_int(N0)}};
+        n.block = g.nodes[at].block;
+        n.backward = backward;
+        before[at].push_back(std::move(n));
+      };
       auto gather_copy = [&](int cast, bool fwd) {
         Node c = g.nodes[cast];
         const int whole = c.outputs[0];
@@ -173,15 +185,7 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
           for (int in : g.nodes[ni].inputs)
             if (in == whole) first = ni;
         CTR_CHECK(first >= 0);
-        Node n;
-        n.op = "all_gather";
-        n.name = g.tensors[whole].name;
-        n.inputs = {st};
-        n.outputs = {whole};
-        n.attrs = {{"axis", Attr::of_string("fsdp")}, {"rows", Attr::of_int(N0)}};
-        n.block = g.nodes[first].block;
-        n.backward = !fwd;
-        before[first].push_back(std::move(n));
+        gather_into(st, whole, first, !fwd);
       };
       const int cast_fwd = expert || first_fwd < 0 || !(reshard || first_bwd < 0) ? -1 : only_cast(true);
       const int cast_bwd = expert || first_bwd < 0 || !(reshard || first_fwd < 0) ? -1 : only_cast(false);
@@ -191,17 +195,7 @@ void pass_shard(Graph &g, const CompileOptions &opt) {
       if (cast_bwd >= 0) first_bwd = -1;
 
       int full_fwd = -1, full_bwd = -1;
-      auto gather = [&](int full, int at) {
-        Node n;
-        n.op = "all_gather";
-        n.name = g.tensors[full].name;
-        n.inputs = {p};
-        n.outputs = {full};
-        n.attrs = {{"axis", Attr::of_string("fsdp")}, {"rows", Attr::of_int(N0)}};
-        n.block = g.nodes[at].block;
-        n.backward = at >= nf;
-        before[at].push_back(std::move(n));
-      };
+      auto gather = [&](int full, int at) { gather_into(p, full, at, at >= nf); };
       if (first_fwd >= 0) {
         full_fwd = make_full(".full");
         gather(full_fwd, first_fwd);

@@ -525,8 +525,10 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
                                                                  ScheduleKind::Interleaved}
                                      : std::vector<ScheduleKind>{ScheduleKind::OneFOneB})
           for (const std::string &rc : req.recompute) {
-            // (interleaved takes the micro-batches in groups of one per stage)
-            if (k == ScheduleKind::Interleaved && m % pp != 0) continue;
+            // Interleaved with p and 2p micro-batches, where 1F1B's bubble is
+            // largest (1/2 to 1/3 of the step on many stages) and where
+            // splitting it pays; with more, 1F1B and zb leave little to win.
+            if (k == ScheduleKind::Interleaved && m != pp && m != 2 * pp) continue;
             for (const char *cp_mode : axes.at("cp") > kMaxRing ? std::vector<const char *>{"gather", "ulysses"}
                                        : axes.at("cp") > 1         ? std::vector<const char *>{"gather", "ulysses", "ring"}
                                                                    : std::vector<const char *>{"gather"}) {

@@ -4,16 +4,18 @@
     /usr/bin/python3 tools/bench/bench_pipeline.py             # gpt L=8 C=256 H=4 T=128, 8 micro-batches
     /usr/bin/python3 tools/bench/bench_pipeline.py --ctr build/tools/ctr --steps 6 --json out.json
 
-For pp=2 and pp=4 and each schedule (gpipe, the peer, 1f1b and zb) with --micro-batches
+For pp=2 and pp=4 and each schedule (gpipe, the peer, 1f1b, zb and interleaved with 2 chunks
+per rank) with --micro-batches
 micro-batches of --batch rows, `ctr launch -n P -- ctr run --mesh pp=P --trace` runs
 --steps steps, one thread per rank. From the trace (every step but the first):
   - the measured bubble (the share of a step's span a rank is outside its own
     forwards, backwards and weight-gradient tasks, mean over the ranks) beside the
     schedule's arithmetic as `ctr graph inspect --after schedule` prints it
-    ((p - 1) / (m + p - 1) for gpipe and 1f1b, near (p - 1) / (3m + p - 1) for zb);
+    ((p - 1) / (m + p - 1) for gpipe and 1f1b, near (p - 1) / (3m + p - 1) for zb,
+    (p - 1) / (2m + p - 1) for interleaved);
   - the step time (span of a step's tasks over the ranks), and its ratio to gpipe's;
-  - the simulated step time: the schedule played with each stage's median measured
-    forward, backward and weight-gradient times, sends free (what the schedule costs on ranks that do
+  - the simulated step time: the schedule played with each stage's (and chunk's) median
+    measured forward, backward and weight-gradient times, sends free (what the schedule costs on ranks that do
     not share cores);
   - the activation memory per stage: the planned arena times the micro-batches the
     schedule keeps in flight there (`ctr graph inspect --after schedule`, `--after
@@ -59,9 +61,18 @@ def arena_mib(ctr, graph, pp, rank, batch, schedule):
     return float(re.search(r"arena \d+ bytes \(([\d.]+) MiB", out).group(1))
 
 
+def parse_task(name):
+    """"F3" -> ("F", 3, 0); "B1c1" (interleaved: on the rank's chunk 1) -> ("B", 1, 1)."""
+    m = re.fullmatch(r"([FBW])(\d+)(?:c(\d+))?", name)
+    return m.group(1), int(m.group(2)), int(m.group(3) or 0)
+
+
 def simulate(orders, times):
-    """Makespan of playing the schedule with per-stage task times (sends free)."""
+    """Makespan of playing the schedule with per-stage (and chunk) task times, sends free.
+    Virtual stage c * p + s is stage s's chunk c (one chunk without interleaving)."""
     p = len(orders)
+    chunks = 1 + max(parse_task(t)[2] for t in orders[0])
+    last = chunks * p - 1
     done = {}
     clock = [0.0] * p
     pos = [0] * p
@@ -69,18 +80,18 @@ def simulate(orders, times):
         moved = False
         for s in range(p):
             while pos[s] < len(orders[s]):
-                t = orders[s][pos[s]]
-                kind, mb = t[0], int(t[1:])
-                need = [(s - 1, "F", mb)] if kind == "F" and s > 0 else []
+                kind, mb, c = parse_task(orders[s][pos[s]])
+                vs = c * p + s
+                need = [(vs - 1, "F", mb)] if kind == "F" and vs > 0 else []
                 if kind == "B":
-                    need = [(s, "F", mb)] + ([(s + 1, "B", mb)] if s + 1 < p else [])
+                    need = [(vs, "F", mb)] + ([(vs + 1, "B", mb)] if vs < last else [])
                 if kind == "W":
-                    need = [(s, "B", mb)]
+                    need = [(vs, "B", mb)]
                 if any(n not in done for n in need):
                     break
                 start = max([clock[s]] + [done[n] for n in need])
-                clock[s] = start + times[kind][s]
-                done[(s, kind, mb)] = clock[s]
+                clock[s] = start + times[kind][(s, c)]
+                done[(vs, kind, mb)] = clock[s]
                 pos[s] += 1
                 moved = True
         if not moved:
@@ -97,7 +108,7 @@ def measure(ctr, graph, pp, micro, batch, steps, schedule, tmp):
     events = [e for e in json.load(open(trace))["traceEvents"] if e["ph"] == "X"]
     spans, busy = {}, {}
     kinds = {"forward": "F", "backward": "B", "weight": "W"}
-    durs = {k: {s: [] for s in range(pp)} for k in kinds.values()}
+    durs = {k: {} for k in kinds.values()}  # kind -> (stage, chunk) -> durations
     for e in events:
         step = e["args"]["step"]
         if step == 1 or e["cat"] not in kinds:
@@ -105,7 +116,8 @@ def measure(ctr, graph, pp, micro, batch, steps, schedule, tmp):
         lo, hi = spans.get(step, (e["ts"], e["ts"] + e["dur"]))
         spans[step] = (min(lo, e["ts"]), max(hi, e["ts"] + e["dur"]))
         busy[(step, e["pid"])] = busy.get((step, e["pid"]), 0) + e["dur"]
-        durs[kinds[e["cat"]]][e["args"]["stage"]].append(e["dur"])
+        chunk = parse_task(e["name"])[2]
+        durs[kinds[e["cat"]]].setdefault((e["args"]["stage"], chunk), []).append(e["dur"])
     idle = total = 0.0
     for step, (lo, hi) in spans.items():
         for r in range(pp):
@@ -113,7 +125,9 @@ def measure(ctr, graph, pp, micro, batch, steps, schedule, tmp):
             total += hi - lo
     step_ms = statistics.median(hi - lo for lo, hi in spans.values()) / 1000
     orders, in_flight, arithmetic = schedule_orders(ctr, graph, pp, micro, schedule)
-    times = {k: [statistics.median(d[s]) / 1000 if d[s] else 0.0 for s in range(pp)] for k, d in durs.items()}
+    chunks = 2 if schedule == "interleaved" else 1
+    times = {k: {(s, c): statistics.median(d[(s, c)]) / 1000 if d.get((s, c)) else 0.0
+                 for s in range(pp) for c in range(chunks)} for k, d in durs.items()}
     sim_ms = simulate(orders, times)
     arena = [arena_mib(ctr, graph, pp, s, batch, schedule) for s in range(pp)]
     return {"pp": pp, "schedule": schedule, "micro_batches": micro, "bubble": idle / total,
@@ -147,7 +161,7 @@ def main():
               f"{'simulated':>9} {'vs gpipe':>8}  activations per stage (MiB)")
         for pp in (2, 4):
             peer = None
-            for schedule in ("gpipe", "1f1b", "zb"):
+            for schedule in ("gpipe", "1f1b", "zb", "interleaved"):
                 r = measure(ctr, graph, pp, a.micro_batches, a.batch, a.steps, schedule, tmp)
                 peer = peer or r
                 rows.append(r)
