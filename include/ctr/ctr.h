@@ -243,6 +243,56 @@ CTR_API ctr_status ctr_mesh_peak_flops_v2(const ctr_mesh *mesh, const char *prec
  * any thread, concurrently with other calls. */
 CTR_API ctr_status ctr_mesh_async_error(const ctr_mesh *mesh, const char **message);
 
+/* Host collectives over the mesh (since 0.6): what the runtime's steps use,
+ * for the host's own numbers (metrics, timings, a health check). axis names the
+ * group: "world" (or NULL) for every rank, else a mesh axis ("dp", "fsdp", "tp",
+ * ...), whose group is this rank's (the ranks differing from it in that axis
+ * only). Every member of the group calls the same collective with the same
+ * sizes in the same order. The buffers are host memory, borrowed for the call;
+ * each call blocks until it is complete, with the mesh's deadline (option
+ * "timeout"): a member that dies or hangs fails the call on the others with
+ * CTR_STATUS_COMM_ERROR naming it, within that time. CTR_STATUS_INVALID_ARGUMENT
+ * on NULL buffers (with a non-zero size), an axis the mesh lacks or a root out
+ * of range; CTR_STATUS_UNSUPPORTED for a dtype the reduction does not take.
+ * Not thread-safe against other calls on the same mesh. */
+typedef enum ctr_reduce_op {
+  CTR_REDUCE_SUM = 0,
+  CTR_REDUCE_AVG = 1,
+  CTR_REDUCE_MAX = 2,
+  CTR_REDUCE_MIN = 3
+} ctr_reduce_op;
+/* This rank's index in the group (*rank) and the group's size (*size); either
+ * may be NULL. */
+CTR_API ctr_status ctr_mesh_group(const ctr_mesh *mesh, const char *axis, int *rank, int *size);
+/* The world rank of member i of this rank's group (*world_rank). */
+CTR_API ctr_status ctr_mesh_group_member(const ctr_mesh *mesh, const char *axis, int i, int *world_rank);
+/* recv[count] = the reduction of every member's send[count] (send == recv
+ * allowed). dtype: F32, F64, I32, I64 or BF16 (combined in f32, rounded once). */
+CTR_API ctr_status ctr_mesh_all_reduce(ctr_mesh *mesh, const char *axis, const void *send, void *recv,
+                                       size_t count, ctr_dtype dtype, ctr_reduce_op op);
+/* recv[size * bytes] receives every member's `bytes` from send, in member order. */
+CTR_API ctr_status ctr_mesh_all_gather(ctr_mesh *mesh, const char *axis, const void *send, void *recv,
+                                       size_t bytes);
+/* send holds size * count elements; this member receives the reduction of
+ * block `rank` into recv[count]. */
+CTR_API ctr_status ctr_mesh_reduce_scatter(ctr_mesh *mesh, const char *axis, const void *send, void *recv,
+                                           size_t count, ctr_dtype dtype, ctr_reduce_op op);
+/* To member j go send_counts[j] elements of elem_size bytes from send +
+ * send_displs[j] elements; from member j arrive recv_counts[j] elements at
+ * recv + recv_displs[j] (arrays of the group's size). */
+CTR_API ctr_status ctr_mesh_all_to_all_v(ctr_mesh *mesh, const char *axis, const void *send,
+                                         const size_t *send_counts, const size_t *send_displs, void *recv,
+                                         const size_t *recv_counts, const size_t *recv_displs,
+                                         size_t elem_size);
+/* buf[bytes] of member root is copied into every member's buf. */
+CTR_API ctr_status ctr_mesh_broadcast(ctr_mesh *mesh, const char *axis, void *buf, size_t bytes, int root);
+/* Returns once every member of the group has called it. */
+CTR_API ctr_status ctr_mesh_barrier(ctr_mesh *mesh, const char *axis);
+/* The mesh as JSON (*json, valid until this thread's next call; since 0.6):
+ * {"rank", "world", "axes": [{"name", "size"}, ...] in mesh order, "device",
+ * "transport" ("ucx", "shm", "nccl"; "none" on one rank), "timeout_s"}. */
+CTR_API ctr_status ctr_mesh_describe(const ctr_mesh *mesh, const char **json);
+
 /* ------------------------------------------------------------------------ */
 /* Graph: what to train                                                      */
 
@@ -292,6 +342,22 @@ CTR_API ctr_status ctr_graph_tensor_info(const ctr_graph *graph, const char *nam
  * "max_seq", "vocab", "exporter", ...) in *value, owned by the graph; fails with
  * CTR_STATUS_NOT_FOUND when the graph has no such entry. */
 CTR_API ctr_status ctr_graph_metadata(const ctr_graph *graph, const char *key, const char **value);
+
+/* The compiler's passes in the order step creation runs them (since 0.6):
+ * pass i's name (*name, static), CTR_STATUS_INVALID_ARGUMENT past the last. */
+CTR_API ctr_status ctr_pass_name(size_t i, const char **name);
+/* What step creation makes of graph up to and including pass `after` (a name of
+ * ctr_pass_name), as readable text (*text, valid until this thread's next
+ * call; since 0.6): the IR at that point, or the pass's own report (the
+ * schedule's task orders, the stage cut, the memory plan, the instruction
+ * lists). options are ctr_step_create's compile options (batch, seq,
+ * micro_batches, precision, pp_schedule, ...) plus the mesh of the rank to
+ * show: "pp", "dp", "ep", "fsdp", "cp", "tp" (sizes, 1 by default) and "rank"
+ * (0), compiled for the CPU backend. Fails as step creation would (naming the
+ * option, the pass or the mesh size the graph cannot take); an unknown pass
+ * fails with CTR_STATUS_INVALID_ARGUMENT listing them. */
+CTR_API ctr_status ctr_graph_inspect(const ctr_graph *graph, const ctr_options *options, const char *after,
+                                     const char **text);
 
 /* Total number of trained parameter elements. */
 CTR_API ctr_status ctr_graph_param_count(const ctr_graph *graph, int64_t *count);
@@ -700,6 +766,13 @@ CTR_API ctr_status ctr_loader_next(ctr_loader *loader, int64_t rows, int32_t *to
  * (any pointer may be NULL). */
 CTR_API ctr_status ctr_loader_info(const ctr_loader *loader, int64_t *tokens,
                                    int64_t *max_token);
+/* What a data path (a token file or a manifest, as ctr_loader_create takes
+ * it) holds, for messages (since 0.6): its name (*name: the file, or
+ * "manifest NAME") and kind (*kind: "llm.c u16 tokens", "manifest of 2
+ * datasets in 3 files", ...); either may be NULL; valid until this thread's
+ * next call. Fails as ctr_loader_create would on a missing or malformed file
+ * (CTR_STATUS_IO_ERROR, CTR_STATUS_DATA_ERROR). */
+CTR_API ctr_status ctr_data_describe(const char *path, const char **name, const char **kind);
 
 /* Makes ctr_step_save / ctr_step_load include this loader's position. The
  * loader must outlive the step or be detached with loader NULL. */

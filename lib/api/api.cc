@@ -8,12 +8,15 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <nlohmann/json.hpp>
+
 #include "api/handles.h"
 #include "api/internal.h"
 #include "backend/backend.h"
 #include "cpu/kernels.h"
 #include "ckpt/directory.h"
 #include "ckpt/safetensors.h"
+#include "comm/comm.h"
 #include "comm/launch_env.h"
 #include "core/files.h"
 #include "core/options.h"
@@ -24,6 +27,7 @@
 #include "graph/presets.h"
 #include "passes/passes.h"
 #include "plan/plan.h"
+#include "runtime/mesh.h"
 #include "runtime/step.h"
 
 namespace ctr {
@@ -304,6 +308,204 @@ extern "C" ctr_status ctr_mesh_async_error(const ctr_mesh *mesh, const char **me
   const ctr_status st = mesh->async_error(&text);
   if (message) *message = text.c_str();
   return st;
+  CTR_API_END
+}
+
+// ---------------------------------------------------------------------------
+// Host collectives over the mesh
+
+namespace {
+
+// The group of an axis ("world" or NULL: every rank); nullopt-like (no
+// communicator) when it has one member.
+struct HostGroup {
+  const ctr::Comm *comm = nullptr;  // null: a group of one
+  std::string axis;
+  int rank = 0, size = 1;
+};
+
+HostGroup host_group(const ctr_mesh *mesh, const char *axis, const char *fn) {
+  REQUIRE_ARG(mesh != nullptr, "%s: mesh is NULL", fn);
+  HostGroup g;
+  g.axis = axis && *axis ? axis : "world";
+  if (g.axis != "world") {
+    bool known = false;
+    for (const auto &[name, size] : mesh->axes) known |= name == g.axis;
+    std::string axes;
+    for (const auto &[name, size] : mesh->axes) axes += (axes.empty() ? "" : ", ") + name;
+    REQUIRE_ARG(known, "%s: the mesh has no axis '%s' (its axes: %s; or \"world\")", fn, g.axis.c_str(),
+                axes.empty() ? "none" : axes.c_str());
+  }
+  const int size = g.axis == "world" ? mesh->world : mesh->axis_size(g.axis);
+  if (mesh->world <= 1 || size <= 1) return g;
+  g.comm = &mesh->comm(g.axis);
+  g.rank = g.comm->iface->rank(g.comm->ctx);
+  g.size = g.comm->iface->size(g.comm->ctx);
+  return g;
+}
+
+ctr::ReduceOp reduce_op(ctr_reduce_op op, const char *fn) {
+  int code = 0;
+  std::memcpy(&code, &op, sizeof code);
+  REQUIRE_ARG(code >= 0 && code <= 3, "%s: op %d is not a ctr_reduce_op", fn, code);
+  return static_cast<ctr::ReduceOp>(code);
+}
+
+void check_reduce_dtype(ctr_dtype dtype, const char *fn) {
+  CTR_REQUIRE(dtype == CTR_DTYPE_F32 || dtype == CTR_DTYPE_F64 || dtype == CTR_DTYPE_I32 || dtype == CTR_DTYPE_I64 ||
+                  dtype == CTR_DTYPE_BF16,
+              CTR_STATUS_UNSUPPORTED, "%s: dtype %s cannot be reduced (f32, f64, i32, i64 or bf16)", fn,
+              ctr::dtype_name(dtype));
+}
+
+// Runs one collective of the group to completion with the mesh's deadline; a
+// failure is the job's (the mesh's teardown then does not wait for peers).
+template <typename Issue>
+void host_collective(const ctr_mesh *mesh, const HostGroup &g, const char *what, Issue issue) {
+  const ctr::CollectiveName name(strformat("host %s over '%s'", what, g.axis.c_str()));
+  try {
+    ctr::comm_wait(*g.comm, issue(*g.comm->iface, g.comm->ctx), mesh->timeout_ms);
+  } catch (const ctr::Error &e) {
+    mesh->note_failure(e.code());
+    throw;
+  }
+}
+
+}  // namespace
+
+extern "C" ctr_status ctr_mesh_group(const ctr_mesh *mesh, const char *axis, int *rank, int *size) {
+  CTR_API_BEGIN
+  const HostGroup g = host_group(mesh, axis, "ctr_mesh_group");
+  if (rank) *rank = g.rank;
+  if (size) *size = g.size;
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_mesh_group_member(const ctr_mesh *mesh, const char *axis, int i, int *world_rank) {
+  CTR_API_BEGIN
+  const HostGroup g = host_group(mesh, axis, "ctr_mesh_group_member");
+  REQUIRE_ARG(world_rank != nullptr, "ctr_mesh_group_member: world_rank is NULL");
+  REQUIRE_ARG(i >= 0 && i < g.size, "ctr_mesh_group_member: member %d of a group of %d", i, g.size);
+  *world_rank = g.comm ? g.comm->iface->global_rank(g.comm->ctx, i) : mesh->rank;
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_mesh_all_reduce(ctr_mesh *mesh, const char *axis, const void *send, void *recv,
+                                          size_t count, ctr_dtype dtype, ctr_reduce_op op) {
+  CTR_API_BEGIN
+  const char *fn = "ctr_mesh_all_reduce";
+  const HostGroup g = host_group(mesh, axis, fn);
+  REQUIRE_ARG(count == 0 || (send && recv), "%s: send or recv is NULL", fn);
+  check_reduce_dtype(dtype, fn);
+  const ctr::ReduceOp r = reduce_op(op, fn);
+  if (!g.comm) {
+    if (count && send != recv) std::memmove(recv, send, count * ctr_dtype_size(dtype));
+  } else if (count) {
+    host_collective(mesh, g, "all_reduce", [&](const ctr::CommIface &f, void *ctx) {
+      return f.all_reduce(ctx, send, recv, count, dtype, r);
+    });
+  }
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_mesh_all_gather(ctr_mesh *mesh, const char *axis, const void *send, void *recv,
+                                          size_t bytes) {
+  CTR_API_BEGIN
+  const char *fn = "ctr_mesh_all_gather";
+  const HostGroup g = host_group(mesh, axis, fn);
+  REQUIRE_ARG(bytes == 0 || (send && recv), "%s: send or recv is NULL", fn);
+  if (!g.comm) {
+    if (bytes && send != recv) std::memmove(recv, send, bytes);
+  } else if (bytes) {
+    host_collective(mesh, g, "all_gather", [&](const ctr::CommIface &f, void *ctx) {
+      return f.all_gather(ctx, send, recv, bytes);
+    });
+  }
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_mesh_reduce_scatter(ctr_mesh *mesh, const char *axis, const void *send, void *recv,
+                                              size_t count, ctr_dtype dtype, ctr_reduce_op op) {
+  CTR_API_BEGIN
+  const char *fn = "ctr_mesh_reduce_scatter";
+  const HostGroup g = host_group(mesh, axis, fn);
+  REQUIRE_ARG(count == 0 || (send && recv), "%s: send or recv is NULL", fn);
+  check_reduce_dtype(dtype, fn);
+  const ctr::ReduceOp r = reduce_op(op, fn);
+  if (!g.comm) {
+    if (count && send != recv) std::memmove(recv, send, count * ctr_dtype_size(dtype));
+  } else if (count) {
+    host_collective(mesh, g, "reduce_scatter", [&](const ctr::CommIface &f, void *ctx) {
+      return f.reduce_scatter(ctx, send, recv, count, dtype, r);
+    });
+  }
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_mesh_all_to_all_v(ctr_mesh *mesh, const char *axis, const void *send,
+                                            const size_t *send_counts, const size_t *send_displs, void *recv,
+                                            const size_t *recv_counts, const size_t *recv_displs,
+                                            size_t elem_size) {
+  CTR_API_BEGIN
+  const char *fn = "ctr_mesh_all_to_all_v";
+  const HostGroup g = host_group(mesh, axis, fn);
+  REQUIRE_ARG(send_counts && send_displs && recv_counts && recv_displs,
+              "%s: the counts and displacements must not be NULL", fn);
+  REQUIRE_ARG(elem_size > 0, "%s: elem_size is 0", fn);
+  size_t sent = 0, got = 0;
+  for (int j = 0; j < g.size; ++j) {
+    sent += send_counts[j];
+    got += recv_counts[j];
+  }
+  REQUIRE_ARG((sent == 0 || send) && (got == 0 || recv), "%s: send or recv is NULL", fn);
+  if (!g.comm) {
+    REQUIRE_ARG(send_counts[0] == recv_counts[0], "%s: %zu elements sent to this rank and %zu received", fn,
+                send_counts[0], recv_counts[0]);
+    if (send_counts[0])
+      std::memmove(static_cast<char *>(recv) + recv_displs[0] * elem_size,
+                   static_cast<const char *>(send) + send_displs[0] * elem_size, send_counts[0] * elem_size);
+  } else {
+    host_collective(mesh, g, "all_to_all", [&](const ctr::CommIface &f, void *ctx) {
+      return f.all_to_all_v(ctx, send, send_counts, send_displs, recv, recv_counts, recv_displs, elem_size);
+    });
+  }
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_mesh_broadcast(ctr_mesh *mesh, const char *axis, void *buf, size_t bytes, int root) {
+  CTR_API_BEGIN
+  const char *fn = "ctr_mesh_broadcast";
+  const HostGroup g = host_group(mesh, axis, fn);
+  REQUIRE_ARG(bytes == 0 || buf, "%s: buf is NULL", fn);
+  REQUIRE_ARG(root >= 0 && root < g.size, "%s: root %d of a group of %d", fn, root, g.size);
+  if (g.comm && bytes)
+    host_collective(mesh, g, "broadcast",
+                    [&](const ctr::CommIface &f, void *ctx) { return f.broadcast(ctx, buf, bytes, root); });
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_mesh_barrier(ctr_mesh *mesh, const char *axis) {
+  CTR_API_BEGIN
+  const HostGroup g = host_group(mesh, axis, "ctr_mesh_barrier");
+  if (g.comm)
+    host_collective(mesh, g, "barrier", [&](const ctr::CommIface &f, void *ctx) { return f.barrier(ctx); });
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_mesh_describe(const ctr_mesh *mesh, const char **json) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(mesh != nullptr && json != nullptr, "ctr_mesh_describe: mesh and json must not be NULL");
+  nlohmann::json axes = nlohmann::json::array();
+  for (const auto &[name, size] : mesh->axes) axes.push_back({{"name", name}, {"size", size}});
+  thread_local std::string text;
+  text = nlohmann::json{{"rank", mesh->rank},
+                        {"world", mesh->world},
+                        {"axes", axes},
+                        {"device", mesh->device},
+                        {"transport", mesh->world > 1 ? mesh->transport : std::string("none")},
+                        {"timeout_s", static_cast<double>(mesh->timeout_ms) / 1000.0}}
+             .dump();
+  *json = text.c_str();
   CTR_API_END
 }
 
@@ -856,8 +1058,43 @@ extern "C" ctr_status ctr_loader_info(const ctr_loader *loader, int64_t *tokens,
   CTR_API_END
 }
 
+extern "C" ctr_status ctr_data_describe(const char *path, const char **name, const char **kind) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(path != nullptr && path[0] != '\0', "ctr_data_describe: path is NULL or empty");
+  std::unique_ptr<ctr::data::TokenSource> src = ctr::data::TokenSource::open_spec(path);
+  thread_local std::string name_text, kind_text;
+  name_text = src->name();
+  kind_text = src->kind();
+  if (name) *name = name_text.c_str();
+  if (kind) *kind = kind_text.c_str();
+  CTR_API_END
+}
+
 // ---------------------------------------------------------------------------
-// Internal entry points for the ctr tool
+// The compiler's passes, for inspection
+
+extern "C" ctr_status ctr_pass_name(size_t i, const char **name) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(name != nullptr, "ctr_pass_name: name is NULL");
+  static const std::vector<std::string> names = ctr::pass_names();
+  CTR_REQUIRE(i < names.size(), CTR_STATUS_INVALID_ARGUMENT, "ctr_pass_name: pass %zu of %zu", i, names.size());
+  *name = names[i].c_str();
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_graph_inspect(const ctr_graph *graph, const ctr_options *options, const char *after,
+                                        const char **text) {
+  CTR_API_BEGIN
+  check_graph(graph, "ctr_graph_inspect");
+  REQUIRE_ARG(after != nullptr && text != nullptr, "ctr_graph_inspect: after and text must not be NULL");
+  thread_local std::string result;
+  result = ctr::inspect_graph(graph, options, after);
+  *text = result.c_str();
+  CTR_API_END
+}
+
+// ---------------------------------------------------------------------------
+// Graph inspection
 
 namespace ctr {
 

@@ -4,8 +4,8 @@
 //   ctr launch -n 4 -- ctr check --mesh dp=2,fsdp=2 --bytes 4M --iters 20
 //
 // The ranks join the mesh as `ctr run` does (ctr_mesh_create_from_env), then work
-// on the library's communicators directly (comm/comm.h), the world's and each
-// axis's, in three parts:
+// on its host collectives (ctr_mesh_all_reduce, ...), over the world and each
+// axis, in three parts:
 //
 // Correctness. Every collective the runtime uses runs at a few sizes on data
 // every rank can compute for every other (small integers from rank, index and a
@@ -46,19 +46,14 @@
 #include <type_traits>
 #include <vector>
 
-#include "api/handles.h"
-#include "comm/comm.h"
-#include "core/status.h"
+#include <nlohmann/json.hpp>
+
 #include "ctr/ctr.h"
-#include "runtime/mesh.h"
+#include "tool_error.h"
 
 namespace ctr_tool {
 
-using ctr::Comm;
-using ctr::CommWork;
-using ctr::fail;
-using ctr::ReduceOp;
-using ctr::strformat;
+using ctr_tool::fail;
 
 namespace {
 
@@ -112,17 +107,17 @@ std::optional<size_t> parse_bytes(const std::string &text) {
 }
 
 std::string bytes_text(size_t b) {
-  if (b >= kMiB && b % kMiB == 0) return strformat("%zu MiB", b / kMiB);
-  if (b >= kKiB && b % kKiB == 0) return strformat("%zu KiB", b / kKiB);
-  if (b >= kMiB) return strformat("%.1f MiB", static_cast<double>(b) / kMiB);
-  if (b >= kKiB) return strformat("%.1f KiB", static_cast<double>(b) / kKiB);
-  return strformat("%zu B", b);
+  if (b >= kMiB && b % kMiB == 0) return ctr_tool::format("%zu MiB", b / kMiB);
+  if (b >= kKiB && b % kKiB == 0) return ctr_tool::format("%zu KiB", b / kKiB);
+  if (b >= kMiB) return ctr_tool::format("%.1f MiB", static_cast<double>(b) / kMiB);
+  if (b >= kKiB) return ctr_tool::format("%.1f KiB", static_cast<double>(b) / kKiB);
+  return ctr_tool::format("%zu B", b);
 }
 
 std::string time_text(double ms) {
-  if (ms < 1) return strformat("%.1f us", ms * 1000);
-  if (ms < 1000) return strformat("%.2f ms", ms);
-  return strformat("%.2f s", ms / 1000);
+  if (ms < 1) return ctr_tool::format("%.1f us", ms * 1000);
+  if (ms < 1000) return ctr_tool::format("%.2f ms", ms);
+  return ctr_tool::format("%.2f s", ms / 1000);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -147,18 +142,23 @@ double bus_factor(Coll c, int n) {
   }
 }
 
+// Throws the failure of a library call, with the library's message.
+void check(ctr_status s) {
+  if (s != CTR_STATUS_OK) throw ctr_tool::Error(s, ctr_last_error());
+}
+
 // One communicator under test: the world's or an axis's (this rank's group).
 struct Group {
   std::string axis;  // "world" or the axis name
-  Comm comm;
+  ctr_mesh *mesh = nullptr;
   int me = 0, size = 1;
   std::vector<int> members;  // global ranks, in group order
   int groups = 1;            // groups of this axis in the world
 
   std::string describe() const {
-    if (axis == "world") return strformat("the world (%d ranks)", size);
-    return groups == 1 ? strformat("axis %s (%d ranks)", axis.c_str(), size)
-                       : strformat("axis %s (%d groups of %d ranks)", axis.c_str(), groups, size);
+    if (axis == "world") return ctr_tool::format("the world (%d ranks)", size);
+    return groups == 1 ? ctr_tool::format("axis %s (%d ranks)", axis.c_str(), size)
+                       : ctr_tool::format("axis %s (%d groups of %d ranks)", axis.c_str(), groups, size);
   }
 };
 
@@ -214,25 +214,26 @@ struct Op {
     return count * blocks * sizeof(float);
   }
 
-  CommWork *issue(const Group &g) {
-    const auto &f = *g.comm.iface;
-    void *ctx = g.comm.ctx;
+  // Runs the collective on the group to completion.
+  void run(const Group &g) {
+    ctr_mesh *m = g.mesh;
+    const char *axis = g.axis.c_str();
     switch (coll) {
       case AllReduce:
-        return f.all_reduce(ctx, send.data(), recv.data(), count, CTR_DTYPE_F32, ReduceOp::Sum);
-      case AllGather: return f.all_gather(ctx, send.data(), recv.data(), count * sizeof(float));
+        check(ctr_mesh_all_reduce(m, axis, send.data(), recv.data(), count, CTR_DTYPE_F32, CTR_REDUCE_SUM));
+        break;
+      case AllGather: check(ctr_mesh_all_gather(m, axis, send.data(), recv.data(), count * sizeof(float))); break;
       case ReduceScatter:
-        return f.reduce_scatter(ctx, send.data(), recv.data(), count, CTR_DTYPE_F32,
-                                ReduceOp::Sum);
+        check(ctr_mesh_reduce_scatter(m, axis, send.data(), recv.data(), count, CTR_DTYPE_F32, CTR_REDUCE_SUM));
+        break;
       case AllToAll:
-        return f.all_to_all_v(ctx, send.data(), counts.data(), displs.data(), recv.data(),
-                              counts.data(), displs.data(), sizeof(float));
-      case Broadcast: return f.broadcast(ctx, recv.data(), count * sizeof(float), root);
-      case Barrier: return f.barrier(ctx);
+        check(ctr_mesh_all_to_all_v(m, axis, send.data(), counts.data(), displs.data(), recv.data(), counts.data(),
+                                    displs.data(), sizeof(float)));
+        break;
+      case Broadcast: check(ctr_mesh_broadcast(m, axis, recv.data(), count * sizeof(float), root)); break;
+      case Barrier: check(ctr_mesh_barrier(m, axis)); break;
     }
-    return nullptr;
   }
-  void run(const Group &g) { ctr::comm_wait(g.comm, issue(g)); }
 };
 
 // ------------------------------------------------------------------------------------------
@@ -267,7 +268,7 @@ Inject read_inject(int world) {
     const long v = std::strtol(s.c_str(), &end, 10);
     if (s.empty() || *end != '\0' || v < lo || v > hi)
       fail(CTR_STATUS_INVALID_OPTION,
-           strformat("CTR_CHECK_INJECT='%s': '%s' is not a number in [%d, %d]", env, s.c_str(),
+           ctr_tool::format("CTR_CHECK_INJECT='%s': '%s' is not a number in [%d, %d]", env, s.c_str(),
                      lo, hi));
     return static_cast<int>(v);
   };
@@ -281,11 +282,11 @@ Inject read_inject(int world) {
         if (parts[2] == kCollName[c]) in.corrupt_coll = c;
       if (in.corrupt_coll < 0)
         fail(CTR_STATUS_INVALID_OPTION,
-             strformat("CTR_CHECK_INJECT='%s': no checked collective '%s'", env, parts[2].c_str()));
+             ctr_tool::format("CTR_CHECK_INJECT='%s': no checked collective '%s'", env, parts[2].c_str()));
     }
   } else {
     fail(CTR_STATUS_INVALID_OPTION,
-         strformat("CTR_CHECK_INJECT='%s': expected slow:RANK:MS or corrupt:RANK[:COLLECTIVE]",
+         ctr_tool::format("CTR_CHECK_INJECT='%s': expected slow:RANK:MS or corrupt:RANK[:COLLECTIVE]",
                    env));
   }
   return in;
@@ -390,13 +391,11 @@ Finding verify(const Group &g, Coll c, size_t bytes, uint32_t salt, const Inject
   // A wrong sum does not say whose input was wrong: when any member's result
   // is wrong, the group gathers every input and compares it with what it should be.
   int32_t any = f.wrong > 0;
-  ctr::comm_wait(g.comm, g.comm.iface->all_reduce(g.comm.ctx, &any, &any, 1, CTR_DTYPE_I32,
-                                                  ReduceOp::Max));
+  check(ctr_mesh_all_reduce(g.mesh, g.axis.c_str(), &any, &any, 1, CTR_DTYPE_I32, CTR_REDUCE_MAX));
   if (!any) return f;
   f.diagnosed = 1;
   std::vector<float> inputs(op.send.size() * static_cast<size_t>(n));
-  ctr::comm_wait(g.comm, g.comm.iface->all_gather(g.comm.ctx, op.send.data(), inputs.data(),
-                                                  op.send.size() * sizeof(float)));
+  check(ctr_mesh_all_gather(g.mesh, g.axis.c_str(), op.send.data(), inputs.data(), op.send.size() * sizeof(float)));
   for (int m = 0; m < n; ++m)
     for (size_t j = 0; j < op.send.size(); ++j)
       if (inputs[m * op.send.size() + j] != value(g.members[m], j, salt)) {
@@ -429,10 +428,10 @@ int report_wrong(const std::vector<Finding> &all, size_t per_rank, int world,
           bad_here = true;
           wrong_ranks.insert(r);
           if (example.empty())
-            example = strformat(
+            example = ctr_tool::format(
                 "rank %d: element %lld%s is %g, expected %g; %lld of %lld elements wrong", r,
                 static_cast<long long>(f.first),
-                f.from >= 0 ? strformat(" (from rank %d)", f.from).c_str() : "",
+                f.from >= 0 ? ctr_tool::format(" (from rank %d)", f.from).c_str() : "",
                 static_cast<double>(f.got), static_cast<double>(f.expected),
                 static_cast<long long>(f.wrong), static_cast<long long>(f.elements));
         }
@@ -444,7 +443,7 @@ int report_wrong(const std::vector<Finding> &all, size_t per_rank, int world,
       for (const auto &s : at_sizes) sizes_text += (sizes_text.empty() ? "" : ", ") + s;
       std::string whose;
       if (!culprits.empty())
-        whose = strformat("; the data from rank%s %s%s was wrong", culprits.size() == 1 ? "" : "s",
+        whose = ctr_tool::format("; the data from rank%s %s%s was wrong", culprits.size() == 1 ? "" : "s",
                           rank_list(culprits).c_str(), unnamed ? " and others" : "");
       else if (diagnosed)
         whose = "; every rank's input arrived intact in an all_gather: the reduction itself "
@@ -478,15 +477,37 @@ double time_collective(const Group &g, Coll c, size_t bytes, int iters, int warm
   return ms_since(t0) / iters;
 }
 
-double world_max(const ctr::Mesh &mesh, double v) {
-  const Comm &w = mesh.world_comm;
-  ctr::comm_wait(w, w.iface->all_reduce(w.ctx, &v, &v, 1, CTR_DTYPE_F64, ReduceOp::Max));
+// The mesh as ctr_mesh_describe gives it.
+struct MeshInfo {
+  ctr_mesh *mesh = nullptr;
+  int rank = 0, world = 1;
+  std::vector<std::pair<std::string, int>> axes;
+  std::string transport;
+  double timeout_s = 0;
+};
+
+MeshInfo mesh_info(ctr_mesh *mesh) {
+  const char *text = nullptr;
+  check(ctr_mesh_describe(mesh, &text));
+  const nlohmann::json j = nlohmann::json::parse(text);
+  MeshInfo m;
+  m.mesh = mesh;
+  m.rank = j.at("rank").get<int>();
+  m.world = j.at("world").get<int>();
+  for (const auto &a : j.at("axes")) m.axes.push_back({a.at("name").get<std::string>(), a.at("size").get<int>()});
+  m.transport = j.at("transport").get<std::string>();
+  m.timeout_s = j.at("timeout_s").get<double>();
+  return m;
+}
+
+double world_max(const MeshInfo &mesh, double v) {
+  check(ctr_mesh_all_reduce(mesh.mesh, "world", &v, &v, 1, CTR_DTYPE_F64, CTR_REDUCE_MAX));
   return v;
 }
 
 // Times every collective on the group (all groups of an axis at once, as in
 // training) and, on rank 0, prints the slowest group's times as a table.
-void time_group(const ctr::Mesh &mesh, const Group &g, size_t bytes, int iters, int warmup,
+void time_group(const MeshInfo &mesh, const Group &g, size_t bytes, int iters, int warmup,
                 const Inject &inj) {
   struct Row {
     Coll coll;
@@ -531,7 +552,7 @@ struct Skew {
   double others = 0;      // the median wait of the other ranks, ms
 };
 
-Skew measure_skew(const ctr::Mesh &mesh, const Group &world, int rounds, const Inject &inj) {
+Skew measure_skew(const MeshInfo &mesh, const Group &world, int rounds, const Inject &inj) {
   Op op(AllReduce, kSkewBytes, world.size);
   Op barrier(Barrier, 0, world.size);
   op.run(world);
@@ -547,8 +568,7 @@ Skew measure_skew(const ctr::Mesh &mesh, const Group &world, int rounds, const I
   }
   double mine[2] = {median(arrive), median(wait)};
   std::vector<double> all(2 * static_cast<size_t>(world.size));
-  ctr::comm_wait(world.comm,
-                 world.comm.iface->all_gather(world.comm.ctx, mine, all.data(), sizeof mine));
+  check(ctr_mesh_all_gather(world.mesh, "world", mine, all.data(), sizeof mine));
 
   Skew s;
   std::vector<double> others;
@@ -563,21 +583,24 @@ Skew measure_skew(const ctr::Mesh &mesh, const Group &world, int rounds, const I
 }
 
 // The groups to check: the world's, then each axis of more than one rank.
-std::vector<Group> mesh_groups(const ctr::Mesh &mesh) {
+std::vector<Group> mesh_groups(const MeshInfo &mesh) {
   std::vector<Group> groups;
-  const auto add = [&](const std::string &axis, const Comm &comm, int count) {
+  const auto add = [&](const std::string &axis, int count) {
     Group g;
     g.axis = axis;
-    g.comm = comm;
-    g.me = comm.iface->rank(comm.ctx);
-    g.size = comm.iface->size(comm.ctx);
-    for (int i = 0; i < g.size; ++i) g.members.push_back(comm.iface->global_rank(comm.ctx, i));
+    g.mesh = mesh.mesh;
+    check(ctr_mesh_group(mesh.mesh, axis.c_str(), &g.me, &g.size));
+    for (int i = 0; i < g.size; ++i) {
+      int r = 0;
+      check(ctr_mesh_group_member(mesh.mesh, axis.c_str(), i, &r));
+      g.members.push_back(r);
+    }
     g.groups = count;
     groups.push_back(std::move(g));
   };
-  add("world", mesh.world_comm, 1);
+  add("world", 1);
   for (const auto &[name, size] : mesh.axes)
-    if (size > 1) add(name, mesh.comm(name), mesh.world / size);
+    if (size > 1) add(name, mesh.world / size);
   return groups;
 }
 
@@ -637,9 +660,6 @@ int CheckCommand::run() const {
   const size_t bytes = *parse_bytes(a.bytes);
 
   // The mesh, as `ctr run` makes it; the check works on its communicators.
-  const auto check = [](ctr_status s) {
-    if (s != CTR_STATUS_OK) throw ctr::Error(s, ctr_last_error());
-  };
   ctr_options *opts = nullptr;
   check(ctr_options_create(&opts));
   std::unique_ptr<ctr_options, void (*)(ctr_options *)> opts_owner(opts, ctr_options_free);
@@ -648,9 +668,7 @@ int CheckCommand::run() const {
   ctr_mesh *raw = nullptr;
   check(ctr_mesh_create_from_env(opts, &raw));
   std::unique_ptr<ctr_mesh, void (*)(ctr_mesh *)> mesh_owner(raw, ctr_mesh_free);
-  const ctr::Mesh &mesh = *raw;  // the handle is the runtime's mesh
-  // A peer that died or stopped answering fails a collective here; noted on the
-  // mesh, its teardown does not wait for that peer and the error is seen at once.
+  const MeshInfo mesh = mesh_info(raw);
   auto body = [&]() -> int {
     const int rank = mesh.rank, world = mesh.world;
     const bool lead = rank == 0;
@@ -670,10 +688,10 @@ int CheckCommand::run() const {
     if (lead) {
       std::string axes, sizes_text;
       for (const auto &[name, size] : mesh.axes)
-        axes += (axes.empty() ? "" : ",") + strformat("%s=%d", name.c_str(), size);
+        axes += (axes.empty() ? "" : ",") + ctr_tool::format("%s=%d", name.c_str(), size);
       for (const size_t s : sizes) sizes_text += (sizes_text.empty() ? "" : ", ") + bytes_text(s);
       std::printf("ctr check: %d ranks, mesh %s, transport %s, timeout %g s\n", world, axes.c_str(),
-                  mesh.transport.c_str(), static_cast<double>(mesh.timeout_ms) / 1000);
+                  mesh.transport.c_str(), mesh.timeout_s);
       std::printf("checking all_reduce, all_gather, reduce_scatter, all_to_all and broadcast at "
                   "%s on %zu communicators\n",
                   sizes_text.c_str(), groups.size());
@@ -689,9 +707,7 @@ int CheckCommand::run() const {
           mine.push_back(verify(groups[gi], static_cast<Coll>(c), sizes[si], salt, inj, rank));
         }
     std::vector<Finding> all(mine.size() * static_cast<size_t>(world));
-    ctr::comm_wait(mesh.world_comm,
-                   mesh.world_comm.iface->all_gather(mesh.world_comm.ctx, mine.data(), all.data(),
-                                                     mine.size() * sizeof(Finding)));
+    check(ctr_mesh_all_gather(mesh.mesh, "world", mine.data(), all.data(), mine.size() * sizeof(Finding)));
     int wrong = 0;
     for (const Finding &f : all) wrong += f.wrong > 0;
     if (lead)
@@ -727,12 +743,9 @@ int CheckCommand::run() const {
     if (wrong > 0) return 1;
     return slow ? kExitSlowRank : 0;
   };
-  try {
-    return body();
-  } catch (const ctr::Error &e) {
-    mesh.note_failure(e.code());
-    throw;
-  }
+  // (A peer that died or stopped answering fails a host collective, which
+  // notes it on the mesh: its teardown does not wait for that peer.)
+  return body();
 }
 
 }  // namespace ctr_tool

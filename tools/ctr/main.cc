@@ -34,12 +34,7 @@
 #include <string>
 #include <vector>
 
-#include "api/handles.h"
-#include "api/internal.h"
-#include "passes/passes.h"
-#include "core/status.h"
 #include "ctr/ctr.h"
-#include "data/data.h"
 #include "text.h"
 #include "tool_error.h"
 #include "check_cmd.h"
@@ -55,10 +50,10 @@ namespace {
 // Errors and handles
 
 // A failure with an optional second line of advice (what to do about it).
-class ToolError : public ctr::Error {
+class ToolError : public ctr_tool::Error {
  public:
   ToolError(ctr_status code, std::string msg, std::string note)
-      : ctr::Error(code, std::move(msg)), note_(std::move(note)) {}
+      : ctr_tool::Error(code, std::move(msg)), note_(std::move(note)) {}
   const std::string &note() const { return note_; }
 
  private:
@@ -83,9 +78,6 @@ struct Reported {
   int status;
 };
 
-void print_error(const ctr::Error &e) {
-  std::fprintf(stderr, "ctr: error: %s: %s\n", ctr_status_string(e.code()), e.message().c_str());
-}
 void print_error(const ctr_tool::Error &e) {
   std::fprintf(stderr, "ctr: error: %s: %s\n", ctr_status_string(e.code()), e.message().c_str());
 }
@@ -93,7 +85,7 @@ void print_error(const ctr_tool::Error &e) {
 // Turns a failed C call into an exception carrying its status and message. The
 // message is copied at once: ctr_last_error() is only valid until the next call.
 void check(ctr_status status) {
-  if (status != CTR_STATUS_OK) throw ctr::Error(status, ctr_last_error());
+  if (status != CTR_STATUS_OK) throw ctr_tool::Error(status, ctr_last_error());
 }
 
 struct OptionsFree {
@@ -146,7 +138,7 @@ std::string human(double v) {
   }
   const char *fmt = std::fabs(v) >= 99.95 ? "%.0f%s" : std::fabs(v) >= 9.995 ? "%.1f%s" : "%.2f%s";
   if (i == 0 && v == std::floor(v)) fmt = "%.0f%s";
-  return ctr::strformat(fmt, v, kSuffix[i]);
+  return ctr_tool::format(fmt, v, kSuffix[i]);
 }
 
 using ctr_tool::grouped;
@@ -158,8 +150,8 @@ std::string clock_time(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) seconds = 0;
   const auto s = static_cast<int64_t>(seconds + 0.5);
   if (s >= 3600)
-    return ctr::strformat("%" PRId64 ":%02" PRId64 ":%02" PRId64, s / 3600, s / 60 % 60, s % 60);
-  return ctr::strformat("%" PRId64 ":%02" PRId64, s / 60, s % 60);
+    return ctr_tool::format("%" PRId64 ":%02" PRId64 ":%02" PRId64, s / 3600, s / 60 % 60, s % 60);
+  return ctr_tool::format("%" PRId64 ":%02" PRId64, s / 60, s % 60);
 }
 
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
@@ -421,7 +413,9 @@ int cmd_graph_inspect(const InspectArgs &a) {
   set_int(opts.get(), "micro_batches", a.micro_batches);
   set_int(opts.get(), "rank", a.rank);
   a.schedule.set(opts.get());
-  const std::string dump = ctr::inspect_graph(graph.get(), opts.get(), a.after);
+  const char *text = nullptr;
+  check(ctr_graph_inspect(graph.get(), opts.get(), a.after.c_str(), &text));
+  const std::string dump = text;
   std::fputs(dump.c_str(), stdout);
   if (!dump.empty() && dump.back() != '\n') std::fputc('\n', stdout);
   if (a.after_opt->count() == 0) print_summary(graph.get(), a.file);
@@ -475,27 +469,24 @@ struct PhaseTimes {
 // step) gathered on rank 0 and written as Chrome trace-event JSON, one process
 // per rank, tasks and the optimizer on thread 0, waits for other pipeline stages
 // on thread 1. Collective.
-void write_trace(const ctr_mesh *mesh, const nlohmann::json &events, const std::string &path) {
-  const ctr::Mesh &m = *mesh;
+void write_trace(ctr_mesh *mesh, const nlohmann::json &events, const std::string &path) {
+  const int world = ctr_mesh_world_size(mesh);
   std::string mine = events.dump();
   std::vector<std::string> texts{mine};
-  if (m.world > 1) {
+  if (world > 1) {
     const int64_t len = static_cast<int64_t>(mine.size());
-    std::vector<int64_t> lens(static_cast<size_t>(m.world));
-    ctr::comm_wait(m.world_comm, m.world_comm.iface->all_gather(m.world_comm.ctx, &len, lens.data(), sizeof len),
-                   m.timeout_ms);
+    std::vector<int64_t> lens(static_cast<size_t>(world));
+    check(ctr_mesh_all_gather(mesh, "world", &len, lens.data(), sizeof len));
     const int64_t most = *std::max_element(lens.begin(), lens.end());
     mine.resize(static_cast<size_t>(most), ' ');
-    std::string all(static_cast<size_t>(most) * static_cast<size_t>(m.world), ' ');
-    ctr::comm_wait(m.world_comm,
-                   m.world_comm.iface->all_gather(m.world_comm.ctx, mine.data(), all.data(), static_cast<size_t>(most)),
-                   m.timeout_ms);
+    std::string all(static_cast<size_t>(most) * static_cast<size_t>(world), ' ');
+    check(ctr_mesh_all_gather(mesh, "world", mine.data(), all.data(), static_cast<size_t>(most)));
     texts.clear();
-    for (int r = 0; r < m.world; ++r)
+    for (int r = 0; r < world; ++r)
       texts.push_back(all.substr(static_cast<size_t>(r) * static_cast<size_t>(most),
                                  static_cast<size_t>(lens[static_cast<size_t>(r)])));
   }
-  if (m.rank != 0) return;
+  if (ctr_mesh_rank(mesh) != 0) return;
   nlohmann::json out = nlohmann::json::array();
   for (size_t r = 0; r < texts.size(); ++r) {
     const int pid = static_cast<int>(r);
@@ -508,7 +499,7 @@ void write_trace(const ctr_mesh *mesh, const nlohmann::json &events, const std::
                      {"args", {{"step", e.value("step", 0)}, {"stage", stage}, {"micro_batch", e.value("micro_batch", -1)}}}});
     }
     out.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid},
-                   {"args", {{"name", ctr::strformat("rank %d (stage %d)", pid, stage)}}}});
+                   {"args", {{"name", ctr_tool::format("rank %d (stage %d)", pid, stage)}}}});
     out.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", 0}, {"args", {{"name", "tasks"}}}});
     out.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", 1},
                    {"args", {{"name", "waiting for other stages"}}}});
@@ -516,31 +507,29 @@ void write_trace(const ctr_mesh *mesh, const nlohmann::json &events, const std::
   std::ofstream f(path, std::ios::out | std::ios::trunc);
   f << nlohmann::json{{"traceEvents", out}, {"displayTimeUnit", "ms"}}.dump() << "\n";
   f.close();
-  if (!f) throw ctr::Error(CTR_STATUS_IO_ERROR, ctr::strformat("cannot write trace file '%s'", path.c_str()));
+  if (!f) throw ctr_tool::Error(CTR_STATUS_IO_ERROR, ctr_tool::format("cannot write trace file '%s'", path.c_str()));
 }
 
-StragglerReport find_stragglers(const ctr_mesh *mesh, const PhaseTimes &mine, double factor) {
-  const ctr::Mesh &m = *mesh;
+StragglerReport find_stragglers(ctr_mesh *mesh, const PhaseTimes &mine, double factor) {
   StragglerReport out;
-  if (m.world <= 1) return out;
-  std::vector<PhaseTimes> ranks(static_cast<size_t>(m.world));
-  ctr::comm_wait(m.world_comm,
-                 m.world_comm.iface->all_gather(m.world_comm.ctx, &mine, ranks.data(), sizeof(PhaseTimes)),
-                 m.timeout_ms);
+  const int world = ctr_mesh_world_size(mesh);
+  if (world <= 1) return out;
+  std::vector<PhaseTimes> ranks(static_cast<size_t>(world));
+  check(ctr_mesh_all_gather(mesh, "world", &mine, ranks.data(), sizeof(PhaseTimes)));
   std::vector<double> all;
   for (const PhaseTimes &p : ranks) all.push_back(p.own());
   std::vector<double> sorted = all;
   std::sort(sorted.begin(), sorted.end());
   const size_t n = sorted.size();
   const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
-  for (int r = 0; r < m.world; ++r) {
+  for (int r = 0; r < world; ++r) {
     // Both relative and absolute: a few milliseconds of jitter on a short step
     // is not a straggler.
     const double t = all[static_cast<size_t>(r)];
     if (median <= 0 || t <= factor * median || t - median < kStragglerMinGapMs) continue;
     out.ranks.push_back(r);
     const PhaseTimes &p = ranks[static_cast<size_t>(r)];
-    out.text += ctr::strformat("%srank %d: %.1f ms/step of its own work (median %.1f ms): compute "
+    out.text += ctr_tool::format("%srank %d: %.1f ms/step of its own work (median %.1f ms): compute "
                                "%.1f, data %.1f, optimizer %.1f; waiting for communication %.1f",
                                out.text.empty() ? "" : "; ", r, t, median, p.compute, p.data,
                                p.optimizer, p.exposed);
@@ -662,17 +651,17 @@ void set_inputs(ctr_step *step, const Batches &b, ctr_loader *loader, const std:
     const ctr_status s = ctr_step_set_input(step, name, data, b.bytes());
     if (s == CTR_STATUS_OK) continue;
     std::string msg = ctr_last_error();
-    if (s != CTR_STATUS_DATA_ERROR) throw ctr::Error(s, msg);
+    if (s != CTR_STATUS_DATA_ERROR) throw ctr_tool::Error(s, msg);
     int64_t max_token = 0;
     check(ctr_loader_info(loader, nullptr, &max_token));
     if (max_token > INT32_MAX)
       throw ToolError(s, msg,
-                      ctr::strformat("the data (%s) holds ids up to %lld, more than any int32 "
+                      ctr_tool::format("the data (%s) holds ids up to %lld, more than any int32 "
                                      "token id: it is damaged or was written with another dtype",
                                      what.c_str(), static_cast<long long>(max_token)));
     throw ToolError(
         s, msg,
-        ctr::strformat("the data (%s) holds token ids up to %lld; the graph's vocabulary "
+        ctr_tool::format("the data (%s) holds token ids up to %lld; the graph's vocabulary "
                        "must be larger than that: build the graph with --vocab %lld or more, "
                        "or use data tokenized for this graph",
                        what.c_str(), static_cast<long long>(max_token),
@@ -692,11 +681,11 @@ int cmd_run(const RunArgs &given) {
   std::optional<ChosenPlan> chosen;
   if (a.mesh == "auto") {
     if (a.cluster.empty())
-      throw ctr::Error(CTR_STATUS_INVALID_OPTION,
+      throw ctr_tool::Error(CTR_STATUS_INVALID_OPTION,
                        "--mesh auto needs --cluster FILE: the cluster profile the layouts are priced on "
                        "(profiles/ holds this machine's and H100/H200 nodes'; ctr calibrate writes one)");
     if (a.global_batch <= 0)
-      throw ctr::Error(CTR_STATUS_INVALID_OPTION,
+      throw ctr_tool::Error(CTR_STATUS_INVALID_OPTION,
                        "--mesh auto needs --global-batch N: the sequences per step over the whole job (the plan "
                        "chooses how they split over ranks and micro-batches, so --batch and --micro-batches are "
                        "its to choose)");
@@ -711,15 +700,15 @@ int cmd_run(const RunArgs &given) {
     if (a.collectives.precision == "auto") {
       a.collectives.precision = chosen->precision;
     } else if (a.collectives.precision != chosen->precision) {
-      throw ctr::Error(CTR_STATUS_INVALID_OPTION,
-                       ctr::strformat("--mesh auto: --precision %s, but the cluster profile's device computes in %s "
+      throw ctr_tool::Error(CTR_STATUS_INVALID_OPTION,
+                       ctr_tool::format("--mesh auto: --precision %s, but the cluster profile's device computes in %s "
                                       "(device.precision), which the plan was made for; leave --precision out or "
                                       "use a profile for %s",
                                       a.collectives.precision.c_str(), chosen->precision.c_str(),
                                       a.collectives.precision.c_str()));
     }
   } else if (!a.cluster.empty() || a.global_batch > 0) {
-    throw ctr::Error(CTR_STATUS_INVALID_OPTION,
+    throw ctr_tool::Error(CTR_STATUS_INVALID_OPTION,
                      "--cluster and --global-batch choose a plan: they go with --mesh auto (with a mesh given, "
                      "--batch is each data rank's micro-batch)");
   }
@@ -728,9 +717,10 @@ int cmd_run(const RunArgs &given) {
   // only mapped here to name its format (the built-in corpus is not built twice).
   std::string data_name = "synthetic corpus (seed 0)", data_kind;
   if (!a.data.empty()) {
-    std::unique_ptr<ctr::data::TokenSource> src = ctr::data::TokenSource::open_spec(a.data);
-    data_name = src->name();
-    data_kind = src->kind();
+    const char *name = nullptr, *kind = nullptr;
+    check(ctr_data_describe(a.data.c_str(), &name, &kind));
+    data_name = name;
+    data_kind = kind;
   }
   const std::string data_what = data_kind.empty() ? data_name : data_name + ", " + data_kind;
 
@@ -758,8 +748,8 @@ int cmd_run(const RunArgs &given) {
     if (lead && !a.metrics.empty()) {
       metrics.open(a.metrics, std::ios::out | std::ios::app);  // trimmed once the start is known
       if (!metrics)
-        throw ctr::Error(CTR_STATUS_IO_ERROR,
-                         ctr::strformat("cannot open metrics file '%s': %s", a.metrics.c_str(),
+        throw ctr_tool::Error(CTR_STATUS_IO_ERROR,
+                         ctr_tool::format("cannot open metrics file '%s': %s", a.metrics.c_str(),
                                         std::strerror(errno)));
     }
 
@@ -895,9 +885,9 @@ int cmd_run(const RunArgs &given) {
       int64_t data_tokens = 0;
       check(ctr_loader_info(train_loader.get(), &data_tokens, nullptr));
       const std::string kind = data_kind.empty() ? "" : data_kind + ", ";
-      std::string shape = ctr::strformat("batch %" PRId64 " x seq %" PRId64, a.batch, seq);
-      if (a.micro_batches > 1) shape += ctr::strformat(" x %" PRId64 " micro", a.micro_batches);
-      if (world > 1) shape += ctr::strformat(" x %d ranks", world);
+      std::string shape = ctr_tool::format("batch %" PRId64 " x seq %" PRId64, a.batch, seq);
+      if (a.micro_batches > 1) shape += ctr_tool::format(" x %" PRId64 " micro", a.micro_batches);
+      if (world > 1) shape += ctr_tool::format(" x %d ranks", world);
       const std::string recompute =
           a.collectives.recompute == "none" ? "" : ", recompute " + a.collectives.recompute;
       std::printf("%s: %s params | data %s: %s%s tokens | %s | memory%s %.1f MiB (arena %.1f%s, "
@@ -979,13 +969,13 @@ int cmd_run(const RunArgs &given) {
       if (run_status == CTR_STATUS_NUMERIC_ERROR && a.on_nonfinite == "rewind") {
         const std::string why = ctr_last_error();
         if (++rewinds > kMaxRewinds || skip_batch_at.count(i))
-          throw ctr::Error(run_status, why + ctr::strformat(" (after %d rewinds)", rewinds - 1));
+          throw ctr_tool::Error(run_status, why + ctr_tool::format(" (after %d rewinds)", rewinds - 1));
         const char *loaded = nullptr, *skipped_dirs = nullptr;
         const ctr_status st =
             ctr_step_resume(step.get(), a.save_dir.c_str(), "latest", &loaded, &skipped_dirs);
         if (st == CTR_STATUS_NOT_FOUND)
           throw ToolError(run_status, why,
-                          ctr::strformat("--on-nonfinite rewind needs a checkpoint in '%s' "
+                          ctr_tool::format("--on-nonfinite rewind needs a checkpoint in '%s' "
                                          "(--save-every)", a.save_dir.c_str()));
         check(st);
         const int64_t at = ctr_step_count(step.get());
@@ -1082,14 +1072,14 @@ int cmd_run(const RunArgs &given) {
         std::string by_axis;
         if (window_axes.size() > 1)
           for (const auto &[axis, total] : window_axes)
-            by_axis += ctr::strformat("%s %s %.1f", by_axis.empty() ? ":" : ",", axis.c_str(), total / n);
+            by_axis += ctr_tool::format("%s %s %.1f", by_axis.empty() ? ":" : ",", axis.c_str(), total / n);
         const std::string comm =
-            world > 1 ? ctr::strformat(" | comm %.1f ms%s (exposed %.1f)", window_comm_ms / n, by_axis.c_str(),
+            world > 1 ? ctr_tool::format(" | comm %.1f ms%s (exposed %.1f)", window_comm_ms / n, by_axis.c_str(),
                                        window_exposed_ms / n)
                       : std::string();
         const double window_mfu = ms > 0 && peak > 0 ? flops * tok_s / world / peak : 0;
         const std::string skipped =
-            m.skipped_steps > 0 ? ctr::strformat(" | %" PRId64 " skipped (non-finite)", m.skipped_steps)
+            m.skipped_steps > 0 ? ctr_tool::format(" | %" PRId64 " skipped (non-finite)", m.skipped_steps)
                                 : std::string();
         std::printf("step %*" PRId64 "/%" PRId64 " | loss %.4f | grad %.3f | lr %.2e | %s tok/s | "
                     "MFU %.1f%% | %.0f ms/step | ETA %s%s%s\n",
@@ -1161,8 +1151,8 @@ int cmd_run(const RunArgs &given) {
         metrics << j.dump() << '\n';
         metrics.flush();
         if (!metrics)
-          throw ctr::Error(CTR_STATUS_IO_ERROR,
-                           ctr::strformat("cannot write metrics file '%s'", a.metrics.c_str()));
+          throw ctr_tool::Error(CTR_STATUS_IO_ERROR,
+                           ctr_tool::format("cannot write metrics file '%s'", a.metrics.c_str()));
       }
       const bool stopping = a.stop_after > 0 && i - first_step + 1 >= a.stop_after;
       if (a.save_every > 0 && (i % a.save_every == 0 || i == a.steps || stopping)) save();
@@ -1189,9 +1179,9 @@ int cmd_run(const RunArgs &given) {
       const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
       // Means over the steps this invocation ran (not those before a resume).
       const double n = static_cast<double>(std::max<int64_t>(1, total_steps));
-      std::string per_step = ctr::strformat(" | compute %.1f ms", total_compute_ms / n);
+      std::string per_step = ctr_tool::format(" | compute %.1f ms", total_compute_ms / n);
       if (world > 1)
-        per_step += ctr::strformat(", comm %.1f ms (exposed %.1f)", total_comm_ms / n,
+        per_step += ctr_tool::format(", comm %.1f ms (exposed %.1f)", total_comm_ms / n,
                                    total_exposed_ms / n);
       std::printf("done: %" PRId64 " steps in %s | final loss %.4f | mean %s tok/s%s per step\n",
                   a.steps, clock_time(elapsed).c_str(), last_loss,
@@ -1205,9 +1195,6 @@ int cmd_run(const RunArgs &given) {
   } catch (const ToolError &e) {
     print_error(e);
     if (!e.note().empty()) std::fprintf(stderr, "ctr: note: %s\n", e.note().c_str());
-    throw Reported{exit_status(e.code())};
-  } catch (const ctr::Error &e) {
-    print_error(e);
     throw Reported{exit_status(e.code())};
   } catch (const ctr_tool::Error &e) {
     print_error(e);
@@ -1261,7 +1248,7 @@ CLI::Validator at_least(double min, const std::string &name) {
       [min](std::string &text) -> std::string {
         double v = 0;
         if (!CLI::detail::lexical_cast(text, v)) return "not a number: " + text;
-        if (v < min) return ctr::strformat("must be >= %g, got %s", min, text.c_str());
+        if (v < min) return ctr_tool::format("must be >= %g, got %s", min, text.c_str());
         return "";
       },
       name);
@@ -1317,7 +1304,8 @@ int run_main(int argc, char **argv) {
                                        "Share the input embedding with the output layer");
 
   InspectArgs inspect;
-  std::vector<std::string> passes = ctr::pass_names();
+  std::vector<std::string> passes;
+  for (const char *name = nullptr; ctr_pass_name(passes.size(), &name) == CTR_STATUS_OK;) passes.push_back(name);
   std::string pass_list;
   for (const auto &p : passes) pass_list += (pass_list.empty() ? "" : ", ") + p;
   CLI::App *inspect_cmd = graph->add_subcommand(
@@ -1547,9 +1535,6 @@ int main(int argc, char **argv) {
   } catch (const ToolError &e) {
     print_error(e);
     if (!e.note().empty()) std::fprintf(stderr, "ctr: note: %s\n", e.note().c_str());
-    return exit_status(e.code());
-  } catch (const ctr::Error &e) {
-    print_error(e);
     return exit_status(e.code());
   } catch (const ctr_tool::Error &e) {
     print_error(e);

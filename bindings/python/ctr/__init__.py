@@ -20,7 +20,7 @@ from ._lib import CtrError, DType, Status, load as _load
 _LIB = _load()
 _api._set_lib(_LIB)
 
-from ._api import Graph, Loader, Mesh, Resumed, Step, TensorInfo  # noqa: E402  (needs the library)
+from ._api import Graph, Loader, Mesh, Resumed, Step, TensorInfo, describe_data, pass_names  # noqa: E402
 
 ABI_VERSION = _abi.ABI_VERSION
 #: Path or name of the loaded libctr.
@@ -49,4 +49,5 @@ def dtype_size(dtype):
 
 
 __all__ = ["ABI_VERSION", "CtrError", "DType", "Graph", "Loader", "Mesh", "Resumed", "Status",
-           "Step", "TensorInfo", "abi_version", "dtype_size", "library_path", "status_string", "version"]
+           "Step", "TensorInfo", "abi_version", "describe_data", "dtype_size", "library_path", "pass_names",
+           "status_string", "version"]

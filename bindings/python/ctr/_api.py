@@ -264,6 +264,73 @@ class Mesh(_Handle):
         status = _L.mesh_async_error(self._p(), ctypes.byref(msg))
         return None if status == 0 else _dec(msg.value)
 
+    def describe(self):
+        """The mesh as a dict: rank, world, axes ([{"name", "size"}] in mesh order), device,
+        transport, timeout_s."""
+        text = ctypes.c_char_p()
+        _L.mesh_describe(self._p(), ctypes.byref(text))
+        return json.loads(_dec(text.value))
+
+    def group(self, axis="world"):
+        """(this rank's index, size, world ranks of the members) of its group over `axis`
+        ("world" or a mesh axis)."""
+        r, n = ctypes.c_int(), ctypes.c_int()
+        _L.mesh_group(self._p(), _enc(axis), ctypes.byref(r), ctypes.byref(n))
+        members = []
+        for i in range(n.value):
+            w = ctypes.c_int()
+            _L.mesh_group_member(self._p(), _enc(axis), i, ctypes.byref(w))
+            members.append(w.value)
+        return r.value, n.value, members
+
+    # Host collectives: numpy arrays of float32, float64, int32 or int64; blocking, with the
+    # mesh's deadline; every member of the group calls the same ones in the same order.
+    _REDUCE = {"sum": 0, "avg": 1, "max": 2, "min": 3}
+
+    @staticmethod
+    def _host_array(data):
+        arr = _np.ascontiguousarray(data)
+        for dt, name in _NP_DTYPES.items():
+            if arr.dtype == _np.dtype(name):
+                return arr, dt
+        raise TypeError(f"host collectives take float32, float64, int32 or int64 arrays, not {arr.dtype}")
+
+    def all_reduce(self, data, op="sum", axis="world"):
+        """The reduction (sum, avg, max or min) of every member's array, as a new array."""
+        arr, dt = self._host_array(data)
+        out = _np.empty_like(arr)
+        _L.mesh_all_reduce(self._p(), _enc(axis), arr.ctypes.data, out.ctypes.data, arr.size, int(dt),
+                           self._REDUCE[op])
+        return out
+
+    def all_gather(self, data, axis="world"):
+        """Every member's array stacked in member order: shape (size, *data.shape)."""
+        arr, _ = self._host_array(data)
+        _, n, _ = self.group(axis)
+        out = _np.empty((n,) + arr.shape, dtype=arr.dtype)
+        _L.mesh_all_gather(self._p(), _enc(axis), arr.ctypes.data, out.ctypes.data, arr.nbytes)
+        return out
+
+    def reduce_scatter(self, data, op="sum", axis="world"):
+        """This member's block (of size equal blocks of the flattened array) of the reduction."""
+        arr, dt = self._host_array(data)
+        _, n, _ = self.group(axis)
+        if arr.size % n:
+            raise ValueError(f"{arr.size} elements do not split into {n} equal blocks")
+        out = _np.empty(arr.size // n, dtype=arr.dtype)
+        _L.mesh_reduce_scatter(self._p(), _enc(axis), arr.ctypes.data, out.ctypes.data, out.size, int(dt),
+                               self._REDUCE[op])
+        return out
+
+    def broadcast(self, data, root=0, axis="world"):
+        """Member root's array, on every member (data gives the shape and dtype)."""
+        out, _ = self._host_array(_np.array(data, copy=True))
+        _L.mesh_broadcast(self._p(), _enc(axis), out.ctypes.data, out.nbytes, root)
+        return out
+
+    def barrier(self, axis="world"):
+        _L.mesh_barrier(self._p(), _enc(axis))
+
     def __repr__(self):
         if self._closed:
             return "<ctr.Mesh closed>"
@@ -386,6 +453,15 @@ class Graph(_Handle):
         with _Options(opts) as o:
             _L.plan(self._p(), o, ctypes.byref(text))
         return json.loads(_dec(text.value))
+
+    def inspect(self, after, **options):
+        """What step creation makes of this graph up to pass `after` (one of ctr.pass_names()),
+        as text: options are the step's compile options plus the mesh of the rank shown (pp, dp,
+        ep, fsdp, cp, tp, rank)."""
+        text = ctypes.c_char_p()
+        with _Options(options) as o:
+            _L.graph_inspect(self._p(), o, _enc(after), ctypes.byref(text))
+        return _dec(text.value)
 
     def metadata(self, key):
         """The graph file's metadata entry `key` ("max_seq", "vocab", ...) as a string, or None
@@ -680,3 +756,23 @@ class Step(_Handle):
 
 __all__ = ["CtrError", "DType", "Status", "Mesh", "Graph", "Step", "Loader", "Resumed",
            "TensorInfo"]
+
+
+def pass_names():
+    """The compiler's passes, in the order step creation runs them."""
+    out, i = [], 0
+    while True:
+        name = ctypes.c_char_p()
+        try:
+            _L.pass_name(i, ctypes.byref(name))
+        except CtrError:
+            return out
+        out.append(_dec(name.value))
+        i += 1
+
+
+def describe_data(path):
+    """(name, kind) of a token file or manifest, as the loader would read it."""
+    name, kind = ctypes.c_char_p(), ctypes.c_char_p()
+    _L.data_describe(_enc(path), ctypes.byref(name), ctypes.byref(kind))
+    return _dec(name.value), _dec(kind.value)
