@@ -792,6 +792,51 @@ CTR_API ctr_status ctr_loader_next_slice(ctr_loader *loader, int64_t global_rows
                                          int64_t first_row, int64_t rows, int32_t *tokens,
                                          int32_t *targets);
 
+/* Token files, read and written as the loader reads them (since 0.6), so that a
+ * file a host writes is one the loader accepts and a file it inspects is read by
+ * the loader's own code. Formats by name: "auto" (or NULL: by content and
+ * extension), "llmc" (llm.c's 256-int32 header, u16 or u32 tokens), "npy" (a
+ * one-dimensional uint16, uint32 or int32 array), "u16", "u32" (raw
+ * little-endian), "bytes" (a byte per token). */
+typedef struct ctr_tokens ctr_tokens;
+/* Opens a token file read-only (mapped until ctr_tokens_free). options may be
+ * NULL; keys: "format" string (auto), "dataset" int: with a manifest (a .json
+ * under auto, see ctr_loader_create), its sub-dataset of that index, its files
+ * read as one sequence (without it a manifest is refused: open its datasets).
+ * Missing or malformed files fail with CTR_STATUS_IO_ERROR or
+ * CTR_STATUS_DATA_ERROR naming the file. */
+CTR_API ctr_status ctr_tokens_open(const char *path, const ctr_options *options, ctr_tokens **out);
+CTR_API void ctr_tokens_free(ctr_tokens *tokens);
+/* What it holds, as JSON (*json, valid until this thread's next call): {"name",
+ * "kind", "tokens", "max_id", "files": [{"path", "kind", "tokens", "width"
+ * (bytes per token), "header_bytes"}]}. */
+CTR_API ctr_status ctr_tokens_info(const ctr_tokens *tokens, const char **json);
+/* out[count] = tokens [start, start + count) (an int32 .npy's tokens as their
+ * bits). CTR_STATUS_INVALID_ARGUMENT past the end. */
+CTR_API ctr_status ctr_tokens_read(const ctr_tokens *tokens, int64_t start, int64_t count, uint32_t *out);
+/* How many samples of seq inputs the loader cuts from it (*samples): mode
+ * "windows" or "documents" (split at each end-of-text id eot; eot < 0 in windows
+ * mode). CTR_STATUS_DATA_ERROR when not one sample fits, naming the file. */
+CTR_API ctr_status ctr_tokens_samples(const ctr_tokens *tokens, int64_t seq, const char *mode, int64_t eot,
+                                      int64_t *samples);
+/* A manifest's sub-datasets as JSON (*json, valid until this thread's next
+ * call): {"path", "mode" (or null), "eot" (or null), "datasets": [{"name",
+ * "weight", "files": [...], "format"}]}. Fails with CTR_STATUS_DATA_ERROR
+ * naming the key at fault. */
+CTR_API ctr_status ctr_manifest_info(const char *path, const char **json);
+/* Writes count tokens into path: created as path.tmp and renamed by
+ * ctr_token_writer_finish, so a reader never sees half a file. format "llmc",
+ * "npy", "u16", "u32"; width 2 or 4 bytes per token ("u16", "u32": their own).
+ * An id that does not fit the width, or more or fewer than count tokens, fails
+ * with CTR_STATUS_DATA_ERROR naming the id and its position. Freeing a writer
+ * not finished removes path.tmp. */
+typedef struct ctr_token_writer ctr_token_writer;
+CTR_API ctr_status ctr_token_writer_create(const char *path, const char *format, int width, int64_t count,
+                                           ctr_token_writer **out);
+CTR_API ctr_status ctr_token_writer_write(ctr_token_writer *writer, const uint32_t *tokens, int64_t count);
+CTR_API ctr_status ctr_token_writer_finish(ctr_token_writer *writer);
+CTR_API void ctr_token_writer_free(ctr_token_writer *writer);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

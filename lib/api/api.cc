@@ -1058,6 +1058,165 @@ extern "C" ctr_status ctr_loader_info(const ctr_loader *loader, int64_t *tokens,
   CTR_API_END
 }
 
+// ---------------------------------------------------------------------------
+// Token files
+
+namespace {
+
+ctr::data::Format format_named(const char *name, const char *fn, bool for_writing) {
+  const std::string n = name && *name ? name : "auto";
+  const std::optional<ctr::data::Format> f = ctr::data::format_from_name(n);
+  CTR_REQUIRE(f.has_value(), CTR_STATUS_INVALID_ARGUMENT, "%s: unknown format '%s' (known: %s)", fn, n.c_str(),
+              ctr::data::format_names().c_str());
+  if (for_writing)
+    CTR_REQUIRE(*f == ctr::data::Format::Llmc || *f == ctr::data::Format::Npy || *f == ctr::data::Format::U16 ||
+                    *f == ctr::data::Format::U32,
+                CTR_STATUS_INVALID_ARGUMENT, "%s: cannot write format '%s' (llmc, npy, u16 or u32)", fn, n.c_str());
+  return *f;
+}
+
+}  // namespace
+
+ctr_tokens::~ctr_tokens() = default;
+ctr_token_writer::~ctr_token_writer() = default;
+
+extern "C" ctr_status ctr_tokens_open(const char *path, const ctr_options *options, ctr_tokens **out) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(path != nullptr && path[0] != '\0' && out != nullptr, "ctr_tokens_open: path or out is NULL");
+  ctr::OptionReader r(options, "ctr_tokens_open");
+  const std::string format = r.get_string("format", "auto");
+  const bool has_dataset = r.has("dataset");
+  const int64_t dataset = r.get_int("dataset", 0, 0, 1 << 20);
+  r.finish();
+  const ctr::data::Format f = format_named(format.c_str(), "ctr_tokens_open", false);
+  auto t = std::make_unique<ctr_tokens>();
+  if (f == ctr::data::Format::Auto && ctr::data::is_manifest(path)) {
+    const ctr::data::Manifest m = ctr::data::read_manifest(path);
+    REQUIRE_ARG(has_dataset, "ctr_tokens_open: '%s' is a manifest of %zu datasets: open one (option 'dataset')",
+                path, m.datasets.size());
+    REQUIRE_ARG(static_cast<size_t>(dataset) < m.datasets.size(),
+                "ctr_tokens_open: dataset %lld of manifest '%s', which has %zu", static_cast<long long>(dataset), path,
+                m.datasets.size());
+    const ctr::data::DatasetSpec &d = m.datasets[static_cast<size_t>(dataset)];
+    t->source = ctr::data::TokenSource::open(d.files, d.format);
+  } else {
+    REQUIRE_ARG(!has_dataset, "ctr_tokens_open: option 'dataset' applies to a manifest, and '%s' is not one", path);
+    t->source = ctr::data::TokenSource::open(path, f);
+  }
+  *out = t.release();
+  CTR_API_END
+}
+
+extern "C" void ctr_tokens_free(ctr_tokens *tokens) {
+  try {
+    delete tokens;
+  } catch (...) {
+  }
+}
+
+extern "C" ctr_status ctr_tokens_info(const ctr_tokens *tokens, const char **json) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(tokens != nullptr && json != nullptr, "ctr_tokens_info: tokens and json must not be NULL");
+  const ctr::data::TokenSource &src = *tokens->source;
+  nlohmann::json files = nlohmann::json::array();
+  for (const auto &f : src.files())
+    files.push_back({{"path", f.path}, {"kind", f.kind}, {"tokens", f.tokens}, {"width", f.width},
+                     {"header_bytes", f.header_bytes}});
+  thread_local std::string text;
+  text = nlohmann::json{{"name", src.name()},
+                        {"kind", src.kind()},
+                        {"tokens", src.size()},
+                        {"max_id", src.size() > 0 ? static_cast<int64_t>(src.max_token()) : 0},
+                        {"files", files}}
+             .dump();
+  *json = text.c_str();
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_tokens_read(const ctr_tokens *tokens, int64_t start, int64_t count, uint32_t *out) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(tokens != nullptr && (count == 0 || out != nullptr), "ctr_tokens_read: tokens or out is NULL");
+  const int64_t n = tokens->source->size();
+  REQUIRE_ARG(start >= 0 && count >= 0 && start <= n && count <= n - start,
+              "ctr_tokens_read: tokens [%lld, %lld) of %lld", static_cast<long long>(start),
+              static_cast<long long>(start + count), static_cast<long long>(n));
+  if (count) tokens->source->read(start, count, out);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_tokens_samples(const ctr_tokens *tokens, int64_t seq, const char *mode, int64_t eot,
+                                         int64_t *samples) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(tokens != nullptr && samples != nullptr, "ctr_tokens_samples: tokens or samples is NULL");
+  REQUIRE_ARG(seq >= 1, "ctr_tokens_samples: seq %lld (at least 1)", static_cast<long long>(seq));
+  const std::string m = mode ? mode : "windows";
+  REQUIRE_ARG(m == "windows" || m == "documents", "ctr_tokens_samples: mode '%s' (windows or documents)", m.c_str());
+  ctr::data::Loader loader(*tokens->source,
+                           ctr::data::LoaderConfig{seq, 0,
+                                                   m == "documents" ? ctr::data::Mode::Documents
+                                                                    : ctr::data::Mode::Windows,
+                                                   eot},
+                           1);
+  *samples = loader.samples();
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_manifest_info(const char *path, const char **json) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(path != nullptr && json != nullptr, "ctr_manifest_info: path and json must not be NULL");
+  const ctr::data::Manifest m = ctr::data::read_manifest(path);
+  nlohmann::json ds = nlohmann::json::array();
+  for (const auto &d : m.datasets)
+    ds.push_back({{"name", d.name}, {"weight", d.weight}, {"files", d.files},
+                  {"format", ctr::data::format_name(d.format)}});
+  thread_local std::string text;
+  text = nlohmann::json{{"path", m.path},
+                        {"mode", m.mode ? nlohmann::json(*m.mode) : nlohmann::json()},
+                        {"eot", m.eot ? nlohmann::json(*m.eot) : nlohmann::json()},
+                        {"datasets", ds}}
+             .dump();
+  *json = text.c_str();
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_token_writer_create(const char *path, const char *format, int width, int64_t count,
+                                              ctr_token_writer **out) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(path != nullptr && path[0] != '\0' && out != nullptr,
+              "ctr_token_writer_create: path or out is NULL");
+  const ctr::data::Format f = format_named(format, "ctr_token_writer_create", true);
+  REQUIRE_ARG(width == 2 || width == 4, "ctr_token_writer_create: width %d (2 or 4 bytes per token)", width);
+  REQUIRE_ARG(count >= 0, "ctr_token_writer_create: count %lld", static_cast<long long>(count));
+  auto w = std::make_unique<ctr_token_writer>();
+  w->writer = std::make_unique<ctr::data::TokenWriter>(path, f, width, count);
+  *out = w.release();
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_token_writer_write(ctr_token_writer *writer, const uint32_t *tokens, int64_t count) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(writer != nullptr && writer->writer && (count == 0 || tokens != nullptr),
+              "ctr_token_writer_write: writer or tokens is NULL (or the writer is finished)");
+  REQUIRE_ARG(count >= 0, "ctr_token_writer_write: count %lld", static_cast<long long>(count));
+  writer->writer->write(tokens, count);
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_token_writer_finish(ctr_token_writer *writer) {
+  CTR_API_BEGIN
+  REQUIRE_ARG(writer != nullptr && writer->writer, "ctr_token_writer_finish: writer is NULL or finished");
+  writer->writer->finish();
+  writer->writer.reset();
+  CTR_API_END
+}
+
+extern "C" void ctr_token_writer_free(ctr_token_writer *writer) {
+  try {
+    delete writer;  // an unfinished file's path.tmp is removed
+  } catch (...) {
+  }
+}
+
 extern "C" ctr_status ctr_data_describe(const char *path, const char **name, const char **kind) {
   CTR_API_BEGIN
   REQUIRE_ARG(path != nullptr && path[0] != '\0', "ctr_data_describe: path is NULL or empty");

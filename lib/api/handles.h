@@ -23,8 +23,20 @@ namespace ctr {
 class Step;
 namespace data {
 class Loader;
+class TokenSource;
+class TokenWriter;
 }  // namespace data
 }  // namespace ctr
+
+struct ctr_tokens {
+  std::unique_ptr<ctr::data::TokenSource> source;
+  ~ctr_tokens();
+};
+
+struct ctr_token_writer {
+  std::unique_ptr<ctr::data::TokenWriter> writer;
+  ~ctr_token_writer();
+};
 
 struct ctr_loader {
   std::unique_ptr<ctr::data::Loader> loader;  // owns its token sources

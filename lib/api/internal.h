@@ -1,5 +1,5 @@
-// Entry points the `ctr` tool needs beyond the public ABI. They are linked into
-// the tool from the static library and are not exported from libctr.so.
+// What public entry points are made of, for the unit tests that call it
+// directly (linked from the static library; not exported from libctr.so).
 #pragma once
 
 #include <string>

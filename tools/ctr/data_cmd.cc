@@ -7,8 +7,8 @@
 //   ctr data inspect mix.json --seq 256                      each sub-dataset of a manifest
 //   ctr data convert corpus.bin -o corpus.npy --to npy       between formats
 //
-// These work on the library's own TokenSource and TokenWriter (lib/data), so a
-// file `inspect` accepts is exactly a file the loader accepts, and a file
+// These work on the library's token files (ctr_tokens_open, ctr_token_writer_*),
+// so a file `inspect` accepts is exactly a file the loader accepts, and a file
 // `tokenize` or `convert` writes is read back by the same code. Files are
 // streamed in blocks, so their size is bounded by the disk, not by memory.
 
@@ -29,15 +29,15 @@
 #include <utility>
 #include <vector>
 
-#include "core/status.h"
-#include "data/data.h"
+#include <nlohmann/json.hpp>
+
+#include "ctr/ctr.h"
 #include "sentencepiece.h"
 #include "text.h"
+#include "tool_error.h"
 
 namespace ctr_tool {
 
-using ctr::strformat;
-namespace data = ctr::data;
 
 namespace {
 
@@ -45,7 +45,70 @@ namespace {
 // vanish, small enough to stay in cache.
 constexpr int64_t kBlock = int64_t{1} << 16;
 
-using ctr::fail;
+using ctr_tool::fail;
+
+void check(ctr_status s) {
+  if (s != CTR_STATUS_OK) throw ctr_tool::Error(s, ctr_last_error());
+}
+
+// An open token file (ctr_tokens), and what ctr_tokens_info says of it.
+class Tokens {
+ public:
+  Tokens(const std::string &path, const std::string &format, int64_t dataset = -1) {
+    ctr_options *o = nullptr;
+    check(ctr_options_create(&o));
+    std::unique_ptr<ctr_options, void (*)(ctr_options *)> owner(o, ctr_options_free);
+    check(ctr_options_set_string(o, "format", format.c_str()));
+    if (dataset >= 0) check(ctr_options_set_int(o, "dataset", dataset));
+    check(ctr_tokens_open(path.c_str(), o, &t_));
+    const char *json = nullptr;
+    check(ctr_tokens_info(t_, &json));
+    info_ = nlohmann::json::parse(json);
+  }
+  ~Tokens() { ctr_tokens_free(t_); }
+  Tokens(const Tokens &) = delete;
+  Tokens &operator=(const Tokens &) = delete;
+
+  int64_t size() const { return info_.at("tokens").get<int64_t>(); }
+  uint32_t max_token() const { return info_.at("max_id").get<uint32_t>(); }
+  std::string kind() const { return info_.at("kind").get<std::string>(); }
+  const nlohmann::json &files() const { return info_.at("files"); }
+  void read(int64_t start, int64_t count, uint32_t *out) const { check(ctr_tokens_read(t_, start, count, out)); }
+  // Samples at seq in a mode; a source too short for one fails.
+  int64_t samples(int64_t seq, const char *mode, int64_t eot) const {
+    int64_t n = 0;
+    check(ctr_tokens_samples(t_, seq, mode, eot, &n));
+    return n;
+  }
+
+ private:
+  ctr_tokens *t_ = nullptr;
+  nlohmann::json info_;
+};
+
+// Writes a token file (ctr_token_writer); removed unless finished.
+class Writer {
+ public:
+  Writer(const std::string &path, const std::string &format, int width, int64_t count) {
+    check(ctr_token_writer_create(path.c_str(), format.c_str(), width, count, &w_));
+  }
+  ~Writer() { ctr_token_writer_free(w_); }
+  Writer(const Writer &) = delete;
+  Writer &operator=(const Writer &) = delete;
+  void write(const uint32_t *tokens, int64_t n) { check(ctr_token_writer_write(w_, tokens, n)); }
+  void finish() { check(ctr_token_writer_finish(w_)); }
+
+ private:
+  ctr_token_writer *w_ = nullptr;
+};
+
+// The largest id a width holds.
+uint32_t max_id(int width) { return width == 2 ? 0xffffu : 0xffffffffu; }
+
+// A manifest under format auto, as the library reads it: a name ending in ".json".
+bool is_manifest(const std::string &path) {
+  return path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0;
+}
 
 using ctr_tool::grouped;
 
@@ -56,34 +119,32 @@ std::string escaped(uint32_t t) {
   if (t == '\\') return "\\\\";
   if (t == '"') return "\\\"";
   if (t >= 32 && t < 127) return std::string(1, static_cast<char>(t));
-  return strformat("\\x%02x", t);
+  return ctr_tool::format("\\x%02x", t);
 }
 
-data::Format format_arg(const std::string &name) {
-  // CLI11 has already checked the name against the list.
-  return data::format_from_name(name).value_or(data::Format::Auto);
-}
 
 // ------------------------------------------------------------------------------------------
 // inspect
 
 // Prints what a source holds: its files, token count, largest id, a histogram
 // summary and its first tokens; with eot, its documents; with seq, its samples.
-void describe(const data::TokenSource &src, int64_t seq, int64_t eot, const char *indent) {
-  const auto files = src.files();
+void describe(const Tokens &src, int64_t seq, int64_t eot, const char *indent) {
+  const nlohmann::json &files = src.files();
   if (files.size() == 1) {
     const auto &f = files[0];
-    std::printf("%sformat: %s", indent, f.kind.c_str());
-    if (f.header_bytes > 0)
-      std::printf(" (%" PRId64 "-byte header, %d-byte tokens)", f.header_bytes, f.width);
+    const int64_t header = f.at("header_bytes").get<int64_t>();
+    const int width = f.at("width").get<int>();
+    std::printf("%sformat: %s", indent, f.at("kind").get<std::string>().c_str());
+    if (header > 0)
+      std::printf(" (%" PRId64 "-byte header, %d-byte tokens)", header, width);
     else
-      std::printf(" (%d-byte tokens)", f.width);
+      std::printf(" (%d-byte tokens)", width);
     std::printf("\n");
   } else {
     std::printf("%sfiles: %zu, read as one sequence\n", indent, files.size());
     for (const auto &f : files)
-      std::printf("%s  %s: %s, %s tokens\n", indent, f.path.c_str(), f.kind.c_str(),
-                  grouped(f.tokens).c_str());
+      std::printf("%s  %s: %s, %s tokens\n", indent, f.at("path").get<std::string>().c_str(),
+                  f.at("kind").get<std::string>().c_str(), grouped(f.at("tokens").get<int64_t>()).c_str());
   }
   const int64_t n = src.size();
   std::printf("%stokens: %s\n", indent, grouped(n).c_str());
@@ -158,17 +219,15 @@ void describe(const data::TokenSource &src, int64_t seq, int64_t eot, const char
                 grouped(eots).c_str());
   }
   if (seq > 0) {
-    const auto samples = [&](data::Mode mode) -> std::string {
+    const auto samples = [&](const char *mode) -> std::string {
       try {
-        data::Loader loader(src, data::LoaderConfig{seq, 0, mode, eot}, 1);
-        return grouped(loader.samples());
-      } catch (const ctr::Error &) {
+        return grouped(src.samples(seq, mode, eot));
+      } catch (const ctr_tool::Error &) {
         return "0 (too short)";
       }
     };
-    std::printf("%ssamples at seq %" PRId64 ": %s windows", indent, seq,
-                samples(data::Mode::Windows).c_str());
-    if (eot >= 0) std::printf(", %s in documents mode", samples(data::Mode::Documents).c_str());
+    std::printf("%ssamples at seq %" PRId64 ": %s windows", indent, seq, samples("windows").c_str());
+    if (eot >= 0) std::printf(", %s in documents mode", samples("documents").c_str());
     std::printf("\n");
   }
 }
@@ -182,10 +241,10 @@ class InputFile {
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_ < 0)
       fail(CTR_STATUS_IO_ERROR,
-           strformat("cannot open '%s': %s", path.c_str(), std::strerror(errno)));
+           ctr_tool::format("cannot open '%s': %s", path.c_str(), std::strerror(errno)));
     struct stat st;
     if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode))
-      fail(CTR_STATUS_IO_ERROR, strformat("'%s' is not a regular file", path.c_str()));
+      fail(CTR_STATUS_IO_ERROR, ctr_tool::format("'%s' is not a regular file", path.c_str()));
     size_ = static_cast<int64_t>(st.st_size);
   }
   ~InputFile() {
@@ -202,7 +261,7 @@ class InputFile {
       if (got < 0 && errno == EINTR) continue;
       if (got < 0)
         fail(CTR_STATUS_IO_ERROR,
-             strformat("cannot read '%s': %s", path_.c_str(), std::strerror(errno)));
+             ctr_tool::format("cannot read '%s': %s", path_.c_str(), std::strerror(errno)));
       return got;
     }
   }
@@ -214,20 +273,18 @@ class InputFile {
 };
 
 // "llm.c uint16" etc. for the summary line, as TokenSource names what it reads.
-std::string written_kind(data::Format f, int width) {
+std::string written_kind(const std::string &f, int width) {
   const char *w = width == 2 ? "uint16" : "uint32";
-  switch (f) {
-    case data::Format::Llmc: return strformat("llm.c %s", w);
-    case data::Format::Npy: return strformat("npy %s", w);
-    default: return w;
-  }
+  if (f == "llmc") return ctr_tool::format("llm.c %s", w);
+  if (f == "npy") return ctr_tool::format("npy %s", w);
+  return w;
 }
 
-int width_for(data::Format f, uint32_t max_id, int forced) {
-  if (f == data::Format::U16) return 2;
-  if (f == data::Format::U32) return 4;
+int width_for(const std::string &f, uint32_t largest, int forced) {
+  if (f == "u16") return 2;
+  if (f == "u32") return 4;
   if (forced != 0) return forced;
-  return max_id <= 0xffffu ? 2 : 4;
+  return largest <= 0xffffu ? 2 : 4;
 }
 
 }  // namespace
@@ -315,14 +372,13 @@ int DataCommand::run() const {
 }
 
 int DataCommand::Args::tokenize_run() const {
-  const data::Format format = format_arg(tok_format);
+  const std::string &format = tok_format;
   const bool with_eot = tok_eot >= 0;
   const auto eot = static_cast<uint32_t>(with_eot ? tok_eot : 0);
   const int width = width_for(format, with_eot ? std::max<uint32_t>(255, eot) : 255, 0);
-  if (with_eot && eot > data::TokenWriter::max_id(width))
+  if (with_eot && eot > max_id(width))
     fail(CTR_STATUS_INVALID_ARGUMENT,
-         strformat("--eot %u does not fit in %s tokens (at most %u)", eot, tok_format.c_str(),
-                   data::TokenWriter::max_id(width)));
+         ctr_tool::format("--eot %u does not fit in %s tokens (at most %u)", eot, tok_format.c_str(), max_id(width)));
   if (with_eot && eot < 256)
     std::fprintf(stderr,
                  "ctr: warning: --eot %u is also a byte value: documents mode will split at "
@@ -337,7 +393,7 @@ int DataCommand::Args::tokenize_run() const {
   }
   if (with_eot) count += static_cast<int64_t>(inputs.size()) - 1;
 
-  data::TokenWriter out(tok_out, format, width, count);
+  Writer out(tok_out, format, width, count);
   std::vector<uint8_t> bytes(static_cast<size_t>(kBlock));
   std::vector<uint32_t> tokens(static_cast<size_t>(kBlock));
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -349,12 +405,12 @@ int DataCommand::Args::tokenize_run() const {
       total += got;
       if (total > inputs[i]->size())
         fail(CTR_STATUS_IO_ERROR,
-             strformat("'%s' grew while it was being read", tok_inputs[i].c_str()));
+             ctr_tool::format("'%s' grew while it was being read", tok_inputs[i].c_str()));
       out.write(tokens.data(), got);
     }
     if (total != inputs[i]->size())
       fail(CTR_STATUS_IO_ERROR,
-           strformat("'%s' shrank while it was being read", tok_inputs[i].c_str()));
+           ctr_tool::format("'%s' shrank while it was being read", tok_inputs[i].c_str()));
   }
   out.finish();
   std::printf("wrote %s: %s, %s tokens from %zu file%s", tok_out.c_str(),
@@ -374,16 +430,16 @@ int DataCommand::Args::tokenize_spm_run() const {
   const int64_t eot = tok_eot >= 0 ? tok_eot : model.eos_id();
   if (eot < 0)
     fail(CTR_STATUS_INVALID_ARGUMENT,
-         strformat("--sentencepiece: the model '%s' has no end-of-sentence piece; give the end-of-text id "
+         ctr_tool::format("--sentencepiece: the model '%s' has no end-of-sentence piece; give the end-of-text id "
                    "with --eot",
                    tok_spm.c_str()));
-  const data::Format format = format_arg(tok_format);
-  const auto max_id = static_cast<uint32_t>(std::max<int64_t>(model.vocab_size() - 1, eot));
-  const int width = width_for(format, max_id, 0);
-  if (max_id > data::TokenWriter::max_id(width))
+  const std::string &format = tok_format;
+  const auto largest = static_cast<uint32_t>(std::max<int64_t>(model.vocab_size() - 1, eot));
+  const int width = width_for(format, largest, 0);
+  if (largest > max_id(width))
     fail(CTR_STATUS_INVALID_ARGUMENT,
-         strformat("--sentencepiece: ids up to %u do not fit in %s tokens (at most %u)", max_id,
-                   tok_format.c_str(), data::TokenWriter::max_id(width)));
+         ctr_tool::format("--sentencepiece: ids up to %u do not fit in %s tokens (at most %u)", largest,
+                   tok_format.c_str(), max_id(width)));
 
   std::vector<std::vector<uint32_t>> docs;
   int64_t count = 0;
@@ -395,13 +451,13 @@ int DataCommand::Args::tokenize_spm_run() const {
                       (got = in.read(reinterpret_cast<uint8_t *>(text.data()) + total, in.size() - total)) > 0;)
       total += got;
     if (total != in.size())
-      fail(CTR_STATUS_IO_ERROR, strformat("'%s' shrank while it was being read", p.c_str()));
+      fail(CTR_STATUS_IO_ERROR, ctr_tool::format("'%s' shrank while it was being read", p.c_str()));
     docs.push_back(model.encode(text));
     count += static_cast<int64_t>(docs.back().size());
   }
   count += static_cast<int64_t>(docs.size()) - 1;
 
-  data::TokenWriter out(tok_out, format, width, count);
+  Writer out(tok_out, format, width, count);
   const auto eot_id = static_cast<uint32_t>(eot);
   for (size_t i = 0; i < docs.size(); ++i) {
     if (i > 0) out.write(&eot_id, 1);
@@ -416,63 +472,67 @@ int DataCommand::Args::tokenize_spm_run() const {
 }
 
 int DataCommand::Args::inspect_run() const {
-  const data::Format format = format_arg(in_format);
-  if (format == data::Format::Auto && data::is_manifest(in_file)) {
-    const data::Manifest m = data::read_manifest(in_file);
+  if (in_format == "auto" && is_manifest(in_file)) {
+    const char *text = nullptr;
+    check(ctr_manifest_info(in_file.c_str(), &text));
+    const nlohmann::json m = nlohmann::json::parse(text);
+    const nlohmann::json &datasets = m.at("datasets");
     double total = 0;
-    for (const auto &d : m.datasets) total += d.weight;
-    const int64_t eot = in_eot >= 0 ? in_eot : m.eot.value_or(-1);
-    std::printf("manifest %s: %zu sub-dataset%s, mode %s", in_file.c_str(), m.datasets.size(),
-                m.datasets.size() == 1 ? "" : "s", m.mode.value_or("windows").c_str());
-    if (m.eot) std::printf(", end-of-text id %" PRId64, *m.eot);
+    for (const auto &d : datasets) total += d.at("weight").get<double>();
+    const bool has_eot = !m.at("eot").is_null();
+    const int64_t eot = in_eot >= 0 ? in_eot : has_eot ? m.at("eot").get<int64_t>() : -1;
+    const std::string mode = m.at("mode").is_null() ? "windows" : m.at("mode").get<std::string>();
+    std::printf("manifest %s: %zu sub-dataset%s, mode %s", in_file.c_str(), datasets.size(),
+                datasets.size() == 1 ? "" : "s", mode.c_str());
+    if (has_eot) std::printf(", end-of-text id %" PRId64, m.at("eot").get<int64_t>());
     std::printf("\n");
-    for (size_t i = 0; i < m.datasets.size(); ++i) {
-      const auto &d = m.datasets[i];
-      std::printf("\ndataset %zu: %s\n", i, d.name.c_str());
-      std::printf("  weight: %g (%.1f%% of draws)\n", d.weight, 100.0 * d.weight / total);
-      const auto src = data::TokenSource::open(d.files, d.format);
-      describe(*src, in_seq, eot, "  ");
+    for (size_t i = 0; i < datasets.size(); ++i) {
+      const auto &d = datasets[i];
+      const double weight = d.at("weight").get<double>();
+      std::printf("\ndataset %zu: %s\n", i, d.at("name").get<std::string>().c_str());
+      std::printf("  weight: %g (%.1f%% of draws)\n", weight, 100.0 * weight / total);
+      const Tokens src(in_file, "auto", static_cast<int64_t>(i));
+      describe(src, in_seq, eot, "  ");
     }
     return 0;
   }
-  const auto src = data::TokenSource::open(in_file, format);
+  const Tokens src(in_file, in_format);
   std::printf("%s\n", in_file.c_str());
-  describe(*src, in_seq, in_eot, "  ");
+  describe(src, in_seq, in_eot, "  ");
   return 0;
 }
 
 int DataCommand::Args::convert_run() const {
-  const data::Format in_fmt = format_arg(cv_format);
-  const data::Format to = format_arg(cv_to);
-  if (in_fmt == data::Format::Auto && data::is_manifest(cv_in))
+  const std::string &to = cv_to;
+  if (cv_format == "auto" && is_manifest(cv_in))
     fail(CTR_STATUS_INVALID_ARGUMENT,
-         strformat("'%s' is a manifest; convert its token files one by one", cv_in.c_str()));
-  if ((to == data::Format::U16 || to == data::Format::U32) && cv_width != 0)
+         ctr_tool::format("'%s' is a manifest; convert its token files one by one", cv_in.c_str()));
+  if ((to == "u16" || to == "u32") && cv_width != 0)
     fail(CTR_STATUS_INVALID_ARGUMENT,
-         strformat("--width applies to llmc and npy; %s has its own width", cv_to.c_str()));
-  const auto src = data::TokenSource::open(cv_in, in_fmt);
-  const int64_t n = src->size();
+         ctr_tool::format("--width applies to llmc and npy; %s has its own width", cv_to.c_str()));
+  const Tokens src(cv_in, cv_format);
+  const int64_t n = src.size();
   // Only the automatic width needs the largest id up front; otherwise the ids
   // are checked as they stream past.
-  const bool auto_width = (to == data::Format::Llmc || to == data::Format::Npy) && cv_width == 0;
-  const int width = width_for(to, auto_width ? src->max_token() : 0, cv_width);
-  const uint32_t limit = std::min<uint32_t>(data::TokenWriter::max_id(width), INT32_MAX);
+  const bool auto_width = (to == "llmc" || to == "npy") && cv_width == 0;
+  const int width = width_for(to, auto_width ? src.max_token() : 0, cv_width);
+  const uint32_t limit = std::min<uint32_t>(max_id(width), INT32_MAX);
 
-  data::TokenWriter out(cv_out, to, width, n);
+  Writer out(cv_out, to, width, n);
   std::vector<uint32_t> block(static_cast<size_t>(kBlock));
   for (int64_t at = 0; at < n; at += kBlock) {
     const int64_t len = std::min(kBlock, n - at);
-    src->read(at, len, block.data());
+    src.read(at, len, block.data());
     for (int64_t i = 0; i < len; ++i) {
       const uint32_t t = block[static_cast<size_t>(i)];
       if (t <= limit) continue;
       if (t > INT32_MAX)
         fail(CTR_STATUS_DATA_ERROR,
-             strformat("cannot convert '%s': the id at position %" PRId64 " (%u, or %d as int32) "
+             ctr_tool::format("cannot convert '%s': the id at position %" PRId64 " (%u, or %d as int32) "
                        "is not a token id",
                        cv_in.c_str(), at + i, t, static_cast<int32_t>(t)));
       fail(CTR_STATUS_DATA_ERROR,
-           strformat("cannot convert '%s' to %s: token id %u at position %" PRId64
+           ctr_tool::format("cannot convert '%s' to %s: token id %u at position %" PRId64
                      " does not fit in %d bits (at most %u)",
                      cv_in.c_str(), written_kind(to, width).c_str(), t, at + i, width * 8, limit));
     }
@@ -480,7 +540,7 @@ int DataCommand::Args::convert_run() const {
   }
   out.finish();
   std::printf("wrote %s: %s, %s tokens (from %s, %s)\n", cv_out.c_str(),
-              written_kind(to, width).c_str(), grouped(n).c_str(), cv_in.c_str(), src->kind());
+              written_kind(to, width).c_str(), grouped(n).c_str(), cv_in.c_str(), src.kind().c_str());
   return 0;
 }
 

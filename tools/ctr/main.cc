@@ -8,11 +8,12 @@
 //   ctr launch -n 4 -- ctr check --mesh dp=2,fsdp=2
 //   ctr version
 //
-// Training goes through the public C ABI only, exactly as any host program
-// would, so the tool doubles as the reference user of include/ctr/ctr.h; only
-// `graph inspect` reaches into the library (lib/api/internal.h) for the pass
-// dumps no host needs, and `check` (check_cmd.cc) into the mesh's communicators,
-// which no host drives directly. Every failure is one line on stderr,
+// Everything goes through the public C ABI only, exactly as any host program
+// would (the tool is built with include/ and libctr.so alone), so it doubles as
+// the reference user of include/ctr/ctr.h: `graph inspect` through
+// ctr_graph_inspect, `check` and the straggler report through the host
+// collectives (ctr_mesh_all_reduce, ...), `data` through the token files
+// (ctr_tokens_open, ctr_token_writer_*). Every failure is one line on stderr,
 // "ctr: error: <status>: <message>", and exit status 1, or 75 for a failure of
 // the job's machinery (exit_status below); bad usage exits 2, and `check` exits
 // 3 for a slow rank.
