@@ -171,6 +171,26 @@ func TestGraphAndMesh(t *testing.T) {
 	if m.Rank() != 0 || m.WorldSize() != 1 || m.Device() != "cpu" || m.AxisSize("dp") != 1 {
 		t.Fatalf("mesh rank %d world %d device %q", m.Rank(), m.WorldSize(), m.Device())
 	}
+	// Host collectives on one rank: the group is this rank alone.
+	if me, members, err := m.Group("world"); err != nil || me != 0 || len(members) != 1 || members[0] != 0 {
+		t.Fatalf("group: %d %v %v", me, members, err)
+	}
+	x := []float64{1.5, -2}
+	if err := m.AllReduceFloat64("world", x, "sum"); err != nil || x[0] != 1.5 || x[1] != -2 {
+		t.Fatalf("all_reduce: %v %v", x, err)
+	}
+	if out, err := m.AllGatherBytes("world", []byte{7, 8}); err != nil || string(out) != "\x07\x08" {
+		t.Fatalf("all_gather: %v %v", out, err)
+	}
+	if err := m.Barrier("world"); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.AllReduceFloat64("xp", x, "sum"); err == nil || !strings.Contains(err.Error(), "no axis 'xp'") {
+		t.Fatalf("an unknown axis: %v", err)
+	}
+	if d, err := m.Describe(); err != nil || !strings.Contains(d, `"world":1`) {
+		t.Fatalf("describe: %q %v", d, err)
+	}
 }
 
 func TestTenStepsLowerTheLoss(t *testing.T) {

@@ -3,11 +3,15 @@
 package ctr
 
 /*
+#include <stdlib.h>
 #include "ctr/ctr.h"
 */
 import "C"
 
-import "runtime"
+import (
+	"runtime"
+	"unsafe"
+)
 
 // Mesh is a ctr_mesh: read-only after creation and safe to share between
 // goroutines and steps.
@@ -119,4 +123,105 @@ func (m *Mesh) Device() string {
 	h := m.acquire()
 	defer m.done(h)
 	return C.GoString(C.ctr_mesh_device(h))
+}
+
+// Describe is ctr_mesh_describe: the mesh as JSON text (rank, world, axes,
+// device, transport, timeout_s).
+func (m *Mesh) Describe() (string, error) {
+	h := m.acquire()
+	defer m.done(h)
+	var text *C.char
+	if err := call(func() C.ctr_status { return C.ctr_mesh_describe(h, &text) }); err != nil {
+		return "", err
+	}
+	return C.GoString(text), nil
+}
+
+// Group is ctr_mesh_group and ctr_mesh_group_member: this rank's index in its
+// group over axis ("world" or a mesh axis), and the members' world ranks.
+func (m *Mesh) Group(axis string) (int, []int, error) {
+	a, err := cstring("axis", axis)
+	if err != nil {
+		return 0, nil, err
+	}
+	defer free(a)
+	h := m.acquire()
+	defer m.done(h)
+	var me, size C.int
+	if err := call(func() C.ctr_status { return C.ctr_mesh_group(h, a, &me, &size) }); err != nil {
+		return 0, nil, err
+	}
+	members := make([]int, int(size))
+	for i := range members {
+		var r C.int
+		if err := call(func() C.ctr_status { return C.ctr_mesh_group_member(h, a, C.int(i), &r) }); err != nil {
+			return 0, nil, err
+		}
+		members[i] = int(r)
+	}
+	return int(me), members, nil
+}
+
+var reduceOps = map[string]C.ctr_reduce_op{"sum": C.CTR_REDUCE_SUM, "avg": C.CTR_REDUCE_AVG,
+	"max": C.CTR_REDUCE_MAX, "min": C.CTR_REDUCE_MIN}
+
+// AllReduceFloat64 is ctr_mesh_all_reduce over float64 data, in place: op
+// "sum", "avg", "max" or "min". Host collectives block with the mesh's
+// deadline; every member of the group calls the same ones in the same order,
+// and none while a step of this mesh runs on another goroutine.
+func (m *Mesh) AllReduceFloat64(axis string, data []float64, op string) error {
+	r, ok := reduceOps[op]
+	if !ok {
+		return newError(StatusInvalidArgument, "reduction %q (sum, avg, max or min)", op)
+	}
+	a, err := cstring("axis", axis)
+	if err != nil {
+		return err
+	}
+	defer free(a)
+	h := m.acquire()
+	defer m.done(h)
+	var p unsafe.Pointer
+	if len(data) > 0 {
+		p = unsafe.Pointer(&data[0])
+	}
+	return call(func() C.ctr_status {
+		return C.ctr_mesh_all_reduce(h, a, p, p, C.size_t(len(data)), C.CTR_DTYPE_F64, r)
+	})
+}
+
+// AllGatherBytes is ctr_mesh_all_gather: every member's data (of one length),
+// concatenated in member order.
+func (m *Mesh) AllGatherBytes(axis string, data []byte) ([]byte, error) {
+	_, members, err := m.Group(axis)
+	if err != nil {
+		return nil, err
+	}
+	a, err := cstring("axis", axis)
+	if err != nil {
+		return nil, err
+	}
+	defer free(a)
+	out := make([]byte, len(data)*len(members))
+	if len(data) == 0 {
+		return out, nil
+	}
+	h := m.acquire()
+	defer m.done(h)
+	err = call(func() C.ctr_status {
+		return C.ctr_mesh_all_gather(h, a, unsafe.Pointer(&data[0]), unsafe.Pointer(&out[0]), C.size_t(len(data)))
+	})
+	return out, err
+}
+
+// Barrier is ctr_mesh_barrier.
+func (m *Mesh) Barrier(axis string) error {
+	a, err := cstring("axis", axis)
+	if err != nil {
+		return err
+	}
+	defer free(a)
+	h := m.acquire()
+	defer m.done(h)
+	return call(func() C.ctr_status { return C.ctr_mesh_barrier(h, a) })
 }

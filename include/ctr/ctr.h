@@ -254,7 +254,9 @@ CTR_API ctr_status ctr_mesh_async_error(const ctr_mesh *mesh, const char **messa
  * CTR_STATUS_COMM_ERROR naming it, within that time. CTR_STATUS_INVALID_ARGUMENT
  * on NULL buffers (with a non-zero size), an axis the mesh lacks or a root out
  * of range; CTR_STATUS_UNSUPPORTED for a dtype the reduction does not take.
- * Not thread-safe against other calls on the same mesh. */
+ * Calls from several threads run one at a time (in an order the other ranks
+ * must match); none may run while a step of this mesh runs on another thread,
+ * whose collectives use the same communicators. */
 typedef enum ctr_reduce_op {
   CTR_REDUCE_SUM = 0,
   CTR_REDUCE_AVG = 1,

@@ -362,6 +362,7 @@ void check_reduce_dtype(ctr_dtype dtype, const char *fn) {
 // failure is the job's (the mesh's teardown then does not wait for peers).
 template <typename Issue>
 void host_collective(const ctr_mesh *mesh, const HostGroup &g, const char *what, Issue issue) {
+  const std::lock_guard<std::mutex> one_at_a_time(mesh->host_collective_mu);
   const ctr::CollectiveName name(strformat("host %s over '%s'", what, g.axis.c_str()));
   try {
     ctr::comm_wait(*g.comm, issue(*g.comm->iface, g.comm->ctx), mesh->timeout_ms);

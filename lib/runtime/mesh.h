@@ -44,6 +44,8 @@ class Mesh {
   std::unique_ptr<Store> store;
   Comm world_comm;
   std::map<std::string, Comm> axis_comm;
+  // Host collectives (ctr_mesh_all_reduce, ...) from several threads run one at a time.
+  mutable std::mutex host_collective_mu;
 
   int axis_size(const std::string &name) const;
   // This rank's index along the named axis, and rank r's.

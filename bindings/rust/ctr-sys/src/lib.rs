@@ -47,6 +47,12 @@ pub const CTR_STATUS_DEVICE_ERROR: ctr_status = 15;
 // ---------------------------------------------------------------------------
 // Data types
 
+pub type ctr_reduce_op = c_int;
+pub const CTR_REDUCE_SUM: ctr_reduce_op = 0;
+pub const CTR_REDUCE_AVG: ctr_reduce_op = 1;
+pub const CTR_REDUCE_MAX: ctr_reduce_op = 2;
+pub const CTR_REDUCE_MIN: ctr_reduce_op = 3;
+
 pub type ctr_dtype = c_int;
 pub const CTR_DTYPE_F32: ctr_dtype = 0;
 pub const CTR_DTYPE_F16: ctr_dtype = 1;
@@ -141,6 +147,43 @@ extern "C" {
     pub fn ctr_mesh_data_size(mesh: *const ctr_mesh) -> c_int;
     pub fn ctr_mesh_axis_size(mesh: *const ctr_mesh, axis: *const c_char) -> c_int;
     pub fn ctr_mesh_device(mesh: *const ctr_mesh) -> *const c_char;
+    pub fn ctr_mesh_group(
+        mesh: *const ctr_mesh,
+        axis: *const c_char,
+        rank: *mut c_int,
+        size: *mut c_int,
+    ) -> ctr_status;
+    pub fn ctr_mesh_group_member(
+        mesh: *const ctr_mesh,
+        axis: *const c_char,
+        i: c_int,
+        world_rank: *mut c_int,
+    ) -> ctr_status;
+    pub fn ctr_mesh_all_reduce(
+        mesh: *mut ctr_mesh,
+        axis: *const c_char,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: ctr_dtype,
+        op: ctr_reduce_op,
+    ) -> ctr_status;
+    pub fn ctr_mesh_all_gather(
+        mesh: *mut ctr_mesh,
+        axis: *const c_char,
+        send: *const c_void,
+        recv: *mut c_void,
+        bytes: usize,
+    ) -> ctr_status;
+    pub fn ctr_mesh_broadcast(
+        mesh: *mut ctr_mesh,
+        axis: *const c_char,
+        buf: *mut c_void,
+        bytes: usize,
+        root: c_int,
+    ) -> ctr_status;
+    pub fn ctr_mesh_barrier(mesh: *mut ctr_mesh, axis: *const c_char) -> ctr_status;
+    pub fn ctr_mesh_describe(mesh: *const ctr_mesh, json: *mut *const c_char) -> ctr_status;
 
     // Graph
     pub fn ctr_graph_load_file(path: *const c_char, out: *mut *mut ctr_graph) -> ctr_status;

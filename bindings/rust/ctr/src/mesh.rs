@@ -103,6 +103,114 @@ impl Mesh {
         // SAFETY: the string is owned by the live mesh and copied at once.
         unsafe { owned_string(sys::ctr_mesh_device(self.as_ptr())) }
     }
+
+    /// `ctr_mesh_describe`: the mesh as JSON text (rank, world, axes, device,
+    /// transport, timeout_s).
+    pub fn describe(&self) -> Result<String> {
+        let mut text = ptr::null();
+        // SAFETY: live handle; the text is copied before the next call.
+        check(unsafe { sys::ctr_mesh_describe(self.as_ptr(), &mut text) })?;
+        Ok(unsafe { owned_string(text) })
+    }
+
+    /// `ctr_mesh_group`: this rank's index in its group over `axis` ("world"
+    /// or a mesh axis), the group's size and its members' world ranks.
+    pub fn group(&self, axis: &str) -> Result<(i32, i32, Vec<i32>)> {
+        let a = cstring("axis", axis)?;
+        let (mut me, mut size) = (0, 0);
+        // SAFETY: live handle, NUL-terminated name, locals as outputs.
+        check(unsafe { sys::ctr_mesh_group(self.as_ptr(), a.as_ptr(), &mut me, &mut size) })?;
+        let mut members = Vec::with_capacity(size as usize);
+        for i in 0..size {
+            let mut r = 0;
+            check(unsafe { sys::ctr_mesh_group_member(self.as_ptr(), a.as_ptr(), i, &mut r) })?;
+            members.push(r);
+        }
+        Ok((me, size, members))
+    }
+
+    /// Host collectives (`ctr_mesh_all_reduce`, ...): blocking, with the
+    /// mesh's deadline; every member of the group calls the same ones in the
+    /// same order, and none while a step of this mesh runs on another thread.
+    /// `op`: "sum", "avg", "max" or "min".
+    pub fn all_reduce<T: Reducible>(&self, axis: &str, data: &mut [T], op: &str) -> Result<()> {
+        let a = cstring("axis", axis)?;
+        let op = reduce_op(op)?;
+        let p = data.as_mut_ptr() as *mut std::ffi::c_void;
+        // SAFETY: live handle; send == recv is allowed; len elements of T's dtype.
+        check(unsafe {
+            sys::ctr_mesh_all_reduce(self.as_ptr() as *mut _, a.as_ptr(), p, p, data.len(), T::DTYPE, op)
+        })
+    }
+
+    /// Every member's `data`, concatenated in member order.
+    pub fn all_gather<T: Reducible>(&self, axis: &str, data: &[T]) -> Result<Vec<T>> {
+        let (_, size, _) = self.group(axis)?;
+        let a = cstring("axis", axis)?;
+        let mut out: Vec<T> = vec![T::default(); data.len() * size as usize];
+        // SAFETY: live handle; out holds size blocks of data's bytes.
+        check(unsafe {
+            sys::ctr_mesh_all_gather(
+                self.as_ptr() as *mut _,
+                a.as_ptr(),
+                data.as_ptr() as *const std::ffi::c_void,
+                out.as_mut_ptr() as *mut std::ffi::c_void,
+                std::mem::size_of_val(data),
+            )
+        })?;
+        Ok(out)
+    }
+
+    /// Member `root`'s `data` into every member's.
+    pub fn broadcast<T: Reducible>(&self, axis: &str, data: &mut [T], root: i32) -> Result<()> {
+        let a = cstring("axis", axis)?;
+        // SAFETY: live handle; data is len elements.
+        check(unsafe {
+            sys::ctr_mesh_broadcast(
+                self.as_ptr() as *mut _,
+                a.as_ptr(),
+                data.as_mut_ptr() as *mut std::ffi::c_void,
+                std::mem::size_of_val(data),
+                root,
+            )
+        })
+    }
+
+    pub fn barrier(&self, axis: &str) -> Result<()> {
+        let a = cstring("axis", axis)?;
+        // SAFETY: live handle.
+        check(unsafe { sys::ctr_mesh_barrier(self.as_ptr() as *mut _, a.as_ptr()) })
+    }
+}
+
+/// Element types the host collectives reduce.
+pub trait Reducible: Copy + Default {
+    const DTYPE: sys::ctr_dtype;
+}
+impl Reducible for f32 {
+    const DTYPE: sys::ctr_dtype = sys::CTR_DTYPE_F32;
+}
+impl Reducible for f64 {
+    const DTYPE: sys::ctr_dtype = sys::CTR_DTYPE_F64;
+}
+impl Reducible for i32 {
+    const DTYPE: sys::ctr_dtype = sys::CTR_DTYPE_I32;
+}
+impl Reducible for i64 {
+    const DTYPE: sys::ctr_dtype = sys::CTR_DTYPE_I64;
+}
+
+fn reduce_op(op: &str) -> Result<sys::ctr_reduce_op> {
+    match op {
+        "sum" => Ok(sys::CTR_REDUCE_SUM),
+        "avg" => Ok(sys::CTR_REDUCE_AVG),
+        "max" => Ok(sys::CTR_REDUCE_MAX),
+        "min" => Ok(sys::CTR_REDUCE_MIN),
+        _ => Err(crate::Error::new(
+            crate::Status::INVALID_ARGUMENT,
+            format!("reduction '{}' (sum, avg, max or min)", op.escape_debug()),
+        )),
+    }
 }
 
 impl std::fmt::Debug for Mesh {

@@ -92,6 +92,17 @@ fn graph_and_mesh_introspection() {
     assert_eq!((mesh.rank(), mesh.world_size()), (0, 1));
     assert_eq!(mesh.device(), "cpu");
     assert_eq!(mesh.axis_size("dp"), 1);
+    // Host collectives on one rank: the group is this rank alone.
+    assert_eq!(mesh.group("world").unwrap(), (0, 1, vec![0]));
+    let mut x = [1.5f32, -2.0];
+    mesh.all_reduce("world", &mut x, "max").unwrap();
+    assert_eq!(x, [1.5, -2.0]);
+    assert_eq!(mesh.all_gather("world", &[7i64, 8]).unwrap(), vec![7, 8]);
+    mesh.barrier("world").unwrap();
+    let err = mesh.all_reduce("xp", &mut x, "sum").unwrap_err();
+    assert!(err.to_string().contains("no axis 'xp'"), "{err}");
+    assert!(mesh.all_reduce("world", &mut x, "mean").is_err());
+    assert!(mesh.describe().unwrap().contains("\"world\":1"));
 
     // A graph survives a save/load round trip through a file and a buffer.
     let dir = TempDir::new("graph");
