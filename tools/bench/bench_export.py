@@ -21,7 +21,8 @@ hf-<class> models are transformers' causal-LM classes (tests/zoo/hf_causal_lm.py
 same sizes (kv heads H/2 where the class groups them, feed-forward width 2C, untied head),
 with their own loss from labels. --torch adds PyTorch's step for the same model and batch:
 eager forward, backward and AdamW on --threads threads, with OMP_WAIT_POLICY=PASSIVE (set
-here before torch is imported, unless the environment sets it).
+here before torch is imported, unless the environment sets it); --compile adds the same step
+with the model under torch.compile (compiled during the warm-up steps, which are not timed).
 """
 
 import argparse
@@ -104,6 +105,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-fuse", action="store_true", help="run the exported graph unfused")
     ap.add_argument("--torch", action="store_true",
                     help="also time PyTorch eager training the same model on the same batch")
+    ap.add_argument("--compile", action="store_true",
+                    help="with --torch, also time the model under torch.compile (inductor; compiled "
+                         "during the warm-up steps)")
     ap.add_argument("--ctr", default=str(REPO / "build" / "tools" / "ctr"))
     return ap.parse_args(argv)
 
@@ -126,14 +130,16 @@ def export_model(a, path):
     ctr_export.export(model, (example, example), loss_fn, path, max_seq=a.seq)
 
 
-def torch_steps(a):
-    """PyTorch's step times (ms) for the same model and batch: eager forward, backward and
-    AdamW, --threads threads, the first --warmup steps skipped."""
+def torch_steps(a, compiled=False):
+    """PyTorch's step times (ms) for the same model and batch: eager (or torch.compile'd)
+    forward, backward and AdamW, --threads threads, the first --warmup steps skipped."""
     import time
 
     import torch
     torch.set_num_threads(a.threads)
     model, loss_fn = build_model(a)
+    if compiled:
+        model = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     out = []
@@ -189,6 +195,8 @@ def main(argv=None):
             times["preset"] += run(a, preset, tmp, [])
         if a.torch:
             times["torch"] = torch_steps(a)
+        if a.torch and a.compile:
+            times["compiled"] = torch_steps(a, compiled=True)
     e, p = statistics.median(times["exported"]), statistics.median(times["preset"])
     print(f"model {a.model} vs preset {PRESET[a.model]}: V={a.vocab} T={a.seq} L={a.layers} "
           f"H={a.heads} C={a.dim} B={a.batch}, {a.threads} threads, "
@@ -200,9 +208,14 @@ def main(argv=None):
     if a.torch:
         t = statistics.median(times["torch"])
         print(f"  {'pytorch':10s} {t:15.1f}   (eager, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})")
+    if "compiled" in times:
+        c = statistics.median(times["compiled"])
+        print(f"  {'compiled':10s} {c:15.1f}   (torch.compile, inductor)")
     print(f"  exported / preset: {e / p:.3f}")
     if a.torch:
         print(f"  pytorch / exported: {t / e:.3f}")
+    if "compiled" in times:
+        print(f"  compiled / exported: {c / e:.3f}")
     return 0
 
 
