@@ -137,24 +137,33 @@ func (m *Mesh) Describe() (string, error) {
 	return C.GoString(text), nil
 }
 
-// Group is ctr_mesh_group and ctr_mesh_group_member: this rank's index in its
-// group over axis ("world" or a mesh axis), and the members' world ranks.
-func (m *Mesh) Group(axis string) (int, []int, error) {
+// onAxis runs f with the C mesh and the axis name as a C string, as a call.
+func (m *Mesh) onAxis(axis string, f func(h *C.ctr_mesh, a *C.char) C.ctr_status) error {
 	a, err := cstring("axis", axis)
 	if err != nil {
-		return 0, nil, err
+		return err
 	}
 	defer free(a)
 	h := m.acquire()
 	defer m.done(h)
+	return call(func() C.ctr_status { return f(h, a) })
+}
+
+// Group is ctr_mesh_group and ctr_mesh_group_member: this rank's index in its
+// group over axis ("world" or a mesh axis), and the members' world ranks.
+func (m *Mesh) Group(axis string) (int, []int, error) {
 	var me, size C.int
-	if err := call(func() C.ctr_status { return C.ctr_mesh_group(h, a, &me, &size) }); err != nil {
+	if err := m.onAxis(axis, func(h *C.ctr_mesh, a *C.char) C.ctr_status {
+		return C.ctr_mesh_group(h, a, &me, &size)
+	}); err != nil {
 		return 0, nil, err
 	}
 	members := make([]int, int(size))
 	for i := range members {
 		var r C.int
-		if err := call(func() C.ctr_status { return C.ctr_mesh_group_member(h, a, C.int(i), &r) }); err != nil {
+		if err := m.onAxis(axis, func(h *C.ctr_mesh, a *C.char) C.ctr_status {
+			return C.ctr_mesh_group_member(h, a, C.int(i), &r)
+		}); err != nil {
 			return 0, nil, err
 		}
 		members[i] = int(r)
@@ -174,18 +183,11 @@ func (m *Mesh) AllReduceFloat64(axis string, data []float64, op string) error {
 	if !ok {
 		return newError(StatusInvalidArgument, "reduction %q (sum, avg, max or min)", op)
 	}
-	a, err := cstring("axis", axis)
-	if err != nil {
-		return err
-	}
-	defer free(a)
-	h := m.acquire()
-	defer m.done(h)
 	var p unsafe.Pointer
 	if len(data) > 0 {
 		p = unsafe.Pointer(&data[0])
 	}
-	return call(func() C.ctr_status {
+	return m.onAxis(axis, func(h *C.ctr_mesh, a *C.char) C.ctr_status {
 		return C.ctr_mesh_all_reduce(h, a, p, p, C.size_t(len(data)), C.CTR_DTYPE_F64, r)
 	})
 }
@@ -197,18 +199,11 @@ func (m *Mesh) AllGatherBytes(axis string, data []byte) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	a, err := cstring("axis", axis)
-	if err != nil {
-		return nil, err
-	}
-	defer free(a)
 	out := make([]byte, len(data)*len(members))
 	if len(data) == 0 {
 		return out, nil
 	}
-	h := m.acquire()
-	defer m.done(h)
-	err = call(func() C.ctr_status {
+	err = m.onAxis(axis, func(h *C.ctr_mesh, a *C.char) C.ctr_status {
 		return C.ctr_mesh_all_gather(h, a, unsafe.Pointer(&data[0]), unsafe.Pointer(&out[0]), C.size_t(len(data)))
 	})
 	return out, err
@@ -216,12 +211,5 @@ func (m *Mesh) AllGatherBytes(axis string, data []byte) ([]byte, error) {
 
 // Barrier is ctr_mesh_barrier.
 func (m *Mesh) Barrier(axis string) error {
-	a, err := cstring("axis", axis)
-	if err != nil {
-		return err
-	}
-	defer free(a)
-	h := m.acquire()
-	defer m.done(h)
-	return call(func() C.ctr_status { return C.ctr_mesh_barrier(h, a) })
+	return m.onAxis(axis, func(h *C.ctr_mesh, a *C.char) C.ctr_status { return C.ctr_mesh_barrier(h, a) })
 }

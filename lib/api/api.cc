@@ -391,10 +391,12 @@ extern "C" ctr_status ctr_mesh_group_member(const ctr_mesh *mesh, const char *ax
   CTR_API_END
 }
 
-extern "C" ctr_status ctr_mesh_all_reduce(ctr_mesh *mesh, const char *axis, const void *send, void *recv,
-                                          size_t count, ctr_dtype dtype, ctr_reduce_op op) {
-  CTR_API_BEGIN
-  const char *fn = "ctr_mesh_all_reduce";
+namespace {
+
+// A reduction over the group: on a group of one, recv = send.
+template <typename Issue>
+void host_reduction(ctr_mesh *mesh, const char *axis, const void *send, void *recv, size_t count, ctr_dtype dtype,
+                    ctr_reduce_op op, const char *fn, const char *what, Issue issue) {
   const HostGroup g = host_group(mesh, axis, fn);
   REQUIRE_ARG(count == 0 || (send && recv), "%s: send or recv is NULL", fn);
   check_reduce_dtype(dtype, fn);
@@ -402,10 +404,29 @@ extern "C" ctr_status ctr_mesh_all_reduce(ctr_mesh *mesh, const char *axis, cons
   if (!g.comm) {
     if (count && send != recv) std::memmove(recv, send, count * ctr_dtype_size(dtype));
   } else if (count) {
-    host_collective(mesh, g, "all_reduce", [&](const ctr::CommIface &f, void *ctx) {
-      return f.all_reduce(ctx, send, recv, count, dtype, r);
-    });
+    host_collective(mesh, g, what, [&](const ctr::CommIface &f, void *ctx) { return issue(f, ctx, r); });
   }
+}
+
+}  // namespace
+
+extern "C" ctr_status ctr_mesh_all_reduce(ctr_mesh *mesh, const char *axis, const void *send, void *recv,
+                                          size_t count, ctr_dtype dtype, ctr_reduce_op op) {
+  CTR_API_BEGIN
+  host_reduction(mesh, axis, send, recv, count, dtype, op, "ctr_mesh_all_reduce", "all_reduce",
+                 [&](const ctr::CommIface &f, void *ctx, ctr::ReduceOp r) {
+                   return f.all_reduce(ctx, send, recv, count, dtype, r);
+                 });
+  CTR_API_END
+}
+
+extern "C" ctr_status ctr_mesh_reduce_scatter(ctr_mesh *mesh, const char *axis, const void *send, void *recv,
+                                              size_t count, ctr_dtype dtype, ctr_reduce_op op) {
+  CTR_API_BEGIN
+  host_reduction(mesh, axis, send, recv, count, dtype, op, "ctr_mesh_reduce_scatter", "reduce_scatter",
+                 [&](const ctr::CommIface &f, void *ctx, ctr::ReduceOp r) {
+                   return f.reduce_scatter(ctx, send, recv, count, dtype, r);
+                 });
   CTR_API_END
 }
 
@@ -420,24 +441,6 @@ extern "C" ctr_status ctr_mesh_all_gather(ctr_mesh *mesh, const char *axis, cons
   } else if (bytes) {
     host_collective(mesh, g, "all_gather", [&](const ctr::CommIface &f, void *ctx) {
       return f.all_gather(ctx, send, recv, bytes);
-    });
-  }
-  CTR_API_END
-}
-
-extern "C" ctr_status ctr_mesh_reduce_scatter(ctr_mesh *mesh, const char *axis, const void *send, void *recv,
-                                              size_t count, ctr_dtype dtype, ctr_reduce_op op) {
-  CTR_API_BEGIN
-  const char *fn = "ctr_mesh_reduce_scatter";
-  const HostGroup g = host_group(mesh, axis, fn);
-  REQUIRE_ARG(count == 0 || (send && recv), "%s: send or recv is NULL", fn);
-  check_reduce_dtype(dtype, fn);
-  const ctr::ReduceOp r = reduce_op(op, fn);
-  if (!g.comm) {
-    if (count && send != recv) std::memmove(recv, send, count * ctr_dtype_size(dtype));
-  } else if (count) {
-    host_collective(mesh, g, "reduce_scatter", [&](const ctr::CommIface &f, void *ctx) {
-      return f.reduce_scatter(ctx, send, recv, count, dtype, r);
     });
   }
   CTR_API_END

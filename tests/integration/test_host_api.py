@@ -17,14 +17,6 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 @pytest.fixture(scope="module")
-def ctr():
-    path = os.environ.get("CTR")
-    if not path:
-        pytest.skip("no ctr tool given (CTR)")
-    return os.path.abspath(path)
-
-
-@pytest.fixture(scope="module")
 def env(ctr):
     pytest.importorskip("numpy")
     lib = os.environ.get("CTR_LIBRARY") or os.path.join(os.path.dirname(os.path.dirname(ctr)), "lib", "libctr.so")

@@ -17,14 +17,6 @@ import sys
 import pytest
 
 
-@pytest.fixture(scope="module")
-def ctr():
-    path = os.environ.get("CTR")
-    if not path:
-        pytest.skip("no ctr tool given (CTR)")
-    return os.path.abspath(path)
-
-
 def run(ctr, *args, expect=0, timeout=120):
     p = subprocess.run([ctr, *args], capture_output=True, text=True, timeout=timeout)
     assert p.returncode == expect, (f"`ctr {' '.join(args)}` exited {p.returncode}, expected {expect}\n"
@@ -190,16 +182,21 @@ def test_step_creation_on_two_ranks_refuses_without_hanging(ctr, graph):
 STEPS = 20
 
 
+def presets(ctr, tmp_path_factory, layers):
+    """{preset: graph file} of gpt and llama of `layers` blocks."""
+    out = {}
+    for preset in ("gpt", "llama"):
+        g = str(tmp_path_factory.mktemp(f"deep{layers}") / f"{preset}.ctrg")
+        run(ctr, "graph", "build", "--preset", preset, "--layers", str(layers), "--dim", "32", "--heads", "2",
+            "--seq", "16", "-o", g)
+        out[preset] = g
+    return out
+
+
 @pytest.fixture(scope="module")
 def deep(ctr, tmp_path_factory):
     """gpt (tied embedding: the first and the last stage read it) and llama of 4 blocks."""
-    out = {}
-    for preset in ("gpt", "llama"):
-        g = str(tmp_path_factory.mktemp("deep") / f"{preset}.ctrg")
-        run(ctr, "graph", "build", "--preset", preset, "--layers", "4", "--dim", "32", "--heads", "2", "--seq",
-            "16", "-o", g)
-        out[preset] = g
-    return out
+    return presets(ctr, tmp_path_factory, 4)
 
 
 def train(ctr, graph, out_dir, n, mesh, *args):
@@ -248,13 +245,7 @@ def test_stages_train_as_one_rank(ctr, deep, tmp_path, preset):
 @pytest.fixture(scope="module")
 def deep8(ctr, tmp_path_factory):
     """gpt and llama of 8 blocks: pp=4 with 2 chunks per rank."""
-    out = {}
-    for preset in ("gpt", "llama"):
-        g = str(tmp_path_factory.mktemp("deep8") / f"{preset}.ctrg")
-        run(ctr, "graph", "build", "--preset", preset, "--layers", "8", "--dim", "32", "--heads", "2", "--seq",
-            "16", "-o", g)
-        out[preset] = g
-    return out
+    return presets(ctr, tmp_path_factory, 8)
 
 
 @pytest.mark.parametrize("preset", ["gpt", "llama"])

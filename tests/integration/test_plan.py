@@ -22,14 +22,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILE = os.path.join(HERE, "..", "..", "profiles", "cpu-2core.json")
 
 
-@pytest.fixture(scope="module")
-def ctr():
-    path = os.environ.get("CTR")
-    if not path:
-        pytest.skip("no ctr tool given (CTR)")
-    return os.path.abspath(path)
-
-
 def run(ctr, *args, expect=0, timeout=120):
     p = subprocess.run([ctr, *args], capture_output=True, text=True, timeout=timeout)
     assert p.returncode == expect, (f"`ctr {' '.join(args)}` exited {p.returncode}, expected {expect}\n"
