@@ -17,15 +17,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 @pytest.fixture(scope="module")
-def env(ctr):
-    pytest.importorskip("numpy")
-    lib = os.environ.get("CTR_LIBRARY") or os.path.join(os.path.dirname(os.path.dirname(ctr)), "lib", "libctr.so")
-    if not os.path.exists(lib):
-        pytest.skip(f"no libctr.so beside the ctr tool ({lib})")
-    if os.environ.get("ASAN_OPTIONS") and not os.environ.get("LD_PRELOAD"):
-        pytest.skip("a sanitizer build of libctr loads into Python only with the ASan runtime preloaded "
-                    "(the bindings suite does); this test runs in the regular suites")
-    return dict(os.environ, CTR_LIBRARY=lib, PYTHONPATH=os.path.join(ROOT, "bindings", "python"))
+def env(python_env):
+    return python_env
 
 
 COLLECTIVES = """

@@ -366,22 +366,15 @@ for name, shape in (("logits", (2, 16, 64)), ("layers.0.ln1", (2, 16, 32))):
 """
 
 
-def test_kept_outputs_are_read_on_the_stage_that_computes_them(ctr, tmp_path):
+def test_kept_outputs_are_read_on_the_stage_that_computes_them(ctr, python_env, tmp_path):
     """Option keep on stages: a kept activation is read on the ranks of its
     stage (the logits on the last, the first block's norm on the first), equal
     to one rank's (the last micro-batch's); elsewhere it is refused naming the
     stage that computes it."""
     np_ = pytest.importorskip("numpy")
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    lib = os.environ.get("CTR_LIBRARY") or os.path.join(os.path.dirname(os.path.dirname(ctr)), "lib", "libctr.so")
-    if not os.path.exists(lib):
-        pytest.skip(f"no libctr.so beside the ctr tool ({lib})")
-    if os.environ.get("ASAN_OPTIONS") and not os.environ.get("LD_PRELOAD"):
-        pytest.skip("a sanitizer build of libctr loads into Python only with the ASan runtime preloaded "
-                    "(the bindings suite does); this test runs in the regular suites")
     script = tmp_path / "keep.py"
     script.write_text(KEEP_SCRIPT)
-    env = dict(os.environ, CTR_LIBRARY=lib, PYTHONPATH=os.path.join(root, "bindings", "python"))
+    env = python_env
     outs = {}
     for n, mesh in ((1, "fsdp=1"), (2, "pp=2")):
         d = tmp_path / mesh
