@@ -1,8 +1,10 @@
 """What a host program does without the `ctr` tool, through the public C ABI (here by
 the Python binding): host collectives over the mesh (the world and each axis's
 group), the mesh described, a graph inspected after any pass, the passes listed,
-a data file described; bad axes and roots named; a rank that leaves mid-job
-failing its peers' collectives within the mesh deadline, naming it.
+a data file described, token files written, read and counted in samples as the
+loader reads them (a manifest's sub-datasets too); bad axes, roots, ids and
+ranges named; a rank that leaves mid-job failing its peers' collectives within
+the mesh deadline, naming it.
 
 usage: CTR=PATH_TO_CTR pytest test_host_api.py
 """
@@ -149,3 +151,59 @@ print("RESULT " + json.dumps({"names": names, "schedule": sched, "bad": bad,
     assert got["bad"][0] == "INVALID_ARGUMENT" and "nonesuch" in got["bad"][1], got["bad"]
     name, kind = got["data"]
     assert name.endswith("tokens.bin") and "llm.c" in kind, got["data"]
+
+
+TOKENS = """
+import json, os, sys
+import numpy as np
+import ctr
+d = sys.argv[1]
+ids = np.arange(1000, dtype=np.uint32) % 300
+ctr.write_tokens(os.path.join(d, "a.bin"), ids, "llmc", 2)
+ctr.write_tokens(os.path.join(d, "b.npy"), ids[:500], "npy", 4)
+t = ctr.Tokens(os.path.join(d, "a.bin"))
+out = {"info": t.info, "read": t.read(295, 10).tolist(), "windows": t.samples(16),
+       "documents": t.samples(16, "documents", 299)}
+json.dump({"datasets": [{"name": "x", "files": ["a.bin"], "weight": 3},
+                                    {"name": "y", "files": ["b.npy"]}]}, open(os.path.join(d, "m.json"), "w"))
+out["manifest"] = ctr.manifest_info(os.path.join(d, "m.json"))
+out["y"] = ctr.Tokens(os.path.join(d, "m.json"), dataset=1).info
+errors = []
+for bad in (lambda: ctr.write_tokens(os.path.join(d, "c.bin"), [70000], "llmc", 2),
+            lambda: ctr.Tokens(os.path.join(d, "m.json")),
+            lambda: t.read(995, 10),
+            lambda: ctr.Tokens(os.path.join(d, "a.bin")).samples(5000)):
+    try:
+        bad()
+        errors.append(None)
+    except ctr.CtrError as e:
+        errors.append([e.status.name, str(e)])
+out["errors"] = errors
+out["leftover"] = sorted(f for f in os.listdir(d) if f.startswith("c.bin"))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_token_files_written_and_read_as_the_loader_reads_them(ctr, env, tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    got = results(launch(ctr, env, tmp_path, 1, TOKENS, str(d)).stdout)[0]
+    info = got["info"]
+    assert info["tokens"] == 1000 and info["max_id"] == 299 and "llm.c" in info["kind"], info
+    assert info["files"][0]["width"] == 2 and info["files"][0]["header_bytes"] == 1024, info
+    assert got["read"] == [295, 296, 297, 298, 299, 0, 1, 2, 3, 4]
+    assert got["windows"] == (1000 - 1) // 16, got["windows"]
+    assert got["documents"] > 0
+    m = got["manifest"]
+    assert [x["name"] for x in m["datasets"]] == ["x", "y"] and m["datasets"][0]["weight"] == 3, m
+    assert got["y"]["tokens"] == 500 and got["y"]["files"][0]["width"] == 4, got["y"]
+    too_big, manifest, past_end, short = got["errors"]
+    assert too_big[0] == "DATA_ERROR" and "70000" in too_big[1], too_big
+    assert manifest[0] == "INVALID_ARGUMENT" and "option 'dataset'" in manifest[1], manifest
+    assert past_end[0] == "INVALID_ARGUMENT" and "[995, 1005) of 1000" in past_end[1], past_end
+    assert short[0] == "DATA_ERROR", short
+    assert got["leftover"] == [], got["leftover"]  # the failed write left no file behind
+    # The ctr tool reads the files the binding wrote.
+    out = subprocess.run([ctr, "data", "inspect", str(d / "m.json"), "--seq", "16"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "dataset 1: y" in out.stdout and "tokens: 500" in out.stdout, out.stdout

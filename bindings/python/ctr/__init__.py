@@ -20,7 +20,8 @@ from ._lib import CtrError, DType, Status, load as _load
 _LIB = _load()
 _api._set_lib(_LIB)
 
-from ._api import Graph, Loader, Mesh, Resumed, Step, TensorInfo, describe_data, pass_names  # noqa: E402
+from ._api import (Graph, Loader, Mesh, Resumed, Step, TensorInfo, Tokens, describe_data,  # noqa: E402
+                   manifest_info, pass_names, write_tokens)
 
 ABI_VERSION = _abi.ABI_VERSION
 #: Path or name of the loaded libctr.
@@ -49,5 +50,5 @@ def dtype_size(dtype):
 
 
 __all__ = ["ABI_VERSION", "CtrError", "DType", "Graph", "Loader", "Mesh", "Resumed", "Status",
-           "Step", "TensorInfo", "abi_version", "describe_data", "dtype_size", "library_path", "pass_names",
-           "status_string", "version"]
+           "Step", "TensorInfo", "Tokens", "abi_version", "describe_data", "dtype_size", "library_path",
+           "manifest_info", "pass_names", "status_string", "version", "write_tokens"]

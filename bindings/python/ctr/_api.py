@@ -485,6 +485,65 @@ class Graph(_Handle):
 # Loader
 
 
+class Tokens(_Handle):
+    """A token file opened as the loader reads it (read-only). format: auto, llmc, npy, u16,
+    u32 or bytes; dataset: with a manifest, the index of its sub-dataset to open."""
+
+    _free_fn = "tokens_free"
+
+    def __init__(self, path, format="auto", dataset=None):
+        p = ctypes.c_void_p()
+        opts = {"format": format}
+        if dataset is not None:
+            opts["dataset"] = dataset
+        with _Options(opts) as o:
+            _L.tokens_open(_enc(path), o, ctypes.byref(p))
+        super().__init__(p)
+
+    @property
+    def info(self):
+        """{"name", "kind", "tokens", "max_id", "files": [{"path", "kind", "tokens", "width",
+        "header_bytes"}]}"""
+        text = ctypes.c_char_p()
+        _L.tokens_info(self._p(), ctypes.byref(text))
+        return json.loads(_dec(text.value))
+
+    def read(self, start, count):
+        """Tokens [start, start + count) as uint32."""
+        out, addr = _out_buffer(count, DType.U32, None)
+        _L.tokens_read(self._p(), start, count, addr)
+        return out
+
+    def samples(self, seq, mode="windows", eot=-1):
+        """How many samples of seq inputs the loader cuts from it."""
+        n = ctypes.c_int64()
+        _L.tokens_samples(self._p(), seq, _enc(mode), eot, ctypes.byref(n))
+        return n.value
+
+
+def manifest_info(path):
+    """A manifest's sub-datasets: {"path", "mode", "eot", "datasets": [{"name", "weight",
+    "files", "format"}]}."""
+    text = ctypes.c_char_p()
+    _L.manifest_info(_enc(path), ctypes.byref(text))
+    return json.loads(_dec(text.value))
+
+
+def write_tokens(path, tokens, format="llmc", width=2):
+    """Writes tokens (integers) as a token file the loader reads; written as path.tmp and
+    renamed when whole."""
+    addr, nbytes, keep = _in_buffer(tokens, DType.U32)
+    n = nbytes // 4
+    w = ctypes.c_void_p()
+    _L.token_writer_create(_enc(path), _enc(format), width, n, ctypes.byref(w))
+    try:
+        _L.token_writer_write(w, addr, n)
+        _L.token_writer_finish(w)
+    finally:
+        _L.token_writer_free(w)
+    del keep
+
+
 class Loader(_Handle):
     """A token source and a seeded loader over it.
 
