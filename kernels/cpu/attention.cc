@@ -96,8 +96,12 @@ void forward_head(const Dims &d, const float *q, const float *k, const float *v,
          0.0f, P + r0 * T + c0, T);
     for (int64_t t = r0; t < r1; ++t) {
       float *p = P + t * T;
-      if (d.softcap > 0.0f)
-        for (int64_t j = d.first(t); j < d.last(t); ++j) p[j] = d.softcap * std::tanh(p[j] / d.softcap);
+      if (d.softcap > 0.0f) {
+        // (bounds and cap in locals: stores through p may not alias them, so the loop vectorises)
+        const int64_t lo = d.first(t), hi = d.last(t);
+        const float cap = d.softcap;
+        for (int64_t j = lo; j < hi; ++j) p[j] = cap * math::tanh_fast(p[j] / cap);
+      }
       softmax_range(p, d.first(t), d.last(t), T);
     }
     gemm(false, false, r1 - r0, D, cols - c0, 1.0f, P + r0 * T + c0, T, v + c0 * d.ldkv, d.ldkv, 0.0f,
@@ -134,7 +138,7 @@ void backward_head(const Dims &d, const float *dout, const float *q, const float
       for (int64_t j = lo; j < hi; ++j) s[j] = p[j] * (s[j] - dot);
       if (raw)
         for (int64_t j = lo; j < hi; ++j) {
-          const float th = std::tanh(raw[(t - r0) * T + j] / d.softcap);
+          const float th = math::tanh_fast(raw[(t - r0) * T + j] / d.softcap);
           s[j] *= 1.0f - th * th;
         }
       for (int64_t j = hi; j < cols; ++j) s[j] = 0.0f;

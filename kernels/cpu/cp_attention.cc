@@ -85,7 +85,7 @@ void forward_head(const CpDims &d, const float *q, const float *k, const float *
       if (!d.sees(qb, kb)) continue;
       for (int64_t j = kb * L; j < (kb + 1) * L; ++j) {
         if (!d.visible(qp, d.kpos(j))) continue;
-        if (d.softcap > 0.0f) p[j] = d.softcap * std::tanh(p[j] / d.softcap);
+        if (d.softcap > 0.0f) p[j] = d.softcap * math::tanh_fast(p[j] / d.softcap);
         m = std::max(m, p[j]);
       }
     }
@@ -148,7 +148,7 @@ void backward_head(const CpDims &d, const float *dout, const float *q, const flo
     if (raw)
       for (int64_t j = 0; j < Tk; ++j) {
         if (p[j] == 0.0f) continue;  // masked or skipped: raw may be unset there
-        const float th = std::tanh(raw[t * Tk + j] / d.softcap);
+        const float th = math::tanh_fast(raw[t * Tk + j] / d.softcap);
         s[j] *= 1.0f - th * th;
       }
   }

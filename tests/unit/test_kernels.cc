@@ -324,6 +324,26 @@ TEST(Math, ExpFastMatchesExp) {
   EXPECT_EQ(ctr::math::exp_fast(0.0f), 1.0f);
 }
 
+TEST(Math, TanhFastMatchesTanh) {
+  // Relative to tanh within a few float ulps everywhere, the small arguments (the
+  // series) included: soft-capped attention scores are mostly small.
+  double worst = 0.0;
+  for (double x = -20.0; x < 20.0; x += 0.000917) {
+    const float xf = static_cast<float>(x);
+    const double ref = std::tanh(static_cast<double>(xf));
+    if (ref != 0.0) worst = std::max(worst, std::fabs(ctr::math::tanh_fast(xf) - ref) / std::fabs(ref));
+  }
+  EXPECT_LT(worst, 6e-7);
+  for (float x : {1e-30f, -3e-9f, 1e-4f, 0.2499f, 0.25f, -0.25f}) {
+    const double ref = std::tanh(static_cast<double>(x));
+    EXPECT_NEAR(ctr::math::tanh_fast(x), ref, 6e-7 * std::fabs(ref)) << x;
+  }
+  EXPECT_EQ(ctr::math::tanh_fast(0.0f), 0.0f);
+  EXPECT_EQ(ctr::math::tanh_fast(100.0f), 1.0f);
+  EXPECT_EQ(ctr::math::tanh_fast(-INFINITY), -1.0f);
+  EXPECT_TRUE(std::isnan(ctr::math::tanh_fast(NAN)));
+}
+
 TEST(Math, FastFormsMatchDefinitions) {
   // The vectorisable forms equal gelu/silu and their derivatives up to float
   // rounding: 2e-6 absolute + 1e-5 relative over [-12, 12].
