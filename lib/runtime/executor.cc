@@ -568,7 +568,9 @@ void Executor::run(Phase phase, int chunk) {
     CTR_CHECK(chunk >= 0 && chunk < prog_.chunks());
     const auto [first, end] = prog_.chunk_range[p][static_cast<size_t>(chunk)];
     list = list.subspan(first, end - first);
-    counting_ = runs_[p]++ >= prog_.chunks();  // (each chunk's first run is a warm-up)
+    // Each chunk's first run is its warm-up.
+    if (chunk_runs_.empty()) chunk_runs_.assign(static_cast<size_t>(3 * prog_.chunks()), 0);
+    counting_ = chunk_runs_[static_cast<size_t>(p * prog_.chunks() + chunk)]++ > 0;
   } else if (run_captured(phase, list)) {
     return;
   }

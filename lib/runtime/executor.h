@@ -122,6 +122,7 @@ class Executor {
   std::string why_not_[3];           // why a phase cannot be captured ("": it can)
   bool said_[3] = {false, false, false};  // why_not_ printed
   int64_t runs_[3] = {0, 0, 0};
+  std::vector<int64_t> chunk_runs_;  // interleaved: runs per (phase, chunk)
   int64_t captures_ = 0;
   int recaptures_ = 0;
   int64_t graph_replays_ = 0;
