@@ -570,6 +570,25 @@ CTR_API ctr_status ctr_step_get_output(ctr_step *step, const char *name, float *
  * counts are summed, so this call itself communicates nothing. */
 CTR_API ctr_status ctr_step_moe_metrics(ctr_step *step, const char **json);
 
+/* The same per layer as a struct (since 0.6), for hosts that parse no JSON.
+ * ctr_step_moe_layers: how many layers the last ctr_step_run reported (0 before
+ * the first run, for a graph without experts, or a NULL step).
+ * ctr_step_moe_layer: layer i's (graph order) into *out, whose size the caller
+ * sets to sizeof(ctr_moe_layer_metrics) (a smaller size from an older header
+ * gets the fields it has). layer and tokens_per_expert belong to the step and
+ * stay valid until its next mutating call; a loss the layer lacks is NaN.
+ * CTR_STATUS_INVALID_ARGUMENT for i past the last layer or a bad size. */
+typedef struct ctr_moe_layer_metrics {
+  size_t size;
+  const char *layer;                /* "layers.0.moe" */
+  int64_t experts;
+  const int64_t *tokens_per_expert; /* [experts]: summed over micro-batches and ranks */
+  double aux_loss;                  /* load-balancing term, averaged like the loss */
+  double z_loss;                    /* router z-loss term */
+} ctr_moe_layer_metrics;
+CTR_API size_t ctr_step_moe_layers(const ctr_step *step);
+CTR_API ctr_status ctr_step_moe_layer(ctr_step *step, size_t i, ctr_moe_layer_metrics *out);
+
 /* Since 0.5. Communication of the last ctr_step_run per mesh axis, as a JSON
  * object {"tp": ms, "fsdp": ms, ...}: for each axis the step's collectives run
  * over, the milliseconds they were in flight on the communication stream (of

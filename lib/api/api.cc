@@ -902,6 +902,30 @@ extern "C" ctr_status ctr_step_moe_metrics(ctr_step *step, const char **json) {
   CTR_API_END
 }
 
+extern "C" size_t ctr_step_moe_layers(const ctr_step *step) {
+  return step && step->impl ? step->impl->moe_layer_count() : 0;
+}
+
+extern "C" ctr_status ctr_step_moe_layer(ctr_step *step, size_t i, ctr_moe_layer_metrics *out) {
+  CTR_API_BEGIN
+  STEP_ARG("ctr_step_moe_layer");
+  REQUIRE_ARG(out != nullptr, "ctr_step_moe_layer: out is NULL");
+  REQUIRE_ARG(out->size >= sizeof(size_t) && out->size <= (1 << 16),
+              "ctr_step_moe_layer: out->size must be set to sizeof(ctr_moe_layer_metrics)");
+  const size_t n = step->impl->moe_layer_count();
+  REQUIRE_ARG(i < n, "ctr_step_moe_layer: layer %zu of %zu", i, n);
+  const auto &l = step->impl->moe_layer(i);
+  ctr_moe_layer_metrics m{};
+  m.size = out->size;
+  m.layer = l.name.c_str();
+  m.experts = l.experts;
+  m.tokens_per_expert = l.tokens.data();
+  m.aux_loss = l.aux_name.empty() ? std::nan("") : l.aux_loss;
+  m.z_loss = l.z_name.empty() ? std::nan("") : l.z_loss;
+  std::memcpy(out, &m, std::min(out->size, sizeof m));
+  CTR_API_END
+}
+
 extern "C" ctr_status ctr_step_save(ctr_step *step, const char *dir) {
   CTR_API_BEGIN
   STEP_ARG("ctr_step_save");

@@ -148,6 +148,9 @@ class Step : private CheckpointState {
  public:
   // The mixture-of-experts metrics of the last run, as JSON (ctr_step_moe_metrics).
   const std::string &moe_metrics() const { return moe_json_; }
+  // The layers the last run reported (none before the first), and layer i.
+  size_t moe_layer_count() const { return moe_json_.empty() ? 0 : moe_.size(); }
+  const auto &moe_layer(size_t i) const { return moe_[i]; }
   // Per mesh axis, the time collectives over it were in flight in the last run
   // (ctr_step_comm_metrics), as a JSON object.
   const std::string &comm_metrics() const { return comm_json_; }

@@ -13,6 +13,7 @@ The binding is imported from this source tree (bindings/python), so the test che
 next to it rather than an installed copy; the library is found as the binding finds it
 ($CTR_LIBRARY, the system path, then build/lib).
 """
+import ctypes
 import gc
 import os
 import shutil
@@ -551,7 +552,7 @@ def moe_metrics():
             ctr.Graph.preset("moe", layers=2, dim=32, heads=4, kv_heads=2, vocab=256, seq=16, experts=4,
                              top_k=2, ffn_dim=32) as g, \
             ctr.Step(mesh, g, batch=2, seq=16) as step:
-        assert step.moe_metrics() == [], step.moe_metrics()
+        assert step.moe_metrics() == [] and step.moe_layers() == [], step.moe_metrics()
         # One rank: its data share is the whole batch, and no collective runs.
         assert (mesh.data_rank, mesh.data_size) == (0, 1), (mesh.data_rank, mesh.data_size)
         for name in ("layers.0.moe.router.weight", "layers.1.moe.router.weight"):
@@ -566,6 +567,15 @@ def moe_metrics():
         # Every token ties and picks experts 0 and 1.
         assert layers[0]["tokens_per_expert"] == [32, 32, 0, 0], layers
         assert layers[0]["aux_loss"] > 0 and layers[0]["z_loss"] > 0, layers
+        # The struct call reports the same, bit for bit.
+        assert step.moe_layers() == layers, (step.moe_layers(), layers)
+        bad = ctr._lib.MoeLayerMetrics()
+        bad.size = ctypes.sizeof(bad)
+        try:
+            ctr._api._L.step_moe_layer(step._p(), 2, ctypes.byref(bad))
+            raise AssertionError("layer 2 of 2 was not refused")
+        except ctr.CtrError as e:
+            assert e.status == ctr.Status.INVALID_ARGUMENT and "layer 2 of 2" in str(e), e
     with ctr.Mesh() as mesh, ctr.Graph.preset("gpt", **PRESET) as g, ctr.Step(mesh, g, **STEP_OPTS) as step:
         assert step.moe_metrics() == []
 

@@ -16,7 +16,7 @@ import ctypes
 import json
 import os
 
-from ._lib import CtrError, DType, Status, StepMetrics
+from ._lib import CtrError, DType, MoeLayerMetrics, Status, StepMetrics
 
 try:
     import numpy as _np
@@ -686,6 +686,22 @@ class Step(_Handle):
         text = ctypes.c_char_p()
         _L.step_moe_metrics(self._p(), ctypes.byref(text))
         return json.loads(_dec(text.value))
+
+    def moe_layers(self):
+        """moe_metrics through the struct call (ctr_step_moe_layer): the same dicts, a loss
+        the layer lacks left out."""
+        out = []
+        for i in range(_L.step_moe_layers(self._p())):
+            m = MoeLayerMetrics()
+            m.size = ctypes.sizeof(MoeLayerMetrics)
+            _L.step_moe_layer(self._p(), i, ctypes.byref(m))
+            d = {"layer": _dec(m.layer), "tokens_per_expert": [m.tokens_per_expert[e] for e in range(m.experts)]}
+            for k in ("aux_loss", "z_loss"):
+                v = getattr(m, k)
+                if v == v:
+                    d[k] = v
+            out.append(d)
+        return out
 
     def comm_metrics(self):
         """Milliseconds the last run's collectives were in flight, per mesh axis

@@ -142,6 +142,17 @@ c_double = ctypes.c_double
 P = ctypes.POINTER
 
 
+class MoeLayerMetrics(ctypes.Structure):
+    _fields_ = [
+        ("size", c_size_t),
+        ("layer", c_char_p),
+        ("experts", c_int64),
+        ("tokens_per_expert", ctypes.POINTER(c_int64)),
+        ("aux_loss", c_double),
+        ("z_loss", c_double),
+    ]
+
+
 class StepMetrics(ctypes.Structure):
     """ctr_step_metrics; size is set to sizeof before each call (the struct only grows)."""
 
@@ -235,6 +246,8 @@ _FUNCTIONS = {
     "ctr_step_set_param": (_STATUS, [c_void_p, c_char_p, c_void_p, c_size_t]),
     "ctr_step_get_output": (_STATUS, [c_void_p, c_char_p, c_void_p, c_size_t]),
     "ctr_step_moe_metrics": (_STATUS, [c_void_p, P(c_char_p)]),
+    "ctr_step_moe_layers": (c_size_t, [c_void_p]),
+    "ctr_step_moe_layer": (_STATUS, [c_void_p, c_size_t, P(MoeLayerMetrics)]),
     "ctr_step_comm_metrics": (_STATUS, [c_void_p, P(c_char_p)]),
     "ctr_step_timeline": (_STATUS, [c_void_p, P(c_char_p)]),
     "ctr_step_set_lr": (_STATUS, [c_void_p, c_double]),
