@@ -325,6 +325,7 @@ class ContextSplit {
   // v is computed), one cp_attention_block per source rank, each merged into
   // the running result by log-sum-exp as soon as it is computed, so that the
   // comm stream passes the next keys on while compute attends to these.
+  // (Backward passes the keys and values around again: pass recompute.)
   void attention_by_ring(int ni) {
     const Node copy = g_.nodes[static_cast<size_t>(ni)];
     const int out = copy.outputs[0];

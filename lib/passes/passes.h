@@ -207,7 +207,9 @@ void infer_local_shapes(Graph &g);
 
 // recompute.cc: activation checkpointing per block: the block's forward nodes
 // copied into backward (all of them, or with selective only the cheap ones),
-// backward reading the copies, so the originals die after forward.
+// backward reading the copies, so the originals die after forward. Whatever the
+// mode, sequence parallelism's gathers and the cp ring's shifts of keys and
+// values are done again in backward rather than their results kept.
 void pass_recompute(Graph &g, const CompileOptions &opt);
 void read_recompute_options(OptionReader &r, CompileOptions &opt);
 

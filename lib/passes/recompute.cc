@@ -173,11 +173,82 @@ void regather_sequence_parallel(Graph &g) {
   for (size_t k : order) g.nodes.insert(g.nodes.begin() + at[k], copies[k].begin(), copies[k].end());
 }
 
+// Ring attention's keys and values (cp_mode ring: chains of activation
+// ring_shifts over cp, each passing the block the one before received) are
+// passed around the ring again in backward for the backward nodes that read
+// them, rather than every rank's blocks being kept from forward to backward:
+// forward then keeps only this rank's own keys and values, 1/cp of the whole,
+// as Ulysses does. Each chain is copied whole before its first backward
+// reader; reorder issues the copies ahead under the backward compute before
+// it. A shift is exact, so the bits are unchanged.
+void resend_ring(Graph &g) {
+  const int nf = g.num_forward;
+  std::vector<int> produced_by(g.tensors.size(), -1);
+  for (int ni = 0; ni < nf; ++ni)
+    for (int t : g.nodes[static_cast<size_t>(ni)].outputs) produced_by[static_cast<size_t>(t)] = ni;
+  auto is_ring = [&](int ni) {
+    const Node &n = g.nodes[static_cast<size_t>(ni)];
+    return collective_kind(n) == CollKind::Shift && n.attr_int("activation", 0) != 0 && n.inputs.size() == 1 &&
+           n.outputs.size() == 1;
+  };
+  std::vector<std::vector<int>> chains;  // forward node indices, in order
+  for (int ni = 0; ni < nf; ++ni) {
+    if (!is_ring(ni)) continue;
+    const int from = produced_by[static_cast<size_t>(g.nodes[static_cast<size_t>(ni)].inputs[0])];
+    bool joined = false;
+    if (from >= 0 && is_ring(from))
+      for (auto &c : chains)
+        if (c.back() == from) {
+          c.push_back(ni);
+          joined = true;
+        }
+    if (!joined) chains.push_back({ni});
+  }
+  std::vector<std::vector<Node>> copies;
+  std::vector<int> at;
+  for (const std::vector<int> &chain : chains) {
+    std::set<int> outs;
+    for (int k : chain) outs.insert(g.nodes[static_cast<size_t>(k)].outputs[0]);
+    int first = -1;
+    for (int k = nf; k < static_cast<int>(g.nodes.size()) && first < 0; ++k)
+      for (int t : g.nodes[static_cast<size_t>(k)].inputs)
+        if (outs.count(t)) first = k;
+    if (first < 0) continue;
+    std::map<int, int> copy_of;
+    std::vector<Node> list;
+    for (int k : chain) {
+      Node c = g.nodes[static_cast<size_t>(k)];
+      c.name += ".resend";
+      c.backward = true;
+      c.block = g.nodes[static_cast<size_t>(first)].block;
+      for (int &in : c.inputs)
+        if (copy_of.count(in)) in = copy_of[in];
+      const int o = c.outputs[0];
+      Tensor t = g.tensors[static_cast<size_t>(o)];
+      t.name += ".resend";
+      t.keep = false;
+      copy_of[o] = g.add_tensor(std::move(t));
+      c.outputs = {copy_of[o]};
+      list.push_back(std::move(c));
+    }
+    for (int k = first; k < static_cast<int>(g.nodes.size()); ++k)
+      for (int &in : g.nodes[static_cast<size_t>(k)].inputs)
+        if (copy_of.count(in)) in = copy_of[in];
+    copies.push_back(std::move(list));
+    at.push_back(first);
+  }
+  std::vector<size_t> order(copies.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return at[a] > at[b]; });
+  for (size_t k : order) g.nodes.insert(g.nodes.begin() + at[k], copies[k].begin(), copies[k].end());
+}
+
 }  // namespace
 
 void pass_recompute(Graph &g, const CompileOptions &opt) {
   CTR_CHECK(g.num_forward >= 0);
   regather_sequence_parallel(g);
+  resend_ring(g);
   if (opt.recompute == "none") return;
   std::set<int> blocks;
   for (int ni = 0; ni < g.num_forward; ++ni)

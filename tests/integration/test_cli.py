@@ -239,6 +239,19 @@ def check_placements(tmp):
     check(ring.count("= ring_shift(") == 6 and ring.count("= cp_attention_block(") == 4
           and ring.count("= attn_merge(") == 3 and "cp_index=1 cp_ranks=4 cp_source=0" in ring
           and "pass keys and values around the cp ring" in ring, f"cp=4 ring: {ring[:3000]}")
+    # Backward passes the keys and values around the ring again (the copies named
+    # .resend) rather than keeping every rank's blocks from forward: no backward
+    # node reads a block forward received.
+    rec = run("graph", "inspect", g, "--after", "recompute", "--cp", "4", "--batch", "2", "--rank", "1",
+              "--cp-mode", "ring").stdout
+    fwd_part, bwd_part = rec.split("-- backward --")
+    received = set(re.findall(r"(%\d+) layers\.0\.attn\.[kv]\.cp_ring\d:", fwd_part))
+    resent = re.findall(r"(%\d+) layers\.0\.attn\.[kv]\.cp_ring\d\.resend:\S+ = ring_shift\(", bwd_part)
+    readers = [line for line in bwd_part.splitlines() if "= cp_attention_block_bwd(" in line]
+    check(len(received) == 6 and len(resent) == 6 and len(readers) == 4
+          and all(set(re.findall(r"%\d+", line.split("= ", 1)[1])).isdisjoint(received) for line in readers)
+          and sum(len(set(re.findall(r"%\d+", line.split("= ", 1)[1])) & set(resent)) for line in readers) == 6,
+          f"ring keys re-sent in backward: {bwd_part[:3000]}")
     lowered = run("graph", "inspect", g, "--after", "lower", "--cp", "4", "--batch", "2", "--rank", "1",
                   "--cp-mode", "ring").stdout
     fwd = lowered.split("forward:")[1].split("backward:")[0].splitlines()
