@@ -1037,10 +1037,18 @@ OpId register_op(OpDef def) {
 }
 
 const OpDef *find_op(const std::string &name) {
+  // Every pass looks ops up by name, from the planner's threads at once: each
+  // thread keeps what it found (definitions are never removed and keep their
+  // addresses), so a lookup takes the registry's lock only the first time.
+  thread_local std::unordered_map<std::string, const OpDef *> seen;
+  if (auto hit = seen.find(name); hit != seen.end()) return hit->second;
   Registry &r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.by_name.find(name);
-  return it == r.by_name.end() ? nullptr : &r.defs[static_cast<size_t>(it->second)];
+  if (it == r.by_name.end()) return nullptr;  // (it may be registered later)
+  const OpDef *d = &r.defs[static_cast<size_t>(it->second)];
+  seen.emplace(name, d);
+  return d;
 }
 
 CollKind collective_kind(const Node &n) {

@@ -44,11 +44,7 @@ using Shape = std::vector<int64_t>;
 
 class Fuser {
  public:
-  explicit Fuser(Graph &g) : g_(g) {
-    for (const Tensor &t : g.tensors) names_.insert(t.name);
-    for (const Node &n : g.nodes) node_names_.insert(n.name);
-    index();
-  }
+  explicit Fuser(Graph &g) : g_(g) { index(); }
 
   Graph &g() { return g_; }
   const Graph &g() const { return g_; }
@@ -125,6 +121,7 @@ class Fuser {
 
   // A new activation of the given shape, named after `hint` (made unique).
   int tensor(const std::string &hint, Shape shape) {
+    name_all();
     Tensor t;
     t.name = hint;
     for (int k = 2; names_.count(t.name); ++k) t.name = hint + "." + std::to_string(k);
@@ -135,6 +132,7 @@ class Fuser {
   }
   // A node name not taken yet: hint, hint_1, hint_2, ...
   std::string node_name(const std::string &hint) {
+    name_all();
     std::string name = hint;
     for (int k = 1; node_names_.count(name); ++k) name = hint + "_" + std::to_string(k);
     node_names_.insert(name);
@@ -174,15 +172,19 @@ class Fuser {
   // gone, and then every node left without a reader by that (the mask and
   // table slices, the reshapes before a head transpose), transitively.
   void commit() {
+    if (dead_.empty() && before_.empty()) {  // nothing rewritten since the last commit
+      touched_.clear();
+      return;
+    }
     const size_t nn = g_.nodes.size();
     std::vector<int> reads(g_.tensors.size(), 0);
     auto count = [&](const Node &n, int d) {
       for (int t : n.inputs) reads[static_cast<size_t>(t)] += d;
     };
-    for (size_t i = 0; i < nn; ++i) {
+    for (size_t i = 0; i < nn; ++i)
       if (!dead_.count(static_cast<int>(i))) count(g_.nodes[i], 1);
-      for (const Node &n : before_[static_cast<int>(i)]) count(n, 1);
-    }
+    for (const auto &[i, list] : before_)
+      for (const Node &n : list) count(n, 1);
     std::vector<int> work;
     for (int i : dead_)
       for (int t : g_.nodes[static_cast<size_t>(i)].inputs) work.push_back(t);
@@ -201,7 +203,8 @@ class Fuser {
     }
     std::vector<Node> nodes;
     for (size_t i = 0; i < nn; ++i) {
-      for (Node &n : before_[static_cast<int>(i)]) nodes.push_back(std::move(n));
+      if (auto b = before_.find(static_cast<int>(i)); b != before_.end())
+        for (Node &n : b->second) nodes.push_back(std::move(n));
       if (!dead_.count(static_cast<int>(i))) nodes.push_back(std::move(g_.nodes[i]));
     }
     removed_ += static_cast<int>(dead_.size());
@@ -223,6 +226,14 @@ class Fuser {
     return t >= 0 && static_cast<size_t>(t) < readers_.size() ? readers_[static_cast<size_t>(t)] : none;
   }
 
+  // The names taken, collected when the first new one is made.
+  void name_all() {
+    if (named_) return;
+    named_ = true;
+    for (const Tensor &t : g_.tensors) names_.insert(t.name);
+    for (const Node &n : g_.nodes) node_names_.insert(n.name);
+  }
+
   void index() {
     producer_.assign(g_.tensors.size(), -1);
     readers_.assign(g_.tensors.size(), {});
@@ -233,6 +244,7 @@ class Fuser {
   }
 
   Graph &g_;
+  bool named_ = false;
   std::set<std::string> names_, node_names_;
   std::vector<int> producer_;
   std::vector<std::vector<int>> readers_;

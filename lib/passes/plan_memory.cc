@@ -140,9 +140,9 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &
     // The placed tensors in order of [offset, end): the first fit scans them in
     // that order, skipping those whose lifetime does not meet the new one's,
     // and stops at the first gap large enough.
-    struct Placed {
+    struct Placed {  // (the lifetime beside the bytes: the scan reads nothing else)
       int64_t off, end;
-      int tensor;
+      int first, last;
     };
     std::vector<Placed> placed;
     int64_t arena = 0, held = -1, base = 0;
@@ -155,13 +155,13 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &
       const int64_t size = size_of[static_cast<size_t>(i)];
       int64_t off = base;
       for (const Placed &r : placed) {
-        if (!(first[r.tensor] <= last[i] && first[i] <= last[r.tensor])) continue;
+        if (!(r.first <= last[i] && first[i] <= r.last)) continue;
         if (r.off - off >= size) break;
         off = std::max(off, r.end);
       }
       t.offset = off;
       arena = std::max(arena, off + size);
-      const Placed me{off, off + size, i};
+      const Placed me{off, off + size, first[i], last[i]};
       placed.insert(std::upper_bound(placed.begin(), placed.end(), me,
                                      [](const Placed &a, const Placed &b) {
                                        return std::tie(a.off, a.end) < std::tie(b.off, b.end);
@@ -187,10 +187,12 @@ MemoryPlan pass_plan_memory(Graph &g, const CompileOptions &opt, const Program &
     std::vector<char> scratch(static_cast<size_t>(nt), 0);
     for (int i : order) scratch[static_cast<size_t>(i)] = phase(first[i]) == phase(last[i]) ? 1 : 0;
     const MemoryPlan whole = plan;
+    std::vector<int64_t> offsets(order.size());
+    for (size_t k = 0; k < order.size(); ++k) offsets[k] = g.tensors[order[k]].offset;
     std::tie(plan.arena_bytes, plan.held_bytes) = place(order, scratch);
-    if (plan.arena_for(slots) >= whole.arena_for(slots)) {
+    if (plan.arena_for(slots) >= whole.arena_for(slots)) {  // the first placement, as it was
       plan = whole;
-      place(order, none);
+      for (size_t k = 0; k < order.size(); ++k) g.tensors[order[k]].offset = offsets[k];
     }
   }
   for (int i = 0; i < nt; ++i) {
