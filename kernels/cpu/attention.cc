@@ -32,6 +32,7 @@
 
 #include "common/math.h"
 #include "core/thread_pool.h"
+#include "cpu/bf16_rows.h"
 #include "cpu/kernels.h"
 #include "cpu/rows.h"
 
@@ -174,6 +175,20 @@ int64_t pair_grain(const Dims &d) {
   return flops >= 2e5 ? 1 : std::max<int64_t>(1, static_cast<int64_t>(2e5 / flops));
 }
 
+// bf16 storage: one head's [T, D] rows (row stride ld) widened into a
+// contiguous f32 block, or a block rounded back into them.
+void widen_head(const uint16_t *x, int64_t ld, int64_t T, int64_t D, float *out) {
+  for (int64_t t = 0; t < T; ++t) row_f32(x + t * ld, D, out + t * D);
+}
+void narrow_head(const float *x, uint16_t *out, int64_t ld, int64_t T, int64_t D) {
+  for (int64_t t = 0; t < T; ++t) store_row(x + t * D, out + t * ld, D);
+}
+float *head_scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
 }  // namespace
 
 void attention_fwd(const float *q, const float *k, const float *v, float *out, float *probs,
@@ -217,6 +232,79 @@ void attention_bwd(const float *dout, const float *q, const float *k, const floa
                       a.probs + (b * d.Hq + h) * d.T * d.T, a.dq + q_off, a.dk + kv_off,
                       a.dv + kv_off, h == g * d.group ? 0.0f : 1.0f, dS);
       }
+    }
+  });
+}
+
+// bf16 storage of q, k, v, out, dout, dq, dk and dv (the probabilities f32):
+// each (batch, kv head) pair's rows widened into contiguous f32 blocks of the
+// calling thread, computed by the same per-head code, and the outputs rounded
+// once (dk and dv after the whole group): no whole-tensor f32 copies through
+// memory. The GEMMs read the blocks with a row stride of D rather than H * D,
+// and the GEMM library may block such a product differently: the f32 results
+// can differ from the strided kernel's in the last bit (the unit test bounds
+// it: probabilities within 1e-6, outputs within one bf16 step).
+void attention_fwd_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, float *probs,
+                        int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
+                        int64_t window, float softcap) {
+  const Dims d = make_dims(B, T, Hq, Hkv, D, scale, causal, window, softcap);
+  Dims hd = d;  // on the contiguous blocks
+  hd.ldq = hd.ldkv = D;
+  struct Args {
+    const uint16_t *q, *k, *v;
+    uint16_t *out;
+    float *probs;
+  } a{q, k, v, out, probs};
+  ctr::parallel_for(B * Hkv, pair_grain(d), [&d, &hd, &a](int64_t p0, int64_t p1) {
+    const int64_t n = d.T * d.D;
+    float *kb = head_scratch(4 * n), *vb = kb + n, *qb = vb + n, *ob = qb + n;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / d.Hkv, g = p % d.Hkv;
+      const int64_t kv_off = b * d.T * d.ldkv + g * d.D;
+      widen_head(a.k + kv_off, d.ldkv, d.T, d.D, kb);
+      widen_head(a.v + kv_off, d.ldkv, d.T, d.D, vb);
+      for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
+        const int64_t q_off = b * d.T * d.ldq + h * d.D;
+        widen_head(a.q + q_off, d.ldq, d.T, d.D, qb);
+        forward_head(hd, qb, kb, vb, ob, a.probs + (b * d.Hq + h) * d.T * d.T);
+        narrow_head(ob, a.out + q_off, d.ldq, d.T, d.D);
+      }
+    }
+  });
+}
+
+void attention_bwd_bf16(const uint16_t *dout, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                        const float *probs, uint16_t *dq, uint16_t *dk, uint16_t *dv, int64_t B, int64_t T,
+                        int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal, int64_t window,
+                        float softcap) {
+  const Dims d = make_dims(B, T, Hq, Hkv, D, scale, causal, window, softcap);
+  Dims hd = d;
+  hd.ldq = hd.ldkv = D;
+  struct Args {
+    const uint16_t *dout, *q, *k, *v;
+    const float *probs;
+    uint16_t *dq, *dk, *dv;
+  } a{dout, q, k, v, probs, dq, dk, dv};
+  ctr::parallel_for(B * Hkv, pair_grain(d), [&d, &hd, &a](int64_t p0, int64_t p1) {
+    float *dS = scratch(d.T * d.T);
+    const int64_t n = d.T * d.D;
+    float *kb = head_scratch(7 * n), *vb = kb + n, *qb = vb + n, *gb = qb + n, *dqb = gb + n, *dkb = dqb + n,
+          *dvb = dkb + n;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / d.Hkv, g = p % d.Hkv;
+      const int64_t kv_off = b * d.T * d.ldkv + g * d.D;
+      widen_head(a.k + kv_off, d.ldkv, d.T, d.D, kb);
+      widen_head(a.v + kv_off, d.ldkv, d.T, d.D, vb);
+      for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
+        const int64_t q_off = b * d.T * d.ldq + h * d.D;
+        widen_head(a.q + q_off, d.ldq, d.T, d.D, qb);
+        widen_head(a.dout + q_off, d.ldq, d.T, d.D, gb);
+        backward_head(hd, gb, qb, kb, vb, a.probs + (b * d.Hq + h) * d.T * d.T, dqb, dkb, dvb,
+                      h == g * d.group ? 0.0f : 1.0f, dS);
+        narrow_head(dqb, a.dq + q_off, d.ldq, d.T, d.D);
+      }
+      narrow_head(dkb, a.dk + kv_off, d.ldkv, d.T, d.D);
+      narrow_head(dvb, a.dv + kv_off, d.ldkv, d.T, d.D);
     }
   });
 }

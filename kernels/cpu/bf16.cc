@@ -8,20 +8,13 @@
 #include <cstring>
 
 #include "core/thread_pool.h"
+#include "cpu/bf16_rows.h"
 #include "cpu/kernels.h"
 
 namespace ctr::cpu {
 namespace {
 
 constexpr int64_t kGrain = 1 << 16;
-
-inline uint16_t narrow(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 }  // namespace
 

@@ -33,6 +33,7 @@
 #include "core/status.h"
 #include "core/thread_pool.h"
 #include "cpu/dnnl_matmul.h"
+#include "cpu/bf16_rows.h"
 #include "cpu/kernels.h"
 
 namespace ctr::cpu {
@@ -164,13 +165,6 @@ Product f32(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, cons
 // sum has a single owner and the result does not depend on the thread count. X is
 // float or bf16 (uint16_t, widened exactly as it is read: the same sums as on an
 // f32 copy).
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 template <typename X>
 void column_sums(const X *x, float *out, int64_t R, int64_t C, bool accumulate) {

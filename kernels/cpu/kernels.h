@@ -194,6 +194,18 @@ void rmsnorm_fwd(const float *x, const float *w, float *y, float *rstd, int64_t 
                  float eps);
 void rmsnorm_bwd(const float *dy, const float *x, const float *w, const float *rstd, float *dx,
                  float *dw, int64_t R, int64_t C, bool accumulate);
+// The same on bf16 storage of x, y, dy and dx (weights, statistics and the
+// weight gradients f32): each row widened, computed as above, rounded once, so
+// the bits equal the f32 kernels' on widened copies.
+void layernorm_fwd_bf16(const uint16_t *x, const float *w, const float *b, uint16_t *y, float *mean, float *rstd,
+                        int64_t R, int64_t C, float eps);
+void layernorm_bwd_bf16(const uint16_t *dy, const uint16_t *x, const float *w, const float *mean,
+                        const float *rstd, uint16_t *dx, float *dw, float *db, int64_t R, int64_t C,
+                        bool accumulate);
+void rmsnorm_fwd_bf16(const uint16_t *x, const float *w, uint16_t *y, float *rstd, int64_t R, int64_t C,
+                      float eps);
+void rmsnorm_bwd_bf16(const uint16_t *dy, const uint16_t *x, const float *w, const float *rstd, uint16_t *dx,
+                      float *dw, int64_t R, int64_t C, bool accumulate);
 
 // ---------------------------------------------------------------------------
 // Activations (n elements).
@@ -242,6 +254,10 @@ void rope_fwd(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t
               bool interleaved = false, int64_t cp_ranks = 1, int64_t cp_index = 0);
 void rope_bwd(const float *dy, float *dx, int64_t B, int64_t T, int64_t H, int64_t D,
               float theta, bool interleaved = false, int64_t cp_ranks = 1, int64_t cp_index = 0);
+void rope_fwd_bf16(const uint16_t *x, uint16_t *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                   bool interleaved, int64_t cp_ranks, int64_t cp_index);
+void rope_bwd_bf16(const uint16_t *dy, uint16_t *dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                   bool interleaved, int64_t cp_ranks, int64_t cp_index);
 
 // ---------------------------------------------------------------------------
 // Multi-head attention with grouped-query heads.
@@ -258,6 +274,14 @@ void attention_bwd(const float *dout, const float *q, const float *k, const floa
                    const float *probs, float *dq, float *dk, float *dv, int64_t B, int64_t T,
                    int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
                    int64_t window = 0, float softcap = 0.0f);
+// The same on bf16 storage of q, k, v, out, dout, dq, dk and dv (probabilities f32).
+void attention_fwd_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, float *probs,
+                        int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal,
+                        int64_t window, float softcap);
+void attention_bwd_bf16(const uint16_t *dout, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                        const float *probs, uint16_t *dq, uint16_t *dk, uint16_t *dv, int64_t B, int64_t T,
+                        int64_t Hq, int64_t Hkv, int64_t D, float scale, bool causal, int64_t window,
+                        float softcap);
 
 // Context-parallel attention (cp_attention): q[B,Tq,Hq*D] holds this rank's two
 // chunks of the sequence, k and v [B,ranks*Tq,Hkv*D] every rank's rows in rank

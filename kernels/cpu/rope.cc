@@ -9,6 +9,9 @@
 // long sequences, where a float angle would lose most of its fractional part
 // before the sine is taken.
 //
+// On bf16 storage each row is widened into f32, rotated as in f32 and rounded
+// once (the bits of the f32 kernel on widened copies).
+//
 // Backward is the same rotation by the opposite angle, so both directions share
 // one routine with the sign of the sine flipped.
 //
@@ -18,10 +21,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common/op_params.h"
 #include "core/thread_pool.h"
+#include "cpu/bf16_rows.h"
 #include "cpu/kernels.h"
 
 namespace ctr::cpu {
@@ -35,7 +40,8 @@ T *scratch(int64_t n) {
   return buf.data();
 }
 
-void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+template <typename X>
+void rotate(const X *x, X *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
             float sign, bool interleaved, int64_t cp_ranks, int64_t cp_index) {
   const int64_t half = D / 2;
   const int64_t row = H * D;
@@ -44,7 +50,8 @@ void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D
     freq[i] = std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / D);
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(B * row, 1));
   ctr::parallel_for(T, grain, [=](int64_t t0, int64_t t1) {
-    float *cs = scratch<float>(2 * half), *sn = cs + half;
+    float *cs = scratch<float>(2 * half + (std::is_same_v<X, float> ? 0 : 2 * row)), *sn = cs + half;
+    float *bin = sn + half, *bout = bin + row;  // bf16: one row widened, one computed
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t pos = cp_ranks > 1 ? ctr_cp_position(t, T, cp_ranks, cp_index) : t;
       for (int64_t i = 0; i < half; ++i) {
@@ -53,8 +60,8 @@ void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D
         sn[i] = sign * static_cast<float>(std::sin(ang));
       }
       for (int64_t b = 0; b < B; ++b) {
-        const float *xr = x + (b * T + t) * row;
-        float *yr = y + (b * T + t) * row;
+        const float *xr = row_f32(x + (b * T + t) * row, row, bin);
+        float *yr = out_f32(y + (b * T + t) * row, bout);
         if (interleaved) {
           for (int64_t h = 0; h < H; ++h) {
             const float *xh = xr + h * D;
@@ -65,6 +72,7 @@ void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D
               yh[2 * i + 1] = a * sn[i] + c * cs[i];
             }
           }
+          store_row(yr, y + (b * T + t) * row, row);
           continue;
         }
         for (int64_t h = 0; h < H; ++h) {
@@ -76,6 +84,7 @@ void rotate(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t D
             y2[i] = a * sn[i] + c * cs[i];
           }
         }
+        store_row(yr, y + (b * T + t) * row, row);
       }
     }
   });
@@ -90,6 +99,14 @@ void rope_fwd(const float *x, float *y, int64_t B, int64_t T, int64_t H, int64_t
 
 void rope_bwd(const float *dy, float *dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
               bool interleaved, int64_t cp_ranks, int64_t cp_index) {
+  rotate(dy, dx, B, T, H, D, theta, -1.0f, interleaved, cp_ranks, cp_index);
+}
+void rope_fwd_bf16(const uint16_t *x, uint16_t *y, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                   bool interleaved, int64_t cp_ranks, int64_t cp_index) {
+  rotate(x, y, B, T, H, D, theta, 1.0f, interleaved, cp_ranks, cp_index);
+}
+void rope_bwd_bf16(const uint16_t *dy, uint16_t *dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                   bool interleaved, int64_t cp_ranks, int64_t cp_index) {
   rotate(dy, dx, B, T, H, D, theta, -1.0f, interleaved, cp_ranks, cp_index);
 }
 

@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <random>
 
 #include "cpu/kernels.h"
 
@@ -189,6 +190,130 @@ TEST(CpuBf16Checkpoint, Bf16ToFp32) {
 TEST(CpuBf16Checkpoint, Fp32ToBf16) {
   SKIP_WITHOUT_BF16();
   checkpoint_moves("fp32", "bf16");
+}
+
+// The kernels that read and write bf16 rows themselves compute what their f32
+// kernels compute on widened copies, rounded once: norms and rope the same bits
+// as the widened path they replace; attention the same arithmetic on each
+// head's rows made contiguous, whose GEMMs may block (and so round) differently
+// from the strided ones: probabilities within 1e-6 and every bf16 output within
+// one bf16 step (2^-8 relative) of the widened path's, on odd widths and a
+// grouped-query, causal, windowed and soft-capped attention.
+std::vector<uint16_t> bf16_values(size_t n, uint32_t seed, float scale) {
+  std::vector<float> f(n);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  for (float &x : f) x = d(rng);
+  std::vector<uint16_t> h(n);
+  ctr::cpu::f32_to_bf16(f.data(), h.data(), static_cast<int64_t>(n));
+  return h;
+}
+std::vector<float> widened_copy(const std::vector<uint16_t> &h) {
+  std::vector<float> f(h.size());
+  ctr::cpu::bf16_to_f32(h.data(), f.data(), static_cast<int64_t>(h.size()));
+  return f;
+}
+// Where two bf16 tensors differ by more than one bf16 step: "" or the first place.
+std::string beyond_one_step(const std::vector<uint16_t> &a, const std::vector<uint16_t> &b) {
+  if (a.size() != b.size()) return "sizes differ";
+  const std::vector<float> fa = widened_copy(a), fb = widened_copy(b);
+  for (size_t i = 0; i < fa.size(); ++i)
+    if (!(std::fabs(fa[i] - fb[i]) <= std::ldexp(std::max(std::fabs(fa[i]), std::fabs(fb[i])), -7) + 1e-30f))
+      return "element " + std::to_string(i) + ": " + std::to_string(fa[i]) + " vs " + std::to_string(fb[i]);
+  return "";
+}
+std::vector<uint16_t> narrowed(const std::vector<float> &f) {
+  std::vector<uint16_t> h(f.size());
+  ctr::cpu::f32_to_bf16(f.data(), h.data(), static_cast<int64_t>(f.size()));
+  return h;
+}
+
+TEST(CpuBf16Rows, NormsMatchTheWidenedKernelsBitForBit) {
+  namespace cpu = ctr::cpu;
+  for (const int64_t C : {7, 64, 300}) {
+    SCOPED_TRACE(C);
+    const int64_t R = 37;
+    const auto x = bf16_values(R * C, 1, 2.0f), dy = bf16_values(R * C, 2, 1.0f);
+    const auto xf = widened_copy(x), dyf = widened_copy(dy);
+    std::vector<float> w(C), b(C);
+    for (int64_t j = 0; j < C; ++j) {
+      w[j] = 0.5f + 0.01f * static_cast<float>(j);
+      b[j] = 0.1f - 0.002f * static_cast<float>(j);
+    }
+    std::vector<float> y32(R * C), mean32(R), rstd32(R), mean(R), rstd(R);
+    std::vector<uint16_t> y(R * C);
+    cpu::layernorm_fwd(xf.data(), w.data(), b.data(), y32.data(), mean32.data(), rstd32.data(), R, C, 1e-5f);
+    cpu::layernorm_fwd_bf16(x.data(), w.data(), b.data(), y.data(), mean.data(), rstd.data(), R, C, 1e-5f);
+    EXPECT_EQ(y, narrowed(y32));
+    EXPECT_EQ(mean, mean32);
+    EXPECT_EQ(rstd, rstd32);
+    std::vector<float> dx32(R * C), dw32(C), db32(C), dw(C), db(C);
+    std::vector<uint16_t> dx(R * C);
+    cpu::layernorm_bwd(dyf.data(), xf.data(), w.data(), mean.data(), rstd.data(), dx32.data(), dw32.data(),
+                       db32.data(), R, C, false);
+    cpu::layernorm_bwd_bf16(dy.data(), x.data(), w.data(), mean.data(), rstd.data(), dx.data(), dw.data(),
+                            db.data(), R, C, false);
+    EXPECT_EQ(dx, narrowed(dx32));
+    EXPECT_EQ(dw, dw32);
+    EXPECT_EQ(db, db32);
+    cpu::rmsnorm_fwd(xf.data(), w.data(), y32.data(), rstd32.data(), R, C, 1e-6f);
+    cpu::rmsnorm_fwd_bf16(x.data(), w.data(), y.data(), rstd.data(), R, C, 1e-6f);
+    EXPECT_EQ(y, narrowed(y32));
+    EXPECT_EQ(rstd, rstd32);
+    cpu::rmsnorm_bwd(dyf.data(), xf.data(), w.data(), rstd.data(), dx32.data(), dw32.data(), R, C, false);
+    cpu::rmsnorm_bwd_bf16(dy.data(), x.data(), w.data(), rstd.data(), dx.data(), dw.data(), R, C, false);
+    EXPECT_EQ(dx, narrowed(dx32));
+    EXPECT_EQ(dw, dw32);
+  }
+}
+
+TEST(CpuBf16Rows, AttentionWithinOneStepAndRopeBitForBit) {
+  namespace cpu = ctr::cpu;
+  struct Case {
+    int64_t B, T, Hq, Hkv, D;
+    bool causal;
+    int64_t window;
+    float softcap;
+  };
+  for (const Case &k : {Case{2, 70, 4, 2, 16, true, 0, 0.0f}, Case{1, 96, 3, 3, 8, false, 0, 0.0f},
+                        Case{2, 130, 4, 1, 16, true, 40, 30.0f}}) {
+    SCOPED_TRACE(k.T);
+    const int64_t nq = k.B * k.T * k.Hq * k.D, nk = k.B * k.T * k.Hkv * k.D, np = k.B * k.Hq * k.T * k.T;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(k.D));
+    const auto q = bf16_values(nq, 3, 1.0f), kk = bf16_values(nk, 4, 1.0f), v = bf16_values(nk, 5, 1.0f);
+    const auto dout = bf16_values(nq, 6, 1.0f);
+    const auto qf = widened_copy(q), kf = widened_copy(kk), vf = widened_copy(v), gf = widened_copy(dout);
+    std::vector<float> out32(nq), p32(np), p(np);
+    std::vector<uint16_t> out(nq);
+    cpu::attention_fwd(qf.data(), kf.data(), vf.data(), out32.data(), p32.data(), k.B, k.T, k.Hq, k.Hkv, k.D, scale,
+                       k.causal, k.window, k.softcap);
+    cpu::attention_fwd_bf16(q.data(), kk.data(), v.data(), out.data(), p.data(), k.B, k.T, k.Hq, k.Hkv, k.D, scale,
+                            k.causal, k.window, k.softcap);
+    EXPECT_EQ(beyond_one_step(out, narrowed(out32)), "");
+    float worst = 0.0f;
+    for (int64_t i = 0; i < np; ++i) worst = std::max(worst, std::fabs(p[i] - p32[i]));
+    EXPECT_LE(worst, 1e-6f);
+    std::vector<float> dq32(nq), dk32(nk), dv32(nk);
+    std::vector<uint16_t> dq(nq), dk(nk), dv(nk);
+    cpu::attention_bwd(gf.data(), qf.data(), kf.data(), vf.data(), p.data(), dq32.data(), dk32.data(), dv32.data(),
+                       k.B, k.T, k.Hq, k.Hkv, k.D, scale, k.causal, k.window, k.softcap);
+    cpu::attention_bwd_bf16(dout.data(), q.data(), kk.data(), v.data(), p.data(), dq.data(), dk.data(), dv.data(),
+                            k.B, k.T, k.Hq, k.Hkv, k.D, scale, k.causal, k.window, k.softcap);
+    EXPECT_EQ(beyond_one_step(dq, narrowed(dq32)), "");
+    EXPECT_EQ(beyond_one_step(dk, narrowed(dk32)), "");
+    EXPECT_EQ(beyond_one_step(dv, narrowed(dv32)), "");
+    for (const bool interleaved : {false, true}) {
+      std::vector<float> r32(nq);
+      std::vector<uint16_t> r(nq);
+      cpu::rope_fwd(qf.data(), r32.data(), k.B, k.T, k.Hq, k.D, 10000.0f, interleaved, 1, 0);
+      cpu::rope_fwd_bf16(q.data(), r.data(), k.B, k.T, k.Hq, k.D, 10000.0f, interleaved, 1, 0);
+      EXPECT_EQ(r, narrowed(r32));
+      cpu::rope_bwd(gf.data(), r32.data(), k.B, k.T, k.Hq, k.D, 10000.0f, interleaved, 2, 1);
+      std::vector<uint16_t> g = dout;  // in place, as the step may run it
+      cpu::rope_bwd_bf16(g.data(), g.data(), k.B, k.T, k.Hq, k.D, 10000.0f, interleaved, 2, 1);
+      EXPECT_EQ(g, narrowed(r32));
+    }
+  }
 }
 
 // Run with CTR_CPU_FEATURES=-avx512_bf16 (test cpu_bf16_refused): the CPU

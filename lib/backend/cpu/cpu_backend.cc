@@ -80,7 +80,12 @@ struct Args {
 // bf16 code of its own runs on f32 copies of its bf16 tensors: inputs widened
 // exactly into per-thread scratch, outputs written to scratch by the f32 kernel,
 // and the bf16 outputs rounded back to nearest even. f32 tensors (statistics,
-// parameter gradients) are used in place. The GEMMs have bf16 code (oneDNN).
+// parameter gradients) are used in place. The GEMMs have bf16 code (oneDNN);
+// the norms, rope and attention read and write bf16 rows themselves (each row
+// or head widened into f32 in cache, computed by the f32 code, rounded once),
+// which saves the whole-tensor copies through memory (norms and rope give the
+// same bits as widened copies; attention's GEMMs on contiguous heads may round
+// differently within f32, see kernels/cpu/attention.cc).
 
 bool any_bf16(const ctr_kernel_args *a) {
   for (int i = 0; i < a->num_inputs; ++i)
@@ -217,7 +222,18 @@ void bind16(const ctr_kernel_args *a, void *) {
     widened<F>(a);
 }
 
+// A kernel reading and writing bf16 rows itself (no library): F16 returns false
+// for a mix of dtypes it does not take, which then goes the widened way.
+template <bool (*F16)(const Args &), void (*F)(const Args &)>
+void bind_rows(const ctr_kernel_args *a, void *) {
+  if (!any_bf16(a))
+    F(Args{a});
+  else if (!F16(Args{a}))
+    widened<F>(a);
+}
+
 bool is16(const ctr_tensor_ref &r) { return r.dtype == CTR_DTYPE_BF16; }
+bool is32(const ctr_tensor_ref &r) { return r.dtype == CTR_DTYPE_F32; }
 
 // ---------------------------------------------------------------------------
 // Kernel bindings
@@ -426,6 +442,61 @@ void k_rmsnorm_bwd(const Args &c) {
   cpu::rmsnorm_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.out<float>(0),
                    c.out<float>(1), numel(x) / C, C, false);
 }
+// bf16 activations and their gradients; the norm's weight and bias f32 or
+// their bf16 copies (widened here, exactly: one row of C); statistics and
+// weight gradients f32.
+bool is16or32(const ctr_tensor_ref &r) { return is16(r) || is32(r); }
+// Input i as f32: itself, or widened into this thread's buffer `slot`.
+const float *weight_f32(const Args &c, int i, int slot) {
+  const ctr_tensor_ref &r = c.a->inputs[i];
+  if (is32(r)) return static_cast<const float *>(r.data);
+  thread_local std::vector<float> buf[2];
+  std::vector<float> &b = buf[slot];
+  if (b.size() < static_cast<size_t>(r.numel)) b.resize(static_cast<size_t>(r.numel));
+  cpu::bf16_to_f32(static_cast<const uint16_t *>(r.data), b.data(), r.numel);
+  return b.data();
+}
+bool k16_layernorm(const Args &c) {
+  const auto &r = c.a->inputs, &o = c.a->outputs;
+  if (!is16(r[0]) || !is16or32(r[1]) || (c.num_inputs() > 2 && !is16or32(r[2])) || !is16(o[0]) || !is32(o[1]) ||
+      !is32(o[2]))
+    return false;
+  const auto &x = c.in_shape(0);
+  const int64_t C = x.back();
+  cpu::layernorm_fwd_bf16(c.in<uint16_t>(0), weight_f32(c, 1, 0), c.num_inputs() > 2 ? weight_f32(c, 2, 1) : nullptr,
+                          c.out<uint16_t>(0), c.out<float>(1), c.out<float>(2), numel(x) / C, C, eps_of(c));
+  return true;
+}
+bool k16_layernorm_bwd(const Args &c) {
+  const auto &r = c.a->inputs, &o = c.a->outputs;
+  if (!is16(r[0]) || !is16(r[1]) || !is16or32(r[2]) || !is32(r[3]) || !is32(r[4]) || !is16(o[0]) ||
+      !is32(o[1]) || (c.num_outputs() > 2 && !is32(o[2])))
+    return false;
+  const auto &x = c.in_shape(1);
+  const int64_t C = x.back();
+  cpu::layernorm_bwd_bf16(c.in<uint16_t>(0), c.in<uint16_t>(1), weight_f32(c, 2, 0), c.in<float>(3),
+                          c.in<float>(4), c.out<uint16_t>(0), c.out<float>(1),
+                          c.num_outputs() > 2 ? c.out<float>(2) : nullptr, numel(x) / C, C, false);
+  return true;
+}
+bool k16_rmsnorm(const Args &c) {
+  const auto &r = c.a->inputs, &o = c.a->outputs;
+  if (!is16(r[0]) || !is16or32(r[1]) || !is16(o[0]) || !is32(o[1])) return false;
+  const auto &x = c.in_shape(0);
+  const int64_t C = x.back();
+  cpu::rmsnorm_fwd_bf16(c.in<uint16_t>(0), weight_f32(c, 1, 0), c.out<uint16_t>(0), c.out<float>(1), numel(x) / C,
+                        C, eps_of(c));
+  return true;
+}
+bool k16_rmsnorm_bwd(const Args &c) {
+  const auto &r = c.a->inputs, &o = c.a->outputs;
+  if (!is16(r[0]) || !is16(r[1]) || !is16or32(r[2]) || !is32(r[3]) || !is16(o[0]) || !is32(o[1])) return false;
+  const auto &x = c.in_shape(1);
+  const int64_t C = x.back();
+  cpu::rmsnorm_bwd_bf16(c.in<uint16_t>(0), c.in<uint16_t>(1), weight_f32(c, 2, 0), c.in<float>(3),
+                        c.out<uint16_t>(0), c.out<float>(1), numel(x) / C, C, false);
+  return true;
+}
 void k_gelu(const Args &c) {
   if (c.params<ctr_gelu_params>().exact)
     cpu::gelu_exact_fwd(c.in<float>(0), c.out<float>(0), numel(c.in_shape(0)));
@@ -535,6 +606,20 @@ void k_rope_bwd(const Args &c) {
   cpu::rope_bwd(c.in<float>(0), c.out<float>(0), d.B, d.T, d.H, d.D, d.theta, d.interleaved, d.cp_ranks,
                 d.cp_index);
 }
+bool k16_rope(const Args &c) {
+  if (!is16(c.a->inputs[0]) || !is16(c.a->outputs[0])) return false;
+  auto d = rope_dims(c);
+  cpu::rope_fwd_bf16(c.in<uint16_t>(0), c.out<uint16_t>(0), d.B, d.T, d.H, d.D, d.theta, d.interleaved,
+                     d.cp_ranks, d.cp_index);
+  return true;
+}
+bool k16_rope_bwd(const Args &c) {
+  if (!is16(c.a->inputs[0]) || !is16(c.a->outputs[0])) return false;
+  auto d = rope_dims(c);
+  cpu::rope_bwd_bf16(c.in<uint16_t>(0), c.out<uint16_t>(0), d.B, d.T, d.H, d.D, d.theta, d.interleaved,
+                     d.cp_ranks, d.cp_index);
+  return true;
+}
 struct AttnDims { int64_t B, T, Hq, Hkv, D; float scale; bool causal; int64_t window; float softcap; };
 AttnDims attn_dims(const Args &c, int q_input) {
   const auto &q = c.in_shape(q_input);
@@ -561,6 +646,26 @@ void k_attention_bwd(const Args &c) {
   cpu::attention_bwd(c.in<float>(0), c.in<float>(1), c.in<float>(2), c.in<float>(3), c.in<float>(4),
                      c.out<float>(0), c.out<float>(1), c.out<float>(2), d.B, d.T, d.Hq, d.Hkv, d.D,
                      d.scale, d.causal, d.window, d.softcap);
+}
+bool k16_attention(const Args &c) {
+  const auto &r = c.a->inputs, &o = c.a->outputs;
+  if (!is16(r[0]) || !is16(r[1]) || !is16(r[2]) || !is16(o[0]) || !is32(o[1])) return false;
+  auto d = attn_dims(c, 0);
+  cpu::attention_fwd_bf16(c.in<uint16_t>(0), c.in<uint16_t>(1), c.in<uint16_t>(2), c.out<uint16_t>(0),
+                          c.out<float>(1), d.B, d.T, d.Hq, d.Hkv, d.D, d.scale, d.causal, d.window, d.softcap);
+  return true;
+}
+// (The sixth input, the forward's output, is for cuDNN's backward; not read here.)
+bool k16_attention_bwd(const Args &c) {
+  const auto &r = c.a->inputs, &o = c.a->outputs;
+  if (!is16(r[0]) || !is16(r[1]) || !is16(r[2]) || !is16(r[3]) || !is32(r[4]) || !is16(o[0]) || !is16(o[1]) ||
+      !is16(o[2]))
+    return false;
+  auto d = attn_dims(c, 1);
+  cpu::attention_bwd_bf16(c.in<uint16_t>(0), c.in<uint16_t>(1), c.in<uint16_t>(2), c.in<uint16_t>(3),
+                          c.in<float>(4), c.out<uint16_t>(0), c.out<uint16_t>(1), c.out<uint16_t>(2), d.B, d.T,
+                          d.Hq, d.Hkv, d.D, d.scale, d.causal, d.window, d.softcap);
+  return true;
 }
 void k_cp_attention(const Args &c) {
   auto d = attn_dims(c, 0);
@@ -815,14 +920,14 @@ void register_library_kernels() {
         {"amax", bind<k_reduce<cpu::Reduction::Amax>>}, {"amax_bwd", bind<k_amax_bwd>},
         {"var", bind<k_reduce<cpu::Reduction::Var>>}, {"var_bwd", bind<k_var_bwd>},
         {"log_softmax", bind<k_log_softmax>},     {"log_softmax_bwd", bind<k_log_softmax_bwd>},
-        {"add_same", bind_ew<k_add_same>},           {"layernorm", bind<k_layernorm>},
-        {"layernorm_bwd", bind<k_layernorm_bwd>}, {"rmsnorm", bind<k_rmsnorm>},
-        {"rmsnorm_bwd", bind<k_rmsnorm_bwd>},     {"gelu", bind_ew<k_gelu>},
+        {"add_same", bind_ew<k_add_same>},           {"layernorm", bind_rows<k16_layernorm, k_layernorm>},
+        {"layernorm_bwd", bind_rows<k16_layernorm_bwd, k_layernorm_bwd>}, {"rmsnorm", bind_rows<k16_rmsnorm, k_rmsnorm>},
+        {"rmsnorm_bwd", bind_rows<k16_rmsnorm_bwd, k_rmsnorm_bwd>},     {"gelu", bind_ew<k_gelu>},
         {"gelu_bwd", bind_ew<k_gelu_bwd>},           {"silu", bind_ew<k_silu>},
         {"silu_bwd", bind_ew<k_silu_bwd>},           {"swiglu", bind_ew<k_swiglu>},
         {"geglu", bind_ew<k_geglu>},                 {"geglu_bwd", bind_ew<k_geglu_bwd>},
         {"swiglu_bwd", bind_ew<k_swiglu_bwd>},       {"softmax", bind<k_softmax>},
-        {"softmax_bwd", bind<k_softmax_bwd>},     {"rope", bind<k_rope>},
+        {"softmax_bwd", bind<k_softmax_bwd>},     {"rope", bind_rows<k16_rope, k_rope>},
         {"exp", bind_ew<k_unary<cpu::Unary::Exp>>},  {"exp_bwd", bind_ew<k_unary_bwd<cpu::Unary::Exp>>},
         {"log", bind_ew<k_unary<cpu::Unary::Log>>},  {"log_bwd", bind_ew<k_unary_bwd<cpu::Unary::Log>>},
         {"tanh", bind_ew<k_unary<cpu::Unary::Tanh>>}, {"tanh_bwd", bind_ew<k_unary_bwd<cpu::Unary::Tanh>>},
@@ -838,12 +943,12 @@ void register_library_kernels() {
         {"clamp", bind_ew<k_unary<cpu::Unary::Clamp>>},
         {"clamp_bwd", bind_ew<k_unary_bwd<cpu::Unary::Clamp>>},
         {"pow", bind_ew<k_unary<cpu::Unary::Pow>>},  {"pow_bwd", bind_ew<k_unary_bwd<cpu::Unary::Pow>>},
-        {"rope_bwd", bind<k_rope_bwd>},           {"attention", bind<k_attention>},
-        {"attention_bwd", bind<k_attention_bwd>}, {"cp_attention", bind<k_cp_attention>},
+        {"rope_bwd", bind_rows<k16_rope_bwd, k_rope_bwd>},           {"attention", bind_rows<k16_attention, k_attention>},
+        {"attention_bwd", bind_rows<k16_attention_bwd, k_attention_bwd>}, {"cp_attention", bind<k_cp_attention>},
         {"cp_attention_bwd", bind<k_cp_attention_bwd>}, {"cp_attention_block", bind<k_cp_attention_block>},
         {"cp_attention_block_bwd", bind<k_cp_attention_block_bwd>}, {"attn_merge", bind<k_attn_merge>},
         {"attn_merge_bwd", bind<k_attn_merge_bwd>},
-        {"cp_rope", bind<k_rope>},                {"cp_rope_bwd", bind<k_rope_bwd>},
+        {"cp_rope", bind_rows<k16_rope, k_rope>},                {"cp_rope_bwd", bind_rows<k16_rope_bwd, k_rope_bwd>},
         {"cross_entropy", bind<k_cross_entropy>},
         {"vocab_ce_stats", bind<k_vocab_ce_stats>}, {"vocab_ce_loss", bind<k_vocab_ce_loss>},
         {"vocab_ce_bwd", bind<k_vocab_ce_bwd>}, {"vocab_embedding", bind<k_vocab_embedding>},
