@@ -114,6 +114,13 @@ void embedding_fwd(const int32_t *ids, const float *table, float *out, int64_t n
   });
 }
 
+void embedding_fwd_bf16(const int32_t *ids, const uint16_t *table, uint16_t *out, int64_t n, int64_t C) {
+  for_range(n, std::max<int64_t>(1, kGrain / std::max<int64_t>(C, 1)), [=](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      std::memcpy(out + i * C, table + static_cast<int64_t>(ids[i]) * C, C * sizeof(uint16_t));
+  });
+}
+
 void embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t n, int64_t V,
                    int64_t C, bool accumulate, int64_t padding_idx) {
   if (!accumulate) fill(dtable, 0.0f, V * C);

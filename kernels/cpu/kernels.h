@@ -103,6 +103,8 @@ void matmul_bwd(const float *dc, const float *a, const float *b, float *da, floa
 // out[n,C] = table[ids[n], :]
 void embedding_fwd(const int32_t *ids, const float *table, float *out, int64_t n, int64_t V,
                    int64_t C);
+// The same with a bf16 table and output: the rows copied as they are.
+void embedding_fwd_bf16(const int32_t *ids, const uint16_t *table, uint16_t *out, int64_t n, int64_t C);
 // dtable[V,C] (+)= scatter-add of dout[n,C] rows into rows ids[n], leaving out the
 // rows whose id is padding_idx (-1: none).
 void embedding_bwd(const int32_t *ids, const float *dout, float *dtable, int64_t n, int64_t V,
@@ -339,6 +341,12 @@ void cross_entropy_fwd(const float *logits, const int32_t *targets, float *loss,
 // dlogits[R,V] = dloss * (softmax(row) - onehot(target)) / count ; zero rows for ignored.
 void cross_entropy_bwd(const float *logits, const int32_t *targets, const float *lse,
                        float dloss, int64_t count, float *dlogits, int64_t R, int64_t V);
+// The same on bf16 logits and dlogits (each row widened, computed as above and
+// rounded once: the bits of the f32 kernels on widened copies).
+void cross_entropy_fwd_bf16(const uint16_t *logits, const int32_t *targets, float *loss, float *lse,
+                            int64_t *count, int64_t R, int64_t V);
+void cross_entropy_bwd_bf16(const uint16_t *logits, const int32_t *targets, const float *lse, float dloss,
+                            int64_t count, uint16_t *dlogits, int64_t R, int64_t V);
 
 // Cross-entropy over a vocabulary split over ranks: this rank's logits[R,V]
 // hold words [offset, offset + valid) in their first `valid` columns.

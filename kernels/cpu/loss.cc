@@ -11,9 +11,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "common/math.h"
 #include "core/thread_pool.h"
+#include "cpu/bf16_rows.h"
 #include "cpu/kernels.h"
 #include "cpu/rows.h"
 
@@ -47,42 +50,76 @@ float row_logsumexp(const float *x, int64_t n) {
 
 }  // namespace
 
-void cross_entropy_fwd(const float *logits, const int32_t *targets, float *loss, float *lse,
-                       int64_t *count, int64_t R, int64_t V) {
-  ctr::parallel_for(R, std::max<int64_t>(1, kGrain / std::max<int64_t>(V, 1)),
-                    [=](int64_t r0, int64_t r1) {
-                      for (int64_t r = r0; r < r1; ++r) lse[r] = row_logsumexp(logits + r * V, V);
-                    });
+namespace {
+
+// A thread's row of V floats for the bf16 kernels (unused for f32).
+float *ce_row(int64_t V) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < V) buf.resize(static_cast<size_t>(V));
+  return buf.data();
+}
+
+// T: float, or uint16_t for bf16 logits (and dlogits): each row widened into
+// f32, computed as in f32 and rounded once, the bits of the f32 kernel on a
+// widened copy.
+template <typename T>
+void cross_entropy_fwd_t(const T *logits, const int32_t *targets, float *loss, float *lse, int64_t *count, int64_t R,
+                         int64_t V) {
+  ctr::parallel_for(R, std::max<int64_t>(1, kGrain / std::max<int64_t>(V, 1)), [=](int64_t r0, int64_t r1) {
+    float *buf = std::is_same_v<T, float> ? nullptr : ce_row(V);
+    for (int64_t r = r0; r < r1; ++r) lse[r] = row_logsumexp(row_f32(logits + r * V, V, buf), V);
+  });
   double sum = 0.0;
   int64_t n = 0;
   for (int64_t r = 0; r < R; ++r) {
     const int32_t t = targets[r];
     if (t < 0) continue;
-    sum += static_cast<double>(lse[r]) - static_cast<double>(logits[r * V + t]);
+    sum += static_cast<double>(lse[r]) - static_cast<double>(widen(logits[r * V + t]));
     ++n;
   }
   *count = n;
   loss[0] = n > 0 ? static_cast<float>(sum / static_cast<double>(n)) : 0.0f;
 }
 
-void cross_entropy_bwd(const float *logits, const int32_t *targets, const float *lse, float dloss,
-                       int64_t count, float *dlogits, int64_t R, int64_t V) {
+template <typename T>
+void cross_entropy_bwd_t(const T *logits, const int32_t *targets, const float *lse, float dloss, int64_t count,
+                         T *dlogits, int64_t R, int64_t V) {
   const float g = count > 0 ? dloss / static_cast<float>(count) : 0.0f;
-  ctr::parallel_for(R, std::max<int64_t>(1, kGrain / std::max<int64_t>(V, 1)),
-                    [=](int64_t r0, int64_t r1) {
-                      for (int64_t r = r0; r < r1; ++r) {
-                        float *o = dlogits + r * V;
-                        const int32_t t = targets[r];
-                        if (t < 0 || count <= 0) {
-                          std::memset(o, 0, V * sizeof(float));
-                          continue;
-                        }
-                        const float *x = logits + r * V;
-                        const float l = lse[r];
-                        for (int64_t j = 0; j < V; ++j) o[j] = g * math::exp_fast(x[j] - l);
-                        o[t] -= g;
-                      }
-                    });
+  ctr::parallel_for(R, std::max<int64_t>(1, kGrain / std::max<int64_t>(V, 1)), [=](int64_t r0, int64_t r1) {
+    float *buf = std::is_same_v<T, float> ? nullptr : ce_row(V);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int32_t t = targets[r];
+      if (t < 0 || count <= 0) {
+        std::memset(dlogits + r * V, 0, V * sizeof(T));
+        continue;
+      }
+      const float *x = row_f32(logits + r * V, V, buf);
+      float *o = out_f32(dlogits + r * V, buf);  // (bf16: computed in place over the widened row)
+      const float l = lse[r];
+      for (int64_t j = 0; j < V; ++j) o[j] = g * math::exp_fast(x[j] - l);
+      o[t] -= g;
+      store_row(o, dlogits + r * V, V);
+    }
+  });
+}
+
+}  // namespace
+
+void cross_entropy_fwd(const float *logits, const int32_t *targets, float *loss, float *lse, int64_t *count,
+                       int64_t R, int64_t V) {
+  cross_entropy_fwd_t(logits, targets, loss, lse, count, R, V);
+}
+void cross_entropy_fwd_bf16(const uint16_t *logits, const int32_t *targets, float *loss, float *lse,
+                            int64_t *count, int64_t R, int64_t V) {
+  cross_entropy_fwd_t(logits, targets, loss, lse, count, R, V);
+}
+void cross_entropy_bwd(const float *logits, const int32_t *targets, const float *lse, float dloss, int64_t count,
+                       float *dlogits, int64_t R, int64_t V) {
+  cross_entropy_bwd_t(logits, targets, lse, dloss, count, dlogits, R, V);
+}
+void cross_entropy_bwd_bf16(const uint16_t *logits, const int32_t *targets, const float *lse, float dloss,
+                            int64_t count, uint16_t *dlogits, int64_t R, int64_t V) {
+  cross_entropy_bwd_t(logits, targets, lse, dloss, count, dlogits, R, V);
 }
 
 void vocab_ce_stats(const float *logits, const int32_t *targets, float *stats, int64_t R, int64_t V,

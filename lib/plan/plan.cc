@@ -409,8 +409,10 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     return sc;
   };
 
-  // Compiles and prices one candidate: its table row.
-  auto evaluate = [&](const Candidate &cd) {
+  // Compiles and prices one candidate: its table row. `stage0`: its first
+  // stage, when that was compiled already (pipelines only: the schedule and
+  // layout come from the other stages).
+  auto evaluate = [&](const Candidate &cd, const StageCost *stage0 = nullptr) {
     const int64_t pp = cd.axes.at("pp");
     json row = {{"mesh", cd.mesh_text()},
                 {"schedule", schedule_kind_name(cd.schedule)},
@@ -425,7 +427,8 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     Layout layout;
     layout.world = req.world;
     try {
-      for (int64_t s = 0; s < pp; ++s) stages.push_back(compile_stage(cd, s, layout, &sched));
+      for (int64_t s = 0; s < pp; ++s)
+        stages.push_back(s == 0 && stage0 && pp > 1 ? *stage0 : compile_stage(cd, s, layout, &sched));
     } catch (const Error &e) {
       why = e.message();
     }
@@ -587,10 +590,11 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
              cands[g1].recompute == cands[g0].recompute && cands[g1].cp_mode == cands[g0].cp_mode)
         ++g1;
       std::vector<std::optional<json>> priced(g1 - g0);
+      std::optional<StageCost> first_stage;  // the first candidate's stage 0, once the bound below compiled it
       auto price = [&](size_t i) -> const json & {
         if (!priced[i]) {
           ++out.compiled;
-          priced[i] = evaluate(cands[g0 + i]);
+          priced[i] = evaluate(cands[g0 + i], i == 0 && first_stage ? &*first_stage : nullptr);
         }
         return *priced[i];
       };
@@ -614,8 +618,8 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
         try {
           Layout layout;
           layout.world = req.world;
-          const StageCost sc = compile_stage(cands[g0], 0, layout, nullptr);
-          busy = static_cast<double>(cands[g0].micro_batches) * (sc.f + sc.b + sc.w);
+          first_stage = compile_stage(cands[g0], 0, layout, nullptr);
+          busy = static_cast<double>(cands[g0].micro_batches) * (first_stage->f + first_stage->b + first_stage->w);
         } catch (const Error &) {
           busy = 0;  // priced (and refused with its reason) as usual
         }

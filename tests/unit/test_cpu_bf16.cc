@@ -193,7 +193,8 @@ TEST(CpuBf16Checkpoint, Fp32ToBf16) {
 }
 
 // The kernels that read and write bf16 rows themselves compute what their f32
-// kernels compute on widened copies, rounded once: norms and rope the same bits
+// kernels compute on widened copies, rounded once: norms, rope, the
+// cross-entropy and the embedding lookup the same bits
 // as the widened path they replace; attention the same arithmetic on each
 // head's rows made contiguous, whose GEMMs may block (and so round) differently
 // from the strided ones: probabilities within 1e-6 and every bf16 output within
@@ -265,6 +266,37 @@ TEST(CpuBf16Rows, NormsMatchTheWidenedKernelsBitForBit) {
     EXPECT_EQ(dx, narrowed(dx32));
     EXPECT_EQ(dw, dw32);
   }
+}
+
+TEST(CpuBf16Rows, CrossEntropyAndEmbeddingMatchTheWidenedKernelsBitForBit) {
+  namespace cpu = ctr::cpu;
+  const int64_t R = 29, V = 1003, C = 48;
+  const auto logits = bf16_values(R * V, 7, 3.0f);
+  const auto lf = widened_copy(logits);
+  std::vector<int32_t> targets(R);
+  for (int64_t r = 0; r < R; ++r) targets[r] = r % 5 == 3 ? -1 : static_cast<int32_t>((r * 37) % V);
+  float loss32 = 0, loss = 0;
+  int64_t count32 = 0, count = 0;
+  std::vector<float> lse32(R), lse(R);
+  cpu::cross_entropy_fwd(lf.data(), targets.data(), &loss32, lse32.data(), &count32, R, V);
+  cpu::cross_entropy_fwd_bf16(logits.data(), targets.data(), &loss, lse.data(), &count, R, V);
+  EXPECT_EQ(loss, loss32);
+  EXPECT_EQ(lse, lse32);
+  EXPECT_EQ(count, count32);
+  std::vector<float> d32(R * V);
+  std::vector<uint16_t> d(R * V);
+  cpu::cross_entropy_bwd(lf.data(), targets.data(), lse.data(), 1.5f, count, d32.data(), R, V);
+  cpu::cross_entropy_bwd_bf16(logits.data(), targets.data(), lse.data(), 1.5f, count, d.data(), R, V);
+  EXPECT_EQ(d, narrowed(d32));
+  const auto table = bf16_values(V * C, 8, 1.0f);
+  const auto tf = widened_copy(table);
+  std::vector<float> e32(R * C);
+  std::vector<uint16_t> e(R * C);
+  std::vector<int32_t> ids(R);
+  for (int64_t r = 0; r < R; ++r) ids[r] = static_cast<int32_t>((r * 53) % V);
+  cpu::embedding_fwd(ids.data(), tf.data(), e32.data(), R, V, C);
+  cpu::embedding_fwd_bf16(ids.data(), table.data(), e.data(), R, C);
+  EXPECT_EQ(e, narrowed(e32));
 }
 
 TEST(CpuBf16Rows, AttentionWithinOneStepAndRopeBitForBit) {

@@ -81,11 +81,13 @@ struct Args {
 // exactly into per-thread scratch, outputs written to scratch by the f32 kernel,
 // and the bf16 outputs rounded back to nearest even. f32 tensors (statistics,
 // parameter gradients) are used in place. The GEMMs have bf16 code (oneDNN);
-// the norms, rope and attention read and write bf16 rows themselves (each row
-// or head widened into f32 in cache, computed by the f32 code, rounded once),
-// which saves the whole-tensor copies through memory (norms and rope give the
-// same bits as widened copies; attention's GEMMs on contiguous heads may round
-// differently within f32, see kernels/cpu/attention.cc).
+// the norms, rope, attention, the cross-entropy and the embedding lookup read
+// and write bf16 rows themselves (each row or head widened into f32 in cache,
+// computed by the f32 code, rounded once), which saves the whole-tensor copies
+// through memory (a 50k-word table was widened whole for a lookup of a few
+// hundred rows). All but attention give the same bits as widened copies;
+// attention's GEMMs on contiguous heads may round differently within f32 (see
+// kernels/cpu/attention.cc).
 
 bool any_bf16(const ctr_kernel_args *a) {
   for (int i = 0; i < a->num_inputs; ++i)
@@ -241,6 +243,14 @@ bool is32(const ctr_tensor_ref &r) { return r.dtype == CTR_DTYPE_F32; }
 void k_embedding(const Args &c) {
   const auto &t = c.in_shape(0);
   cpu::embedding_fwd(c.in<int32_t>(1), c.in<float>(0), c.out<float>(0), numel(c.in_shape(1)), t[0], t[1]);
+}
+// A bf16 table's rows copied into bf16 output rows (what widening and
+// rounding back would give).
+bool k16_embedding(const Args &c) {
+  if (!is16(c.a->inputs[0]) || !is16(c.a->outputs[0])) return false;
+  const auto &t = c.in_shape(0);
+  cpu::embedding_fwd_bf16(c.in<int32_t>(1), c.in<uint16_t>(0), c.out<uint16_t>(0), numel(c.in_shape(1)), t[1]);
+  return true;
 }
 void k_embedding_bwd(const Args &c) {
   const auto &t = c.out_shape(0);
@@ -720,6 +730,24 @@ void k_cross_entropy_bwd(const Args &c) {
   cpu::cross_entropy_bwd(c.in<float>(1), c.in<int32_t>(2), c.in<float>(3), *c.in<float>(0),
                          *c.in<int64_t>(4), c.out<float>(0), numel(l) / V, V);
 }
+bool k16_cross_entropy(const Args &c) {
+  const auto &o = c.a->outputs;
+  if (!is16(c.a->inputs[0]) || !is32(o[0]) || !is32(o[1])) return false;
+  const auto &l = c.in_shape(0);
+  const int64_t V = l.back();
+  cpu::cross_entropy_fwd_bf16(c.in<uint16_t>(0), c.in<int32_t>(1), c.out<float>(0), c.out<float>(1),
+                              c.out<int64_t>(2), numel(l) / V, V);
+  return true;
+}
+bool k16_cross_entropy_bwd(const Args &c) {
+  const auto &r = c.a->inputs;
+  if (!is32(r[0]) || !is16(r[1]) || !is32(r[3]) || !is16(c.a->outputs[0])) return false;
+  const auto &l = c.in_shape(1);
+  const int64_t V = l.back();
+  cpu::cross_entropy_bwd_bf16(c.in<uint16_t>(1), c.in<int32_t>(2), c.in<float>(3), *c.in<float>(0),
+                              *c.in<int64_t>(4), c.out<uint16_t>(0), numel(l) / V, V);
+  return true;
+}
 void k_vocab_embedding(const Args &c) {
   const auto &t = c.in_shape(0);
   const auto &p = c.params<ctr_vocab_embedding_params>();
@@ -905,7 +933,7 @@ void register_library_kernels() {
   static std::once_flag once;
   std::call_once(once, [] {
     const std::pair<const char *, KernelFn> k[] = {
-        {"embedding", bind<k_embedding>},         {"embedding_bwd", bind<k_embedding_bwd>},
+        {"embedding", bind_rows<k16_embedding, k_embedding>},         {"embedding_bwd", bind<k_embedding_bwd>},
         {"linear", bind16<k16_linear, k_linear>}, {"linear_bwd_x", bind16<k16_linear_bwd_x, k_linear_bwd_x>},
         {"linear_bwd_w", bind16<k16_linear_bwd_w, k_linear_bwd_w>}, {"linear_bwd_b", bind16<k16_linear_bwd_b, k_linear_bwd_b>},
         {"cast", k_cast},
@@ -949,11 +977,11 @@ void register_library_kernels() {
         {"cp_attention_block_bwd", bind<k_cp_attention_block_bwd>}, {"attn_merge", bind<k_attn_merge>},
         {"attn_merge_bwd", bind<k_attn_merge_bwd>},
         {"cp_rope", bind_rows<k16_rope, k_rope>},                {"cp_rope_bwd", bind_rows<k16_rope_bwd, k_rope_bwd>},
-        {"cross_entropy", bind<k_cross_entropy>},
+        {"cross_entropy", bind_rows<k16_cross_entropy, k_cross_entropy>},
         {"vocab_ce_stats", bind<k_vocab_ce_stats>}, {"vocab_ce_loss", bind<k_vocab_ce_loss>},
         {"vocab_ce_bwd", bind<k_vocab_ce_bwd>}, {"vocab_embedding", bind<k_vocab_embedding>},
         {"vocab_embedding_bwd", bind<k_vocab_embedding_bwd>},
-        {"cross_entropy_bwd", bind<k_cross_entropy_bwd>},
+        {"cross_entropy_bwd", bind_rows<k16_cross_entropy_bwd, k_cross_entropy_bwd>},
         {"reshape", bind<k_reshape>},             {"transpose", bind<k_transpose>},
         {"fanout", bind<k_reshape>},
         {"slice", bind<k_slice>},                 {"slice_bwd", bind<k_slice_bwd>},
