@@ -9,10 +9,12 @@
 package ctr
 
 import (
+	"encoding/json"
 	"errors"
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
 	"runtime"
 	"strings"
 	"sync"
@@ -247,6 +249,9 @@ func TestMoEMetricsCountTheTokensOfEachExpert(t *testing.T) {
 	if layers, err := s.MoEMetrics(); err != nil || len(layers) != 0 {
 		t.Fatalf("before a run: %v, %v", layers, err)
 	}
+	if layers, err := s.MoELayers(); err != nil || len(layers) != 0 {
+		t.Fatalf("struct call before a run: %v, %v", layers, err)
+	}
 	ids := make([]int32, 32)
 	for i := range ids {
 		ids[i] = int32(i)
@@ -273,8 +278,63 @@ func TestMoEMetricsCountTheTokensOfEachExpert(t *testing.T) {
 		total += n
 	}
 	// Every token picks 2 of the 4 experts.
-	if total != 64 || !(layers[0].AuxLoss > 0) || !(layers[0].ZLoss > 0) {
+	if total != 64 || !(layers[0].AuxLoss > 0) || !(layers[0].ZLoss > 0) || layers[0].Experts != 4 {
 		t.Fatalf("moe metrics %+v", layers[0])
+	}
+	// The struct call reports the same, bit for bit.
+	structs, err := s.MoELayers()
+	if err != nil || len(structs) != 1 || structs[0].Experts != 4 {
+		t.Fatalf("moe layers %+v, %v", structs, err)
+	}
+	total = 0
+	for _, n := range structs[0].TokensPerExpert {
+		total += n
+	}
+	if total != 64 || !reflect.DeepEqual(structs, layers) {
+		t.Fatalf("moe layers %+v, json %+v", structs, layers)
+	}
+	// The copies outlive the step's next call and the step itself.
+	s.Run()
+	s.Close()
+	if !reflect.DeepEqual(structs, layers) {
+		t.Fatalf("moe layers changed after the step's next run: %+v", structs)
+	}
+	if _, err := s.MoELayers(); StatusOf(err) != StatusInvalidState {
+		t.Fatalf("closed step: %v", err)
+	}
+
+	// A loss the layer lacks is NaN in the struct call, absent (0) in the JSON.
+	g2, err := NewPresetGraph("moe", NewOptions().
+		SetInt("layers", 2).SetInt("dim", 32).SetInt("heads", 4).SetInt("kv_heads", 2).
+		SetInt("vocab", 256).SetInt("seq", 16).SetInt("experts", 4).SetInt("top_k", 2).SetInt("ffn_dim", 32).
+		SetFloat("z_loss", 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { g2.Close() })
+	s2 := newStep(t, m, g2, NewOptions().SetInt("batch", 2).SetInt("seq", 16))
+	s2.SetInput("tokens", ids)
+	s2.SetInput("targets", ids)
+	if _, err := s2.Run(); err != nil {
+		t.Fatal(err)
+	}
+	layers, err = s2.MoEMetrics()
+	if err != nil {
+		t.Fatal(err)
+	}
+	structs, err = s2.MoELayers()
+	if err != nil || len(structs) != 2 || len(layers) != 2 {
+		t.Fatalf("moe layers %+v, %v; json %+v", structs, err, layers)
+	}
+	for i, l := range structs {
+		want := layers[i]
+		if l.Layer != want.Layer || !reflect.DeepEqual(l.TokensPerExpert, want.TokensPerExpert) ||
+			l.AuxLoss != want.AuxLoss || !(l.AuxLoss > 0) || !math.IsNaN(l.ZLoss) || want.ZLoss != 0 {
+			t.Fatalf("layer %d: struct %+v, json %+v", i, l, want)
+		}
+	}
+	if structs[1].Layer != "layers.1.moe" {
+		t.Fatalf("graph order: %+v", structs)
 	}
 }
 
@@ -548,6 +608,199 @@ func TestLoaderSlicesMatchTheGlobalBatch(t *testing.T) {
 		}
 	}
 	wantStatus(t, r1.NextSlice(4, 3, make([]int32, half), make([]int32, half)), StatusInvalidArgument)
+}
+
+// tokenInfo is the JSON of Tokens.Info.
+type tokenInfo struct {
+	Name   string `json:"name"`
+	Kind   string `json:"kind"`
+	Tokens int64  `json:"tokens"`
+	MaxID  int64  `json:"max_id"`
+	Files  []struct {
+		Path        string `json:"path"`
+		Tokens      int64  `json:"tokens"`
+		Width       int    `json:"width"`
+		HeaderBytes int64  `json:"header_bytes"`
+	} `json:"files"`
+}
+
+func openInfo(t *testing.T, path string, opts *Options) (*Tokens, tokenInfo) {
+	t.Helper()
+	tok, err := OpenTokens(path, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tok.Close() })
+	text, err := tok.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var info tokenInfo
+	if err := json.Unmarshal([]byte(text), &info); err != nil {
+		t.Fatalf("%v: %s", err, text)
+	}
+	return tok, info
+}
+
+func writeTokens(t *testing.T, path, format string, width int, ids []uint32) {
+	t.Helper()
+	w, err := CreateTokenWriter(path, format, width, int64(len(ids)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	// In two parts: a file is written in any number of calls.
+	half := len(ids) / 2
+	if err := w.Write(ids[:half]); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write(ids[half:]); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Finish(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Token files written by TokenWriter are read back by Tokens as the loader
+// reads them; a manifest's sub-datasets open one at a time.
+func TestTokenFilesWrittenAndReadAsTheLoaderReadsThem(t *testing.T) {
+	dir := t.TempDir()
+	ids := make([]uint32, 1000)
+	for i := range ids {
+		ids[i] = uint32(i % 300)
+	}
+	a, b := filepath.Join(dir, "a.bin"), filepath.Join(dir, "b.npy")
+	writeTokens(t, a, "llmc", 2, ids)
+	writeTokens(t, b, "npy", 4, ids[:500])
+
+	tok, info := openInfo(t, a, nil)
+	if info.Tokens != 1000 || info.MaxID != 299 || !strings.Contains(info.Kind, "llm.c") || len(info.Files) != 1 ||
+		info.Files[0].Width != 2 || info.Files[0].HeaderBytes != 1024 {
+		t.Fatalf("info %+v", info)
+	}
+	if got, err := tok.Read(295, 10); err != nil ||
+		!reflect.DeepEqual(got, []uint32{295, 296, 297, 298, 299, 0, 1, 2, 3, 4}) {
+		t.Fatalf("read %v, %v", got, err)
+	}
+	if got, err := tok.Read(0, 1000); err != nil || !reflect.DeepEqual(got, ids) {
+		t.Fatalf("read all: %v", err)
+	}
+	if got, err := tok.Read(1000, 0); err != nil || len(got) != 0 {
+		t.Fatalf("read none: %v, %v", got, err)
+	}
+	// Windows of seq + 1 tokens that share their boundary token.
+	if n, err := tok.Samples(16, "windows", -1); err != nil || n != (1000-1)/16 {
+		t.Fatalf("windows %d, %v", n, err)
+	}
+	if n, err := tok.Samples(16, "", -1); err != nil || n != (1000-1)/16 {
+		t.Fatalf("default mode %d, %v", n, err)
+	}
+	if n, err := tok.Samples(16, "documents", 299); err != nil || n <= 0 {
+		t.Fatalf("documents %d, %v", n, err)
+	}
+	if e := wantStatus(t, ignore(tok.Read(995, 10)), StatusInvalidArgument); !strings.Contains(e.Message, "[995, 1005) of 1000") {
+		t.Fatal(e)
+	}
+	wantStatus(t, ignore(tok.Read(0, -1)), StatusInvalidArgument)
+	wantStatus(t, ignore(tok.Samples(5000, "windows", -1)), StatusDataError)
+	wantStatus(t, ignore(tok.Samples(16, "lines", -1)), StatusInvalidArgument)
+
+	// A manifest of both files.
+	m := filepath.Join(dir, "m.json")
+	manifest := `{"datasets": [{"name": "x", "files": ["a.bin"], "weight": 3}, {"name": "y", "files": ["b.npy"]}]}`
+	if err := os.WriteFile(m, []byte(manifest), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	text, err := ManifestInfo(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mi struct {
+		Mode     *string `json:"mode"`
+		Datasets []struct {
+			Name   string   `json:"name"`
+			Weight float64  `json:"weight"`
+			Files  []string `json:"files"`
+		} `json:"datasets"`
+	}
+	if err := json.Unmarshal([]byte(text), &mi); err != nil {
+		t.Fatalf("%v: %s", err, text)
+	}
+	if len(mi.Datasets) != 2 || mi.Datasets[0].Name != "x" || mi.Datasets[1].Name != "y" ||
+		mi.Datasets[0].Weight != 3 || mi.Mode != nil {
+		t.Fatalf("manifest %s", text)
+	}
+	if e := wantStatus(t, ignore(OpenTokens(m, nil)), StatusInvalidArgument); !strings.Contains(e.Message, "option 'dataset'") {
+		t.Fatal(e)
+	}
+	if _, y := openInfo(t, m, NewOptions().SetInt("dataset", 1)); y.Tokens != 500 || y.Files[0].Width != 4 {
+		t.Fatalf("dataset y %+v", y)
+	}
+	bad := filepath.Join(dir, "bad.json")
+	os.WriteFile(bad, []byte(`{"datasets": []}`), 0o644)
+	wantStatus(t, ignore(ManifestInfo(bad)), StatusDataError)
+	wantStatus(t, ignore(OpenTokens(filepath.Join(dir, "none.bin"), nil)), StatusIOError)
+
+	tok.Close()
+	tok.Close()
+	if _, err := tok.Read(0, 1); StatusOf(err) != StatusInvalidState {
+		t.Fatalf("closed tokens: %v", err)
+	}
+}
+
+// ignore drops a result to pass a call's error on.
+func ignore[T any](_ T, err error) error { return err }
+
+// A refused write names the id, and a writer closed unfinished leaves no file.
+func TestTokenWriterRefusesAndCleansUp(t *testing.T) {
+	dir := t.TempDir()
+	c := filepath.Join(dir, "c.bin")
+	w, err := CreateTokenWriter(c, "llmc", 2, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e := wantStatus(t, w.Write([]uint32{7, 70000}), StatusDataError); !strings.Contains(e.Message, "70000") {
+		t.Fatal(e)
+	}
+	if _, err := os.Stat(c + ".tmp"); err != nil {
+		t.Fatalf("the unfinished file: %v", err)
+	}
+	w.Close()
+	w.Close()
+	if err := w.Write([]uint32{1}); StatusOf(err) != StatusInvalidState {
+		t.Fatalf("closed writer: %v", err)
+	}
+	// Too few tokens, then closed unfinished.
+	w, err = CreateTokenWriter(c, "u16", 2, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Write([]uint32{1, 2}); err != nil {
+		t.Fatal(err)
+	}
+	wantStatus(t, w.Finish(), StatusDataError)
+	w.Close()
+	if left, _ := filepath.Glob(c + "*"); len(left) != 0 {
+		t.Fatalf("left behind: %v", left)
+	}
+	// A finished writer accepts no more tokens.
+	w, err = CreateTokenWriter(c, "u32", 4, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	if err := w.Write([]uint32{70000}); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Finish(); err != nil {
+		t.Fatal(err)
+	}
+	wantStatus(t, w.Write([]uint32{1}), StatusInvalidArgument)
+	wantStatus(t, ignore(CreateTokenWriter(filepath.Join(dir, "d.bin"), "bytes", 1, 1)), StatusInvalidArgument)
+	if _, info := openInfo(t, c, NewOptions().SetString("format", "u32")); info.Tokens != 1 || info.MaxID != 70000 {
+		t.Fatalf("info %+v", info)
+	}
 }
 
 func TestSafetensorsRoundTrip(t *testing.T) {

@@ -14,6 +14,13 @@ static ctr_status ctrgo_step_run(ctr_step *step, ctr_step_metrics *m) {
   m->size = sizeof *m;
   return ctr_step_run(step, m);
 }
+
+// The same for one layer's MoE metrics, whose size field is also the C sizeof.
+static ctr_status ctrgo_step_moe_layer(ctr_step *step, size_t i, ctr_moe_layer_metrics *m) {
+  memset(m, 0, sizeof *m);
+  m->size = sizeof *m;
+  return ctr_step_moe_layer(step, i, m);
+}
 */
 import "C"
 
@@ -297,6 +304,7 @@ func (s *Step) GetOutput(name string, out []float32) error {
 // MoELayer is one mixture-of-experts layer's figures of the last run.
 type MoELayer struct {
 	Layer           string  `json:"layer"`
+	Experts         int64   `json:"-"` // len(TokensPerExpert)
 	TokensPerExpert []int64 `json:"tokens_per_expert"`
 	AuxLoss         float64 `json:"aux_loss"`
 	ZLoss           float64 `json:"z_loss"`
@@ -318,6 +326,35 @@ func (s *Step) MoEMetrics() ([]MoELayer, error) {
 	var layers []MoELayer
 	if err := json.Unmarshal([]byte(C.GoString(text)), &layers); err != nil {
 		return nil, err
+	}
+	for i := range layers {
+		layers[i].Experts = int64(len(layers[i].TokensPerExpert))
+	}
+	return layers, nil
+}
+
+// MoELayers is MoEMetrics through the struct call (ctr_step_moe_layer, since
+// 0.6), without JSON: the same layers, copied, except that a loss the layer
+// lacks is NaN (MoEMetrics leaves it 0).
+func (s *Step) MoELayers() ([]MoELayer, error) {
+	h, err := s.lock()
+	if err != nil {
+		return nil, err
+	}
+	defer s.mu.Unlock()
+	layers := make([]MoELayer, int(C.ctr_step_moe_layers(h)))
+	for i := range layers {
+		var m C.ctr_moe_layer_metrics
+		if err := call(func() C.ctr_status { return C.ctrgo_step_moe_layer(h, C.size_t(i), &m) }); err != nil {
+			return nil, err
+		}
+		// Copied under the step's lock: the name and counts live until its next call.
+		counts := make([]int64, int(m.experts))
+		if len(counts) > 0 {
+			copy(counts, unsafe.Slice((*int64)(unsafe.Pointer(m.tokens_per_expert)), len(counts)))
+		}
+		layers[i] = MoELayer{Layer: C.GoString(m.layer), Experts: int64(m.experts), TokensPerExpert: counts,
+			AuxLoss: float64(m.aux_loss), ZLoss: float64(m.z_loss)}
 	}
 	return layers, nil
 }

@@ -77,7 +77,7 @@ macro_rules! opaque {
         }
     )*};
 }
-opaque!(ctr_options, ctr_mesh, ctr_graph, ctr_step, ctr_loader);
+opaque!(ctr_options, ctr_mesh, ctr_graph, ctr_step, ctr_loader, ctr_tokens, ctr_token_writer);
 
 /// What one step did. Set `size` to `size_of::<ctr_step_metrics>()` before
 /// passing it: the library fills only as much as the caller says it knows.
@@ -101,6 +101,34 @@ pub struct ctr_step_metrics {
     pub compute_ms: c_double,
     pub comm_ms: c_double,
     pub exposed_comm_ms: c_double,
+}
+
+/// One mixture-of-experts layer of the last run (since 0.6). Set `size` to
+/// `size_of::<ctr_moe_layer_metrics>()` before passing it. `layer` and
+/// `tokens_per_expert` (`experts` entries) belong to the step and stay valid
+/// until its next mutating call; a loss the layer lacks is NaN.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ctr_moe_layer_metrics {
+    pub size: usize,
+    pub layer: *const c_char,
+    pub experts: i64,
+    pub tokens_per_expert: *const i64,
+    pub aux_loss: c_double,
+    pub z_loss: c_double,
+}
+
+impl Default for ctr_moe_layer_metrics {
+    fn default() -> Self {
+        ctr_moe_layer_metrics {
+            size: 0,
+            layer: core::ptr::null(),
+            experts: 0,
+            tokens_per_expert: core::ptr::null(),
+            aux_loss: 0.0,
+            z_loss: 0.0,
+        }
+    }
 }
 
 extern "C" {
@@ -263,6 +291,14 @@ extern "C" {
     pub fn ctr_step_set_lr(step: *mut ctr_step, lr: c_double) -> ctr_status;
     /// Since 0.4.
     pub fn ctr_step_moe_metrics(step: *mut ctr_step, json: *mut *const c_char) -> ctr_status;
+    /// Since 0.6.
+    pub fn ctr_step_moe_layers(step: *const ctr_step) -> usize;
+    /// Since 0.6.
+    pub fn ctr_step_moe_layer(
+        step: *mut ctr_step,
+        i: usize,
+        out: *mut ctr_moe_layer_metrics,
+    ) -> ctr_status;
     pub fn ctr_step_comm_metrics(step: *mut ctr_step, json: *mut *const c_char) -> ctr_status;
     pub fn ctr_step_timeline(step: *mut ctr_step, json: *mut *const c_char) -> ctr_status;
     pub fn ctr_step_kernel_profile(step: *mut ctr_step, json: *mut *const c_char) -> ctr_status;
@@ -331,6 +367,43 @@ extern "C" {
         tokens: *mut i32,
         targets: *mut i32,
     ) -> ctr_status;
+
+    // Token files (since 0.6)
+    pub fn ctr_tokens_open(
+        path: *const c_char,
+        options: *const ctr_options,
+        out: *mut *mut ctr_tokens,
+    ) -> ctr_status;
+    pub fn ctr_tokens_free(tokens: *mut ctr_tokens);
+    pub fn ctr_tokens_info(tokens: *const ctr_tokens, json: *mut *const c_char) -> ctr_status;
+    pub fn ctr_tokens_read(
+        tokens: *const ctr_tokens,
+        start: i64,
+        count: i64,
+        out: *mut u32,
+    ) -> ctr_status;
+    pub fn ctr_tokens_samples(
+        tokens: *const ctr_tokens,
+        seq: i64,
+        mode: *const c_char,
+        eot: i64,
+        samples: *mut i64,
+    ) -> ctr_status;
+    pub fn ctr_manifest_info(path: *const c_char, json: *mut *const c_char) -> ctr_status;
+    pub fn ctr_token_writer_create(
+        path: *const c_char,
+        format: *const c_char,
+        width: c_int,
+        count: i64,
+        out: *mut *mut ctr_token_writer,
+    ) -> ctr_status;
+    pub fn ctr_token_writer_write(
+        writer: *mut ctr_token_writer,
+        tokens: *const u32,
+        count: i64,
+    ) -> ctr_status;
+    pub fn ctr_token_writer_finish(writer: *mut ctr_token_writer) -> ctr_status;
+    pub fn ctr_token_writer_free(writer: *mut ctr_token_writer);
 }
 
 #[cfg(test)]
@@ -341,5 +414,16 @@ mod tests {
     fn metrics_layout() {
         assert_eq!(core::mem::size_of::<super::ctr_step_metrics>(), 16 * 8);
         assert_eq!(core::mem::align_of::<super::ctr_step_metrics>(), 8);
+    }
+
+    // size, layer, experts, tokens_per_expert, aux_loss, z_loss: six 8-byte
+    // fields on LP64.
+    #[test]
+    fn moe_layer_layout() {
+        let m = super::ctr_moe_layer_metrics::default();
+        let at = |f: *const u8| f as usize - &m as *const _ as usize;
+        assert_eq!(core::mem::size_of::<super::ctr_moe_layer_metrics>(), 6 * 8);
+        assert_eq!(at(&m.tokens_per_expert as *const _ as *const u8), 24);
+        assert_eq!(at(&m.z_loss as *const _ as *const u8), 40);
     }
 }

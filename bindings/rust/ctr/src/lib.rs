@@ -12,6 +12,8 @@
 //! * A [`Loader`] attached to a step is moved into it (see
 //!   [`Step::attach_loader`]), which both keeps it alive while the step may read
 //!   it and stops anyone else advancing it meanwhile.
+//! * [`Tokens`] and [`TokenWriter`] read and write token files as the loader
+//!   reads them; a writer dropped unfinished removes its temporary file.
 //! * [`Options`] is plain Rust data: typed key/value pairs turned into a C
 //!   options handle only for the duration of the call that consumes them.
 //!
@@ -37,6 +39,7 @@ mod loader;
 mod mesh;
 mod options;
 mod step;
+mod tokens;
 
 use std::ffi::{CStr, CString};
 use std::path::Path;
@@ -48,7 +51,8 @@ pub use graph::{Graph, TensorInfo};
 pub use loader::Loader;
 pub use mesh::Mesh;
 pub use options::{OptionValue, Options};
-pub use step::{Element, Memory, Metrics, Resumed, Step};
+pub use step::{Element, Memory, Metrics, MoeLayer, Resumed, Step};
+pub use tokens::{manifest_info, write_tokens, TokenWriter, Tokens};
 
 /// The ABI version this crate was written against.
 pub const ABI_VERSION: i32 = sys::CTR_ABI_VERSION;

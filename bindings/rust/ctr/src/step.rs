@@ -46,6 +46,23 @@ pub struct Metrics {
     pub exposed_comm_ms: f64,
 }
 
+/// One mixture-of-experts layer of the last `run` (`ctr_moe_layer_metrics`,
+/// copied out of the step).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MoeLayer {
+    /// "layers.0.moe".
+    pub layer: String,
+    pub experts: i64,
+    /// Tokens routed to each expert (a token counts once per expert it chose),
+    /// summed over the micro-batches and the ranks; `experts` entries.
+    pub tokens_per_expert: Vec<i64>,
+    /// Load-balancing term, averaged like the loss; None when the layer has
+    /// none.
+    pub aux_loss: Option<f64>,
+    /// Router z-loss term; None when the layer has none.
+    pub z_loss: Option<f64>,
+}
+
 /// Planned memory of a step, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Memory {
@@ -207,6 +224,40 @@ impl Step {
         // before any other call on the step.
         check(unsafe { sys::ctr_step_moe_metrics(self.as_ptr(), &mut text) })?;
         Ok(unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned())
+    }
+
+    /// [`Step::moe_metrics`] through the struct call (`ctr_step_moe_layer`):
+    /// one entry per layer in graph order; empty without experts or before the
+    /// first run.
+    pub fn moe_layers(&mut self) -> Result<Vec<MoeLayer>> {
+        // SAFETY: live handle.
+        let n = unsafe { sys::ctr_step_moe_layers(self.as_ptr()) };
+        let mut layers = Vec::with_capacity(n);
+        for i in 0..n {
+            let mut m = sys::ctr_moe_layer_metrics {
+                size: std::mem::size_of::<sys::ctr_moe_layer_metrics>(),
+                ..Default::default()
+            };
+            // SAFETY: m is a local whose size field says how much may be written.
+            check(unsafe { sys::ctr_step_moe_layer(self.as_ptr(), i, &mut m) })?;
+            let experts = usize::try_from(m.experts).unwrap_or(0);
+            // SAFETY: on success layer and tokens_per_expert ([experts]) are the
+            // step's, valid until its next mutating call; copied before any.
+            let tokens_per_expert = if experts == 0 || m.tokens_per_expert.is_null() {
+                Vec::new()
+            } else {
+                unsafe { std::slice::from_raw_parts(m.tokens_per_expert, experts) }.to_vec()
+            };
+            let loss = |x: f64| if x.is_nan() { None } else { Some(x) };
+            layers.push(MoeLayer {
+                layer: unsafe { owned_string(m.layer) },
+                experts: m.experts,
+                tokens_per_expert,
+                aux_loss: loss(m.aux_loss),
+                z_loss: loss(m.z_loss),
+            });
+        }
+        Ok(layers)
     }
 
     /// Milliseconds the last run's collectives were in flight, per mesh axis, as JSON text

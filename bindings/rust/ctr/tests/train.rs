@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ctr::{Graph, Loader, Mesh, Options, Resumed, Status, Step};
+use ctr::{Graph, Loader, Mesh, Options, Resumed, Status, Step, TokenWriter, Tokens};
 
 const SEQ: usize = 64;
 const BATCH: usize = 4;
@@ -146,6 +146,137 @@ fn moe_metrics_count_the_tokens_of_each_expert() {
     let counts = text.split("\"tokens_per_expert\":[").nth(1).unwrap().split(']').next().unwrap();
     let total: i64 = counts.split(',').map(|c| c.trim().parse::<i64>().unwrap()).sum();
     assert_eq!(total, 64, "{text}");
+
+    // The struct call reports the same layer and counts.
+    let layers = step.moe_layers().unwrap();
+    assert_eq!(layers.len(), 1, "{layers:?}");
+    let l = &layers[0];
+    assert_eq!(l.layer, "layers.0.moe");
+    assert_eq!(l.experts, 4);
+    assert_eq!(l.tokens_per_expert.len(), 4);
+    assert_eq!(l.tokens_per_expert.iter().sum::<i64>(), 64, "{l:?}");
+    let listed: Vec<String> = l.tokens_per_expert.iter().map(|n| n.to_string()).collect();
+    assert_eq!(counts.split(',').map(|c| c.trim()).collect::<Vec<_>>(), listed, "{text}");
+    for (key, value) in [("aux_loss", l.aux_loss), ("z_loss", l.z_loss)] {
+        assert_eq!(text.contains(&format!("\"{key}\"")), value.is_some(), "{key}: {text} {l:?}");
+    }
+    // The moe preset's layers have both terms.
+    assert!(l.aux_loss.unwrap() > 0.0 && l.z_loss.unwrap() > 0.0, "{l:?}");
+}
+
+#[test]
+fn moe_layers_empty_without_experts() {
+    let mesh = Mesh::new(&Options::new()).unwrap();
+    let mut step = Step::new(&mesh, &graph(), &step_options()).unwrap();
+    assert!(step.moe_layers().unwrap().is_empty());
+    step.attach_loader(loader()).unwrap();
+    step.feed_from_loader(BATCH).unwrap();
+    step.run().unwrap();
+    assert!(step.moe_layers().unwrap().is_empty());
+}
+
+fn files_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn token_files_written_and_read_as_the_loader_reads_them() {
+    let dir = TempDir::new("tokens");
+    let ids: Vec<u32> = (0..1000u32).map(|i| i % 300).collect();
+    let a = dir.0.join("a.bin");
+    // Written in two pieces, renamed into place by finish.
+    let mut w = TokenWriter::create(&a, "llmc", 2, ids.len() as i64).unwrap();
+    w.write(&ids[..400]).unwrap();
+    w.write(&ids[400..]).unwrap();
+    assert!(!a.exists());
+    w.finish().unwrap();
+    ctr::write_tokens(dir.0.join("b.npy"), &ids[..500], "npy", 4).unwrap();
+    assert_eq!(files_in(&dir.0), ["a.bin", "b.npy"]);
+
+    let t = Tokens::open(&a, None).unwrap();
+    let info = t.info().unwrap();
+    assert!(info.contains("\"tokens\":1000") && info.contains("\"max_id\":299"), "{info}");
+    assert!(info.contains("llm.c") && info.contains("\"width\":2"), "{info}");
+    assert!(info.contains("\"header_bytes\":1024"), "{info}");
+    assert_eq!(t.read(0, 1000).unwrap(), ids);
+    assert_eq!(t.read(295, 10).unwrap(), [295, 296, 297, 298, 299, 0, 1, 2, 3, 4]);
+    let mut buf = [0u32; 3];
+    t.read_into(998, &mut buf[..2]).unwrap();
+    assert_eq!(buf, [98, 99, 0]);
+    assert!(t.read(1000, 0).unwrap().is_empty());
+    // Windows of seq inputs need seq + 1 tokens and overlap by one.
+    assert_eq!(t.samples(16, "windows", -1).unwrap(), (1000 - 1) / 16);
+    assert!(t.samples(16, "documents", 299).unwrap() > 0);
+    let npy = Tokens::open_as(dir.0.join("b.npy"), "npy", None).unwrap();
+    assert!(npy.info().unwrap().contains("\"tokens\":500"));
+    assert_eq!(npy.read(0, 500).unwrap(), &ids[..500]);
+
+    // A manifest of both files: listed, and each sub-dataset opened as one.
+    let m = dir.0.join("m.json");
+    std::fs::write(
+        &m,
+        r#"{"datasets": [{"name": "x", "files": ["a.bin"], "weight": 3}, {"name": "y", "files": ["b.npy"]}]}"#,
+    )
+    .unwrap();
+    let listed = ctr::manifest_info(&m).unwrap();
+    assert!(listed.contains("\"name\":\"x\"") && listed.contains("\"name\":\"y\""), "{listed}");
+    assert!(listed.contains("\"weight\":3"), "{listed}");
+    let y = Tokens::open(&m, Some(&Options::new().int("dataset", 1))).unwrap();
+    let yi = y.info().unwrap();
+    assert!(yi.contains("\"tokens\":500") && yi.contains("\"width\":4"), "{yi}");
+    assert_eq!(Tokens::open_as(&m, "auto", Some(0)).unwrap().read(0, 3).unwrap(), [0, 1, 2]);
+
+    // Refusals carry the library's status and message.
+    let err = Tokens::open(&m, None).unwrap_err();
+    assert_eq!(err.status(), Status::INVALID_ARGUMENT, "{err}");
+    assert!(err.message().contains("option 'dataset'"), "{err}");
+    let err = Tokens::open_as(&a, "llmc", Some(0)).unwrap_err();
+    assert_eq!(err.status(), Status::INVALID_ARGUMENT, "{err}");
+    let err = t.read(995, 10).unwrap_err();
+    assert_eq!(err.status(), Status::INVALID_ARGUMENT, "{err}");
+    assert!(err.message().contains("[995, 1005) of 1000"), "{err}");
+    assert_eq!(t.samples(5000, "windows", -1).unwrap_err().status(), Status::DATA_ERROR);
+    assert_eq!(t.samples(16, "sentences", -1).unwrap_err().status(), Status::INVALID_ARGUMENT);
+    let err = Tokens::open(dir.0.join("missing.bin"), None).unwrap_err();
+    assert_eq!(err.status(), Status::IO_ERROR, "{err}");
+    assert!(err.message().contains("missing.bin"), "{err}");
+    std::fs::write(dir.0.join("bad.json"), r#"{"datasets": [{"name": "x"}]}"#).unwrap();
+    let err = ctr::manifest_info(dir.0.join("bad.json")).unwrap_err();
+    assert_eq!(err.status(), Status::DATA_ERROR, "{err}");
+    assert_eq!(
+        TokenWriter::create(dir.0.join("c.bin"), "bytes", 2, 1).unwrap_err().status(),
+        Status::INVALID_ARGUMENT
+    );
+    assert_eq!(
+        TokenWriter::create(dir.0.join("c.bin"), "llmc", 3, 1).unwrap_err().status(),
+        Status::INVALID_ARGUMENT
+    );
+
+    // An id too big for width 2, a short file and a writer dropped unfinished
+    // leave nothing behind.
+    let c = dir.0.join("c.bin");
+    let err = ctr::write_tokens(&c, &[1, 70000], "llmc", 2).unwrap_err();
+    assert_eq!(err.status(), Status::DATA_ERROR, "{err}");
+    assert!(err.message().contains("70000"), "{err}");
+    let mut short = TokenWriter::create(&c, "u16", 2, 3).unwrap();
+    short.write(&[1, 2]).unwrap();
+    assert_eq!(short.finish().unwrap_err().status(), Status::DATA_ERROR);
+    let mut unfinished = TokenWriter::create(&c, "u32", 4, 2).unwrap();
+    unfinished.write(&[1, 2]).unwrap();
+    assert!(files_in(&dir.0).contains(&"c.bin.tmp".to_string()), "{:?}", files_in(&dir.0));
+    drop(unfinished);
+    assert_eq!(files_in(&dir.0), ["a.bin", "b.npy", "bad.json", "m.json"]);
+
+    // The loader reads the file the writer wrote.
+    let mut l = Loader::open(&a, &Options::new().int("seq", 16).int("seed", 0)).unwrap();
+    assert_eq!(l.info().unwrap(), (1000, 299));
+    let (tokens, targets) = l.next_batch(2).unwrap();
+    assert!(tokens.iter().chain(&targets).all(|&x| (0..300).contains(&x)));
 }
 
 #[test]
