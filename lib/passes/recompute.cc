@@ -111,18 +111,74 @@ void recompute_block(Graph &g, int block, bool selective) {
   g.nodes.insert(g.nodes.begin() + at, copies.begin(), copies.end());
 }
 
+// Chains of forward nodes (each node of one input and one output) done again
+// in backward: each chain is copied (names and tensors suffixed) before the
+// first backward node that reads one of its outputs, in that node's block, and
+// the backward nodes from there on read the copies; forward's results then die
+// with forward. For exact operations (gathers, shifts) the bits are unchanged.
+class Redo {
+ public:
+  Redo(Graph &g, std::string suffix) : g_(g), suffix_(std::move(suffix)) {}
+
+  void add(const std::vector<int> &chain) {
+    const int nf = g_.num_forward;
+    std::set<int> outs;
+    for (int k : chain) outs.insert(g_.nodes[static_cast<size_t>(k)].outputs[0]);
+    int first = -1;
+    for (int k = nf; k < static_cast<int>(g_.nodes.size()) && first < 0; ++k)
+      for (int t : g_.nodes[static_cast<size_t>(k)].inputs)
+        if (outs.count(t)) first = k;
+    if (first < 0) return;
+    std::map<int, int> copy_of;
+    std::vector<Node> list;
+    for (int k : chain) {
+      Node c = g_.nodes[static_cast<size_t>(k)];
+      c.name += suffix_;
+      c.backward = true;
+      c.block = g_.nodes[static_cast<size_t>(first)].block;
+      for (int &in : c.inputs)
+        if (copy_of.count(in)) in = copy_of[in];
+      const int o = c.outputs[0];
+      Tensor t = g_.tensors[static_cast<size_t>(o)];
+      t.name += suffix_;
+      t.keep = false;
+      copy_of[o] = g_.add_tensor(std::move(t));
+      c.outputs = {copy_of[o]};
+      list.push_back(std::move(c));
+    }
+    for (int k = first; k < static_cast<int>(g_.nodes.size()); ++k)
+      for (int &in : g_.nodes[static_cast<size_t>(k)].inputs)
+        if (copy_of.count(in)) in = copy_of[in];
+    copies_.push_back(std::move(list));
+    at_.push_back(first);
+  }
+
+  // Inserts the copies, from the last position back so that earlier positions
+  // stay valid (chains read first at the same node keep their order reversed).
+  void insert() {
+    std::vector<size_t> order(copies_.size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return at_[a] > at_[b]; });
+    for (size_t k : order) g_.nodes.insert(g_.nodes.begin() + at_[k], copies_[k].begin(), copies_[k].end());
+  }
+
+ private:
+  Graph &g_;
+  std::string suffix_;
+  std::vector<std::vector<Node>> copies_;
+  std::vector<int> at_;
+};
+
 // Sequence parallelism's gathers of a region's input (activation all-gathers
 // over tp) are done again in backward for the backward nodes that read the
 // whole rows (the column-parallel weight gradients; through the reshapes that
 // view the rows as [batch, seq, width]), as Megatron does: forward
 // then keeps only this rank's 1/tp of the rows to backward, not the gathered
-// whole. The copy is inserted before its first backward reader; reorder issues
-// it at the start of that reader's block, under the block's backward compute.
-// A gather is exact, so the bits are unchanged.
+// whole. Reorder issues each copy at the start of its reader's block, under
+// the block's backward compute.
 void regather_sequence_parallel(Graph &g) {
   const int nf = g.num_forward;
-  std::vector<std::vector<Node>> copies;  // per gather: the gather and the reshapes of its rows
-  std::vector<int> at;
+  Redo redo(g, ".regather");
   for (int ni = 0; ni < nf; ++ni) {
     const Node &n = g.nodes[static_cast<size_t>(ni)];
     if (collective_kind(n) != CollKind::AllGather || n.attr_int("activation", 0) == 0 ||
@@ -138,39 +194,9 @@ void regather_sequence_parallel(Graph &g) {
         views.insert(r.outputs[0]);
       }
     }
-    int first = -1;
-    for (int k = nf; k < static_cast<int>(g.nodes.size()) && first < 0; ++k)
-      for (int t : g.nodes[static_cast<size_t>(k)].inputs)
-        if (views.count(t)) first = k;
-    if (first < 0) continue;
-    std::map<int, int> copy_of;
-    std::vector<Node> list;
-    for (int k : chain) {
-      Node c = g.nodes[static_cast<size_t>(k)];
-      c.name += ".regather";
-      c.backward = true;
-      c.block = g.nodes[static_cast<size_t>(first)].block;
-      for (int &in : c.inputs)
-        if (copy_of.count(in)) in = copy_of[in];
-      const int o = c.outputs[0];
-      Tensor t = g.tensors[static_cast<size_t>(o)];
-      t.name += ".regather";
-      t.keep = false;
-      copy_of[o] = g.add_tensor(std::move(t));
-      c.outputs = {copy_of[o]};
-      list.push_back(std::move(c));
-    }
-    for (int k = first; k < static_cast<int>(g.nodes.size()); ++k)
-      for (int &in : g.nodes[static_cast<size_t>(k)].inputs)
-        if (copy_of.count(in)) in = copy_of[in];
-    copies.push_back(std::move(list));
-    at.push_back(first);
+    redo.add(chain);
   }
-  // Inserted from the last position back, so that earlier positions stay valid.
-  std::vector<size_t> order(copies.size());
-  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return at[a] > at[b]; });
-  for (size_t k : order) g.nodes.insert(g.nodes.begin() + at[k], copies[k].begin(), copies[k].end());
+  redo.insert();
 }
 
 // Ring attention's keys and values (cp_mode ring: chains of activation
@@ -178,9 +204,8 @@ void regather_sequence_parallel(Graph &g) {
 // passed around the ring again in backward for the backward nodes that read
 // them, rather than every rank's blocks being kept from forward to backward:
 // forward then keeps only this rank's own keys and values, 1/cp of the whole,
-// as Ulysses does. Each chain is copied whole before its first backward
-// reader; reorder issues the copies ahead under the backward compute before
-// it. A shift is exact, so the bits are unchanged.
+// as Ulysses does. Reorder issues the copies ahead under the backward compute
+// before them.
 void resend_ring(Graph &g) {
   const int nf = g.num_forward;
   std::vector<int> produced_by(g.tensors.size(), -1);
@@ -204,43 +229,9 @@ void resend_ring(Graph &g) {
         }
     if (!joined) chains.push_back({ni});
   }
-  std::vector<std::vector<Node>> copies;
-  std::vector<int> at;
-  for (const std::vector<int> &chain : chains) {
-    std::set<int> outs;
-    for (int k : chain) outs.insert(g.nodes[static_cast<size_t>(k)].outputs[0]);
-    int first = -1;
-    for (int k = nf; k < static_cast<int>(g.nodes.size()) && first < 0; ++k)
-      for (int t : g.nodes[static_cast<size_t>(k)].inputs)
-        if (outs.count(t)) first = k;
-    if (first < 0) continue;
-    std::map<int, int> copy_of;
-    std::vector<Node> list;
-    for (int k : chain) {
-      Node c = g.nodes[static_cast<size_t>(k)];
-      c.name += ".resend";
-      c.backward = true;
-      c.block = g.nodes[static_cast<size_t>(first)].block;
-      for (int &in : c.inputs)
-        if (copy_of.count(in)) in = copy_of[in];
-      const int o = c.outputs[0];
-      Tensor t = g.tensors[static_cast<size_t>(o)];
-      t.name += ".resend";
-      t.keep = false;
-      copy_of[o] = g.add_tensor(std::move(t));
-      c.outputs = {copy_of[o]};
-      list.push_back(std::move(c));
-    }
-    for (int k = first; k < static_cast<int>(g.nodes.size()); ++k)
-      for (int &in : g.nodes[static_cast<size_t>(k)].inputs)
-        if (copy_of.count(in)) in = copy_of[in];
-    copies.push_back(std::move(list));
-    at.push_back(first);
-  }
-  std::vector<size_t> order(copies.size());
-  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return at[a] > at[b]; });
-  for (size_t k : order) g.nodes.insert(g.nodes.begin() + at[k], copies[k].begin(), copies[k].end());
+  Redo redo(g, ".resend");
+  for (const std::vector<int> &chain : chains) redo.add(chain);
+  redo.insert();
 }
 
 }  // namespace
