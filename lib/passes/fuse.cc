@@ -1207,6 +1207,36 @@ void fuse_gelu(Fuser &f, Report &rep) {
   f.commit();
 }
 
+// A transpose of a transpose that puts every dim back where it was (the fused
+// rope's head-major output, read by the fused attention through the transpose
+// an exported SDPA call keeps): the outer one becomes a reshape of the inner
+// one's input to the same shape, a view that plan_memory aliases and the
+// executor drops, and the inner one, left without a reader, goes.
+void cancel_transposes(Fuser &f, Report &rep) {
+  const size_t nn = f.g().nodes.size();
+  for (size_t i = 0; i < nn; ++i) {
+    const Node &n = f.g().nodes[i];
+    if (n.op != "transpose" || f.used(&n) || n.inputs.size() != 1 || n.outputs.size() != 1) continue;
+    const Node *p = f.prod(n.inputs[0], "transpose");
+    if (!p) continue;
+    const std::vector<int64_t> inner = p->attr_ints("perm"), outer = n.attr_ints("perm");
+    bool identity = !inner.empty() && inner.size() == outer.size();
+    for (size_t k = 0; identity && k < outer.size(); ++k)
+      identity = outer[k] >= 0 && static_cast<size_t>(outer[k]) < inner.size() &&
+                 inner[static_cast<size_t>(outer[k])] == static_cast<int64_t>(k);
+    if (!identity || f.S(p->inputs[0]) != f.S(n.outputs[0])) continue;
+    const std::string name = f.node_name(n.name + ".view");
+    f.emit(f.index_of(&n), "reshape", name, {p->inputs[0]}, {n.outputs[0]}, n.block,
+           {{"shape", Attr::of_ints(std::vector<int64_t>(outer.size(), 0))}});
+    if (f.sole_reader(n.inputs[0]) == &n)
+      rep.done("transpose pair", name, n.block, {p, &n});
+    else  // (the inner one stays for its other readers)
+      rep.done("transpose pair", name, n.block, {&n});
+    f.replace({&n});
+  }
+  f.commit();
+}
+
 }  // namespace
 
 void read_fuse_options(OptionReader &r, CompileOptions &opt) { opt.fuse = r.get_int("fuse", 1, 0, 1) != 0; }
@@ -1222,6 +1252,7 @@ std::string pass_fuse(Graph &g, const CompileOptions &opt) {
   fuse_gated(f, rep, "silu", "swiglu");
   fuse_gelu(f, rep);
   fuse_gated(f, rep, "gelu", "geglu");
+  cancel_transposes(f, rep);
   // The fused ops' saved outputs (attention's probabilities, rmsnorm's rstd)
   // are appended here, and every rewrite is checked by the shape rules.
   pass_infer_shapes(g, opt);

@@ -12,6 +12,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <thread>
 #include <tuple>
 
@@ -141,7 +142,7 @@ double collective_ms(const Graph &g, const Node &n, const Layout &l, const Clust
   return (static_cast<double>(ranks - 1) * link.latency_us * 1e-3) + wire / link.bytes_per_s * 1e3;
 }
 
-Priced price_phase(const Graph &g, const std::vector<Instr> &list, const Layout &l, const ClusterProfile &c) {
+Priced price_phase(const Graph &g, std::span<const Instr> list, const Layout &l, const ClusterProfile &c) {
   Priced p;
   double t0 = 0, t1 = 0;  // compute stream, comm stream (ms)
   std::map<int, double> ev;
@@ -371,28 +372,38 @@ std::string plan_json(const Graph &graph, const PlanRequest &req, const ClusterP
     run_passes(ctx);
     StageCost sc;
     const Program &prog = ctx.program;
-    // Interleaved: each chunk's part of a phase is a task of its own, priced alone.
-    for (int k = 0; k < prog.chunks(); ++k) {
-      auto part = [&](const std::vector<Instr> &list, int ph) {
-        const auto [first, end] = prog.chunk_range[ph][static_cast<size_t>(k)];
-        return price_phase(g, std::vector<Instr>(list.begin() + static_cast<std::ptrdiff_t>(first),
-                                                 list.begin() + static_cast<std::ptrdiff_t>(end)),
-                           layout, c)
-            .ms;
-      };
-      sc.chunk_f.push_back(part(prog.forward, 0));
-      sc.chunk_b.push_back(part(prog.backward, 1));
+    std::vector<Priced> parts;  // forward, backward, weight; interleaved: each chunk's forward and backward
+    if (prog.chunks() > 0) {
+      // Each chunk's part of a phase is a task of its own, priced alone; the
+      // phase is the sum of its chunks.
+      Priced f, b;
+      for (int k = 0; k < prog.chunks(); ++k) {
+        for (int ph = 0; ph < 2; ++ph) {
+          const std::vector<Instr> &list = ph == 0 ? prog.forward : prog.backward;
+          const auto [first, end] = prog.chunk_range[ph][static_cast<size_t>(k)];
+          const Priced part = price_phase(g, std::span<const Instr>(list).subspan(first, end - first), layout, c);
+          (ph == 0 ? sc.chunk_f : sc.chunk_b).push_back(part.ms);
+          (ph == 0 ? f : b).ms += part.ms;
+          parts.push_back(part);
+        }
+      }
+      sc.f = f.ms;
+      sc.b = b.ms;
+      const Priced w = price_phase(g, prog.weight, layout, c);
+      sc.w = w.ms;
+      parts.push_back(w);
+    } else {
+      for (const std::vector<Instr> *list : {&prog.forward, &prog.backward, &prog.weight})
+        parts.push_back(price_phase(g, *list, layout, c));
+      sc.f = parts[0].ms;
+      sc.b = parts[1].ms;
+      sc.w = parts[2].ms;
     }
-    const Priced f = price_phase(g, prog.forward, layout, c);
-    const Priced b = price_phase(g, prog.backward, layout, c);
-    const Priced w = price_phase(g, prog.weight, layout, c);
-    sc.f = f.ms;
-    sc.b = b.ms;
-    sc.w = w.ms;
-    sc.comm_ms = f.comm_ms + b.comm_ms + w.comm_ms;
-    sc.exposed_ms = f.exposed_ms + b.exposed_ms + w.exposed_ms;
-    for (const Priced *ph : {&f, &b, &w})
-      for (const auto &[axis, ms] : ph->comm_by_axis) sc.comm_by_axis[axis] += ms;
+    for (const Priced &ph : parts) {
+      sc.comm_ms += ph.comm_ms;
+      sc.exposed_ms += ph.exposed_ms;
+      for (const auto &[axis, ms] : ph.comm_by_axis) sc.comm_by_axis[axis] += ms;
+    }
     const size_t st = static_cast<size_t>(s);
     const int64_t slots = std::max<int64_t>(1, ctx.pipeline.in_flight[st]);
     const MemoryPlan &mp = ctx.plan;

@@ -558,8 +558,15 @@ TEST_P(FuseRope, FusedWhenTablesMatch) {
     EXPECT_NE(report.find("rope(%"), std::string::npos);
     EXPECT_NE(report.find("theta=10000"), std::string::npos) << report;
     for (const char *op : {"cat", "neg", "slice", "mul", "add"}) EXPECT_EQ(count(fused, op), 0) << op;
+    // Head-major: the fused rope's transpose back to [B,H,T,D] and the graph's
+    // transpose to [B,T,H,D] after it cancel out (a view is left).
+    EXPECT_EQ(count(fused, "transpose"), 0) << report;
+    if (c.head_major) {
+      EXPECT_NE(report.find("transpose pair in block 0 fused"), std::string::npos) << report;
+    }
   } else {
     EXPECT_NE(report.find("rope in block 0 not fused: the rotary tables differ"), std::string::npos) << report;
+    EXPECT_EQ(count(fused, "transpose"), c.head_major ? 2 : 0) << report;
   }
   expect_same_training(fused, plain);
   // One position: the cut tables have no positions axis, the stored ones tell.
