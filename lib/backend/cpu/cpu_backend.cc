@@ -214,20 +214,12 @@ void bind(const ctr_kernel_args *a, void *) {
     F(Args{a});
 }
 
-// A kernel with bf16 code of its own: F16 returns false for a mix of dtypes it
-// does not take, which then goes the widened way.
+// A kernel with bf16 code of its own (oneDNN's GEMMs, or kernels that read and
+// write bf16 rows themselves): F16 returns false for a mix of dtypes it does
+// not take (or, for a GEMM, a build without oneDNN), which then goes the
+// widened way.
 template <bool (*F16)(const Args &), void (*F)(const Args &)>
 void bind16(const ctr_kernel_args *a, void *) {
-  if (!any_bf16(a))
-    F(Args{a});
-  else if (!cpu::have_dnnl() || !F16(Args{a}))
-    widened<F>(a);
-}
-
-// A kernel reading and writing bf16 rows itself (no library): F16 returns false
-// for a mix of dtypes it does not take, which then goes the widened way.
-template <bool (*F16)(const Args &), void (*F)(const Args &)>
-void bind_rows(const ctr_kernel_args *a, void *) {
   if (!any_bf16(a))
     F(Args{a});
   else if (!F16(Args{a}))
@@ -280,7 +272,9 @@ void k_linear_bwd_b(const Args &c) {
 // bf16 GEMMs: bf16 operands, f32 accumulation, the output in its own dtype.
 bool k16_linear(const Args &c) {
   const auto &r = c.a->inputs;
-  if (!is16(r[0]) || !is16(r[1]) || (c.num_inputs() > 2 && r[2].dtype != c.a->outputs[0].dtype)) return false;
+  if (!cpu::have_dnnl() || !is16(r[0]) || !is16(r[1]) ||
+      (c.num_inputs() > 2 && r[2].dtype != c.a->outputs[0].dtype))
+    return false;
   const auto &w = c.in_shape(1);
   const int64_t M = numel(c.in_shape(0)) / w[1];
   cpu::gemm_bf16(false, true, M, w[0], w[1], c.in<uint16_t>(0), w[1], c.in<uint16_t>(1), w[1], c.out<void>(0), w[0],
@@ -288,7 +282,7 @@ bool k16_linear(const Args &c) {
   return true;
 }
 bool k16_linear_bwd_x(const Args &c) {
-  if (!is16(c.a->inputs[0]) || !is16(c.a->inputs[1])) return false;
+  if (!cpu::have_dnnl() || !is16(c.a->inputs[0]) || !is16(c.a->inputs[1])) return false;
   const auto &w = c.in_shape(1);  // [N, K]
   const int64_t M = numel(c.in_shape(0)) / w[0];
   cpu::gemm_bf16(false, false, M, w[1], w[0], c.in<uint16_t>(0), w[0], c.in<uint16_t>(1), w[1], c.out<void>(0), w[1],
@@ -296,7 +290,7 @@ bool k16_linear_bwd_x(const Args &c) {
   return true;
 }
 bool k16_linear_bwd_w(const Args &c) {
-  if (!is16(c.a->inputs[0]) || !is16(c.a->inputs[1])) return false;
+  if (!cpu::have_dnnl() || !is16(c.a->inputs[0]) || !is16(c.a->inputs[1])) return false;
   const auto &w = c.out_shape(0);  // [N, K]
   const int64_t M = numel(c.in_shape(1)) / w[1];
   cpu::gemm_bf16(true, false, w[0], w[1], M, c.in<uint16_t>(0), w[0], c.in<uint16_t>(1), w[1], c.out<void>(0), w[1],
@@ -933,7 +927,7 @@ void register_library_kernels() {
   static std::once_flag once;
   std::call_once(once, [] {
     const std::pair<const char *, KernelFn> k[] = {
-        {"embedding", bind_rows<k16_embedding, k_embedding>},         {"embedding_bwd", bind<k_embedding_bwd>},
+        {"embedding", bind16<k16_embedding, k_embedding>},         {"embedding_bwd", bind<k_embedding_bwd>},
         {"linear", bind16<k16_linear, k_linear>}, {"linear_bwd_x", bind16<k16_linear_bwd_x, k_linear_bwd_x>},
         {"linear_bwd_w", bind16<k16_linear_bwd_w, k_linear_bwd_w>}, {"linear_bwd_b", bind16<k16_linear_bwd_b, k_linear_bwd_b>},
         {"cast", k_cast},
@@ -948,14 +942,14 @@ void register_library_kernels() {
         {"amax", bind<k_reduce<cpu::Reduction::Amax>>}, {"amax_bwd", bind<k_amax_bwd>},
         {"var", bind<k_reduce<cpu::Reduction::Var>>}, {"var_bwd", bind<k_var_bwd>},
         {"log_softmax", bind<k_log_softmax>},     {"log_softmax_bwd", bind<k_log_softmax_bwd>},
-        {"add_same", bind_ew<k_add_same>},           {"layernorm", bind_rows<k16_layernorm, k_layernorm>},
-        {"layernorm_bwd", bind_rows<k16_layernorm_bwd, k_layernorm_bwd>}, {"rmsnorm", bind_rows<k16_rmsnorm, k_rmsnorm>},
-        {"rmsnorm_bwd", bind_rows<k16_rmsnorm_bwd, k_rmsnorm_bwd>},     {"gelu", bind_ew<k_gelu>},
+        {"add_same", bind_ew<k_add_same>},           {"layernorm", bind16<k16_layernorm, k_layernorm>},
+        {"layernorm_bwd", bind16<k16_layernorm_bwd, k_layernorm_bwd>}, {"rmsnorm", bind16<k16_rmsnorm, k_rmsnorm>},
+        {"rmsnorm_bwd", bind16<k16_rmsnorm_bwd, k_rmsnorm_bwd>},     {"gelu", bind_ew<k_gelu>},
         {"gelu_bwd", bind_ew<k_gelu_bwd>},           {"silu", bind_ew<k_silu>},
         {"silu_bwd", bind_ew<k_silu_bwd>},           {"swiglu", bind_ew<k_swiglu>},
         {"geglu", bind_ew<k_geglu>},                 {"geglu_bwd", bind_ew<k_geglu_bwd>},
         {"swiglu_bwd", bind_ew<k_swiglu_bwd>},       {"softmax", bind<k_softmax>},
-        {"softmax_bwd", bind<k_softmax_bwd>},     {"rope", bind_rows<k16_rope, k_rope>},
+        {"softmax_bwd", bind<k_softmax_bwd>},     {"rope", bind16<k16_rope, k_rope>},
         {"exp", bind_ew<k_unary<cpu::Unary::Exp>>},  {"exp_bwd", bind_ew<k_unary_bwd<cpu::Unary::Exp>>},
         {"log", bind_ew<k_unary<cpu::Unary::Log>>},  {"log_bwd", bind_ew<k_unary_bwd<cpu::Unary::Log>>},
         {"tanh", bind_ew<k_unary<cpu::Unary::Tanh>>}, {"tanh_bwd", bind_ew<k_unary_bwd<cpu::Unary::Tanh>>},
@@ -971,17 +965,17 @@ void register_library_kernels() {
         {"clamp", bind_ew<k_unary<cpu::Unary::Clamp>>},
         {"clamp_bwd", bind_ew<k_unary_bwd<cpu::Unary::Clamp>>},
         {"pow", bind_ew<k_unary<cpu::Unary::Pow>>},  {"pow_bwd", bind_ew<k_unary_bwd<cpu::Unary::Pow>>},
-        {"rope_bwd", bind_rows<k16_rope_bwd, k_rope_bwd>},           {"attention", bind_rows<k16_attention, k_attention>},
-        {"attention_bwd", bind_rows<k16_attention_bwd, k_attention_bwd>}, {"cp_attention", bind<k_cp_attention>},
+        {"rope_bwd", bind16<k16_rope_bwd, k_rope_bwd>},           {"attention", bind16<k16_attention, k_attention>},
+        {"attention_bwd", bind16<k16_attention_bwd, k_attention_bwd>}, {"cp_attention", bind<k_cp_attention>},
         {"cp_attention_bwd", bind<k_cp_attention_bwd>}, {"cp_attention_block", bind<k_cp_attention_block>},
         {"cp_attention_block_bwd", bind<k_cp_attention_block_bwd>}, {"attn_merge", bind<k_attn_merge>},
         {"attn_merge_bwd", bind<k_attn_merge_bwd>},
-        {"cp_rope", bind_rows<k16_rope, k_rope>},                {"cp_rope_bwd", bind_rows<k16_rope_bwd, k_rope_bwd>},
-        {"cross_entropy", bind_rows<k16_cross_entropy, k_cross_entropy>},
+        {"cp_rope", bind16<k16_rope, k_rope>},                {"cp_rope_bwd", bind16<k16_rope_bwd, k_rope_bwd>},
+        {"cross_entropy", bind16<k16_cross_entropy, k_cross_entropy>},
         {"vocab_ce_stats", bind<k_vocab_ce_stats>}, {"vocab_ce_loss", bind<k_vocab_ce_loss>},
         {"vocab_ce_bwd", bind<k_vocab_ce_bwd>}, {"vocab_embedding", bind<k_vocab_embedding>},
         {"vocab_embedding_bwd", bind<k_vocab_embedding_bwd>},
-        {"cross_entropy_bwd", bind_rows<k16_cross_entropy_bwd, k_cross_entropy_bwd>},
+        {"cross_entropy_bwd", bind16<k16_cross_entropy_bwd, k_cross_entropy_bwd>},
         {"reshape", bind<k_reshape>},             {"transpose", bind<k_transpose>},
         {"fanout", bind<k_reshape>},
         {"slice", bind<k_slice>},                 {"slice_bwd", bind<k_slice_bwd>},
